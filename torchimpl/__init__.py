@@ -1,0 +1,3 @@
+"""ampspec's production PyTorch package. It never imports ``reference``."""
+
+__all__: list[str] = []
