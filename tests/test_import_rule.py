@@ -3,9 +3,19 @@
 import subprocess
 import sys
 
+_IMPORT_ALL = """
+import importlib, pkgutil, sys
+pkg = importlib.import_module({package!r})
+for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+    if info.name.endswith("__main__"):
+        continue
+    importlib.import_module(info.name)
+print("\\n".join(sorted(sys.modules)))
+"""
+
 
 def _modules_after_import(package: str) -> set[str]:
-    code = f"import sys, {package}; print('\\n'.join(sorted(sys.modules)))"
+    code = _IMPORT_ALL.format(package=package)
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     return set(out.stdout.split())
 
@@ -18,4 +28,5 @@ def test_reference_never_imports_torch():
 
 def test_torchimpl_never_imports_reference():
     mods = _modules_after_import("torchimpl")
-    assert not any(m == "reference" or m.startswith("reference.") for m in mods)
+    leaked = sorted(m for m in mods if m == "reference" or m.startswith("reference."))
+    assert not leaked, f"torchimpl imported {leaked}: the two implementations must stay independent"
