@@ -339,16 +339,17 @@ def test_tf32_subnormals_and_zero():
 def test_tf32_matches_exact_rounding_on_random_values():
     rng = np.random.default_rng(1)
     u = rng.integers(0, 2**32, size=20000, dtype=np.uint64).astype(np.uint32)
+    u[::2] = (u[::2] & np.uint32(0xFFFFE000)) | np.uint32(0x1000)  # every other value an exact tie
     x = u.view(np.float32)
-    x = x[np.isfinite(x)]
+    x = x[np.isfinite(x) & (np.abs(x) >= 2.0**-126)]
     got = round_to_tf32(x).astype(np.float64)
-    # exact reference: round the float64 value to 11 significant bits with Python's RNE
+    # independent reference: 11 significant bits (1 + 10) by np.rint, which rounds half to even
     mant, exp = np.frexp(x.astype(np.float64))
-    scaled = np.ldexp(mant, 11)
-    ref = np.ldexp(np.rint(scaled), exp - 11)  # np.rint is half-to-even
-    normal = np.abs(x) >= 2.0**-126
-    assert np.array_equal(got[normal], np.where(np.abs(ref) > FORMATS["tfloat32"].max, np.sign(ref) * np.inf, ref)[normal])
-    assert set(np.unique(bits(round_to_tf32(x)) & 0x1FFF).tolist()) == {0}
+    ref = np.ldexp(np.rint(np.ldexp(mant, 11)), exp - 11)
+    ref = np.where(np.abs(ref) > FORMATS["tfloat32"].max, np.sign(ref) * np.inf, ref)
+    differ = np.flatnonzero(got != ref)
+    first = differ[:1]
+    assert differ.size == 0, f"{differ.size} differ, first {x[first]}: {got[first]} vs {ref[first]}"
 
 
 def test_tf32_via_cast_and_saturate():
