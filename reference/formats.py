@@ -20,8 +20,8 @@ Rules:
    mantissa) but float8_e4m3fnuz 248 -> NaN, float8_e5m2 61440 -> inf, float8_e5m2fnuz 61440 -> NaN.
 5. Overflow with saturation (``saturate=True``): clamp to [-max, max], then cast; so overflow and
    ±inf become ±max and NaN stays NaN. Because RNE never rounds a value at or below max past max,
-   this equals rounding first and saturating after. torch 2.13 on CPU casts float32 to
-   float8_e4m3fn this way; its other float8 casts, float16 and bfloat16 do not saturate.
+   this equals rounding first and saturating after. torch 2.13 on CPU casts to float8_e4m3fn
+   this way (from float32, float16 and bfloat16); its casts to the other formats do not saturate.
 6. float8_e8m0fnu has no sign, no zero, no inf, no subnormals: 2^-127 ... 2^127 and one NaN
    (0xff). Ties between powers of two (1.5 * 2^k) round up. ml_dtypes (the default here) turns
    negatives and ±0 into NaN; torch ignores the sign and encodes ±0 as 0x00, which decodes to
