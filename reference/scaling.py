@@ -67,6 +67,7 @@ __all__ = [
     "scale_loss",
     "should_grow",
     "tracker_after_growth",
+    "tracker_after_overflow",
     "unscale_gradients",
     "update_scale",
     "update_scale_multi",
@@ -259,7 +260,7 @@ def _as_float_arrays(grads: Sequence[Any]) -> list[np.ndarray]:
 
 
 def has_inf_or_nan(grads: Sequence[np.ndarray]) -> bool:
-    """found_inf: any +inf, -inf or NaN in any gradient.
+    """found_inf is True when any gradient holds +inf, -inf or NaN (looked at before unscaling).
 
     float16/bfloat16 values are widened exactly to float32 first (the same answer). Subnormals
     and +-0 are finite. An empty list and zero-size arrays hold nothing non-finite: False.
@@ -273,7 +274,7 @@ def has_inf_or_nan(grads: Sequence[np.ndarray]) -> bool:
 
 
 def unscale_gradients(grads: Sequence[np.ndarray], state: ScalerState) -> tuple[list[np.ndarray], bool]:
-    """Unscale by multiplying with inv = inverse_scale(state); found_inf from the scaled values.
+    """Unscaling multiplies each gradient by inv, never divides by S; found_inf is taken first.
 
     float32: f32(g * inv); float64: g * f64(inv); float16/bfloat16: low(f32(g) * inv). When
     inv == 1 the gradients come back bit for bit (NaN payloads kept). All gradients are unscaled
@@ -315,6 +316,11 @@ def is_found(found_inf: Any) -> bool:
     raise ValueError(f"found_inf must be a bool or a number, got {found_inf!r}")
 
 
+def tracker_after_overflow() -> int:
+    """An overflow restarts the growth tracker at 0, in every preset (hysteresis or not)."""
+    return 0
+
+
 def hysteresis_after_overflow(hysteresis_left: int) -> int:
     """An overflow uses up one unit of hysteresis (never below 0); it backs off when none is left.
 
@@ -325,7 +331,7 @@ def hysteresis_after_overflow(hysteresis_left: int) -> int:
 
 
 def back_off(scale: np.float32, config: ScalerConfig) -> np.float32:
-    """Backoff: S = f32(f64(S) * backoff_factor), clamped up to min_scale when a floor is set.
+    """Backoff: S = f32(f64(S) * backoff_factor), clamped up to min_scale; DeepSpeed raises at min.
 
     Without a floor (torch) the scale can underflow to subnormals and to 0, a fixed point; inf
     stays inf, NaN stays NaN. With raise_at_min_scale (DeepSpeed), backing off a scale already
@@ -344,7 +350,7 @@ def back_off(scale: np.float32, config: ScalerConfig) -> np.float32:
 
 
 def should_grow(count: int, config: ScalerConfig) -> bool:
-    """Growth is due when the clean-step count (after adding this step) equals growth_interval.
+    """Growth is due when the clean-step count (this step included) reaches growth_interval.
 
     With growth_since_overflow (DeepSpeed) it is due at growth_interval + 1: DeepSpeed grows when
     (clean iterations since the last overflow) - 1 is a positive multiple of growth_interval; the
@@ -383,7 +389,7 @@ def hysteresis_after_clean(hysteresis_left: int, config: ScalerConfig) -> int:
 def update_scale(state: ScalerState, found_inf: Any, config: ScalerConfig) -> ScalerState:
     """One scale update (torch's `_amp_update_scale_` plus the extended policy).
 
-    Overflow (is_found): tracker 0; hysteresis_after_overflow; back_off only when it reached 0.
+    Overflow (is_found): tracker_after_overflow; hysteresis_after_overflow; back_off only when it reached 0.
     Clean: count = tracker + 1; if should_grow(count): grow, tracker_after_growth, hysteresis
     refilled; otherwise tracker = count and hysteresis_after_clean. The tracker is int32: an
     increment past 2**31 - 1 (undefined in torch, unreachable unless growth never triggers)
@@ -392,7 +398,7 @@ def update_scale(state: ScalerState, found_inf: Any, config: ScalerConfig) -> Sc
     if is_found(found_inf):
         left = hysteresis_after_overflow(state.hysteresis_left)
         scale = back_off(state.scale, config) if left == 0 else state.scale
-        return ScalerState(scale, np.int32(0), left)
+        return ScalerState(scale, np.int32(tracker_after_overflow()), left)
     count = int(state.growth_tracker) + 1
     if should_grow(count, config):
         return ScalerState(grow(state.scale, config), np.int32(tracker_after_growth(config)), config.hysteresis)
@@ -418,6 +424,7 @@ RULES = (
     has_inf_or_nan,
     unscale_gradients,
     is_found,
+    tracker_after_overflow,
     hysteresis_after_overflow,
     back_off,
     should_grow,
