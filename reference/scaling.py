@@ -148,7 +148,8 @@ class ScalerConfig:
         def positive_f32(name: str, value: object) -> None:
             if not _is_real(value) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-            f = np.float32(value)
+            with np.errstate(over="ignore"):
+                f = np.float32(value)
             if not np.isfinite(f) or f == 0:
                 raise ValueError(f"{name} must be nonzero and finite in float32, got {value!r}")
 
@@ -281,7 +282,9 @@ def unscale_gradients(grads: Sequence[np.ndarray], state: ScalerState) -> tuple[
     even when found_inf is True, as torch does. found_inf looks at the inputs only, so an overflow
     produced by the multiply (S < 1, inv > 1) is not detected; with S = 0, inv is inf, finite
     gradients become +-inf or NaN (0 * inf) and found_inf stays False. Returns new arrays of the
-    input dtypes and shapes; the inputs are not modified.
+    input dtypes and shapes; the inputs are not modified. NaN bit patterns are not part of the
+    rule when inv != 1 (torch's bfloat16 rounding writes a canonical NaN where ml_dtypes keeps the
+    payload): compare NaN as a class.
     """
     arrays = _as_float_arrays(grads)
     found = has_inf_or_nan(arrays)
