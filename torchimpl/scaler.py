@@ -539,6 +539,11 @@ class DynamicLossScaler(GradScaler):
         ``growth_interval``, ``_growth_tracker``) plus ``preset``, ``hysteresis``,
         ``hysteresis_left``, ``min_scale``, ``max_scale``, ``raise_at_min_scale``,
         ``consecutive_hysteresis``. One host sync. A disabled scaler returns ``{}``.
+
+        ``_growth_tracker`` counts consecutive clean steps as in torch; with the ``deepspeed``
+        preset it counts clean steps since the last overflow, kept in 1..growth_interval
+        once positive. ``hysteresis_left`` is how many overflows, counting the next one,
+        it takes to back off (0 and 1 both mean the next overflow backs off).
         """
         if not self._enabled:
             return {}
