@@ -193,8 +193,8 @@ def test_torch_preset_equals_gradscaler_bit_for_bit(kind, factors, seed):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_tensor_update_equals_torch_kernel(seed):
-    # A floor and ceiling that never bind force the device-tensor update; it must reproduce
-    # torch's kernel bit for bit, including f32(f64(S) * factor) and the refused growth to inf.
+    # A floor that never binds forces the device-tensor update; it must reproduce torch's
+    # kernel bit for bit, including f32(f64(S) * factor) and the refused growth to inf.
     rng = random.Random(seed)
     init = rng.choice([_f32(3e38), 1000.3, 2.0**100 * 1.37])
     factors = {
@@ -203,9 +203,7 @@ def test_tensor_update_equals_torch_kernel(seed):
         "backoff_factor": rng.choice([0.5, 0.77, 0.1]),
         "growth_interval": rng.randint(1, 3),
     }
-    ours = DynamicLossScaler(
-        "cpu", ScalerConfig(**factors, min_scale=1e-30, max_scale=FLT_MAX)
-    )
+    ours = _scaler(**factors, min_scale=1e-30)
     assert not ours.policy.is_plain_torch
     ref = torch.amp.GradScaler("cpu", **factors)
     a, b = _Ticker(ours), _Ticker(ref)
@@ -308,6 +306,12 @@ def test_deepspeed_consecutive_hysteresis_refills_on_every_clean_step():
     t.tick(True)
     t.tick(True)
     assert t.state() == (4.0, 0, 0)
+
+
+def test_growth_past_float32_range_lands_on_the_ceiling():
+    t = _Ticker(_scaler(init_scale=_f32(3e38), growth_interval=1, max_scale=FLT_MAX))
+    t.tick(False)
+    assert t.state()[:2] == (FLT_MAX, 0)
 
 
 def test_ceiling_clamps_growth():
