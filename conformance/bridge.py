@@ -51,9 +51,10 @@ def numpy_dtype(t_dtype: torch.dtype) -> np.dtype:
 
 def to_torch(x: np.ndarray, device: str | torch.device = "cpu") -> torch.Tensor:
     """A torch tensor with exactly the bits of ``x`` (any floating format both sides know)."""
-    x = np.ascontiguousarray(x)
+    x = np.asarray(x)
     target = torch_dtype(x.dtype)
-    raw = torch.from_numpy(x.view(_INT_VIEW[x.dtype.itemsize]).copy())
+    # np.array(order="C") keeps 0-d arrays 0-d, unlike np.ascontiguousarray.
+    raw = torch.from_numpy(np.array(x.view(_INT_VIEW[x.dtype.itemsize]), order="C", copy=True))
     return raw.view(target).to(device)
 
 

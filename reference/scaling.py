@@ -221,7 +221,7 @@ def inverse_scale(state: ScalerState) -> np.float32:
 
     S = 0 gives +inf, S = inf gives 0, NaN gives NaN.
     """
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore"):  # a subnormal S has no finite float32 inverse
         return np.float32(np.float64(1.0) / np.float64(state.scale))
 
 
