@@ -551,9 +551,19 @@ def _run_step(
     copy_.zero_grad(set_to_none=True)
     scanner = _OpScanner(unsafe, fp16_norm, limit)
     handles = []
+
+    def enter(name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            scanner.module_stack.append(name)
+
+        return hook
+
+    def leave(*_: Any) -> None:  # a forward hook returning a value would replace the output
+        scanner.module_stack.pop()
+
     for name, m in copy_.named_modules():
-        handles.append(m.register_forward_pre_hook(lambda *_, n=name: scanner.module_stack.append(n)))
-        handles.append(m.register_forward_hook(lambda *_: scanner.module_stack.pop()))
+        handles.append(m.register_forward_pre_hook(enter(name)))
+        handles.append(m.register_forward_hook(leave))
     cuda_devices = sorted(
         {p.device.index or 0 for p in copy_.parameters() if p.device.type == "cuda"}
     )
