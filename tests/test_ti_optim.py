@@ -124,7 +124,8 @@ def test_groups_exclude_biases_and_norms_from_decay():
     built = build_optimizer(model, OptimizerConfig(weight_decay=0.1), "cpu")
     groups = built.optimizer.param_groups
     assert len(groups) == 2
-    assert _ids(groups[0]["params"]) == _ids([model.emb.weight, model.lin.weight, model.head.weight])
+    decay = [model.emb.weight, model.lin.weight, model.head.weight]
+    assert _ids(groups[0]["params"]) == _ids(decay)
     assert groups[0]["weight_decay"] == 0.1
     assert _ids(groups[1]["params"]) == _ids([model.lin.bias, model.norm.weight, model.norm.bias])
     assert groups[1]["weight_decay"] == 0.0

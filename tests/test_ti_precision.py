@@ -67,7 +67,9 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @pytest.mark.parametrize("device, mode, dtype, probe, expected, scaler, autocast, warned", TABLE)
-def test_resolution_table(monkeypatch, device, mode, dtype, probe, expected, scaler, autocast, warned):
+def test_resolution_table(
+    monkeypatch, device, mode, dtype, probe, expected, scaler, autocast, warned
+):
     _bf16_probe(monkeypatch, probe)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -143,7 +145,10 @@ def test_unlisted_device_type_resolves_like_mps():
     [
         ({"mode": "half"}, "precision mode must be one of auto, fp32, bf16, fp16, got 'half'"),
         ({"dtype": "fp32"}, "precision dtype must be one of bf16, fp16, got 'fp32'"),
-        ({"dtype": torch.bfloat16}, "precision dtype must be one of bf16, fp16, got torch.bfloat16"),
+        (
+            {"dtype": torch.bfloat16},
+            "precision dtype must be one of bf16, fp16, got torch.bfloat16",
+        ),
     ],
 )
 def test_config_validation(kwargs, message):
@@ -197,7 +202,8 @@ def test_autocast_context_uses_the_plans_device_type():
 
 def test_autocast_context_device_mismatch():
     plan = resolve_precision(PrecisionConfig("bf16"), "cpu")
-    with pytest.raises(ValueError, match="device 'cuda:0' does not match the plan's device type 'cpu'"):
+    expected = "device 'cuda:0' does not match the plan's device type 'cpu'"
+    with pytest.raises(ValueError, match=expected):
         autocast_context(plan, device="cuda:0")
 
 

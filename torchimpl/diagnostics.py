@@ -353,7 +353,9 @@ def _unsafe_problem(base: str, args: tuple[Any, ...]) -> str | None:
     elif base == "rsqrt" and _is_float(x):
         zero, neg = _count(x == 0), _count(x < 0)
         if zero or neg:
-            return f"rsqrt of zero ({zero}) / of a negative number ({neg}) among {x.numel()} elements"
+            return (
+                f"rsqrt of zero ({zero}) / of a negative number ({neg}) among {x.numel()} elements"
+            )
     elif base == "reciprocal" and _is_float(x):
         n = _count(x == 0)
         if n:
@@ -580,7 +582,9 @@ def _run_step(
     finally:
         for h in handles:
             h.remove()
-    bad = [n for n, p in copy_.named_parameters() if p.grad is not None and _nonfinite_counts(p.grad)]
+    bad = [
+        n for n, p in copy_.named_parameters() if p.grad is not None and _nonfinite_counts(p.grad)
+    ]
     return _Outcome(loss.dtype, float(loss.detach().float()), bad, scanner)
 
 
