@@ -14,9 +14,9 @@ Rules:
 5. CPU: ``auto`` is fp32; ``bf16`` is kept (and not checked: CPU autocast supports it);
    ``fp16`` becomes fp32.
 6. MPS: everything is fp32.
-7. Whenever the outcome differs from an explicit request, or ``auto``'s preferred dtype is not
-   used, the outcome carries a one-sentence reason; otherwise the reason is None. A caller must
-   show it: a downgrade is never silent.
+7. Whenever the outcome differs from an explicit request (a downgrade), the outcome carries a
+   one-sentence reason; otherwise the reason is None. A caller must show it: a downgrade is
+   never silent. ``auto`` choosing fp16 where bf16 is missing is a choice, not a downgrade.
 8. ``TABLE`` lists every case; ``resolve_precision`` finds the one row that matches.
 """
 
@@ -67,11 +67,8 @@ _MPS_REASON = (
 
 TABLE: tuple[Row, ...] = (
     Row("cuda", "auto", "bf16", True, _BF16),
-    Row("cuda", "auto", "bf16", False, _because(
-        _FP16,
-        "auto preferred bf16, but this CUDA device does not support bfloat16; "
-        "using fp16 autocast with a loss scaler.",
-    )),
+    # auto chooses rather than downgrades: fp16 with a scaler is full mixed precision, not a loss.
+    Row("cuda", "auto", "bf16", False, _FP16),
     Row("cuda", "auto", "fp16", None, _FP16),
     Row("cuda", "fp32", None, None, _FP32),
     Row("cuda", "bf16", None, True, _BF16),
