@@ -245,7 +245,8 @@ def tensor_norm(
     """The norm of one gradient, in the gradient's dtype (rules 1, 7, 8).
 
     ``g``: float16, bfloat16, float32 or float64 array of any shape; zero size gives 0.
-    ``norm_type``: 2.0 or ``math.inf``. ``order``: ``"torch_cpu"`` or ``"exact"``.
+    ``norm_type``: 2.0 or ``math.inf`` (inf on a zero-size gradient raises ``ValueError``, as
+    torch raises). ``order``: ``"torch_cpu"`` or ``"exact"``.
     ``num_threads``: torch's intra-op thread count; it only changes float16 L2 norms of at
     least 32768 elements. NaN propagates; squares that overflow float32 give inf (torch_cpu).
     """
@@ -256,6 +257,9 @@ def tensor_norm(
     dtype = arr.dtype
     flat = arr.ravel()
     if flat.size == 0:
+        if p == math.inf:
+            # torch raises too: max has no identity element.
+            raise ValueError("the inf norm of a zero-size gradient is undefined (torch raises)")
         return dtype.type(0.0)
     op = _opmath(dtype)
     with np.errstate(over="ignore", invalid="ignore"):
