@@ -1,0 +1,299 @@
+"""reference.clipping: torch's clip_grad_norm_ / clip_grad_value_ rules, bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from reference.clipping import (
+    ClipResult,
+    clip_grad_norm,
+    clip_grad_value,
+    tensor_norm,
+    total_norm,
+)
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.float32
+
+
+def u32(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32).view(np.uint32)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    width = {2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
+    return a.dtype == b.dtype and np.array_equal(a.view(width), b.view(width))
+
+
+def lane_model(x: np.ndarray, lanes: int, block: int) -> np.floating:
+    """The documented torch_cpu order, written as a plain scalar loop (independent of NumPy's
+    vectorised accumulate used by the module)."""
+    acc = [x.dtype.type(0.0)] * lanes
+    n = x.size
+    body = n - n % block
+    for i in range(body):
+        acc[i % lanes] = acc[i % lanes] + x[i] * x[i]
+    b = acc[0]
+    for j in range(1, lanes):
+        b = b + acc[j]
+    for i in range(body, n):
+        b = b + x[i] * x[i]
+    return np.sqrt(b)
+
+
+# --- the worked example -------------------------------------------------------------------
+
+
+def test_three_four_clips_to_unit_norm_through_reciprocal_then_multiply():
+    r = clip_grad_norm([np.array([3.0, 4.0], F32)], max_norm=1.0)
+    assert isinstance(r, ClipResult)
+    assert r.total_norm == F32(5.0) and r.total_norm.dtype == np.float32
+    # coef = f32(f32(1 / f32(5 + 1e-6)) * 1): slightly below 0.2 because of the 1e-6.
+    expected = F32(F32(1.0) / F32(F32(5.0) + F32(1e-6))) * F32(1.0)
+    assert u32(r.clip_coef) == u32(expected) == 0x3E4CCCCA, hex(int(u32(r.clip_coef)))
+    # The grads are not exactly 0.6 / 0.8: 0x3F199998 = 0.5999999, 0x3F4CCCCA = 0.79999983.
+    assert [hex(int(v)) for v in u32(r.grads[0])] == ["0x3f199998", "0x3f4cccca"]
+    np.testing.assert_allclose(r.grads[0], [0.6, 0.8], rtol=1e-6)
+
+
+def test_clip_before_unscale_destroys_the_gradient():
+    scale = F32(1024.0)
+    grads = np.array([3.0, 4.0], F32)
+    scaled = grads * scale
+    # Wrong order: clip the scaled gradient with the unchanged threshold, then unscale.
+    wrong = clip_grad_norm([scaled], max_norm=1.0).grads[0] / scale
+    assert np.linalg.norm(wrong.astype(np.float64)) < 1e-3, wrong
+    # Right order: unscale, then clip: the norm is max_norm.
+    right = clip_grad_norm([scaled / scale], max_norm=1.0).grads[0]
+    assert abs(np.linalg.norm(right.astype(np.float64)) - 1.0) < 1e-5, right
+
+
+# --- always multiplied, coefficient 1 -----------------------------------------------------
+
+
+def test_coefficient_one_leaves_every_bit_unchanged():
+    g = np.array([0.1, -0.2, 1e-30, -0.0, 1e-45], F32)
+    r = clip_grad_norm([g], max_norm=1.0)
+    assert r.clip_coef == F32(1.0)
+    assert same_bits(r.grads[0], g), "a coefficient of exactly 1 must not change any bit"
+
+
+def test_clip_returns_new_arrays_and_keeps_inputs():
+    g = np.array([30.0, 40.0], F32)
+    before = g.copy()
+    r = clip_grad_norm([g], max_norm=1.0)
+    assert same_bits(g, before), "the input gradient was modified"
+    assert r.grads[0] is not g
+
+
+# --- non-finite ---------------------------------------------------------------------------
+
+
+def test_inf_gradient_zeroes_finite_grads_and_makes_nan():
+    r = clip_grad_norm([np.array([1.0, np.inf, -2.0], F32), np.array([3.0, -4.0], F32)], 1.0)
+    assert np.isinf(r.total_norm) and r.clip_coef == F32(0.0)
+    a, b = r.grads
+    assert np.isnan(a[1])
+    assert same_bits(a[[0, 2]], np.array([0.0, -0.0], F32)), a
+    assert same_bits(b, np.array([0.0, -0.0], F32)), "finite grads become zeros, sign kept"
+
+
+def test_nan_gradient_makes_every_gradient_nan():
+    r = clip_grad_norm([np.array([1.0, np.nan], F32), np.array([3.0, 4.0], F32)], 1.0)
+    assert np.isnan(r.total_norm) and np.isnan(r.clip_coef)
+    assert all(np.isnan(g).all() for g in r.grads)
+
+
+def test_squares_overflowing_float32_silently_zero_the_gradient():
+    r = clip_grad_norm([np.array([3e38, 3e38], F32)], 1.0)
+    assert np.isinf(r.total_norm)
+    assert same_bits(r.grads[0], np.zeros(2, F32)), r.grads[0]
+    # The exact order does not overflow: it clips to the threshold instead.
+    exact = clip_grad_norm([np.array([1e38, 1e38], F32)], 1.0, order="exact")
+    assert np.isfinite(exact.total_norm)
+    np.testing.assert_allclose(np.linalg.norm(exact.grads[0].astype(np.float64)), 1.0, rtol=1e-6)
+
+
+def test_error_if_nonfinite_raises_runtime_error_like_torch():
+    with pytest.raises(RuntimeError, match="non-finite, so it cannot be clipped"):
+        clip_grad_norm([np.array([1.0, np.inf], F32)], 1.0, error_if_nonfinite=True)
+    with pytest.raises(RuntimeError, match="order inf"):
+        total_norm([np.array([np.nan], F32)], math.inf, error_if_nonfinite=True)
+    # Finite totals do not raise.
+    assert total_norm([np.array([3.0, 4.0], F32)], error_if_nonfinite=True) == F32(5.0)
+
+
+# --- empty and zero-size ------------------------------------------------------------------
+
+
+def test_no_gradients_give_float32_zero_and_nothing_to_multiply():
+    r = clip_grad_norm([], 1.0)
+    assert r.grads == ()
+    assert r.total_norm == 0.0 and np.asarray(r.total_norm).dtype == np.float32
+    assert total_norm([]).dtype == np.float32
+
+
+def test_zero_size_gradients_have_norm_zero_and_survive():
+    empty = np.zeros((0, 3), F32)
+    assert tensor_norm(empty) == F32(0.0)
+    assert tensor_norm(np.zeros(0, np.float16)).dtype == np.float16
+    r = clip_grad_norm([empty, np.array([3.0, 4.0], F32)], 1.0)
+    assert r.total_norm == F32(5.0)
+    assert r.grads[0].shape == (0, 3) and r.grads[0].dtype == np.float32
+    with pytest.raises(ValueError, match="zero-size"):
+        tensor_norm(empty, math.inf)
+
+
+# --- dtypes, promotion and group order ----------------------------------------------------
+
+
+def test_mixed_fp16_fp32_promote_to_float32_and_keep_grad_dtypes():
+    g16 = np.array([3.0, 4.0], np.float16)
+    g32 = np.array([12.0], F32)
+    r = clip_grad_norm([g16, g32], max_norm=1.0)
+    assert np.asarray(r.total_norm).dtype == np.float32 and r.total_norm == F32(13.0)
+    assert r.clip_coef.dtype == np.float32
+    assert r.grads[0].dtype == np.float16 and r.grads[1].dtype == np.float32
+    # The float16 grads are multiplied by the float32 coefficient, then rounded once.
+    expected16 = (g16.astype(F32) * r.clip_coef).astype(np.float16)
+    assert same_bits(r.grads[0], expected16)
+
+
+def test_per_tensor_norm_has_the_gradient_dtype():
+    for dtype in (np.float16, BF16, np.float32, np.float64):
+        g = np.array([3.0, 4.0]).astype(F32).astype(dtype)
+        n = tensor_norm(g)
+        assert np.asarray(n).dtype == np.dtype(dtype) and float(n) == 5.0
+
+
+def test_all_bfloat16_total_and_coefficient_stay_bfloat16():
+    g = np.array([0.3, -7.0, 2.5], F32).astype(BF16)
+    r = clip_grad_norm([g], max_norm=0.5)
+    assert np.asarray(r.total_norm).dtype == BF16 and np.asarray(r.clip_coef).dtype == BF16
+    total = F32(r.total_norm)
+
+    def b(x):
+        return F32(np.asarray(F32(x)).astype(BF16))
+
+    coef = b(b(F32(1.0) / b(total + F32(1e-6))) * F32(0.5))
+    assert F32(r.clip_coef) == coef
+
+
+def test_dtype_groups_follow_torch_hash_order_not_first_appearance():
+    a, c = F32(8.0), F32(9.2)
+    b = 2.7
+    grads = [np.array([a], F32), np.array([b], np.float64), np.array([c], F32)]
+    total = total_norm(grads)
+    # torch visits the float64 group before the float32 one here.
+    torch_order = tensor_norm(np.array([b, a, c], np.float64))
+    first_appearance = tensor_norm(np.array([a, c, b], np.float64))
+    assert torch_order != first_appearance, "example no longer distinguishes the orders"
+    assert same_bits(total, torch_order), (total, torch_order)
+
+
+# --- summation orders ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 23, 64, 333])
+def test_torch_cpu_float32_order_is_eight_lanes_then_fold_then_tail(n):
+    x = np.random.default_rng(n).standard_normal(n).astype(F32) * F32(37.0)
+    assert same_bits(tensor_norm(x), lane_model(x, 8, 8))
+
+
+def test_torch_cpu_float64_uses_four_lanes():
+    x = np.random.default_rng(1).standard_normal(103)
+    assert same_bits(tensor_norm(x), lane_model(x, 4, 4))
+
+
+@pytest.mark.parametrize("n", [15, 16, 17, 40, 95])
+def test_torch_cpu_bfloat16_uses_sixteen_element_blocks_in_eight_float32_lanes(n):
+    x = np.random.default_rng(n).standard_normal(n).astype(F32).astype(BF16)
+    expected = np.asarray(lane_model(x.astype(F32), 8, 16)).astype(BF16)
+    assert same_bits(tensor_norm(x), expected)
+
+
+def test_torch_cpu_float16_running_sum_splits_by_thread_count():
+    x = (np.random.default_rng(2).standard_normal(70001) * 3).astype(np.float16)
+    sq = x.astype(F32) ** 2
+    one = np.add.accumulate(sq)[-1]  # one thread: a single running sum
+    # Two threads: ceil(70001 / 2) = 35001 elements per chunk, partial sums added in order.
+    two = F32(0.0) + np.add.accumulate(sq[:35001])[-1]
+    two = two + np.add.accumulate(sq[35001:])[-1]
+    assert same_bits(tensor_norm(x), np.asarray(np.sqrt(one)).astype(np.float16))
+    assert same_bits(tensor_norm(x, num_threads=2), np.asarray(np.sqrt(two)).astype(np.float16))
+
+
+def test_exact_and_torch_cpu_differ_on_a_long_vector_and_exact_is_closer():
+    x = (np.random.default_rng(3).random(1_000_000) + 0.5).astype(F32)
+    truth = math.sqrt(math.fsum((x.astype(np.float64) ** 2).tolist()))
+    fast = tensor_norm(x, order="torch_cpu")
+    exact = tensor_norm(x, order="exact")
+    assert fast != exact, "a million-term float32 running sum should drift"
+    assert abs(float(exact) - truth) < abs(float(fast) - truth)
+    assert abs(float(exact) - truth) <= np.spacing(F32(truth)) / 2
+
+
+def test_exact_total_is_the_norm_of_all_elements():
+    grads = [np.array([3.0], F32), np.array([4.0], np.float16)]
+    assert total_norm(grads, order="exact") == F32(5.0)
+
+
+# --- inf norm -----------------------------------------------------------------------------
+
+
+def test_inf_norm_is_max_abs_per_tensor_and_max_overall():
+    grads = [np.array([1.0, -7.5], F32), np.array([3.0, 6.0], np.float16)]
+    assert tensor_norm(grads[0], math.inf) == F32(7.5)
+    total = total_norm(grads, math.inf)
+    assert total == F32(7.5) and np.asarray(total).dtype == np.float32
+    r = clip_grad_norm(grads, 3.0, math.inf)
+    assert abs(float(np.abs(r.grads[0]).max()) - 3.0) < 1e-5
+    assert np.isnan(total_norm([np.array([np.nan, 1.0], F32)], math.inf))
+
+
+# --- clip_grad_value ----------------------------------------------------------------------
+
+
+def test_clip_grad_value_clamps_keeps_nan_and_bounds_inf():
+    g = np.array([-3.0, -0.5, np.nan, 2.0, np.inf, -np.inf], F32)
+    (out,) = clip_grad_value([g], 1.0)
+    assert np.isnan(out[2])
+    assert same_bits(out[[0, 1, 3, 4, 5]], np.array([-1.0, -0.5, 1.0, 1.0, -1.0], F32))
+
+
+def test_clip_grad_value_zero_keeps_signs_of_zero():
+    (out,) = clip_grad_value([np.array([-3.0, 2.0, 0.0, -0.0], F32)], 0.0)
+    assert same_bits(out, np.array([-0.0, 0.0, 0.0, -0.0], F32)), out
+
+
+def test_clip_grad_value_rounds_the_bound_to_the_gradient_dtype():
+    (out,) = clip_grad_value([np.array([5.0, -5.0], F32).astype(BF16)], 0.1)
+    bound = np.asarray(F32(0.1)).astype(BF16)
+    assert out.dtype == BF16 and out[0] == bound and out[1] == -bound
+
+
+# --- bad arguments ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: clip_grad_norm([np.ones(2, F32)], 1.0, norm_type=1.0), "norm_type"),
+        (lambda: total_norm([np.ones(2, F32)], norm_type=3), "norm_type"),
+        (lambda: clip_grad_norm([np.ones(2, F32)], 1.0, order="fast"), "order"),
+        (lambda: clip_grad_norm([np.ones(2, F32)], -1.0), "max_norm"),
+        (lambda: clip_grad_norm([np.ones(2, F32)], float("nan")), "max_norm"),
+        (lambda: clip_grad_norm([np.ones(2, np.int32)], 1.0), "dtype"),
+        (lambda: tensor_norm(np.ones(2, F32), num_threads=0), "num_threads"),
+        (lambda: clip_grad_value([np.ones(2, F32)], -1.0), "clip_value"),
+        (lambda: clip_grad_value([np.ones(2, np.float16)], 70000.0), "clip_value"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_them(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
