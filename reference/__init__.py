@@ -3,4 +3,14 @@
 Pure NumPy and ml_dtypes: this package never imports torch. Each module holds one mechanism
 and states its rules as a numbered list in its docstring; each public function states its rule,
 the dtypes it takes and its edge cases.
+
+- `reference.formats`: number formats, casts, tf32 rounding, ULP distances.
+- `reference.scaling`: dynamic loss scaling (torch's rules, and the Megatron/DeepSpeed presets).
+- `reference.clipping`: gradient clipping by norm and by value, with torch's summation order.
+- `reference.optim`: SGD, Adam and AdamW as torch computes them, and fused Adam(W) under a scaler.
+- `reference.step`: the training-step contract, its record, and the replay of a recorded trace.
+- `reference.precision`: which precision a device and a request resolve to.
+- `reference.autocast`: which dtype autocast gives each operation, per device type.
+
+``python -m reference`` prints the rules of a dynamic loss-scale schedule with a worked example.
 """

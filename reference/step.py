@@ -1,0 +1,395 @@
+"""The training-step contract: one optimizer step over k microbatches, and its record.
+
+The conformance boundary is the scaled gradients that backward produces: autograd is not
+re-implemented here. Everything downstream of it is, in this order and no other:
+
+1. Zero the gradients; for each of the k microbatches, run the forward pass under autocast,
+   divide the loss by k, multiply it by the scale, and backward. Gradients accumulate at a
+   constant scale, by float32 addition in microbatch order (`accumulate_gradients`). A short
+   last window divides by its real size, not by the configured k.
+2. Unscale once and record ``found_inf`` (`reference.scaling.unscale_gradients`). Without a
+   loss scaler the scale is fixed at 1 and ``found_inf`` is the plain inf/NaN check.
+3. Clip the **unscaled** gradients at the unchanged threshold (never ``max_norm * scale``).
+4. Run the optimizer step only if ``found_inf`` is false.
+5. Update the scale (`reference.scaling.update_scale`).
+6. Advance the learning-rate schedule and the applied-step counter only if the step was applied:
+   the schedule is a function of the number of *applied* steps, so a skipped step never moves it.
+
+Each step yields a `StepRecord` whose fields are exactly those the trainer writes as JSON Lines.
+`replay` recomputes a recorded scale history from its ``found_inf`` bits alone and names the
+first step whose scale or tracker differs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from reference import clipping, optim, scaling
+
+__all__ = [
+    "LRSchedule",
+    "StepConfig",
+    "StepRecord",
+    "TrainState",
+    "StepResult",
+    "ReplayResult",
+    "accumulate_gradients",
+    "scaled_microbatch_loss",
+    "init_train_state",
+    "train_step",
+    "replay",
+]
+
+_SCHEDULE_KINDS = ("constant", "cosine")
+_OPTIMIZER_KINDS = ("for-loop", "fused")
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Learning rate as a pure function of the number of applied optimizer steps.
+
+    ``lr_at(n)`` for ``n`` applied steps so far, in Python (float64) arithmetic:
+
+    1. warmup: while ``n < warmup_steps``, ``base_lr * (n + 1) / warmup_steps``;
+    2. ``constant``: ``base_lr`` afterwards;
+    3. ``cosine``: with ``p = clamp((n - warmup_steps) / max(1, total_steps - warmup_steps), 0, 1)``,
+       ``min_lr + (base_lr - min_lr) * 0.5 * (1 + cos(pi * p))`` where
+       ``min_lr = base_lr * min_lr_ratio``.
+    """
+
+    base_lr: float
+    kind: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.base_lr, (int, float)) and math.isfinite(self.base_lr) and self.base_lr >= 0):
+            raise ValueError(f"base_lr must be a finite number >= 0, got {self.base_lr!r}")
+        if self.kind not in _SCHEDULE_KINDS:
+            raise ValueError(f"kind must be one of {_SCHEDULE_KINDS}, got {self.kind!r}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        if self.kind == "cosine" and (
+            isinstance(self.total_steps, bool) or not isinstance(self.total_steps, int) or self.total_steps < 1
+        ):
+            raise ValueError(f"total_steps must be an int >= 1 for a cosine schedule, got {self.total_steps!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+
+    def lr_at(self, applied_steps: int) -> float:
+        """The learning rate for the next step, after ``applied_steps`` applied steps."""
+        n = applied_steps
+        if n < self.warmup_steps:
+            return self.base_lr * (n + 1) / self.warmup_steps
+        if self.kind == "constant":
+            return float(self.base_lr)
+        assert self.total_steps is not None
+        span = max(1, self.total_steps - self.warmup_steps)
+        p = min(1.0, max(0.0, (n - self.warmup_steps) / span))
+        min_lr = self.base_lr * self.min_lr_ratio
+        return min_lr + (self.base_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """Everything one step needs besides state and gradients.
+
+    ``use_scaler`` false means no loss scaling (bf16 and fp32): the scale is fixed at 1.
+    ``optimizer_kind`` ``"fused"`` models a fused Adam/AdamW under the scaler
+    (`reference.optim.fused_adam_step`); it applies only when ``clip_norm`` is None, since
+    clipping needs the gradients unscaled first, after which fused and for-loop see the same
+    unscaled gradients.
+    """
+
+    optimizer: Any
+    schedule: LRSchedule | None = None
+    scaler: scaling.ScalerConfig = field(default_factory=scaling.ScalerConfig)
+    use_scaler: bool = True
+    clip_norm: float | None = None
+    norm_type: float = 2.0
+    clip_order: str = "torch_cpu"
+    optimizer_kind: str = "for-loop"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.optimizer, (optim.SGDConfig, optim.AdamConfig)):
+            raise ValueError(f"optimizer must be an SGDConfig or AdamConfig, got {type(self.optimizer).__name__}")
+        if self.clip_norm is not None and not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
+            raise ValueError(f"clip_norm must be None or a finite number > 0, got {self.clip_norm!r}")
+        if self.optimizer_kind not in _OPTIMIZER_KINDS:
+            raise ValueError(f"optimizer_kind must be one of {_OPTIMIZER_KINDS}, got {self.optimizer_kind!r}")
+        if self.optimizer_kind == "fused" and not isinstance(self.optimizer, optim.AdamConfig):
+            raise ValueError("optimizer_kind 'fused' is modelled for Adam/AdamW only")
+
+    def lr_at(self, applied_steps: int) -> float:
+        if self.schedule is None:
+            return float(self.optimizer.lr)
+        return self.schedule.lr_at(applied_steps)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step, as the trainer writes it (one JSON object per line).
+
+    ``grad_norm`` is the unscaled norm before clipping, and with ``clip_coef`` is None when
+    clipping is off. ``lr`` is the rate the step used (or would have used, when skipped).
+    """
+
+    step: int
+    microbatches: int
+    scale_before: float
+    found_inf: bool
+    applied: bool
+    grad_norm: float | None
+    clip_coef: float | None
+    scale_after: float
+    growth_tracker: int
+    lr: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "StepRecord":
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in d]
+        if missing:
+            raise ValueError(f"step record is missing fields {missing}; a record has {names}")
+        return cls(**{n: d[n] for n in names})
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """Parameters, optimizer state, scaler state and the two counters.
+
+    ``step`` counts every optimizer step taken (applied or skipped); ``applied_steps`` only
+    applied ones, which is what the learning-rate schedule reads.
+    """
+
+    params: tuple[np.ndarray, ...]
+    opt_state: Any
+    scaler: scaling.ScalerState
+    step: int = 0
+    applied_steps: int = 0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    state: TrainState
+    record: StepRecord
+    grads: tuple[np.ndarray, ...]
+    """The gradients as the optimizer saw them: unscaled and clipped (fused: as the kernel left them)."""
+
+
+def init_train_state(params: Sequence[np.ndarray], config: StepConfig) -> TrainState:
+    """Fresh state: float32 copies of the parameters, empty optimizer state, initial scale."""
+    ps = tuple(np.array(p, dtype=np.float32, copy=True) for p in params)
+    scaler_state = scaling.initial_state(config.scaler) if config.use_scaler else _unit_scale()
+    return TrainState(params=ps, opt_state=optim.init_state(ps, config.optimizer), scaler=scaler_state)
+
+
+def _unit_scale() -> scaling.ScalerState:
+    return scaling.ScalerState(scale=np.float32(1.0), growth_tracker=np.int32(0), hysteresis_left=1)
+
+
+def scaled_microbatch_loss(loss: float | np.ndarray, microbatches: int, state: scaling.ScalerState) -> np.float32:
+    """The value backward starts from: ``f32(f32(loss) / k) * scale``, in float32.
+
+    ``microbatches`` is the real size of this accumulation window (a short last window divides
+    by its own size).
+    """
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    per_mb = np.float32(np.float32(loss) / np.float32(microbatches))
+    return np.float32(scaling.scale_loss(per_mb, state))
+
+
+def accumulate_gradients(microbatch_grads: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
+    """Sum per-microbatch gradients as autograd accumulates ``.grad``.
+
+    Rule: the first microbatch's gradient is taken as is; each later one is added in float32
+    (one rounding per addition), in microbatch order. Low-precision gradients (bf16/fp16) add
+    in float32 and round to their dtype each time, as an in-place ``grad += g`` does.
+    """
+    if not microbatch_grads:
+        raise ValueError("microbatch_grads is empty: a step needs at least one microbatch")
+    n = len(microbatch_grads[0])
+    for i, mb in enumerate(microbatch_grads):
+        if len(mb) != n:
+            raise ValueError(f"microbatch {i} has {len(mb)} gradients, microbatch 0 has {n}")
+    total = [np.array(g, copy=True) for g in microbatch_grads[0]]
+    for mb in microbatch_grads[1:]:
+        for j, g in enumerate(mb):
+            if g.shape != total[j].shape:
+                raise ValueError(f"gradient {j}: shape {g.shape} differs from {total[j].shape}")
+            wide = total[j].astype(np.float32) + np.asarray(g).astype(np.float32)
+            total[j] = wide.astype(total[j].dtype)
+    return total
+
+
+def train_step(
+    state: TrainState,
+    scaled_grads: Sequence[np.ndarray],
+    config: StepConfig,
+    microbatches: int = 1,
+) -> StepResult:
+    """One optimizer step from the accumulated scaled gradients (rules 2-6 of the module).
+
+    ``scaled_grads`` are the gradients after the last backward of the window, one per
+    parameter, at ``state.scaler.scale``. Returns the new state, the step's record and the
+    gradients the optimizer saw. The inputs are not modified.
+    """
+    if len(scaled_grads) != len(state.params):
+        raise ValueError(f"got {len(scaled_grads)} gradients for {len(state.params)} parameters")
+    for i, (p, g) in enumerate(zip(state.params, scaled_grads)):
+        if np.shape(g) != p.shape:
+            raise ValueError(f"gradient {i} has shape {np.shape(g)}, parameter {i} has {p.shape}")
+    lr = config.lr_at(state.applied_steps)
+    scale_before = state.scaler.scale
+
+    if config.optimizer_kind == "fused" and config.clip_norm is None and config.use_scaler:
+        return _fused_step(state, scaled_grads, config, microbatches, lr)
+
+    if config.use_scaler:
+        grads, found_inf = scaling.unscale_gradients(list(scaled_grads), state.scaler)
+    else:
+        grads = [np.array(g, copy=True) for g in scaled_grads]
+        found_inf = scaling.has_inf_or_nan(grads)
+
+    grad_norm = clip_coef = None
+    if config.clip_norm is not None:
+        clipped = clipping.clip_grad_norm(grads, config.clip_norm, config.norm_type, order=config.clip_order)
+        grads, grad_norm, clip_coef = list(clipped.grads), float(clipped.total_norm), float(clipped.clip_coef)
+
+    params, opt_state = state.params, state.opt_state
+    if not found_inf:
+        params, opt_state = _optimizer_step(params, grads, opt_state, config.optimizer, lr)
+
+    new_scaler = scaling.update_scale(state.scaler, found_inf, config.scaler) if config.use_scaler else state.scaler
+    applied = not found_inf
+    record = StepRecord(
+        step=state.step,
+        microbatches=microbatches,
+        scale_before=float(scale_before),
+        found_inf=bool(found_inf),
+        applied=applied,
+        grad_norm=grad_norm,
+        clip_coef=clip_coef,
+        scale_after=float(new_scaler.scale),
+        growth_tracker=int(new_scaler.growth_tracker),
+        lr=float(lr),
+    )
+    new_state = TrainState(
+        params=tuple(params),
+        opt_state=opt_state,
+        scaler=new_scaler,
+        step=state.step + 1,
+        applied_steps=state.applied_steps + int(applied),
+    )
+    return StepResult(state=new_state, record=record, grads=tuple(grads))
+
+
+def _optimizer_step(params, grads, opt_state, opt_config, lr):
+    if isinstance(opt_config, optim.SGDConfig):
+        return optim.sgd_step(list(params), grads, opt_state, opt_config, lr=lr)
+    return optim.adam_step(list(params), grads, opt_state, opt_config, lr=lr)
+
+
+def _fused_step(state: TrainState, scaled_grads, config: StepConfig, microbatches: int, lr: float) -> StepResult:
+    """Fused Adam(W) under the scaler: the kernel checks, divides by the scale and skips itself."""
+    found_inf = scaling.has_inf_or_nan(list(scaled_grads))
+    params, grads, opt_state = optim.fused_adam_step(
+        list(state.params),
+        list(scaled_grads),
+        state.opt_state,
+        config.optimizer,
+        grad_scale=state.scaler.scale,
+        found_inf=1.0 if found_inf else 0.0,
+        lr=lr,
+    )
+    new_scaler = scaling.update_scale(state.scaler, found_inf, config.scaler)
+    record = StepRecord(
+        step=state.step,
+        microbatches=microbatches,
+        scale_before=float(state.scaler.scale),
+        found_inf=bool(found_inf),
+        applied=not found_inf,
+        grad_norm=None,
+        clip_coef=None,
+        scale_after=float(new_scaler.scale),
+        growth_tracker=int(new_scaler.growth_tracker),
+        lr=float(lr),
+    )
+    new_state = TrainState(
+        params=tuple(params),
+        opt_state=opt_state,
+        scaler=new_scaler,
+        step=state.step + 1,
+        applied_steps=state.applied_steps + int(not found_inf),
+    )
+    return StepResult(state=new_state, record=record, grads=tuple(grads))
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """Outcome of `replay`: the first divergent step (None when the trace agrees) and why."""
+
+    first_divergence: int | None
+    field: str | None = None
+    recorded: Any = None
+    replayed: Any = None
+    steps_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.first_divergence is None
+
+    def describe(self) -> str:
+        if self.ok:
+            return f"all {self.steps_checked} steps agree with the specification"
+        return (
+            f"step {self.first_divergence}: {self.field} recorded {self.recorded!r}, "
+            f"the specification gives {self.replayed!r}"
+        )
+
+
+def replay(
+    records: Iterable[StepRecord | Mapping[str, Any]],
+    config: scaling.ScalerConfig,
+    start: scaling.ScalerState | None = None,
+) -> ReplayResult:
+    """Recompute a recorded scale history from its ``found_inf`` bits alone.
+
+    Rules checked per step, in order: ``scale_before`` equals the replayed scale; ``applied``
+    is ``not found_inf``; ``scale_after`` and ``growth_tracker`` equal the replayed update.
+    The replay starts from ``start``, or from the configuration's initial state when the trace
+    begins at step 0. A trace that begins later (the tail of a resumed run) without ``start``
+    cannot know the tracker before its first record: that record is trusted and becomes the
+    start state, and checking begins with the next one.
+    """
+    state = start
+    checked = 0
+    for raw in records:
+        rec = raw if isinstance(raw, StepRecord) else StepRecord.from_dict(raw)
+        if state is None:
+            state = scaling.initial_state(config)
+            if rec.step != 0:
+                state = replace(
+                    state, scale=np.float32(rec.scale_after), growth_tracker=np.int32(rec.growth_tracker)
+                )
+                continue
+        if np.float32(rec.scale_before) != state.scale:
+            return ReplayResult(rec.step, "scale_before", rec.scale_before, float(state.scale), checked)
+        if bool(rec.applied) == bool(rec.found_inf):
+            return ReplayResult(rec.step, "applied", rec.applied, not rec.found_inf, checked)
+        state = scaling.update_scale(state, bool(rec.found_inf), config)
+        if np.float32(rec.scale_after) != state.scale:
+            return ReplayResult(rec.step, "scale_after", rec.scale_after, float(state.scale), checked)
+        if int(rec.growth_tracker) != int(state.growth_tracker):
+            return ReplayResult(rec.step, "growth_tracker", rec.growth_tracker, int(state.growth_tracker), checked)
+        checked += 1
+    return ReplayResult(None, steps_checked=checked)
