@@ -320,6 +320,12 @@ def _coerce(tp: Any, value: Any) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):
+            # PyYAML (YAML 1.1) reads ``3e-4`` without a dot as a string; accept it as a number.
+            try:
+                return float(value)
+            except ValueError:
+                return _NO
         return _NO
     if tp is str:
         return value if isinstance(value, str) else _NO
