@@ -1,0 +1,238 @@
+"""Building the optimizer for a model that is already on its device.
+
+Rules:
+1. ``build_optimizer`` moves nothing: every trainable parameter must already be on ``device``,
+   else ``ValueError`` naming the first misplaced parameter (call ``model.to(device)`` first).
+2. ``fused=False`` disables the fused kernel; ``fused=True`` attempts it on the model's real
+   parameters and, if torch refuses, warns (``FusedOptimizerWarning``) and falls back;
+   ``fused=None`` uses the fused kernel on CUDA when constructing it with the model's real
+   parameters succeeds, and torch's default implementation elsewhere (see
+   ``supports_fused_adamw`` for why not on the CPU).
+3. The non-fused implementation is chosen explicitly as torch's default would be: ``foreach`` on
+   devices with foreach kernels by default (CUDA, XPU, ...), the ``for-loop`` elsewhere (the CPU),
+   so the returned ``kind`` is the implementation that actually runs.
+4. With ``no_decay_bias_and_norm`` the parameters split into two groups in model order: those
+   with ``ndim >= 2`` (weights of linear, conv and embedding layers) decay, those with
+   ``ndim < 2`` (biases, norm scales and shifts) get ``weight_decay=0``. Empty groups are omitted.
+   Parameters with ``requires_grad=False`` are not given to the optimizer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchimpl.device import same_device
+
+__all__ = [
+    "OPTIMIZERS",
+    "OptimizerConfig",
+    "BuiltOptimizer",
+    "FusedOptimizerWarning",
+    "supports_fused_adamw",
+    "build_optimizer",
+    "parameter_groups",
+]
+
+OPTIMIZERS = ("adamw", "adam", "sgd")
+_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW,
+    "adam": torch.optim.Adam,
+    "sgd": torch.optim.SGD,
+}
+# Raised by torch optimizers that refuse ``fused=True`` for a device, dtype or option.
+_FUSED_ERRORS = (TypeError, RuntimeError, ValueError)
+
+
+class FusedOptimizerWarning(UserWarning):
+    """``fused=True`` was requested but torch refused it; a non-fused optimizer was built."""
+
+
+def _finite_at_least(name: str, value: Any, low: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not (float(value) >= low and float(value) != float("inf")):
+        raise ValueError(f"{name} must be a finite number >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer settings. ``name`` in adamw|adam|sgd; ``betas`` and ``eps`` apply to Adam(W),
+    ``momentum`` and ``nesterov`` to SGD; ``fused`` is None (probe), True (attempt) or False."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    momentum: float = 0.0
+    nesterov: bool = False
+    fused: bool | None = None
+    no_decay_bias_and_norm: bool = True
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(
+                f"optimizer name must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}"
+            )
+        _finite_at_least("lr", self.lr, 0.0)
+        _finite_at_least("weight_decay", self.weight_decay, 0.0)
+        _finite_at_least("eps", self.eps, 0.0)
+        _finite_at_least("momentum", self.momentum, 0.0)
+        betas = self.betas
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair of numbers in [0, 1), got {betas!r}")
+        for i, b in enumerate(betas):
+            _finite_at_least(f"betas[{i}]", b, 0.0)
+            if not b < 1.0:
+                raise ValueError(f"betas[{i}] must be in [0, 1), got {b!r}")
+        # YAML gives lists; keep the frozen config hashable and comparable.
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
+        for name in ("nesterov", "no_decay_bias_and_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.fused is not None and not isinstance(self.fused, bool):
+            raise ValueError(f"fused must be None, True or False, got {self.fused!r}")
+        if self.name != "sgd" and (self.momentum != 0.0 or self.nesterov):
+            raise ValueError(
+                f"momentum and nesterov apply only to sgd; optimizer {self.name!r} got "
+                f"momentum={self.momentum!r}, nesterov={self.nesterov!r}"
+            )
+        if self.nesterov and self.momentum <= 0.0:
+            raise ValueError(f"nesterov requires momentum > 0, got momentum={self.momentum!r}")
+
+
+@dataclass(frozen=True)
+class BuiltOptimizer:
+    """The optimizer, the implementation that runs (``"fused"``, ``"foreach"`` or
+    ``"for-loop"``), and ``reason``: why that implementation, for the run summary."""
+
+    optimizer: torch.optim.Optimizer
+    kind: str
+    reason: str
+
+
+def supports_fused_adamw(device: str | torch.device) -> bool:
+    """Whether ``torch.optim.AdamW(..., fused=True)`` can be built on ``device``.
+
+    Probes by constructing (not stepping) a fused AdamW on a one-element float32 parameter on
+    the device, catching ``TypeError``, ``RuntimeError`` and ``ValueError``; an unavailable CUDA
+    device gives False without touching CUDA. The probe runs on every device type, so on the CPU
+    it answers True in torch 2.13, where fused AdamW has a CPU kernel: this function reports what
+    works. Whether to *use* it is ``build_optimizer``'s policy: ``fused=None`` takes the fused
+    kernel only on CUDA, because on the CPU it is not bit-identical to the for-loop path (a few
+    ulp), which is torch's CPU default and the path the reference implementation tracks bit for
+    bit; ``fused=True`` uses it on the CPU too.
+
+    A pass here does not guarantee the real model's parameters are accepted (dtype, sharding):
+    ``build_optimizer`` probes again with those.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return False
+    if dev.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            return False
+    try:
+        param = nn.Parameter(torch.zeros(1, device=dev))
+        torch.optim.AdamW([param], lr=1e-3, fused=True)
+    except _FUSED_ERRORS:
+        return False
+    return True
+
+
+def parameter_groups(model: nn.Module, config: OptimizerConfig) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups per rule 4 (trainable parameters only)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not config.no_decay_bias_and_norm:
+        return [{"params": params, "weight_decay": config.weight_decay}] if params else []
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": config.weight_decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def _foreach_by_default(device: torch.device) -> bool:
+    try:
+        from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+        return device.type in _get_foreach_kernels_supported_devices()
+    except ImportError:
+        return device.type in ("cuda", "xpu")
+
+
+def _construct(
+    config: OptimizerConfig, groups: list[dict[str, Any]], impl: dict[str, bool]
+) -> torch.optim.Optimizer:
+    cls = _CLASSES[config.name]
+    if config.name == "sgd":
+        return cls(
+            groups,
+            lr=config.lr,
+            momentum=config.momentum,
+            nesterov=config.nesterov,
+            weight_decay=config.weight_decay,
+            **impl,
+        )
+    return cls(
+        groups,
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        **impl,
+    )
+
+
+def build_optimizer(
+    model: nn.Module, config: OptimizerConfig, device: str | torch.device
+) -> BuiltOptimizer:
+    """Build the configured optimizer over ``model``'s trainable parameters (rules 1-4)."""
+    if not isinstance(config, OptimizerConfig):
+        raise ValueError(f"config must be an OptimizerConfig, got {type(config).__name__}")
+    dev = torch.device(device)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("model has no trainable parameters (none with requires_grad=True)")
+    for name, p in named:
+        if not same_device(p.device, dev):
+            raise ValueError(
+                f"parameter {name!r} is on {p.device}, but build_optimizer was given device "
+                f"{dev}; call model.to(device) before build_optimizer (it moves nothing)"
+            )
+    groups = parameter_groups(model, config)
+    foreach = _foreach_by_default(dev)
+    plain_kind = "foreach" if foreach else "for-loop"
+
+    attempt = config.fused is True or (config.fused is None and dev.type == "cuda")
+    if attempt:
+        try:
+            opt = _construct(config, groups, {"fused": True})
+        except _FUSED_ERRORS as exc:
+            reason = (
+                f"fused {config.name} was refused by torch on {dev} for this model's parameters "
+                f"({type(exc).__name__}: {exc}); using the {plain_kind} implementation"
+            )
+            if config.fused is True:
+                warnings.warn(reason, FusedOptimizerWarning, stacklevel=2)
+        else:
+            how = "requested" if config.fused else "probed on the model's parameters"
+            return BuiltOptimizer(opt, "fused", f"fused {config.name} ({how}) on {dev}")
+    elif config.fused is False:
+        reason = f"fused disabled by the config; {plain_kind} {config.name} on {dev}"
+    else:
+        reason = (
+            f"fused=None on {dev.type}: torch's default {plain_kind} {config.name} "
+            "(bit-exact with the reference; set fused=True to use a fused kernel here)"
+        )
+    opt = _construct(config, groups, {"foreach": foreach})
+    return BuiltOptimizer(opt, plain_kind, reason)

@@ -1,0 +1,705 @@
+"""Dynamic loss scaling on top of ``torch.amp.GradScaler``.
+
+``DynamicLossScaler`` is a ``torch.amp.GradScaler`` with three presets:
+
+1. ``torch``: exactly ``torch.amp.GradScaler``. The update is torch's own kernel
+   (``torch._amp_update_scale_``): on an overflow ``scale = f32(f64(scale) * backoff_factor)``
+   and the growth tracker resets; after ``growth_interval`` consecutive clean steps
+   ``scale = f32(f64(scale) * growth_factor)`` if that is finite, and the tracker resets
+   either way. No floor: the scale can underflow to 0.
+2. ``megatron`` (Megatron-LM ``DynamicGradScaler``): initial scale 2**32, interval 1000,
+   hysteresis 2, ``min_scale`` 1.0. An overflow decrements the hysteresis counter and backs
+   off only when it reaches 0; the counter is refilled only when the scale grows. The backed
+   off scale is clamped to ``min_scale``; at the floor, overflowing steps keep being skipped.
+3. ``deepspeed`` (DeepSpeed ``DynamicLossScaler``): initial scale 2**16, interval 1000,
+   hysteresis 2, ``min_scale`` 1.0, and an overflow that would back off a scale already at
+   ``min_scale`` raises ``ScaleAtMinimumError``. Growth follows DeepSpeed's counter: the
+   scale grows on the clean step that follows ``growth_interval`` clean steps since the last
+   overflow, then every ``growth_interval`` clean steps. Hysteresis is refilled at growth, or
+   at every clean step with ``consecutive_hysteresis``.
+
+Every preset value can be overridden; any configuration other than plain ``torch`` (a floor,
+a ceiling, hysteresis > 1, raising) uses the tensor implementation of the same arithmetic:
+products in float64 on the device, one rounding to float32, a growth that would be
+non-finite is refused, then the ceiling (``max_scale``) and the floor (``min_scale``) clamp.
+On MPS, which has no float64, the products are float32 (``scale * f32(factor)``), which can
+differ from the float64 rule in the last bit for factors other than powers of two.
+
+State: the scale (float32), the growth tracker (int32) and the hysteresis counter (int32) are
+0-d tensors on the scale's device (the device of the first tensor passed to ``scale()``).
+
+Host syncs (device-to-host reads), per optimizer step:
+
+- ``scale``, ``unscale_``, ``update``, ``found_inf_tensor``, ``last_step_applied``: none,
+  except that ``update`` reads one flag when ``raise_at_min_scale`` is on (it must know on
+  the host whether an overflow hit the floor in order to raise).
+- ``step``: one with a plain optimizer (torch's own skip decision), none with an optimizer
+  that handles the scale itself (``_step_supports_amp_scaling``, e.g. fused AdamW).
+- ``get_scale``, ``get_hysteresis_left``, ``_get_growth_tracker``: one each; ``state_dict``:
+  one in all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import struct
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import GradScaler, _refresh_per_optimizer_state
+
+__all__ = [
+    "PRESETS",
+    "DynamicLossScaler",
+    "ResolvedScalerConfig",
+    "ScaleAtMinimumError",
+    "ScalerConfig",
+    "make_grad_scaler",
+]
+
+_INT32_MAX = 2**31 - 1
+
+
+class ScaleAtMinimumError(RuntimeError):
+    """Gradients overflowed while the loss scale was already at ``min_scale``.
+
+    Raised by ``DynamicLossScaler.update`` when ``raise_at_min_scale`` is on (the ``deepspeed``
+    preset); the scaler's state is left as it was before that ``update``.
+    """
+
+    def __init__(self, scale: float, min_scale: float) -> None:
+        self.scale = scale
+        self.min_scale = min_scale
+        super().__init__(
+            f"gradients overflowed with the loss scale already at its minimum "
+            f"(scale={scale!r}, min_scale={min_scale!r}): it cannot be decreased any further. "
+            f"The model produces non-finite gradients even at the smallest allowed scale; "
+            f"look for the non-finite value itself (e.g. rerun the step in fp32) or lower "
+            f"min_scale."
+        )
+
+
+@dataclass(frozen=True)
+class ResolvedScalerConfig:
+    """A scaler configuration with every value concrete (no ``None`` meaning "the preset's").
+
+    ``min_scale`` / ``max_scale`` of ``None`` mean no floor / no ceiling.
+    """
+
+    preset: str
+    init_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    hysteresis: int
+    min_scale: float | None
+    max_scale: float | None
+    raise_at_min_scale: bool
+    consecutive_hysteresis: bool
+    enabled: bool = True
+
+    @property
+    def is_plain_torch(self) -> bool:
+        """True when the update is exactly torch's kernel (no extension is active)."""
+        return (
+            self.preset == "torch"
+            and self.hysteresis == 1
+            and self.min_scale is None
+            and self.max_scale is None
+            and not self.raise_at_min_scale
+        )
+
+
+PRESETS: Mapping[str, ResolvedScalerConfig] = MappingProxyType(
+    {
+        "torch": ResolvedScalerConfig(
+            preset="torch",
+            init_scale=2.0**16,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=2000,
+            hysteresis=1,
+            min_scale=None,
+            max_scale=None,
+            raise_at_min_scale=False,
+            consecutive_hysteresis=False,
+        ),
+        "megatron": ResolvedScalerConfig(
+            preset="megatron",
+            init_scale=2.0**32,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=1000,
+            hysteresis=2,
+            min_scale=1.0,
+            max_scale=None,
+            raise_at_min_scale=False,
+            consecutive_hysteresis=False,
+        ),
+        "deepspeed": ResolvedScalerConfig(
+            preset="deepspeed",
+            init_scale=2.0**16,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=1000,
+            hysteresis=2,
+            min_scale=1.0,
+            max_scale=None,
+            raise_at_min_scale=True,
+            consecutive_hysteresis=False,
+        ),
+    }
+)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32 (nearest even), as a Python float, without touching torch."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", float(x)))[0]
+    except OverflowError:  # rounds past FLT_MAX
+        return math.copysign(math.inf, x)
+
+
+def _positive_f32_problem(name: str, x: object) -> str | None:
+    """Why ``x`` is not a positive number that stays finite and non-zero in float32."""
+    if not _is_real(x):
+        return f"{name} must be a real number, got {x!r}"
+    v = float(x)
+    if not (math.isfinite(v) and v > 0):
+        return f"{name} must be finite and > 0, got {v!r}"
+    r = _f32(v)
+    if not math.isfinite(r) or r == 0.0:
+        return f"{name} must be within float32's range (it is stored as float32), got {v!r}"
+    return None
+
+
+def _config_problems(c: ResolvedScalerConfig) -> list[str]:
+    """Every problem with a resolved configuration, one message per field."""
+    problems: list[str] = []
+    if not isinstance(c.preset, str) or c.preset not in PRESETS:
+        problems.append(f"preset must be one of {sorted(PRESETS)}, got {c.preset!r}")
+    p = _positive_f32_problem("init_scale", c.init_scale)
+    if p:
+        problems.append(p)
+    if not _is_real(c.growth_factor):
+        problems.append(f"growth_factor must be a real number, got {c.growth_factor!r}")
+    elif not (math.isfinite(c.growth_factor) and c.growth_factor > 1):
+        problems.append(f"growth_factor must be finite and > 1, got {c.growth_factor!r}")
+    if not _is_real(c.backoff_factor):
+        problems.append(f"backoff_factor must be a real number, got {c.backoff_factor!r}")
+    elif not (0 < c.backoff_factor < 1):
+        problems.append(f"backoff_factor must be > 0 and < 1, got {c.backoff_factor!r}")
+    if not _is_int(c.growth_interval) or not 1 <= c.growth_interval <= _INT32_MAX:
+        problems.append(
+            f"growth_interval must be an int >= 1 (and < 2**31), got {c.growth_interval!r}"
+        )
+    if not _is_int(c.hysteresis) or not 1 <= c.hysteresis <= _INT32_MAX:
+        problems.append(f"hysteresis must be an int >= 1 (and < 2**31), got {c.hysteresis!r}")
+    bounds_ok = True
+    for name, v in (("min_scale", c.min_scale), ("max_scale", c.max_scale)):
+        if v is not None:
+            p = _positive_f32_problem(name, v)
+            if p:
+                problems.append(p + " (or None)")
+                bounds_ok = False
+    if bounds_ok:
+        lo = None if c.min_scale is None else _f32(c.min_scale)
+        hi = None if c.max_scale is None else _f32(c.max_scale)
+        if lo is not None and hi is not None and lo > hi:
+            problems.append(
+                f"min_scale must be <= max_scale, got min_scale={c.min_scale!r}, "
+                f"max_scale={c.max_scale!r}"
+            )
+        elif _positive_f32_problem("init_scale", c.init_scale) is None:
+            s = _f32(c.init_scale)
+            if lo is not None and s < lo:
+                problems.append(
+                    f"init_scale must be >= min_scale, got init_scale={c.init_scale!r}, "
+                    f"min_scale={c.min_scale!r}"
+                )
+            if hi is not None and s > hi:
+                problems.append(
+                    f"init_scale must be <= max_scale, got init_scale={c.init_scale!r}, "
+                    f"max_scale={c.max_scale!r}"
+                )
+    if not isinstance(c.raise_at_min_scale, bool):
+        problems.append(f"raise_at_min_scale must be a bool, got {c.raise_at_min_scale!r}")
+    elif c.raise_at_min_scale and c.min_scale is None:
+        problems.append("raise_at_min_scale=True needs a min_scale (got min_scale=None)")
+    if not isinstance(c.consecutive_hysteresis, bool):
+        problems.append(
+            f"consecutive_hysteresis must be a bool, got {c.consecutive_hysteresis!r}"
+        )
+    if not isinstance(c.enabled, bool):
+        problems.append(f"enabled must be a bool, got {c.enabled!r}")
+    return problems
+
+
+@dataclass(frozen=True)
+class ScalerConfig:
+    """Loss-scaler settings: a preset plus overrides.
+
+    Every field left ``None`` takes the preset's value (``PRESETS[preset]``); an explicit value
+    overrides it. ``min_scale`` / ``max_scale`` are compared and clamped as float32 values.
+    Validated on construction: every problem is reported in one ``ValueError``.
+    """
+
+    init_scale: float | None = None
+    growth_factor: float | None = None
+    backoff_factor: float | None = None
+    growth_interval: int | None = None
+    preset: str = "torch"
+    hysteresis: int | None = None
+    min_scale: float | None = None
+    max_scale: float | None = None
+    raise_at_min_scale: bool | None = None
+    enabled: bool = True
+    consecutive_hysteresis: bool | None = None
+
+    def __post_init__(self) -> None:
+        problems = _config_problems(self._resolve())
+        if problems:
+            raise ValueError("invalid ScalerConfig: " + "; ".join(problems))
+
+    def _resolve(self) -> ResolvedScalerConfig:
+        # An unknown preset still resolves (over torch's values, keeping the bad name) so
+        # that one error can report it together with every other problem.
+        known = isinstance(self.preset, str) and self.preset in PRESETS
+        base = PRESETS[self.preset] if known else PRESETS["torch"]
+        overrides = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
+        return dataclasses.replace(base, **overrides)
+
+    def resolved(self) -> ResolvedScalerConfig:
+        """The configuration with the preset's values filled in."""
+        return self._resolve()
+
+
+_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+_EXTRA_KEYS = (
+    "preset",
+    "hysteresis",
+    "hysteresis_left",
+    "min_scale",
+    "max_scale",
+    "raise_at_min_scale",
+    "consecutive_hysteresis",
+)
+
+
+class DynamicLossScaler(GradScaler):
+    """``torch.amp.GradScaler`` with presets, hysteresis, a floor and a ceiling.
+
+    Use it exactly like ``GradScaler``. Differences:
+
+    - ``step(optimizer)`` returns a 0-d bool tensor on the scale's device, True when the
+      optimizer's update was applied (``found_inf == 0``), instead of the optimizer's return
+      value; reading it on the host is a sync that ``step`` itself does not make.
+    - ``found_inf_tensor()`` gives the iteration's combined found_inf without a sync.
+    - ``state_dict`` holds the whole policy and state; ``load_state_dict`` validates
+      everything and changes nothing when it rejects.
+    """
+
+    def __init__(self, device: str = "cuda", config: ScalerConfig | None = None) -> None:
+        if config is None:
+            config = ScalerConfig()
+        if not isinstance(config, ScalerConfig):
+            raise ValueError(f"config must be a ScalerConfig or None, got {type(config).__name__}")
+        policy = config.resolved()
+        super().__init__(
+            device,
+            init_scale=policy.init_scale,
+            growth_factor=policy.growth_factor,
+            backoff_factor=policy.backoff_factor,
+            growth_interval=policy.growth_interval,
+            enabled=policy.enabled,
+        )
+        self._policy = policy
+        self._init_hysteresis_left = policy.hysteresis
+        self._hysteresis_tracker: torch.Tensor | None = None
+        self._last_applied: torch.Tensor | None = None
+
+    # --- configuration -------------------------------------------------------------------
+
+    @property
+    def policy(self) -> ResolvedScalerConfig:
+        """The policy in force (after any ``load_state_dict`` or setter)."""
+        return self._policy
+
+    def _set_policy(self, policy: ResolvedScalerConfig) -> None:
+        problems = _config_problems(policy)
+        if problems:
+            raise ValueError("invalid scaler setting: " + "; ".join(problems))
+        self._policy = policy
+        self._growth_factor = policy.growth_factor
+        self._backoff_factor = policy.backoff_factor
+        self._growth_interval = policy.growth_interval
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (validated, unlike torch's setter)."""
+        self._set_policy(dataclasses.replace(self._policy, growth_factor=new_factor))
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (validated, unlike torch's setter)."""
+        self._set_policy(dataclasses.replace(self._policy, backoff_factor=new_factor))
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (validated, unlike torch's setter)."""
+        self._set_policy(dataclasses.replace(self._policy, growth_interval=new_interval))
+
+    # --- state ---------------------------------------------------------------------------
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._hysteresis_tracker = torch.full(
+            (), self._init_hysteresis_left, dtype=torch.int32, device=dev
+        )
+
+    def get_hysteresis_left(self) -> int:
+        """Overflows still absorbed before the next backoff, counting the next one (a sync)."""
+        if not self._enabled:
+            return 0
+        if self._hysteresis_tracker is None:
+            return self._init_hysteresis_left
+        return int(self._hysteresis_tracker.item())
+
+    def found_inf_tensor(self) -> torch.Tensor:
+        """The current iteration's combined found_inf: 0-d float32 on the scale's device.
+
+        The sum over every optimizer and device recorded since the last ``update()`` (non-zero
+        means an overflow); no host sync. Valid after ``unscale_``/``step`` and before
+        ``update``. A disabled scaler checks nothing and returns 0.
+        """
+        if not self._enabled:
+            return torch.zeros((), dtype=torch.float32)
+        scale, _ = self._check_scale_growth_tracker("found_inf_tensor")
+        found = [
+            fi.to(device=scale.device, non_blocking=True)
+            for state in self._per_optimizer_states.values()
+            for fi in state["found_inf_per_device"].values()
+        ]
+        if not found:
+            raise RuntimeError(
+                "found_inf_tensor() needs an unscale_() or step() since the last update(): "
+                "no inf checks were recorded in this iteration."
+            )
+        # Out of place: torch's update() adds into the first record, so never alias it.
+        combined = found[0].clone()
+        for fi in found[1:]:
+            combined = combined + fi
+        return combined
+
+    def last_step_applied(self) -> torch.Tensor | None:
+        """The value the most recent ``step()`` returned (``None`` before any step)."""
+        return self._last_applied
+
+    # --- the iteration -------------------------------------------------------------------
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """``GradScaler.step``, returning whether the update was applied.
+
+        Returns a 0-d bool tensor on the scale's device: ``found_inf == 0`` for this
+        optimizer, computed without a host sync. (A plain optimizer still costs torch's own
+        sync for the skip decision; a fused one costs none.) The optimizer's own return value
+        is discarded. A disabled scaler always steps and returns a CPU ``True``.
+        """
+        if not self._enabled:
+            optimizer.step(*args, **kwargs)
+            applied = torch.ones((), dtype=torch.bool)
+        else:
+            super().step(optimizer, *args, **kwargs)
+            scale = self._scale
+            assert scale is not None  # super().step checked it
+            found = [
+                fi.to(device=scale.device, non_blocking=True)
+                for fi in self._found_inf_per_device(optimizer).values()
+            ]
+            if found:
+                total = found[0]
+                for fi in found[1:]:
+                    total = total + fi
+                applied = total == 0
+            else:
+                # Only an optimizer taking the deprecated ``grad_scaler`` keyword can get
+                # here: it ran its own step and recorded no check, so nothing was skipped.
+                applied = torch.ones((), dtype=torch.bool, device=scale.device)
+        self._last_applied = applied
+        return applied
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Update the scale from this iteration's found_inf (see the module docstring).
+
+        With the plain ``torch`` policy, or with ``new_scale`` given, this is
+        ``GradScaler.update`` (``new_scale`` leaves the trackers alone and is not clamped).
+        Raises ``ScaleAtMinimumError`` (state unchanged) when ``raise_at_min_scale`` is on and
+        an overflow must back off a scale that is already ``min_scale``.
+        """
+        if not self._enabled:
+            return
+        if new_scale is not None or self._policy.is_plain_torch:
+            super().update(new_scale)
+            return
+        scale, tracker = self._check_scale_growth_tracker("update")
+        hyst = self._hysteresis_tracker
+        assert hyst is not None  # created together with the scale
+        found_infs = [
+            fi.to(device=scale.device, non_blocking=True)
+            for state in self._per_optimizer_states.values()
+            for fi in state["found_inf_per_device"].values()
+        ]
+        if not found_infs:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        combined = found_infs[0]
+        for fi in found_infs[1:]:
+            combined = combined + fi
+
+        new_scale_t, new_tracker, new_hyst, floor_hit = self._policy_update(
+            scale, tracker, hyst, combined
+        )
+        if floor_hit is not None and bool(floor_hit):  # the one documented sync
+            min_scale = _f32(self._policy.min_scale)
+            raise ScaleAtMinimumError(min_scale, self._policy.min_scale)
+        scale.copy_(new_scale_t)
+        tracker.copy_(new_tracker)
+        hyst.copy_(new_hyst)
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def _policy_update(
+        self,
+        scale: torch.Tensor,
+        tracker: torch.Tensor,
+        hyst: torch.Tensor,
+        found_inf: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """New (scale, tracker, hysteresis) and the raise-at-floor flag, all on the device."""
+        p = self._policy
+        # NaN != 0 is true: a NaN found_inf counts as an overflow, as in torch's kernel.
+        found = found_inf != 0
+        if scale.device.type == "mps":
+            wide = scale  # no float64 on MPS: float32 products (see the module docstring)
+        else:
+            wide = scale.double()
+        backed = (wide * p.backoff_factor).to(torch.float32)
+        if p.min_scale is not None:
+            backed = backed.clamp(min=_f32(p.min_scale))
+        grown = (wide * p.growth_factor).to(torch.float32)
+        grow_ok = torch.isfinite(grown)
+        if p.max_scale is not None:
+            grown = grown.clamp(max=_f32(p.max_scale))
+
+        hyst_dec = (hyst - 1).clamp(min=0)
+        backoff_now = found & (hyst_dec == 0)
+        if p.preset == "deepspeed":
+            # The tracker counts clean steps since the last overflow, kept in 1..interval
+            # once positive: DeepSpeed grows when that count is a positive multiple of the
+            # interval, i.e. on the clean step after it.
+            grow = ~found & (tracker == p.growth_interval)
+            clean_tracker = torch.where(grow, torch.ones_like(tracker), tracker + 1)
+        else:
+            bumped = tracker + 1
+            grow = ~found & (bumped == p.growth_interval)
+            clean_tracker = torch.where(grow, torch.zeros_like(tracker), bumped)
+
+        full = torch.full_like(hyst, p.hysteresis)
+        clean_hyst = full if p.consecutive_hysteresis else torch.where(grow, full, hyst)
+
+        new_scale = torch.where(
+            backoff_now, backed, torch.where(grow & grow_ok, grown, scale)
+        )
+        new_tracker = torch.where(found, torch.zeros_like(tracker), clean_tracker)
+        new_hyst = torch.where(found, hyst_dec, clean_hyst)
+        floor_hit = None
+        if p.raise_at_min_scale:
+            floor_hit = backoff_now & (scale == _f32(p.min_scale))
+        return new_scale, new_tracker, new_hyst, floor_hit
+
+    # --- checkpointing -------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The complete state as Python scalars (saves with ``weights_only=True``).
+
+        torch's five keys (``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``) plus ``preset``, ``hysteresis``,
+        ``hysteresis_left``, ``min_scale``, ``max_scale``, ``raise_at_min_scale``,
+        ``consecutive_hysteresis``. One host sync. A disabled scaler returns ``{}``.
+        """
+        if not self._enabled:
+            return {}
+        if self._scale is None:
+            scale: float = self._init_scale
+            tracker = int(self._init_growth_tracker)
+            hyst_left = int(self._init_hysteresis_left)
+        else:
+            assert self._growth_tracker is not None and self._hysteresis_tracker is not None
+            # One device-to-host copy for all three; float64 holds each value exactly.
+            values = torch.stack(
+                [
+                    self._scale.double(),
+                    self._growth_tracker.double(),
+                    self._hysteresis_tracker.double(),
+                ]
+            ).tolist()
+            scale, tracker, hyst_left = values[0], int(values[1]), int(values[2])
+        p = self._policy
+        return {
+            "scale": scale,
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": tracker,
+            "preset": p.preset,
+            "hysteresis": p.hysteresis,
+            "hysteresis_left": hyst_left,
+            "min_scale": p.min_scale,
+            "max_scale": p.max_scale,
+            "raise_at_min_scale": p.raise_at_min_scale,
+            "consecutive_hysteresis": p.consecutive_hysteresis,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state from ``state_dict()`` or from a plain ``GradScaler`` (five keys).
+
+        Everything is validated before anything is assigned; on any problem a ``ValueError``
+        lists all of them and the scaler is unchanged. Rules: exactly torch's five keys, or
+        those plus all the extension keys; ``scale`` finite and > 0 in float32 (0 is refused:
+        it is the collapsed state in which torch steps with non-finite gradients) and within
+        [min_scale, max_scale]; factors as in ``ScalerConfig``; ``_growth_tracker`` an int
+        >= 0 and below ``growth_interval`` (at most ``growth_interval`` for ``deepspeed``);
+        ``hysteresis_left`` an int in [0, hysteresis]. A plain torch state keeps this
+        scaler's extension settings and refills the hysteresis. The loaded policy replaces
+        the current one. A disabled scaler ignores the call, as torch's does.
+        """
+        if not self._enabled:
+            return
+        if not isinstance(state_dict, Mapping):
+            raise ValueError(
+                f"state_dict must be a mapping, got {type(state_dict).__name__}"
+            )
+        keys = set(state_dict)
+        if not keys:
+            raise ValueError(
+                "The source state dict is empty, possibly because it was saved from a "
+                "disabled scaler."
+            )
+        problems: list[str] = []
+        full = set(_TORCH_KEYS) | set(_EXTRA_KEYS)
+        plain_torch = keys == set(_TORCH_KEYS)
+        if not plain_torch:
+            missing = sorted(full - keys)
+            unknown = sorted(keys - full)
+            if missing:
+                problems.append(f"missing keys {missing}")
+            if unknown:
+                problems.append(f"unknown keys {unknown}")
+            if missing or unknown:
+                raise ValueError("invalid scaler state_dict: " + "; ".join(problems))
+
+        sd = dict(state_dict)
+        if plain_torch:
+            policy = dataclasses.replace(
+                self._policy,
+                init_scale=sd["scale"],
+                growth_factor=sd["growth_factor"],
+                backoff_factor=sd["backoff_factor"],
+                growth_interval=sd["growth_interval"],
+            )
+            hyst_left: Any = policy.hysteresis
+        else:
+            policy = ResolvedScalerConfig(
+                preset=sd["preset"],
+                init_scale=sd["scale"],
+                growth_factor=sd["growth_factor"],
+                backoff_factor=sd["backoff_factor"],
+                growth_interval=sd["growth_interval"],
+                hysteresis=sd["hysteresis"],
+                min_scale=sd["min_scale"],
+                max_scale=sd["max_scale"],
+                raise_at_min_scale=sd["raise_at_min_scale"],
+                consecutive_hysteresis=sd["consecutive_hysteresis"],
+                enabled=self._policy.enabled,
+            )
+            hyst_left = sd["hysteresis_left"]
+        # init_scale is where the loaded scale lands, so the config rules check "scale".
+        problems.extend(
+            p.replace("init_scale", "scale") for p in _config_problems(policy)
+        )
+        tracker = sd["_growth_tracker"]
+        interval = policy.growth_interval
+        if not _is_int(tracker) or tracker < 0:
+            problems.append(f"_growth_tracker must be an int >= 0, got {tracker!r}")
+        elif _is_int(interval) and interval >= 1:
+            limit = interval if policy.preset == "deepspeed" else interval - 1
+            if tracker > limit:
+                problems.append(
+                    f"_growth_tracker must be <= {limit} with growth_interval={interval} "
+                    f"and preset {policy.preset!r}, got {tracker!r}"
+                )
+        hysteresis = policy.hysteresis
+        if not _is_int(hyst_left) or hyst_left < 0:
+            problems.append(f"hysteresis_left must be an int >= 0, got {hyst_left!r}")
+        elif _is_int(hysteresis) and hyst_left > hysteresis:
+            problems.append(
+                f"hysteresis_left must be <= hysteresis ({hysteresis!r}), got {hyst_left!r}"
+            )
+        if problems:
+            raise ValueError("invalid scaler state_dict: " + "; ".join(problems))
+
+        # Validated: assign everything.
+        self._policy = policy
+        self._growth_factor = policy.growth_factor
+        self._backoff_factor = policy.backoff_factor
+        self._growth_interval = policy.growth_interval
+        self._init_scale = sd["scale"]
+        self._init_growth_tracker = int(tracker)
+        self._init_hysteresis_left = int(hyst_left)
+        if self._scale is not None:
+            assert self._growth_tracker is not None and self._hysteresis_tracker is not None
+            self._scale.fill_(float(sd["scale"]))
+            self._growth_tracker.fill_(int(tracker))
+            self._hysteresis_tracker.fill_(int(hyst_left))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        if self._enabled:
+            state["_init_hysteresis_left"] = self.get_hysteresis_left()
+            state["_hysteresis_tracker"] = None
+        state["_last_applied"] = None
+        return state
+
+
+def make_grad_scaler(
+    plan: Any, config: ScalerConfig | None = None, *, force: bool = False
+) -> DynamicLossScaler | None:
+    """A loss scaler for a precision plan, or ``None`` when the plan needs none.
+
+    ``plan`` needs ``use_scaler`` and ``device_type`` (a ``torchimpl.precision.PrecisionPlan``).
+    A scaler is made only for fp16 on CUDA (``plan.use_scaler`` and device type ``"cuda"``);
+    ``force=True`` makes one on the plan's device type whatever the plan says (CPU fp16
+    experiments, tests).
+    """
+    missing = [a for a in ("use_scaler", "device_type") if not hasattr(plan, a)]
+    if missing:
+        raise ValueError(
+            f"plan must have use_scaler and device_type (a PrecisionPlan), "
+            f"{type(plan).__name__} lacks {missing}"
+        )
+    if force or (plan.use_scaler and plan.device_type == "cuda"):
+        return DynamicLossScaler(plan.device_type, config)
+    return None
