@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import math
+import random
 import sys
 import time
 import warnings
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -292,6 +294,10 @@ class Trainer:
         self._pending: list[tuple[int, int, bool | None, torch.Tensor, Any]] = []
         self.loss_history, self.scale_history = [], []
 
+        # Seed every generator from train.seed (a resume overwrites them with the saved states).
+        random.seed(cfg.train.seed)
+        np.random.seed(cfg.train.seed)
+        torch.manual_seed(cfg.train.seed)
         resume_contents = None
         if resume is not None:
             path = resume
@@ -581,7 +587,8 @@ class Trainer:
             Path(self.config.train.trace_file).parent if self.config.train.trace_file else "."))
         path = folder / f"nonfinite-step{self.state.step:08d}.json"
         try:
-            report = diagnose_nonfinite(self.model, _to_device(window[0], self.device), self.loss_fn, self.plan)
+            report = diagnose_nonfinite(self.model, _to_device(window[0], self.device), self.loss_fn, self.plan,
+                                        self.optimizer, self.scaler)
             data = report.to_dict() if hasattr(report, "to_dict") else dataclasses.asdict(report)
         except Exception as exc:  # the diagnosis must not hide the original problem
             data = {"error": f"diagnosis failed: {exc!r}"}
