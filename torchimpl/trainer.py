@@ -727,7 +727,7 @@ class Trainer:
         if self.scaler is not None and state is None:
             warnings.warn(
                 f"{path} holds no loss-scaler state (saved by a run without a scaler); the scaler "
-                f"starts fresh at init_scale={self.config.scaler.init_scale:g}",
+                f"starts fresh at init_scale={getattr(self.scaler, 'policy', self.config.scaler).init_scale}",
                 stacklevel=3,
             )
         elif self.scaler is None and state is not None:
