@@ -6,7 +6,8 @@ Rules:
 2. An explicit ``cuda``, ``cuda:N`` or ``mps`` that cannot be used raises ``RuntimeError`` saying
    what was asked, what exists, and what to pass instead; so does ``cuda:N`` with ``N`` at or
    beyond the number of visible CUDA devices.
-3. Any other string goes to ``torch.device``; one torch cannot parse raises ``ValueError`` naming it.
+3. Any other string goes to ``torch.device``; one torch cannot parse raises ``ValueError``
+   naming it.
 4. Two devices are the same when their types match and their indices match, an absent index
    meaning the current device of that type (``"cpu"`` and ``"cpu:0"`` are the same device).
 """

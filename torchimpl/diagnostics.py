@@ -353,7 +353,9 @@ def _unsafe_problem(base: str, args: tuple[Any, ...]) -> str | None:
     elif base == "rsqrt" and _is_float(x):
         zero, neg = _count(x == 0), _count(x < 0)
         if zero or neg:
-            return f"rsqrt of zero ({zero}) / of a negative number ({neg}) among {x.numel()} elements"
+            return (
+                f"rsqrt of zero ({zero}) / of a negative number ({neg}) among {x.numel()} elements"
+            )
     elif base == "reciprocal" and _is_float(x):
         n = _count(x == 0)
         if n:
@@ -551,9 +553,19 @@ def _run_step(
     copy_.zero_grad(set_to_none=True)
     scanner = _OpScanner(unsafe, fp16_norm, limit)
     handles = []
+
+    def enter(name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            scanner.module_stack.append(name)
+
+        return hook
+
+    def leave(*_: Any) -> None:  # a forward hook returning a value would replace the output
+        scanner.module_stack.pop()
+
     for name, m in copy_.named_modules():
-        handles.append(m.register_forward_pre_hook(lambda *_, n=name: scanner.module_stack.append(n)))
-        handles.append(m.register_forward_hook(lambda *_: scanner.module_stack.pop()))
+        handles.append(m.register_forward_pre_hook(enter(name)))
+        handles.append(m.register_forward_hook(leave))
     cuda_devices = sorted(
         {p.device.index or 0 for p in copy_.parameters() if p.device.type == "cuda"}
     )
@@ -570,7 +582,9 @@ def _run_step(
     finally:
         for h in handles:
             h.remove()
-    bad = [n for n, p in copy_.named_parameters() if p.grad is not None and _nonfinite_counts(p.grad)]
+    bad = [
+        n for n, p in copy_.named_parameters() if p.grad is not None and _nonfinite_counts(p.grad)
+    ]
     return _Outcome(loss.dtype, float(loss.detach().float()), bad, scanner)
 
 

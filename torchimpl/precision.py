@@ -195,8 +195,8 @@ def autocast_context(
     return torch.autocast(plan.device_type, dtype=plan.dtype)
 
 
-# (label, owner getter): the backends whose fp32_precision this module sets.
 def _tf32_targets() -> list[tuple[str, Any]]:
+    """(label, object holding ``fp32_precision``) for each switch ``configure_tf32`` writes."""
     out: list[tuple[str, Any]] = []
     cuda = getattr(torch.backends, "cuda", None)
     cudnn = getattr(torch.backends, "cudnn", None)

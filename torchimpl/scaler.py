@@ -20,8 +20,9 @@
 
 Every preset value can be overridden; any configuration other than plain ``torch`` (a floor,
 a ceiling, hysteresis > 1, raising) uses the tensor implementation of the same arithmetic:
-products in float64 on the device, one rounding to float32, a growth that would be
-non-finite is refused, then the ceiling (``max_scale``) and the floor (``min_scale``) clamp.
+products in float64 on the device, one rounding to float32; a backoff is clamped up to
+``min_scale``, a growth clamped down to ``max_scale`` and then kept only if finite (so without a
+ceiling a growth past float32's range is refused, with one it lands on the ceiling).
 On MPS, which has no float64, the products are float32 (``scale * f32(factor)``), which can
 differ from the float64 rule in the last bit for factors other than powers of two.
 
@@ -500,9 +501,10 @@ class DynamicLossScaler(GradScaler):
         if p.min_scale is not None:
             backed = backed.clamp(min=_f32(p.min_scale))
         grown = (wide * p.growth_factor).to(torch.float32)
-        grow_ok = torch.isfinite(grown)
         if p.max_scale is not None:
+            # Before the finite check: a growth past float32's range lands on the ceiling.
             grown = grown.clamp(max=_f32(p.max_scale))
+        grow_ok = torch.isfinite(grown)
 
         hyst_dec = (hyst - 1).clamp(min=0)
         backoff_now = found & (hyst_dec == 0)
@@ -527,7 +529,7 @@ class DynamicLossScaler(GradScaler):
         new_hyst = torch.where(found, hyst_dec, clean_hyst)
         floor_hit = None
         if p.raise_at_min_scale:
-            floor_hit = backoff_now & (scale == _f32(p.min_scale))
+            floor_hit = backoff_now & (scale <= _f32(p.min_scale))
         return new_scale, new_tracker, new_hyst, floor_hit
 
     # --- checkpointing -------------------------------------------------------------------
@@ -539,6 +541,11 @@ class DynamicLossScaler(GradScaler):
         ``growth_interval``, ``_growth_tracker``) plus ``preset``, ``hysteresis``,
         ``hysteresis_left``, ``min_scale``, ``max_scale``, ``raise_at_min_scale``,
         ``consecutive_hysteresis``. One host sync. A disabled scaler returns ``{}``.
+
+        ``_growth_tracker`` counts consecutive clean steps as in torch; with the ``deepspeed``
+        preset it counts clean steps since the last overflow, kept in 1..growth_interval
+        once positive. ``hysteresis_left`` is how many overflows, counting the next one,
+        it takes to back off (0 and 1 both mean the next overflow backs off).
         """
         if not self._enabled:
             return {}

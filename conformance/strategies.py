@@ -1,0 +1,101 @@
+"""Every Hypothesis strategy of the conformance suite, in one place.
+
+Narrow-dtype values are drawn as integer bit patterns and viewed as the dtype, so both sides get
+the same bits: Hypothesis cannot draw ml_dtypes dtypes, and drawing floats then casting would hide
+ties. Subnormals are never switched off: loss scaling lives there.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as nps
+
+FLT_MAX = float(np.finfo(np.float32).max)
+
+# Gradient dtypes that torch.amp.GradScaler.unscale_ accepts (fp16 grads are refused by design).
+GRAD_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float64))
+
+
+def bit_patterns(dtype: np.dtype | type, shape: int | tuple[int, ...]) -> st.SearchStrategy[np.ndarray]:
+    """Arrays of ``dtype`` whose elements are arbitrary bit patterns (every NaN, inf, subnormal)."""
+    dtype = np.dtype(dtype)
+    uint = np.dtype(f"uint{8 * dtype.itemsize}")
+    return nps.arrays(uint, shape).map(lambda a: a.view(dtype))
+
+
+def special_float32() -> st.SearchStrategy[float]:
+    """float32 values where casts go wrong: ties, the maxima, overflow, tiny subnormals, ±0, ±inf, NaN."""
+    specials = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), FLT_MAX, -FLT_MAX, 2.0**-149, -(2.0**-149),
+                2.0**-126, 65504.0, 65520.0, 65519.996, 448.0, 464.0, 465.0, 57344.0, 61440.0, 240.0, 248.0,
+                1.0 + 2.0**-8, 1.0 + 2.0**-11, 2.0**-24, 2.0**-25, 3.0 * 2.0**-26]
+    return st.one_of(st.sampled_from(specials), st.floats(width=32, allow_nan=True, allow_infinity=True))
+
+
+def float32_neighbourhoods(size: int = 64) -> st.SearchStrategy[np.ndarray]:
+    """float32 arrays built from a few centres and their bitwise neighbours (±k ULP)."""
+
+    @st.composite
+    def build(draw) -> np.ndarray:
+        centres = draw(st.lists(special_float32(), min_size=1, max_size=6))
+        offsets = draw(st.lists(st.integers(-3, 3), min_size=1, max_size=7))
+        bits = np.array(centres, np.float32).view(np.int32).astype(np.int64)
+        around = (bits[:, None] + np.array(offsets, np.int64)[None, :]).ravel()
+        around = np.clip(around, np.iinfo(np.int32).min, np.iinfo(np.int32).max).astype(np.int32)
+        extra = draw(nps.arrays(np.float32, st.integers(0, size), elements=st.floats(width=32)))
+        return np.concatenate([around.view(np.float32), extra])
+
+    return build()
+
+
+def scales() -> st.SearchStrategy[float]:
+    """Loss scales: powers of two, arbitrary positive floats, near FLT_MAX and near zero."""
+    return st.one_of(
+        st.integers(-30, 127).map(lambda k: 2.0**k),
+        st.floats(min_value=2.0**-20, max_value=2.0**40, allow_nan=False, allow_infinity=False),
+        st.sampled_from([FLT_MAX, float(np.float32(3e38)), 2.0**-126, 2.0**-149, 1.0]),
+    )
+
+
+@st.composite
+def scaler_params(draw) -> dict:
+    """Keyword arguments of a loss scaler: torch's defaults and odd but valid corners."""
+    return dict(
+        init_scale=float(np.float32(draw(scales()))),
+        growth_factor=draw(st.one_of(st.just(2.0), st.floats(min_value=1.0001, max_value=8.0))),
+        backoff_factor=draw(st.one_of(st.just(0.5), st.floats(min_value=0.01, max_value=0.9999))),
+        growth_interval=draw(st.integers(1, 6)),
+    )
+
+
+@st.composite
+def gradient(draw, dtype: np.dtype, shape: tuple[int, ...], magnitude: float, plant_prob: float) -> np.ndarray:
+    """One gradient of ``dtype`` with values around ``magnitude`` and, sometimes, planted inf/NaN."""
+    n = int(np.prod(shape))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(n) * magnitude
+    if n and draw(st.floats(0, 1)) < plant_prob:
+        where = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3))
+        for i in where:
+            values[i] = draw(st.sampled_from([np.inf, -np.inf, np.nan]))
+    return values.astype(np.float32).astype(dtype).reshape(shape)
+
+
+@st.composite
+def gradient_tree(draw, dtypes=GRAD_DTYPES, max_tensors: int = 5, plant_prob: float = 0.3) -> list[np.ndarray]:
+    """A list of gradients of mixed shapes (zero-size included) and dtypes."""
+    count = draw(st.integers(0, max_tensors))
+    magnitude = draw(st.sampled_from([1e-30, 1e-8, 1e-3, 1.0, 1e3, 1e30]))
+    grads = []
+    for _ in range(count):
+        shape = tuple(draw(st.lists(st.integers(0, 9), min_size=0, max_size=2)))
+        dtype = np.dtype(draw(st.sampled_from(dtypes)))
+        grads.append(draw(gradient(dtype, shape, magnitude, plant_prob)))
+    return grads
+
+
+def inf_pattern(steps: int) -> st.SearchStrategy[list[bool]]:
+    """Which of ``steps`` consecutive steps see a non-finite gradient."""
+    return st.lists(st.booleans(), min_size=steps, max_size=steps)
