@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -70,7 +71,9 @@ def _doctor(args: argparse.Namespace) -> int:
     for dev in devices:
         print(f"precision on {dev}:")
         for mode in ("auto", "fp32", "bf16", "fp16"):
-            plan = resolve_precision(PrecisionConfig(mode=mode), dev)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the downgrade is printed on this line instead
+                plan = resolve_precision(PrecisionConfig(mode=mode), dev)
             extra = f" ({plan.reason})" if plan.reason else ""
             print(f"  {mode:5} -> {plan.mode}, scaler={'yes' if plan.use_scaler else 'no'}, "
                   f"autocast={'yes' if plan.autocast_enabled else 'no'}{extra}")

@@ -3,7 +3,8 @@
 Agreement rule (stated in the report): the curves are smoothed with a moving average over
 ``window`` steps; a precision agrees with fp32 when every smoothed point lies within
 ``rel_tol`` (relative) of fp32's smoothed point, or within ``abs_tol`` times fp32's starting
-loss where that is larger (a relative band means nothing once the loss nears 0). The band is wider than the
+loss where that is larger (a relative band means nothing once the loss nears 0, and on the
+steep part of the curve a shift of a few steps makes large pointwise gaps). The band is wider than the
 step-to-step noise of a smoothed curve on these tasks and far narrower than a stalled or
 diverged run, which is what the comparison is meant to catch.
 """
@@ -51,7 +52,7 @@ def _smooth(values: list[float], window: int) -> list[float]:
 
 def run_compare(*, steps: int = 200, device: str = "auto", out: str | Path = "ampspec-compare",
                 task: str = "lm", seed: int = 0, window: int = 20, rel_tol: float = 0.10,
-                abs_tol: float = 0.02) -> CompareResult:
+                abs_tol: float = 0.05) -> CompareResult:
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     t0 = time.perf_counter()
