@@ -1,0 +1,62 @@
+"""Configuration: defaults < file < overrides, round trip, and one error naming every bad field."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchimpl.config import Config, ConfigError, TrainConfig, load_config
+from torchimpl.schedule import lr_at, lr_at_tensor
+from torchimpl.config import ScheduleConfig
+
+import torch
+
+
+def test_precedence_defaults_file_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train: {steps: 50, microbatches: 2}\noptimizer: {lr: 3e-4}\n")
+    c = load_config(f, ["train.steps=7", "train.clip_norm=null"])
+    assert (c.train.steps, c.train.microbatches, c.train.clip_norm) == (7, 2, None)
+    assert c.optimizer.lr == 3e-4 and c.train.batch_size == TrainConfig().batch_size
+
+
+def test_round_trip():
+    c = load_config(overrides=["optimizer.betas=[0.8, 0.95]", "schedule.name=constant"])
+    assert Config.from_dict(c.to_dict()) == c
+
+
+def test_every_bad_field_is_named_in_one_error():
+    with pytest.raises(ConfigError) as info:
+        Config.from_dict({
+            "bogus": 1,
+            "train": {"steps": 0, "stepz": 3, "clip_norm": "x", "on_nonfinite": "panic", "compile": "yes"},
+            "schedule": {"min_lr_ratio": 2.0},
+            "checkpoint": {"keep_last": 0},
+            "optimizer": {"lr": -1.0},
+            "scaler": {"growth_factor": 0.5},
+            "task": {"name": "nope"},
+        })
+    paths = {p for p, _ in info.value.errors}
+    want = {"bogus", "train.steps", "train.stepz", "train.clip_norm", "train.on_nonfinite", "train.compile",
+            "schedule.min_lr_ratio", "checkpoint.keep_last", "optimizer.lr", "scaler.growth_factor", "task.name"}
+    assert want <= paths, f"not named: {want - paths}"
+    text = str(info.value)
+    assert "did you mean 'steps'" in text and "'skip', 'stop'" in text and ">= 1" in text
+
+
+def test_bad_override_syntax_and_bad_file(tmp_path):
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(overrides=["train.steps"])
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "none.yaml")
+    (tmp_path / "l.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(tmp_path / "l.yaml")
+
+
+def test_schedule_warmup_cosine_and_device_form_agree():
+    s = ScheduleConfig(name="cosine", warmup_steps=4, min_lr_ratio=0.1)
+    lrs = [lr_at(n, 1.0, s, 20) for n in range(25)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0] and lrs[4] == 1.0
+    assert lrs[20] == pytest.approx(0.1) and lrs[24] == pytest.approx(0.1)
+    dev = [lr_at_tensor(torch.tensor(n), 1.0, s, 20).item() for n in range(25)]
+    assert dev == pytest.approx(lrs, rel=1e-12)

@@ -1,0 +1,163 @@
+"""The ``ampspec`` command: ``compare``, ``train``, ``doctor``, ``replay``.
+
+User mistakes (a bad configuration, a missing file, an unavailable device) print one line to
+stderr and exit with status 2; nothing else is caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["main"]
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from torchimpl.compare import format_table, run_compare
+
+    res = run_compare(steps=args.steps, device=args.device, out=args.out, task=args.task)
+    print(format_table(res.rows))
+    print()
+    verdict = "agree" if res.agree else "DO NOT agree"
+    print(f"The curves {verdict} with fp32 (rule: {res.rule}).")
+    for row in res.rows:
+        for d in row["downgrades"]:
+            print(f"note ({row['precision']}): {d}")
+    print(f"report: {res.report_path}")
+    print(f"plot: {res.png_path}" if res.png_path else res.png_note)
+    print(f"took {res.seconds:.1f} s")
+    return 0 if res.agree else 1
+
+
+def _train(args: argparse.Namespace) -> int:
+    from torchimpl.config import load_config
+    from torchimpl.tasks import build_task
+    from torchimpl.trainer import Trainer
+
+    cfg = load_config(args.config, args.set)
+    task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
+    if args.resume and cfg.checkpoint.folder is None:
+        raise ValueError("--resume needs checkpoint.folder in the configuration")
+    summary = Trainer(cfg).fit(task.model, task.train_data, task.val_data, loss_fn=task.loss_fn,
+                               resume="latest" if args.resume else None)
+    print(json.dumps(summary.to_dict(), indent=2))
+    return 0 if summary.stopped is None else 1
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    import torch
+
+    from torchimpl.device import available_devices
+    from torchimpl.optim import supports_fused_adamw
+    from torchimpl.precision import PrecisionConfig, resolve_precision, tf32_settings
+
+    print(f"torch {torch.__version__}, python {sys.version.split()[0]}")
+    devices = available_devices()
+    print(f"devices: {', '.join(devices)}")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            print(f"  cuda:{i} {torch.cuda.get_device_name(i)}, bf16 supported: {torch.cuda.is_bf16_supported()}")
+    print(f"CPU capability: {torch.backends.cpu.get_cpu_capability()}")
+    flags = _cpu_flags()
+    if flags is not None:
+        feats = {f: (f in flags) for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")}
+        print("CPU features: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in feats.items()))
+    print(f"TF32: {tf32_settings()}")
+    for dev in devices:
+        print(f"precision on {dev}:")
+        for mode in ("auto", "fp32", "bf16", "fp16"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the downgrade is printed on this line instead
+                plan = resolve_precision(PrecisionConfig(mode=mode), dev)
+            extra = f" ({plan.reason})" if plan.reason else ""
+            print(f"  {mode:5} -> {plan.mode}, scaler={'yes' if plan.use_scaler else 'no'}, "
+                  f"autocast={'yes' if plan.autocast_enabled else 'no'}{extra}")
+        print(f"  fused AdamW: {'yes' if supports_fused_adamw(dev) else 'no'}")
+    return 0
+
+
+def _cpu_flags() -> set[str] | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return None
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from torchimpl.config import load_config
+    from torchimpl.records import read_trace
+
+    # The one place in torchimpl that uses the reference, imported only here.
+    from reference.scaling import ScalerConfig as RefScalerConfig
+    from reference.scaling import initial_state, update_scale
+
+    records = read_trace(args.trace)
+    if not records:
+        raise ValueError(f"{args.trace} holds no step records")
+    import dataclasses
+
+    policy = load_config(args.config, args.set).scaler.resolved()
+    names = {f.name for f in dataclasses.fields(RefScalerConfig)} & {f.name for f in dataclasses.fields(policy)}
+    values = {n: getattr(policy, n) for n in names}
+    values["init_scale"] = records[0].scale_before  # a trace may start after a resume
+    ref_cfg = RefScalerConfig(**values)
+    state = initial_state(ref_cfg)
+    for rec in records:
+        if float(state.scale) != rec.scale_before:
+            print(f"step {rec.step}: scale_before differs: trace {rec.scale_before!r}, reference {float(state.scale)!r}")
+            return 1
+        state = update_scale(state, rec.found_inf, ref_cfg)
+        if float(state.scale) != rec.scale_after or int(state.growth_tracker) != rec.growth_tracker:
+            print(f"first divergent step: {rec.step}: trace scale {rec.scale_after!r} tracker {rec.growth_tracker}, "
+                  f"reference scale {float(state.scale)!r} tracker {int(state.growth_tracker)}")
+            return 1
+    print(f"{len(records)} steps replayed: the scale history matches the reference")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ampspec", description="Mixed-precision training that explains itself.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compare", help="train one model in fp32, bf16 (and fp16 on CUDA) and compare")
+    c.add_argument("--steps", type=int, default=200)
+    c.add_argument("--device", default="auto")
+    c.add_argument("--out", default="ampspec-compare")
+    c.add_argument("--task", default="lm", choices=["lm", "mlp"])
+    c.set_defaults(func=_compare)
+    t = sub.add_parser("train", help="train from a configuration file")
+    t.add_argument("--config", help="YAML configuration file")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.steps=100")
+    t.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint")
+    t.set_defaults(func=_train)
+    d = sub.add_parser("doctor", help="what this machine supports")
+    d.set_defaults(func=_doctor)
+    r = sub.add_parser("replay", help="recompute a trace's scale history with the reference")
+    r.add_argument("trace")
+    r.add_argument("--config", help="the run's configuration (for the scaler settings)")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    r.set_defaults(func=_replay)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError, OSError, ImportError) as exc:
+        msg = str(exc).splitlines()
+        print(f"ampspec {args.command}: error: {' '.join(m.strip() for m in msg)}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,464 @@
+"""One training configuration: typed frozen dataclasses, loaded from YAML or dicts.
+
+Every field has a docstring (the string literal below it). Loading validates everything at
+once: unknown keys, wrong types and out-of-range values are collected into one
+:class:`ConfigError` that names each bad field by its dotted path and what is allowed.
+
+Precedence: the defaults here < a YAML file < ``key=value`` overrides (values parsed with
+``yaml.safe_load``, so ``train.clip_norm=null`` turns clipping off).
+
+The ``precision``, ``optimizer`` and ``scaler`` sections are the config classes of
+:mod:`torchimpl.precision`, :mod:`torchimpl.optim` and :mod:`torchimpl.scaler`; their own
+validation runs field by field so that every bad field is reported, not only the first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import yaml
+
+from torchimpl.optim import OptimizerConfig
+from torchimpl.precision import PrecisionConfig
+from torchimpl.scaler import ScalerConfig
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "ScheduleConfig",
+    "TaskConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration with one or more bad fields; ``errors`` lists ``(dotted_path, message)``."""
+
+    def __init__(self, errors: Sequence[tuple[str, str]]):
+        self.errors = list(errors)
+        lines = [f"{path}: {msg}" if path else msg for path, msg in self.errors]
+        if len(lines) == 1:
+            text = f"invalid configuration: {lines[0]}"
+        else:
+            text = "invalid configuration (%d errors):\n  %s" % (len(lines), "\n  ".join(lines))
+        super().__init__(text)
+
+
+# Own sections check themselves with ``_problems() -> list[(field, message)]``; constructing
+# one directly from Python with a bad value raises ConfigError the same way loading does.
+class _Checked:
+    def __post_init__(self) -> None:
+        problems = self._problems()  # type: ignore[attr-defined]
+        if problems:
+            raise ConfigError(problems)
+
+
+def _int_at_least(name: str, value: Any, low: int) -> list[tuple[str, str]]:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        return [(name, f"must be an integer >= {low}, got {value!r}")]
+    return []
+
+
+@dataclass(frozen=True)
+class TaskConfig(_Checked):
+    """Which model and data to train."""
+
+    name: str = "lm"
+    """``lm`` (a small transformer on a synthetic sequence task), ``mlp`` (a small MLP
+    regression), or ``module:function`` naming a function that returns
+    ``(model, train_data, val_data)``."""
+
+    size: Literal["tiny", "small"] = "small"
+    """Size of the embedded task's model: ``tiny`` for smoke tests, ``small`` by default."""
+
+    def _problems(self) -> list[tuple[str, str]]:
+        name = self.name
+        if not isinstance(name, str) or not (name in ("lm", "mlp") or _is_entry_point(name)):
+            return [("name", f"must be 'lm', 'mlp' or 'module:function', got {name!r}")]
+        return []
+
+
+def _is_entry_point(text: str) -> bool:
+    module, sep, func = text.partition(":")
+    return bool(sep) and bool(module) and func.isidentifier()
+
+
+@dataclass(frozen=True)
+class ScheduleConfig(_Checked):
+    """Learning-rate schedule, a function of the number of *applied* optimizer steps."""
+
+    name: Literal["cosine", "constant"] = "cosine"
+    """``cosine``: linear warmup then cosine decay to ``min_lr_ratio * lr``;
+    ``constant``: linear warmup then ``lr``."""
+
+    warmup_steps: int = 0
+    """Applied steps of linear warmup from ``lr / warmup_steps`` up to ``lr``."""
+
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay as a fraction of ``lr`` (0 to 1)."""
+
+    decay_steps: int | None = None
+    """Applied steps over which warmup plus decay run; ``null`` means ``train.steps``."""
+
+    def _problems(self) -> list[tuple[str, str]]:
+        out = []
+        if self.name not in ("cosine", "constant"):
+            out.append(("name", f"must be one of 'cosine', 'constant', got {self.name!r}"))
+        out += _int_at_least("warmup_steps", self.warmup_steps, 0)
+        ratio = self.min_lr_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+            out.append(("min_lr_ratio", f"must be a number in [0, 1], got {ratio!r}"))
+        if self.decay_steps is not None:
+            out += _int_at_least("decay_steps", self.decay_steps, 1)
+        return out
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Checked):
+    """The training loop."""
+
+    steps: int = 200
+    """Optimizer steps to attempt (skipped steps count: the run ends after this many attempts)."""
+
+    microbatches: int = 1
+    """Microbatches accumulated per optimizer step, at one constant loss scale."""
+
+    batch_size: int = 32
+    """Samples per microbatch (for the embedded tasks; a user's data brings its own)."""
+
+    clip_norm: float | None = 1.0
+    """Clip the unscaled gradients to this total L2 norm; ``null`` turns clipping off."""
+
+    log_interval: int = 10
+    """Read metrics from the device, log and call ``on_log`` every this many steps."""
+
+    eval_interval: int = 0
+    """Evaluate on the validation data every this many steps; 0 means at the end only."""
+
+    seed: int = 0
+    """Seed for model initialisation, data order and every random number generator."""
+
+    compile: bool = False
+    """Compile the model once with ``torch.compile``; autocast is entered around its calls."""
+
+    sync_free: bool = False
+    """With a fused optimizer, keep the skip decision and the schedule on the device: no host
+    sync until a log point. Ignored (with a warning) when the optimizer is not fused."""
+
+    on_nonfinite: Literal["skip", "stop"] = "skip"
+    """On a non-finite loss or gradient: ``skip`` the step (the scaler backs off) or ``stop``
+    the run and write a diagnosis report."""
+
+    guard: bool = False
+    """Install the non-finite guard that names the first module producing inf or NaN."""
+
+    force_scaler: bool = False
+    """Use a loss scaler even when the precision plan needs none (to exercise the skip logic
+    on CPU, where an fp16 request resolves to fp32)."""
+
+    trace_file: str | None = None
+    """Write one JSON Lines step record per optimizer step to this file."""
+
+    def _problems(self) -> list[tuple[str, str]]:
+        out = _int_at_least("steps", self.steps, 1)
+        out += _int_at_least("microbatches", self.microbatches, 1)
+        out += _int_at_least("batch_size", self.batch_size, 1)
+        out += _int_at_least("log_interval", self.log_interval, 1)
+        out += _int_at_least("eval_interval", self.eval_interval, 0)
+        out += _int_at_least("seed", self.seed, 0)
+        c = self.clip_norm
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
+            out.append(("clip_norm", f"must be a number > 0 or null (no clipping), got {c!r}"))
+        if self.on_nonfinite not in ("skip", "stop"):
+            out.append(("on_nonfinite", f"must be one of 'skip', 'stop', got {self.on_nonfinite!r}"))
+        for name in ("compile", "sync_free", "guard", "force_scaler"):
+            if not isinstance(getattr(self, name), bool):
+                out.append((name, f"must be true or false, got {getattr(self, name)!r}"))
+        return out
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(_Checked):
+    """Where and how often to save checkpoints."""
+
+    folder: str | None = None
+    """Folder for checkpoints; ``null`` turns checkpointing off."""
+
+    interval: int = 0
+    """Save every this many optimizer steps; 0 means only at the end of the run."""
+
+    keep_last: int = 3
+    """Keep the newest this many checkpoints and delete older ones."""
+
+    def _problems(self) -> list[tuple[str, str]]:
+        return _int_at_least("interval", self.interval, 0) + _int_at_least(
+            "keep_last", self.keep_last, 1
+        )
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole training run."""
+
+    device: str = "auto"
+    """``auto`` (CUDA, then MPS, then CPU), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``."""
+
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Model and data."""
+
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Precision request (``mode``: auto, fp32, bf16, fp16; ``dtype`` for auto)."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer (``name``, ``lr``, ``weight_decay``, ``betas``, ``fused``: null probes)."""
+
+    scaler: ScalerConfig = field(default_factory=ScalerConfig)
+    """Dynamic loss scaler (used only when the precision plan needs one)."""
+
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Learning-rate schedule."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The training loop."""
+
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not self.device:
+            raise ConfigError([("device", f"must be a device string like 'auto', 'cpu', 'cuda:0', got {self.device!r}")])
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (tuples become lists) that :meth:`from_dict` reads back equal."""
+        return _plain(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> Config:
+        """Build and validate; raises :class:`ConfigError` naming every bad field."""
+        errors: list[tuple[str, str]] = []
+        result = _build(cls, data or {}, "", errors)
+        if errors:
+            raise ConfigError(errors)
+        return result
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------- generic typed building
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if tp is type(None):
+        return "null"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list of {_describe(args[0])}"
+        return f"a list of {len(args)} values ({', '.join(_describe(a) for a in args)})"
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+_NO = object()
+
+
+def _coerce(tp: Any, value: Any) -> Any:
+    """``value`` converted to type ``tp``, or ``_NO`` when it does not fit."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if tp is type(None):
+        return None if value is None else _NO
+    if origin is Literal:
+        return value if any(value == a and type(value) is type(a) for a in typing.get_args(tp)) else _NO
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            out = _coerce(arg, value)
+            if out is not _NO:
+                return out
+        return _NO
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            return _NO
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            items = [_coerce(args[0], v) for v in value]
+        elif len(args) == len(value):
+            items = [_coerce(a, v) for a, v in zip(args, value)]
+        else:
+            return _NO
+        return _NO if any(i is _NO for i in items) else tuple(items)
+    if tp is bool:
+        return value if isinstance(value, bool) else _NO
+    if tp is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _NO
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            # PyYAML (YAML 1.1) reads ``3e-4`` without a dot as a string; accept it as a number.
+            try:
+                return float(value)
+            except ValueError:
+                return _NO
+        return _NO
+    if tp is str:
+        return value if isinstance(value, str) else _NO
+    if isinstance(tp, type):
+        return value if isinstance(value, tp) else _NO
+    return value
+
+
+def _build(cls: type, data: Any, prefix: str, errors: list[tuple[str, str]]) -> Any:
+    where = prefix or "configuration"
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, Mapping):
+        errors.append((prefix, f"{where} must be a mapping of keys to values, got {data!r}"))
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            errors.append(
+                (_join(prefix, str(key)), f"unknown key{hint}; allowed: {', '.join(fields)}")
+            )
+    kwargs: dict[str, Any] = {}
+    start = len(errors)
+    for name in fields:
+        if name not in data:
+            continue
+        tp, value, path = hints[name], data[name], _join(prefix, name)
+        if dataclasses.is_dataclass(tp):
+            sub = _build(tp, value, path, errors)
+            if sub is not None:
+                kwargs[name] = sub
+            continue
+        out = _coerce(tp, value)
+        if out is _NO:
+            errors.append((path, f"must be {_describe(tp)}, got {value!r}"))
+        else:
+            kwargs[name] = out
+    # Construct with the well-typed values even after an error, so that range errors in
+    # the other fields are reported in the same go.
+    result = _construct(cls, kwargs, prefix, errors)
+    if len(errors) > start or any(k not in fields for k in data):
+        return None
+    return result
+
+
+def _construct(cls: type, kwargs: dict[str, Any], prefix: str, errors: list[tuple[str, str]]) -> Any:
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        errors.extend((_join(prefix, p), m) for p, m in exc.errors)
+        return None
+    except (ValueError, TypeError) as first:
+        pass
+    # A section validated by its own class raises on its first bad field: try each field
+    # alone against the defaults so that every bad one is named.
+    found = False
+    for name, value in kwargs.items():
+        if dataclasses.is_dataclass(value):
+            continue
+        try:
+            cls(**{name: value})
+        except (ValueError, TypeError) as exc:
+            found = True
+            errors.append((_join(prefix, name), _strip_name(str(exc), name)))
+    if not found:
+        errors.append((prefix, str(first)))
+    return None
+
+
+def _strip_name(message: str, name: str) -> str:
+    # "growth_factor must be > 1, got 0.5" reads "scaler.growth_factor: must be > 1, got 0.5".
+    return message[len(name):].lstrip(" :") if message.startswith(name + " ") else message
+
+
+# ---------------------------------------------------------------- files and overrides
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of ``data`` with each ``"dotted.key=value"`` applied (value parsed as YAML)."""
+    tree = _plain(dict(data))
+    bad = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not p for p in key.split(".")):
+            bad.append((item, "an override must look like section.key=value, e.g. train.steps=100"))
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            bad.append((key, f"value {raw!r} is not valid YAML ({exc.__class__.__name__})"))
+            continue
+        _set_dotted(tree, key, value)
+    if bad:
+        raise ConfigError(bad)
+    return tree
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    data: Mapping[str, Any] | None = None,
+) -> Config:
+    """Defaults < ``path`` (YAML) or ``data`` < ``overrides``; raises :class:`ConfigError`."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError([("", f"cannot read config file {str(path)!r}: {exc.strerror}")]) from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError([("", f"{path} is not valid YAML: {exc}")]) from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError([("", f"{path} must hold a mapping of sections, got {type(loaded).__name__}")])
+        tree = loaded or {}
+    if data is not None:
+        tree = {**tree, **_plain(dict(data))}
+    tree = apply_overrides(tree, overrides)
+    return Config.from_dict(tree)

@@ -1,0 +1,102 @@
+"""Learning-rate schedules as pure functions of the number of APPLIED optimizer steps.
+
+A skipped step (non-finite gradients) does not count: the schedule stands still, so a run
+with skips follows the same learning-rate curve as one without, only later. Two forms:
+
+1. :func:`lr_at` on the host (Python floats, float64), used when the trainer knows on the
+   host whether a step was applied;
+2. :func:`lr_at_tensor` on the device, used by the sync-free mode, where the count of applied
+   steps is a device tensor and the branch between warmup and decay is a ``torch.where``.
+
+Rules, with ``n`` the applied steps so far, ``W`` the warmup steps, ``D`` the decay steps:
+1. warmup (``n < W``): ``lr * (n + 1) / W``;
+2. constant: ``lr`` afterwards;
+3. cosine: ``p = clamp((n - W) / max(1, D - W), 0, 1)``,
+   ``lr * (r + (1 - r) * (1 + cos(pi * p)) / 2)`` with ``r = min_lr_ratio``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from torchimpl.config import ScheduleConfig
+
+__all__ = ["AppliedStepSchedule", "lr_at", "lr_at_tensor"]
+
+
+def lr_at(n: int, base_lr: float, config: ScheduleConfig, total_steps: int) -> float:
+    """Learning rate for the step taken after ``n`` applied steps."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    warm = config.warmup_steps
+    if n < warm:
+        return base_lr * (n + 1) / warm
+    if config.name == "constant":
+        return base_lr
+    decay = config.decay_steps if config.decay_steps is not None else total_steps
+    p = min(max((n - warm) / max(1, decay - warm), 0.0), 1.0)
+    r = config.min_lr_ratio
+    return base_lr * (r + (1.0 - r) * (1.0 + math.cos(math.pi * p)) / 2.0)
+
+
+def lr_at_tensor(n: torch.Tensor, base_lr: float, config: ScheduleConfig, total_steps: int) -> torch.Tensor:
+    """:func:`lr_at` for a device tensor ``n`` (any numeric dtype): float64, no host sync."""
+    n = n.to(torch.float64)
+    warm = config.warmup_steps
+    warmup = base_lr * (n + 1.0) / max(warm, 1)
+    if config.name == "constant":
+        after = torch.full_like(n, base_lr)
+    else:
+        decay = config.decay_steps if config.decay_steps is not None else total_steps
+        p = ((n - warm) / max(1, decay - warm)).clamp(0.0, 1.0)
+        r = config.min_lr_ratio
+        after = base_lr * (r + (1.0 - r) * (1.0 + torch.cos(math.pi * p)) / 2.0)
+    return torch.where(n < warm, warmup, after)
+
+
+class AppliedStepSchedule:
+    """Sets ``param_group["lr"]`` from the count of applied steps.
+
+    ``step(applied)`` advances only when ``applied`` is true, the opposite of a torch
+    ``LRScheduler`` whose ``step()`` counts calls. State is the applied count and the base
+    learning rates (one per parameter group).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: ScheduleConfig, total_steps: int):
+        self.optimizer = optimizer
+        self.config = config
+        self.total_steps = total_steps
+        self.base_lrs = [float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]
+        self.applied_steps = 0
+        self.apply()
+
+    def lrs(self) -> list[float]:
+        return [lr_at(self.applied_steps, b, self.config, self.total_steps) for b in self.base_lrs]
+
+    def apply(self) -> None:
+        for group, lr in zip(self.optimizer.param_groups, self.lrs()):
+            group["lr"] = lr
+
+    def step(self, applied: bool) -> None:
+        if applied:
+            self.applied_steps += 1
+        self.apply()
+
+    def get_last_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"applied_steps": self.applied_steps, "base_lrs": list(self.base_lrs)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        base = [float(b) for b in state["base_lrs"]]
+        if len(base) != len(self.base_lrs):
+            raise ValueError(
+                f"schedule state has {len(base)} parameter groups, the optimizer has {len(self.base_lrs)}"
+            )
+        self.base_lrs = base
+        self.applied_steps = int(state["applied_steps"])
+        self.apply()

@@ -1,0 +1,749 @@
+"""The training loop: the step contract, host-sync budget, callbacks, records and resume.
+
+One optimizer step over ``k`` microbatches, in this order and no other:
+
+1. zero the gradients; for each microbatch: forward and loss under autocast, ``loss / k``
+   (``k`` is the window's real size: a window cut short by the end of an epoch divides by
+   its own length), scale, backward; gradients accumulate at one constant scale;
+2. unscale once and record ``found_inf`` (checked on the scaled gradients);
+3. clip the unscaled gradients at the configured threshold, unchanged by the scale;
+4. step the optimizer unless ``found_inf``;
+5. update the scale;
+6. advance the learning-rate schedule and the applied-step counter only if the step applied.
+
+Host syncs: none per microbatch (losses accumulate on the device); one per optimizer step
+(the skip decision, together with the loss's finiteness); none at all with a fused
+optimizer in the sync-free mode, where the optimizer's kernel skips on ``found_inf`` and the
+schedule is computed on the device from a device counter. Metrics (the step records and the
+loss curve) stay on the device until a log point, where they are read in one transfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import random
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+import torchimpl
+from torchimpl.checkpoint import (
+    CheckpointError,
+    capture_rng_state,
+    checkpoint_name,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    restore_rng_state,
+    save_checkpoint,
+)
+from torchimpl.config import Config
+from torchimpl.device import resolve_device
+from torchimpl.optim import build_optimizer
+from torchimpl.precision import autocast_context, resolve_precision
+from torchimpl.records import StepRecord, TraceWriter
+from torchimpl.scaler import make_grad_scaler
+from torchimpl.schedule import AppliedStepSchedule, lr_at_tensor
+
+__all__ = ["Callback", "RunSummary", "StopTraining", "Trainer", "TrainState", "default_loss_fn"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = 1
+
+
+def default_loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss protocol: a batch ``(inputs, targets)``; ``model(inputs, targets)`` is the loss."""
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    if isinstance(batch, dict):
+        return model(**batch)
+    return model(batch)
+
+
+class StopTraining(Exception):
+    """Raise from a callback to end ``fit`` cleanly after the current hook."""
+
+
+class Callback:
+    """Hooks called by :class:`Trainer`; override the ones you need.
+
+    Gradients seen by the hooks: ``on_after_backward`` gets the **scaled** gradients of the
+    whole window (before unscale); ``on_before_optimizer_step`` the unscaled, clipped ones.
+    """
+
+    def on_fit_start(self, trainer: Trainer) -> None: ...
+
+    def on_microbatch_end(self, trainer: Trainer, state: TrainState) -> None: ...
+
+    def on_after_backward(self, trainer: Trainer, state: TrainState) -> None: ...
+
+    def on_before_optimizer_step(self, trainer: Trainer, state: TrainState) -> None: ...
+
+    def on_step_end(self, trainer: Trainer, state: TrainState) -> None: ...
+
+    def on_log(self, trainer: Trainer, state: TrainState, records: list[StepRecord],
+               losses: list[float]) -> None: ...
+
+    def on_fit_end(self, trainer: Trainer, summary: RunSummary) -> None: ...
+
+
+@dataclass
+class TrainState:
+    """Counters of a run; everything here is saved in a checkpoint."""
+
+    step: int = 0
+    """Optimizer steps attempted (applied or skipped)."""
+    applied_steps: int = 0
+    """Optimizer steps applied; drives the learning-rate schedule (read at log points in
+    the sync-free mode)."""
+    skipped_steps: int = 0
+    epoch: int = 0
+    batch_index: int = 0
+    """Batches of the current epoch consumed by finished microbatches."""
+    samples: int = 0
+    window_size: int = 0
+    """Microbatches in the current accumulation window (0 between steps)."""
+    window_done: int = 0
+    """Microbatches of the current window already backpropagated."""
+    best_val_loss: float | None = None
+    last_val_loss: float | None = None
+    last_train_loss: float | None = None
+
+
+@dataclass
+class RunSummary:
+    """What a ``fit`` did, for people and for ``report.json``."""
+
+    device: str
+    precision_mode: str
+    autocast_dtype: str | None
+    use_scaler: bool
+    downgrades: list[str]
+    optimizer_kind: str
+    optimizer_reason: str | None
+    sync_free: bool
+    compiled: bool
+    steps: int
+    steps_applied: int
+    steps_skipped: int
+    final_scale: float | None
+    time_per_step_s: float
+    samples_per_s: float
+    peak_memory_bytes: int | None
+    final_train_loss: float | None
+    final_val_loss: float | None
+    best_val_loss: float | None
+    stopped: str | None = None
+    last_checkpoint: str | None = None
+    diagnosis_report: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        if device.type == "cuda":
+            # Pinned source, asynchronous copy. The pinned block stays referenced by the window
+            # until the step ends, and the caching host allocator keeps it from reuse until the
+            # copy's stream event has completed.
+            src = batch if batch.is_pinned() else batch.pin_memory()
+            return src.to(device, non_blocking=True)
+        return batch.to(device)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, (tuple, list)) and batch:
+        return _batch_size(batch[0])
+    if isinstance(batch, dict) and batch:
+        return _batch_size(next(iter(batch.values())))
+    return 1
+
+
+class Trainer:
+    """Trains a model by the step contract; see the module docstring.
+
+    Attributes available to callbacks during ``fit``: ``model`` (the module being trained,
+    uncompiled), ``optimizer``, ``scaler`` (``None`` without loss scaling), ``plan``,
+    ``device``, ``state``, ``schedule`` (host mode) and ``found_inf`` (this step's device flag).
+    """
+
+    def __init__(self, config: Config, callbacks: Sequence[Callback] = ()):
+        if not isinstance(config, Config):
+            raise ValueError(f"config must be a torchimpl.config.Config, got {type(config).__name__}")
+        self.config = config
+        self.callbacks = list(callbacks)
+        self.loss_history: list[tuple[int, float]] = []
+        self.scale_history: list[tuple[int, float]] = []
+        self._stop_requested: str | None = None
+
+    # ------------------------------------------------------------------ public helpers
+
+    def request_stop(self, reason: str = "requested") -> None:
+        """End ``fit`` after the current hook returns (callable from any callback)."""
+        self._stop_requested = reason
+
+    def save_checkpoint(self, path: str | Path | None = None) -> Path:
+        """Save now (between steps or inside an accumulation window, e.g. from a callback)."""
+        if path is None:
+            folder = self.config.checkpoint.folder
+            if folder is None:
+                raise ValueError("no path given and checkpoint.folder is not set")
+            path = Path(folder) / checkpoint_name(self.state.step, self.state.window_done)
+        written = save_checkpoint(self._checkpoint_contents(), path)
+        self._last_checkpoint = str(written)
+        log.info("saved checkpoint %s", written)
+        if self.config.checkpoint.folder is not None and Path(written).parent == Path(self.config.checkpoint.folder):
+            prune_checkpoints(self.config.checkpoint.folder, self.config.checkpoint.keep_last)
+        return written
+
+    @torch.no_grad()
+    def evaluate(self, val_data: Iterable[Any]) -> float:
+        """Mean loss over ``val_data`` under the run's autocast; one host read at the end."""
+        model = self._forward_model
+        was_training = self.model.training
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = 0
+        for batch in val_data:
+            with autocast_context(self.plan, self.device):
+                loss = self.loss_fn(model, _to_device(batch, self.device))
+            total += loss.detach().to(torch.float64)
+            count += 1
+        self.model.train(was_training)
+        if count == 0:
+            raise ValueError("val_data yielded no batches")
+        return float(total.item()) / count
+
+    # ------------------------------------------------------------------ fit
+
+    def fit(
+        self,
+        model: nn.Module,
+        train_data: Iterable[Any],
+        val_data: Iterable[Any] | None = None,
+        *,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+        resume: str | Path | None = None,
+    ) -> RunSummary:
+        """Train for ``train.steps`` optimizer steps (counting skipped ones) and summarise.
+
+        ``resume``: a checkpoint path, or ``"latest"`` for the newest good checkpoint in
+        ``checkpoint.folder`` (starting fresh when there is none).
+        """
+        cfg = self.config
+        self._stop_requested = None
+        self._last_checkpoint: str | None = None
+        self._diagnosis: str | None = None
+        self.loss_fn = loss_fn or default_loss_fn
+        self.train_data = train_data
+        self.device = resolve_device(cfg.device)
+        self.plan = resolve_precision(cfg.precision, self.device)
+        downgrades = []
+        if self.plan.reason:
+            downgrades.append(self.plan.reason)
+            warnings.warn(f"precision: {self.plan.reason}", stacklevel=2)
+
+        self.model = model.to(self.device)
+        self.model.train()
+        # The optimizer is built after the move so the fused probe sees the real parameters.
+        built = build_optimizer(self.model, cfg.optimizer, self.device)
+        self.optimizer = built.optimizer
+        self.optimizer_kind, optimizer_reason = built.kind, built.reason
+        if optimizer_reason:
+            log.info("optimizer: %s (%s)", built.kind, optimizer_reason)
+        self.sync_free = cfg.train.sync_free and built.kind == "fused"
+        if cfg.train.sync_free and not self.sync_free:
+            msg = f"train.sync_free needs a fused optimizer, got {built.kind}; using one host sync per step"
+            downgrades.append(msg)
+            warnings.warn(msg, stacklevel=2)
+        self.scaler = make_grad_scaler(self.plan, cfg.scaler, force=cfg.train.force_scaler)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+        self.schedule = AppliedStepSchedule(self.optimizer, cfg.schedule, cfg.train.steps)
+        self.state = TrainState()
+        if self.sync_free:
+            # The schedule lives on the device: a float32 lr tensor per group, recomputed
+            # from a device counter of applied steps (fused kernels read tensor lrs).
+            self._applied_t = torch.zeros((), dtype=torch.int64, device=self.device)
+            for group in self.optimizer.param_groups:
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
+
+        self._forward_model = torch.compile(self.model) if cfg.train.compile else self.model
+        self._it: Iterator[Any] | None = None
+        self._epoch_rng: torch.Tensor | None = None
+        self._loss_acc = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._pending: list[tuple[int, int, bool | None, torch.Tensor, Any]] = []
+        self.loss_history, self.scale_history = [], []
+
+        # Seed every generator from train.seed (a resume overwrites them with the saved states).
+        random.seed(cfg.train.seed)
+        np.random.seed(cfg.train.seed)
+        torch.manual_seed(cfg.train.seed)
+        resume_contents = None
+        if resume is not None:
+            path = resume
+            if str(resume) == "latest":
+                if cfg.checkpoint.folder is None:
+                    raise ValueError("resume='latest' needs checkpoint.folder")
+                path = latest_checkpoint(cfg.checkpoint.folder)
+                if path is None:
+                    log.info("no checkpoint in %s; starting fresh", cfg.checkpoint.folder)
+            if path is not None:
+                resume_contents = load_checkpoint(path, map_location="cpu")
+                self._restore(resume_contents, Path(path))
+                log.info("resumed from %s at step %d", path, self.state.step)
+
+        if self.scaler is not None:
+            # Materialise the (possibly restored) scale on the device now, so that the step
+            # records can read it without touching the scaler's lazy initialisation.
+            self.scaler.scale(torch.zeros((), device=self.device))
+
+        guard = None
+        if cfg.train.guard:
+            from torchimpl.diagnostics import NonFiniteGuard
+
+            guard = NonFiniteGuard(self.model)
+
+        writer = None
+        if cfg.train.trace_file:
+            writer = TraceWriter(cfg.train.trace_file, append=resume_contents is not None)
+        for cb in self.callbacks:
+            cb.on_fit_start(self)
+
+        if resume_contents is not None:
+            # RNG last, so nothing in the set-up above consumes the restored streams.
+            restore_rng_state(resume_contents["rng"])
+            self._reopen_data(resume_contents["data"])
+
+        bar = self._progress_bar()
+        start_step = self.state.step
+        start_samples = self.state.samples
+        t0 = time.perf_counter()
+        excluded = 0.0  # evaluation and checkpoint time, not part of step time
+        stopped = None
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            while self.state.step < cfg.train.steps:
+                self._one_step()
+                last = self.state.step >= cfg.train.steps
+                if self.state.step % cfg.train.log_interval == 0 or last or self._stop_requested:
+                    self._flush(writer, bar)
+                te = time.perf_counter()
+                ei = cfg.train.eval_interval
+                if val_data is not None and ((ei and self.state.step % ei == 0) or last):
+                    self._record_val(self.evaluate(val_data))
+                ci = cfg.checkpoint.interval
+                if cfg.checkpoint.folder is not None and ((ci and self.state.step % ci == 0) or last):
+                    self.save_checkpoint()
+                excluded += time.perf_counter() - te
+                if self._stop_requested:
+                    stopped = self._stop_requested
+                    break
+        except StopTraining as exc:
+            stopped = str(exc) or "StopTraining"
+        finally:
+            self._flush(writer, bar)
+            if writer is not None:
+                writer.close()
+            if guard is not None:
+                guard.remove()
+            if bar is not None:
+                bar.close()
+        elapsed = time.perf_counter() - t0 - excluded
+        steps_run = max(self.state.step - start_step, 1)
+        self._sync_counters()
+        summary = RunSummary(
+            device=str(self.device),
+            precision_mode=self.plan.mode,
+            autocast_dtype=str(self.plan.dtype).replace("torch.", "") if self.plan.autocast_enabled else None,
+            use_scaler=self.scaler is not None,
+            downgrades=downgrades,
+            optimizer_kind=self.optimizer_kind,
+            optimizer_reason=optimizer_reason,
+            sync_free=self.sync_free,
+            compiled=cfg.train.compile,
+            steps=self.state.step,
+            steps_applied=self.state.applied_steps,
+            steps_skipped=self.state.skipped_steps,
+            final_scale=float(self.scaler.get_scale()) if self.scaler is not None else None,
+            time_per_step_s=elapsed / steps_run,
+            samples_per_s=(self.state.samples - start_samples) / elapsed if elapsed > 0 else 0.0,
+            peak_memory_bytes=(
+                int(torch.cuda.max_memory_allocated(self.device)) if self.device.type == "cuda" else None
+            ),
+            final_train_loss=self.state.last_train_loss,
+            final_val_loss=self.state.last_val_loss,
+            best_val_loss=self.state.best_val_loss,
+            stopped=stopped,
+            last_checkpoint=self._last_checkpoint,
+            diagnosis_report=self._diagnosis,
+        )
+        for cb in self.callbacks:
+            cb.on_fit_end(self, summary)
+        return summary
+
+    # ------------------------------------------------------------------ one optimizer step
+
+    def _one_step(self) -> None:
+        cfg, st = self.config, self.state
+        if st.window_size == 0:
+            window = self._fetch(cfg.train.microbatches)
+            st.window_size, st.window_done = len(window), 0
+            self.optimizer.zero_grad(set_to_none=True)
+            self._loss_acc.zero_()
+        else:  # resumed inside a window: the rest of it
+            window = self._fetch(st.window_size - st.window_done)
+        k = st.window_size
+        scale_before = self.scaler._scale.detach().clone() if self.scaler is not None else None
+        for batch in window:
+            batch_size = _batch_size(batch)
+            batch = _to_device(batch, self.device)
+            with autocast_context(self.plan, self.device):
+                loss = self.loss_fn(self._forward_model, batch)
+            # Outside autocast from here: the division, the scaling and backward.
+            self._loss_acc += loss.detach().float()
+            scaled = loss / k
+            if self.scaler is not None:
+                scaled = self.scaler.scale(scaled)
+            scaled.backward()
+            st.window_done += 1
+            st.batch_index += 1
+            st.samples += batch_size
+            for cb in self.callbacks:
+                cb.on_microbatch_end(self, st)
+            if self._stop_requested:
+                return
+        for cb in self.callbacks:
+            cb.on_after_backward(self, st)
+
+        found_inf = self._unscale_and_check()
+        self.found_inf = found_inf
+        grad_norm = clip_coef = None
+        if cfg.train.clip_norm is not None:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
+            # The same expression torch's clip_grads_with_norm_ evaluates, so the recorded
+            # coefficient is the one applied.
+            clip_coef = torch.clamp(cfg.train.clip_norm / (grad_norm + 1e-6), max=1.0)
+            torch.nn.utils.clip_grads_with_norm_(self.params, cfg.train.clip_norm, grad_norm)
+        for cb in self.callbacks:
+            cb.on_before_optimizer_step(self, st)
+
+        mean_loss = self._loss_acc / k
+        if self.sync_free:
+            lr_used = self.optimizer.param_groups[0]["lr"].detach().clone()
+            self.optimizer.grad_scale = None
+            self.optimizer.found_inf = found_inf
+            self.optimizer.step()
+            applied = None
+        else:
+            lr_used = float(self.optimizer.param_groups[0]["lr"])
+            # The one host sync of the step: the skip decision and the loss's finiteness.
+            flags = int(((found_inf > 0).float() + 2.0 * (~torch.isfinite(mean_loss)).float()).item())
+            found, loss_bad = bool(flags & 1), bool(flags & 2)
+            if (loss_bad or (found and self.scaler is None)) and cfg.train.on_nonfinite == "stop":
+                self._stop_on_nonfinite(window, "non-finite loss" if loss_bad else "non-finite gradients")
+                return
+            applied = not found
+            if applied:
+                if self.optimizer_kind == "fused":
+                    self.optimizer.grad_scale = None
+                    self.optimizer.found_inf = found_inf
+                self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update()
+
+        if self.sync_free:
+            self._applied_t += (1.0 - found_inf).to(torch.int64)
+            for group, base in zip(self.optimizer.param_groups, self.schedule.base_lrs):
+                group["lr"].copy_(lr_at_tensor(self._applied_t, base, cfg.schedule, cfg.train.steps))
+        else:
+            self.schedule.step(applied)
+            st.applied_steps += int(applied)
+            st.skipped_steps += int(not applied)
+
+        self._pending.append(self._device_record(k, applied, found_inf, scale_before, grad_norm, clip_coef, lr_used, mean_loss))
+        st.step += 1
+        st.window_size = st.window_done = 0
+        for cb in self.callbacks:
+            cb.on_step_end(self, st)
+
+    def _unscale_and_check(self) -> torch.Tensor:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+            return self.scaler.found_inf_tensor().to(torch.float32)
+        # Without a scaler: the same non-finite check at a scale of 1 (grads unchanged).
+        found = torch.zeros((), dtype=torch.float32, device=self.device)
+        one = torch.ones((), dtype=torch.float32, device=self.device)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.params:
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        return found
+
+    def _device_record(self, k, applied, found_inf, scale_before, grad_norm, clip_coef, lr_used, mean_loss):
+        nan = torch.full((), float("nan"), dtype=torch.float64, device=self.device)
+        one = torch.ones((), dtype=torch.float64, device=self.device)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+
+        def f64(t):
+            if t is None:
+                return nan
+            if isinstance(t, torch.Tensor):
+                return t.detach().to(torch.float64).reshape(())
+            return torch.tensor(float(t), dtype=torch.float64, device=self.device)
+
+        if self.scaler is not None:
+            after, tracker = f64(self.scaler._scale), f64(self.scaler._growth_tracker)
+            before = f64(scale_before)
+        else:
+            after, tracker, before = one, zero, one
+        values = torch.stack([before, f64(found_inf), f64(grad_norm), f64(clip_coef), after, tracker,
+                              f64(lr_used), f64(mean_loss)])
+        return (self.state.step, k, applied, values, grad_norm is not None)
+
+    def _flush(self, writer: TraceWriter | None, bar: Any) -> None:
+        """Read pending records from the device in one transfer; log, write, call ``on_log``."""
+        if not self._pending:
+            return
+        table = torch.stack([p[3] for p in self._pending]).cpu().tolist()
+        records, losses = [], []
+        for (step, k, applied, _, clipped), row in zip(self._pending, table):
+            before, found, norm, coef, after, tracker, lr, loss = row
+            found_b = bool(found)
+            records.append(StepRecord(
+                step=step, microbatches=k, scale_before=before, found_inf=found_b,
+                applied=(not found_b) if applied is None else applied,
+                grad_norm=norm if clipped else None, clip_coef=coef if clipped else None,
+                scale_after=after, growth_tracker=int(tracker), lr=lr,
+            ))
+            losses.append(loss)
+            self.loss_history.append((step, loss))
+            self.scale_history.append((step, after))
+        self._pending = []
+        if self.sync_free:
+            applied_n = sum(r.applied for r in records)
+            self.state.applied_steps += applied_n
+            self.state.skipped_steps += len(records) - applied_n
+            if self.config.train.on_nonfinite == "stop" and any(not math.isfinite(x) for x in losses):
+                self.request_stop("non-finite loss (seen at a log point in the sync-free mode)")
+        self.state.last_train_loss = losses[-1]
+        if writer is not None:
+            writer.write(records)
+        last = records[-1]
+        log.info("step %d loss %.5g scale %g lr %.3g skipped %d", last.step, losses[-1], last.scale_after,
+                 last.lr, self.state.skipped_steps)
+        if bar is not None:
+            bar.set_postfix(loss=f"{losses[-1]:.4g}", scale=f"{last.scale_after:g}",
+                            skipped=self.state.skipped_steps, refresh=False)
+            bar.update(last.step + 1 - bar.n)
+        for cb in self.callbacks:
+            cb.on_log(self, self.state, records, losses)
+
+    def _sync_counters(self) -> None:
+        if self.sync_free:
+            self.state.applied_steps = int(self._applied_t.item())
+            self.state.skipped_steps = self.state.step - self.state.applied_steps
+
+    def _record_val(self, value: float) -> None:
+        self.state.last_val_loss = value
+        if math.isfinite(value) and (self.state.best_val_loss is None or value < self.state.best_val_loss):
+            self.state.best_val_loss = value
+
+    def _progress_bar(self) -> Any:
+        if not sys.stderr.isatty():
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.config.train.steps, initial=self.state.step, unit="step", dynamic_ncols=True)
+
+    def _stop_on_nonfinite(self, window: list[Any], what: str) -> None:
+        """Write the diagnosis report for the window's first batch and request a stop."""
+        from torchimpl.diagnostics import diagnose_nonfinite
+
+        folder = Path(self.config.checkpoint.folder or (
+            Path(self.config.train.trace_file).parent if self.config.train.trace_file else "."))
+        path = folder / f"nonfinite-step{self.state.step:08d}.json"
+        try:
+            report = diagnose_nonfinite(self.model, _to_device(window[0], self.device), self.loss_fn, self.plan,
+                                        self.optimizer, self.scaler)
+            data = report.to_dict() if hasattr(report, "to_dict") else dataclasses.asdict(report)
+        except Exception as exc:  # the diagnosis must not hide the original problem
+            data = {"error": f"diagnosis failed: {exc!r}"}
+        data = {"step": self.state.step, "problem": what, "diagnosis": data}
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2, default=str))
+        self._diagnosis = str(path)
+        log.error("%s at step %d; diagnosis written to %s", what, self.state.step, path)
+        self.state.window_size = self.state.window_done = 0
+        self.request_stop(f"{what} at step {self.state.step}")
+
+    # ------------------------------------------------------------------ data position
+
+    def _open_epoch(self, index: int = 0) -> None:
+        data = self.train_data
+        if hasattr(data, "iter_from"):
+            self._epoch_rng = None
+            self._it = iter(data.iter_from(self.state.epoch, index))
+            return
+        # A DataLoader draws its shuffle seed from the global generator when iterated: keep the
+        # state it started from, so that a resume can rebuild the same order.
+        self._epoch_rng = torch.get_rng_state()
+        for target in (data, getattr(data, "sampler", None), getattr(data, "batch_sampler", None)):
+            if hasattr(target, "set_epoch"):
+                target.set_epoch(self.state.epoch)
+        self._it = iter(data)
+        for _ in range(index):
+            next(self._it)
+
+    def _fetch(self, n: int) -> list[Any]:
+        """Up to ``n`` batches; fewer at the end of an epoch (windows never cross epochs)."""
+        batches: list[Any] = []
+        while len(batches) < n:
+            if self._it is None:
+                self._open_epoch()
+            try:
+                batches.append(next(self._it))
+            except StopIteration:
+                if batches:
+                    break
+                if self.state.batch_index == 0:
+                    raise ValueError(
+                        f"train_data yielded no batches in epoch {self.state.epoch}; pass a re-iterable "
+                        "source (a list, a DataLoader), not a one-shot generator"
+                    ) from None
+                self._it = None
+                self.state.epoch += 1
+                self.state.batch_index = 0
+        return batches
+
+    def _reopen_data(self, data_state: dict[str, Any]) -> None:
+        self.state.epoch = int(data_state["epoch"])
+        index = int(data_state["index"])
+        if not data_state.get("started", True):
+            self._it = None
+            return
+        if hasattr(self.train_data, "iter_from"):
+            self._open_epoch(index)
+            return
+        saved = data_state.get("epoch_rng")
+        current = torch.get_rng_state()
+        if saved is not None:
+            torch.set_rng_state(saved)
+        self._open_epoch(index)
+        torch.set_rng_state(current)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _checkpoint_contents(self) -> dict[str, Any]:
+        st = self.state
+        self._sync_counters()
+        schedule_state = self.schedule.state_dict()
+        schedule_state["applied_steps"] = st.applied_steps
+        mid_window = st.window_size > 0
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "versions": {"torch": str(torch.__version__), "ampspec": _ampspec_version()},
+            "config": self.config.to_dict(),
+            "model": self.model.state_dict(),
+            "model_signature": {k: list(v.shape) for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "optimizer_kind": self.optimizer_kind,
+            "schedule": schedule_state,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "trainer": dataclasses.asdict(st),
+            "accumulation": {
+                "grads": [p.grad.detach().clone() if p.grad is not None else None for p in self.params],
+                "loss": self._loss_acc.detach().clone(),
+            } if mid_window else None,
+            "rng": capture_rng_state(),
+            "data": {"epoch": st.epoch, "index": st.batch_index, "epoch_rng": self._epoch_rng,
+                     "started": self._it is not None},
+        }
+
+    def _restore(self, ckpt: dict[str, Any], path: Path) -> None:
+        if ckpt.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"{path}: checkpoint format {ckpt.get('format')!r}, expected {CHECKPOINT_FORMAT}")
+        mine = {k: list(v.shape) for k, v in self.model.state_dict().items()}
+        theirs = ckpt["model_signature"]
+        if mine != theirs:
+            missing = sorted(set(mine) - set(theirs))
+            extra = sorted(set(theirs) - set(mine))
+            shapes = sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
+            parts = [f"missing {missing[:5]}" if missing else "", f"unexpected {extra[:5]}" if extra else "",
+                     f"different shapes for {shapes[:5]}" if shapes else ""]
+            raise CheckpointError(
+                f"{path} was saved from a different model: " + "; ".join(p for p in parts if p)
+            )
+        self.model.load_state_dict(ckpt["model"])
+        try:
+            self.optimizer.load_state_dict(ckpt["optimizer"])
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{path}: optimizer state does not fit this optimizer: {exc}") from None
+        if ckpt.get("optimizer_kind") != self.optimizer_kind:
+            log.warning("%s was saved with a %s optimizer, resuming with %s: updates may differ in the last bits",
+                        path, ckpt.get("optimizer_kind"), self.optimizer_kind)
+        sched = ckpt["schedule"]
+        if self.sync_free:
+            self.schedule.base_lrs = [float(b) for b in sched["base_lrs"]]
+            self._applied_t.fill_(int(sched["applied_steps"]))
+            for group, base in zip(self.optimizer.param_groups, self.schedule.base_lrs):
+                group["lr"] = lr_at_tensor(self._applied_t, base, self.config.schedule,
+                                           self.config.train.steps).to(torch.float32)
+        else:
+            self.schedule.load_state_dict(sched)
+        self._restore_scaler(ckpt.get("scaler"), path)
+        fields = {f.name for f in dataclasses.fields(TrainState)}
+        self.state = TrainState(**{k: v for k, v in ckpt["trainer"].items() if k in fields})
+        acc = ckpt.get("accumulation")
+        if acc is not None:
+            for p, g in zip(self.params, acc["grads"]):
+                p.grad = None if g is None else g.to(self.device)
+            self._loss_acc = acc["loss"].to(self.device)
+
+    def _restore_scaler(self, state: dict[str, Any] | None, path: Path) -> None:
+        if self.scaler is not None and state is None:
+            warnings.warn(
+                f"{path} holds no loss-scaler state (saved by a run without a scaler); the scaler "
+                f"starts fresh at init_scale={getattr(self.scaler, 'policy', self.config.scaler).init_scale}",
+                stacklevel=3,
+            )
+        elif self.scaler is None and state is not None:
+            warnings.warn(
+                f"{path} holds a loss-scaler state (scale {state.get('scale')}) but this run's "
+                f"precision plan ({self.plan.mode}) uses no scaler; the state was ignored",
+                stacklevel=3,
+            )
+        elif self.scaler is not None:
+            self.scaler.load_state_dict(state)
+
+
+def _ampspec_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("ampspec")
+    except Exception:  # not installed (running from a checkout)
+        return getattr(torchimpl, "__version__", "unknown")
