@@ -47,7 +47,7 @@ def test_replay_names_the_first_divergent_step(tmp_path):
            "grad_norm": None, "clip_coef": None, "scale_after": 65536.0, "growth_tracker": 0, "lr": 0.001}
     (tmp_path / "t.jsonl").write_text(json.dumps(rec) + "\n")
     r = ampspec("replay", tmp_path / "t.jsonl")
-    assert r.returncode == 1 and "first divergent step: 0" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 1 and "first divergent step 0: scale_after" in r.stdout, r.stdout + r.stderr
 
 
 def test_doctor_reports_the_environment():

@@ -92,35 +92,30 @@ def _cpu_flags() -> set[str] | None:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from torchimpl.config import load_config
     from torchimpl.records import read_trace
 
     # The one place in torchimpl that uses the reference, imported only here.
     from reference.scaling import ScalerConfig as RefScalerConfig
-    from reference.scaling import initial_state, update_scale
+    from reference.step import replay
 
     records = read_trace(args.trace)
     if not records:
         raise ValueError(f"{args.trace} holds no step records")
-    import dataclasses
-
+    if all(r.scale_before == r.scale_after == 1.0 for r in records):
+        print(f"{len(records)} steps with the scale fixed at 1 (no loss scaler): nothing to replay")
+        return 0
     policy = load_config(args.config, args.set).scaler.resolved()
-    names = {f.name for f in dataclasses.fields(RefScalerConfig)} & {f.name for f in dataclasses.fields(policy)}
-    values = {n: getattr(policy, n) for n in names}
-    values["init_scale"] = records[0].scale_before  # a trace may start after a resume
-    ref_cfg = RefScalerConfig(**values)
-    state = initial_state(ref_cfg)
-    for rec in records:
-        if float(state.scale) != rec.scale_before:
-            print(f"step {rec.step}: scale_before differs: trace {rec.scale_before!r}, reference {float(state.scale)!r}")
-            return 1
-        state = update_scale(state, rec.found_inf, ref_cfg)
-        if float(state.scale) != rec.scale_after or int(state.growth_tracker) != rec.growth_tracker:
-            print(f"first divergent step: {rec.step}: trace scale {rec.scale_after!r} tracker {rec.growth_tracker}, "
-                  f"reference scale {float(state.scale)!r} tracker {int(state.growth_tracker)}")
-            return 1
-    print(f"{len(records)} steps replayed: the scale history matches the reference")
-    return 0
+    shared = {f.name for f in dataclasses.fields(RefScalerConfig)} & {f.name for f in dataclasses.fields(policy)}
+    ref_cfg = RefScalerConfig.preset(policy.preset, **{n: getattr(policy, n) for n in shared - {"preset"}})
+    result = replay([dataclasses.asdict(r) for r in records], ref_cfg)
+    if result.ok:
+        print(f"{result.steps_checked} steps replayed: the scale history matches the reference")
+        return 0
+    print(f"first divergent {result.describe()}")
+    return 1
 
 
 def _parser() -> argparse.ArgumentParser:
