@@ -30,3 +30,18 @@ def e4m3fn_saturates(device: str) -> bool:
         return E4M3FN_SATURATES_ON_CPU[TORCH_VERSION]
     # CUDA picks an intrinsic or the C++ path by toolkit and architecture: probed, not assumed.
     return probe_e4m3fn_saturates(device)
+
+
+# Autocast op policy (reference.autocast.POLICY): the torch versions, per device type, whose output
+# dtypes were compared op by op against the table and matched. The CPU table was measured on
+# 2.13; the CUDA table follows PyTorch's documented lists and has not yet been run on a GPU. No
+# version-dependent difference is known; one found later is keyed here by version, not absorbed.
+AUTOCAST_POLICY_CONFIRMED: dict[str, tuple[str, ...]] = {"cpu": ("2.13",), "cuda": ()}
+
+
+def autocast_policy_provenance(device: str) -> str:
+    """One line for failure messages: which torch versions confirmed the table on ``device``."""
+    confirmed = AUTOCAST_POLICY_CONFIRMED.get(device, ())
+    if not confirmed:
+        return f"the {device} table has not been confirmed on any torch version yet"
+    return f"the {device} table was confirmed on torch {', '.join(confirmed)}"
