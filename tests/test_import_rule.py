@@ -30,3 +30,10 @@ def test_torchimpl_never_imports_reference():
     mods = _modules_after_import("torchimpl")
     leaked = sorted(m for m in mods if m == "reference" or m.startswith("reference."))
     assert not leaked, f"torchimpl imported {leaked}: the two implementations must stay independent"
+
+
+def test_torchimpl_reexports_its_public_names():
+    import torchimpl
+
+    for name in torchimpl.__all__:
+        assert hasattr(torchimpl, name), f"torchimpl.__all__ lists {name!r} but the package lacks it"
