@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -103,7 +103,8 @@ class StepConfig:
     ``optimizer_kind`` ``"fused"`` models a fused Adam/AdamW under the scaler
     (`reference.optim.fused_adam_step`); it applies only when ``clip_norm`` is None, since
     clipping needs the gradients unscaled first, after which fused and for-loop see the same
-    unscaled gradients.
+    unscaled gradients. ``sqrt`` replaces Adam's square root (`reference.optim.adam_step`): torch's
+    CPU square root is not correctly rounded, so a bit-level comparison injects torch's own.
     """
 
     optimizer: Any
@@ -114,6 +115,7 @@ class StepConfig:
     norm_type: float = 2.0
     clip_order: str = "torch_cpu"
     optimizer_kind: str = "for-loop"
+    sqrt: Callable[[np.ndarray], np.ndarray] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.optimizer, (optim.SGDConfig, optim.AdamConfig)):
@@ -249,32 +251,33 @@ def train_step(
         if np.shape(g) != p.shape:
             raise ValueError(f"gradient {i} has shape {np.shape(g)}, parameter {i} has {p.shape}")
     lr = config.lr_at(state.applied_steps)
-    scale_before = state.scaler.scale
-
-    if config.optimizer_kind == "fused" and config.clip_norm is None and config.use_scaler:
-        return _fused_step(state, scaled_grads, config, microbatches, lr)
-
-    if config.use_scaler:
-        grads, found_inf = scaling.unscale_gradients(list(scaled_grads), state.scaler)
-    else:
-        grads = [np.array(g, copy=True) for g in scaled_grads]
-        found_inf = scaling.has_inf_or_nan(grads)
-
     grad_norm = clip_coef = None
-    if config.clip_norm is not None:
-        clipped = clipping.clip_grad_norm(grads, config.clip_norm, config.norm_type, order=config.clip_order)
-        grads, grad_norm, clip_coef = list(clipped.grads), float(clipped.total_norm), float(clipped.clip_coef)
-
-    params, opt_state = state.params, state.opt_state
-    if not found_inf:
-        params, opt_state = _optimizer_step(params, grads, opt_state, config.optimizer, lr)
+    if config.optimizer_kind == "fused" and config.clip_norm is None and config.use_scaler:
+        # The fused kernel checks, divides by the scale (true division) and skips by itself.
+        found_inf = scaling.has_inf_or_nan(list(scaled_grads))
+        params, grads, opt_state = optim.fused_adam_step(
+            list(state.params), list(scaled_grads), state.opt_state, config.optimizer,
+            grad_scale=state.scaler.scale, found_inf=1.0 if found_inf else 0.0, lr=lr,
+        )
+    else:
+        if config.use_scaler:
+            grads, found_inf = scaling.unscale_gradients(list(scaled_grads), state.scaler)
+        else:
+            grads = [np.array(g, copy=True) for g in scaled_grads]
+            found_inf = scaling.has_inf_or_nan(grads)
+        if config.clip_norm is not None:
+            clipped = clipping.clip_grad_norm(grads, config.clip_norm, config.norm_type, order=config.clip_order)
+            grads, grad_norm, clip_coef = list(clipped.grads), float(clipped.total_norm), float(clipped.clip_coef)
+        params, opt_state = state.params, state.opt_state
+        if not found_inf:
+            params, opt_state = _optimizer_step(params, grads, opt_state, config, lr)
 
     new_scaler = scaling.update_scale(state.scaler, found_inf, config.scaler) if config.use_scaler else state.scaler
     applied = not found_inf
     record = StepRecord(
         step=state.step,
         microbatches=microbatches,
-        scale_before=float(scale_before),
+        scale_before=float(state.scaler.scale),
         found_inf=bool(found_inf),
         applied=applied,
         grad_norm=grad_norm,
@@ -293,45 +296,10 @@ def train_step(
     return StepResult(state=new_state, record=record, grads=tuple(grads))
 
 
-def _optimizer_step(params, grads, opt_state, opt_config, lr):
-    if isinstance(opt_config, optim.SGDConfig):
-        return optim.sgd_step(list(params), grads, opt_state, opt_config, lr=lr)
-    return optim.adam_step(list(params), grads, opt_state, opt_config, lr=lr)
-
-
-def _fused_step(state: TrainState, scaled_grads, config: StepConfig, microbatches: int, lr: float) -> StepResult:
-    """Fused Adam(W) under the scaler: the kernel checks, divides by the scale and skips itself."""
-    found_inf = scaling.has_inf_or_nan(list(scaled_grads))
-    params, grads, opt_state = optim.fused_adam_step(
-        list(state.params),
-        list(scaled_grads),
-        state.opt_state,
-        config.optimizer,
-        grad_scale=state.scaler.scale,
-        found_inf=1.0 if found_inf else 0.0,
-        lr=lr,
-    )
-    new_scaler = scaling.update_scale(state.scaler, found_inf, config.scaler)
-    record = StepRecord(
-        step=state.step,
-        microbatches=microbatches,
-        scale_before=float(state.scaler.scale),
-        found_inf=bool(found_inf),
-        applied=not found_inf,
-        grad_norm=None,
-        clip_coef=None,
-        scale_after=float(new_scaler.scale),
-        growth_tracker=int(new_scaler.growth_tracker),
-        lr=float(lr),
-    )
-    new_state = TrainState(
-        params=tuple(params),
-        opt_state=opt_state,
-        scaler=new_scaler,
-        step=state.step + 1,
-        applied_steps=state.applied_steps + int(not found_inf),
-    )
-    return StepResult(state=new_state, record=record, grads=tuple(grads))
+def _optimizer_step(params, grads, opt_state, config: StepConfig, lr: float):
+    if isinstance(config.optimizer, optim.SGDConfig):
+        return optim.sgd_step(list(params), grads, opt_state, config.optimizer, lr=lr)
+    return optim.adam_step(list(params), grads, opt_state, config.optimizer, lr=lr, sqrt=config.sqrt)
 
 
 @dataclass(frozen=True)
