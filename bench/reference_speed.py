@@ -1,0 +1,219 @@
+"""Speed of the NumPy reference against torch on the same CPU, and the conformance suite's pace.
+
+Part 1: unscale + inf check + clip (L2, max_norm 1.0) of float32 gradients, split into the
+tensor shapes of a GPT-style transformer (embedding, per-layer qkv/proj/fc1/fc2 weights and
+biases, layer norms) adding up to about 1M and 10M elements (100M with ``--large``):
+
+- ``reference``: ``reference.scaling.unscale_gradients`` (which runs ``has_inf_or_nan``) then
+  ``reference.clipping.clip_grad_norm`` with its default ``order="torch_cpu"``, the
+  bit-for-bit emulation of ATen's CPU summation order. Single-threaded (NumPy ufuncs).
+- ``reference exact``: the same with ``order="exact"`` (float64 squares, ``math.fsum``); 1M only,
+  it is meant for small inputs.
+- ``torch 1 thread`` / ``torch N threads``: ``torch._amp_foreach_non_finite_check_and_unscale_``
+  then ``torch.nn.utils.get_total_norm`` + ``clip_grads_with_norm_`` (what torchimpl's Trainer
+  runs), in place on fresh copies of the gradients (the copy is not timed).
+
+Candidates alternate within each repetition; reported are median times, the ratio of each to
+``torch 1 thread`` (the like-for-like comparison with single-threaded NumPy), and ns per
+element, whose change from size to size shows how each grows.
+
+Part 2: Hypothesis examples per second for each property of ``pytest conformance`` (CPU,
+the ``ci`` profile unless ``--profile`` says otherwise), from ``--hypothesis-show-statistics``:
+passing examples divided by the seconds of the generate phase (which includes running them).
+
+    PYTHONPATH=. python bench/reference_speed.py           # ~1 minute on 2 cores
+    PYTHONPATH=. python bench/reference_speed.py --large   # adds 100M elements (~3 GB of RAM)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from reference.clipping import clip_grad_norm  # noqa: E402
+from reference.scaling import ScalerState, unscale_gradients  # noqa: E402
+
+SCALE = np.float32(2.0**16)
+
+
+def transformer_shapes(target: int) -> list[tuple[int, ...]]:
+    """Parameter shapes of a GPT-style model with about ``target`` parameters."""
+    d = 128 if target <= 2_000_000 else 512 if target <= 20_000_000 else 1024
+    vocab = {128: 2048, 512: 4096}.get(d, 16384)
+    per_layer = [(3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,), (d,), (d,)]
+    layer_size = sum(int(np.prod(s)) for s in per_layer)
+    emb = vocab * d
+    layers = max(1, round((target - emb - 2 * d) / layer_size))
+    return [(vocab, d)] + per_layer * layers + [(d,), (d,)]
+
+
+def make_grads(shapes: list[tuple[int, ...]], seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    # Loss-scaled gradients: unit-scale values times the scale, all finite.
+    return [(rng.standard_normal(s, dtype=np.float32) * np.float32(1e-3) * SCALE) for s in shapes]
+
+
+def run_reference(grads: list[np.ndarray], order: str) -> float:
+    state = ScalerState(SCALE, np.int32(0), 1)
+    t0 = time.perf_counter()
+    unscaled, found = unscale_gradients(grads, state)
+    result = clip_grad_norm(unscaled, 1.0, order=order)
+    elapsed = time.perf_counter() - t0
+    assert not found and np.isfinite(result.total_norm)
+    return elapsed
+
+
+class TorchCandidate:
+    def __init__(self, grads: list[np.ndarray], threads: int):
+        self.master = [torch.from_numpy(g) for g in grads]
+        self.params = [torch.nn.Parameter(torch.empty_like(m)) for m in self.master]
+        for p, m in zip(self.params, self.master):
+            p.grad = m.clone()
+        self.threads = threads
+
+    def __call__(self) -> float:
+        for p, m in zip(self.params, self.master):
+            p.grad.copy_(m)  # fresh scaled gradients, untimed
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            grads = [p.grad for p in self.params]
+            t0 = time.perf_counter()
+            found = torch.zeros(())
+            inv = torch.full((), 1.0 / float(SCALE))
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            torch.nn.utils.clip_grads_with_norm_(self.params, 1.0, norm)
+            elapsed = time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(before)
+        assert float(found) == 0.0 and torch.isfinite(norm)
+        return elapsed
+
+
+def bench_size(target: int, reps: int, threads_all: int) -> dict:
+    shapes = transformer_shapes(target)
+    grads = make_grads(shapes)
+    n = sum(g.size for g in grads)
+    candidates = {
+        "reference": lambda: run_reference(grads, "torch_cpu"),
+        "torch 1 thread": TorchCandidate(grads, 1),
+    }
+    if threads_all > 1:
+        candidates[f"torch {threads_all} threads"] = TorchCandidate(grads, threads_all)
+    if target <= 2_000_000:
+        candidates["reference exact"] = lambda: run_reference(grads, "exact")
+    names = list(candidates)
+    for name in names:  # warm-up
+        candidates[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(reps):
+        for name in _harness.rotate(names, r):
+            times[name].append(candidates[name]())
+    base = "torch 1 thread"
+    out: dict = {"elements": n, "tensors": len(shapes), "largest_tensor": max(g.size for g in grads),
+                 "candidates": {}}
+    for name in names:
+        med = _harness.median(times[name])
+        out["candidates"][name] = {
+            "median_ms": 1e3 * med,
+            "ns_per_element": 1e9 * med / n,
+            "ratio_vs_torch_1_thread": _harness.paired_ratio(times, name, base),
+        }
+    return out
+
+
+_TEST = re.compile(r"^(\S+::\S+):\s*$")
+_PHASE = re.compile(r"during generate phase \(([\d.]+) seconds\)")
+_PASSING = re.compile(r"(\d+) passing")
+
+
+def conformance_throughput(profile: str, timeout: int) -> dict:
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root), AMPSPEC_HYPOTHESIS_PROFILE=profile)
+    cmd = [sys.executable, "-m", "pytest", "conformance", "-q", "-p", "no:cacheprovider",
+           "--device", "cpu", "--hypothesis-show-statistics"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    per_test: dict[str, dict] = {}
+    current = None
+    for line in proc.stdout.splitlines():
+        m = _TEST.match(line.strip())
+        if m:
+            current = m.group(1)
+            continue
+        if current is None:
+            continue
+        m = _PHASE.search(line)
+        if m:
+            per_test.setdefault(current, {"seconds": 0.0, "passing": 0})["seconds"] += float(m.group(1))
+        m = _PASSING.search(line)
+        if m and current in per_test:
+            per_test[current]["passing"] += int(m.group(1))
+    # One row per property (test function), summing its parametrisations.
+    props: dict[str, dict] = defaultdict(lambda: {"seconds": 0.0, "passing": 0, "cases": 0})
+    for test_id, v in per_test.items():
+        prop = test_id.split("[")[0]
+        props[prop]["seconds"] += v["seconds"]
+        props[prop]["passing"] += v["passing"]
+        props[prop]["cases"] += 1
+    for v in props.values():
+        v["examples_per_s"] = v["passing"] / v["seconds"] if v["seconds"] > 0 else None
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
+    return {"command": " ".join(cmd[1:]), "profile": profile, "exit_code": proc.returncode,
+            "wall_s": wall, "pytest_summary": summary, "properties": dict(props)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--large", action="store_true", help="also 100M elements (needs ~3 GB free)")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--profile", default="ci", help="Hypothesis profile for the conformance part")
+    ap.add_argument("--skip-conformance", action="store_true")
+    ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
+    args = ap.parse_args(argv)
+
+    threads_all = torch.get_num_threads()
+    sizes = [1_000_000, 10_000_000]
+    if args.large:
+        sizes.append(100_000_000)
+    results: dict = {"machine": _harness.machine(), "settings": vars(args), "sizes": {}}
+    for size in sizes:
+        reps = args.reps if size <= 10_000_000 else max(3, args.reps // 2)
+        res = bench_size(size, reps, threads_all)
+        results["sizes"][str(size)] = res
+        c = res["candidates"]
+        parts = [f"{name} {v['ratio_vs_torch_1_thread']['median']:.2f}x" for name, v in c.items()
+                 if name != "torch 1 thread"]
+        print(f"{res['elements'] / 1e6:.1f}M elements in {res['tensors']} tensors: torch 1 thread "
+              f"{c['torch 1 thread']['ns_per_element']:.2f} ns/elem; vs it: " + ", ".join(parts), flush=True)
+    if not args.skip_conformance:
+        conf = conformance_throughput(args.profile, timeout=300)
+        results["conformance"] = conf
+        print(f"conformance ({conf['pytest_summary']}, {conf['wall_s']:.1f} s):", flush=True)
+        for prop, v in conf["properties"].items():
+            eps = v["examples_per_s"]
+            print(f"  {prop}: {v['passing']} examples in {v['seconds']:.2f} s over {v['cases']} cases"
+                  + (f" = {eps:.0f} examples/s" if eps else ""), flush=True)
+    path = _harness.write_result("reference_speed", results, args.out)
+    ratios = [s["candidates"]["reference"]["ratio_vs_torch_1_thread"]["median"] for s in results["sizes"].values()]
+    print("reference_speed: reference/torch(1 thread) " + ", ".join(
+        f"{k}: {r:.2f}x" for k, r in zip(results["sizes"], ratios)) + f" -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,143 @@
+"""Per-step overhead of torchimpl's Trainer against a hand-written AMP loop, Accelerate and Fabric.
+
+Same model, initial weights, batches, bf16 autocast, ``loss / k`` accumulation over k
+microbatches, clipping at norm 1.0 and for-loop AdamW for every candidate (see
+``bench/_loops.py``); two configurations: plain bf16, and bf16 with a loss scaler forced on
+(the scaler code path, which on a GPU would be fp16's). Two models from ``torchimpl.tasks``:
+the small MLP (overhead-dominated) and the small transformer.
+
+Method: R rounds; in each round every candidate trains one fresh block of S steps, the order
+rotating from round to round; the first W steps of a block are warm-up. Step time is the time
+between consecutive ``step_end`` marks (the Trainer's log-point flush every 10 steps falls
+inside them, as it does in production). Reported: each candidate's median step time over all
+rounds, and the ratio to the hand loop as the median of per-round ratios.
+
+    PYTHONPATH=. python bench/trainer_overhead.py            # ~1-2 minutes on 2 cores
+    PYTHONPATH=. python bench/trainer_overhead.py --profile  # plus a cProfile of each loop
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness  # noqa: E402  (puts the repository root on sys.path)
+from _loops import RUNNERS, Unsupported, Workload, available  # noqa: E402
+
+import torch  # noqa: E402
+
+from torchimpl.config import TaskConfig  # noqa: E402
+from torchimpl.tasks import build_task  # noqa: E402
+
+
+def make_workloads(k: int, batch_size: int, n_batches: int) -> list[Workload]:
+    out = []
+    for task in ("mlp", "lm"):
+        built = build_task(TaskConfig(name=task, size="small"), seed=0, batch_size=batch_size)
+        batches = [built.train_data.batch(0, i) for i in range(n_batches)]
+        for use_scaler in (False, True):
+            label = f"{task}/bf16" + ("+scaler" if use_scaler else "")
+            out.append(Workload(label, built.model, batches, k, use_scaler=use_scaler, fused=False))
+    return out
+
+
+def time_block(runner, w: Workload, steps: int, warmup: int) -> list[float]:
+    marks: list[float] = []
+
+    def mark(event: str) -> None:
+        if event == "step_end":
+            marks.append(time.perf_counter())
+
+    t0 = time.perf_counter()
+    runner(w, steps, mark)
+    stamps = [t0] + marks
+    return [b - a for a, b in zip(stamps, stamps[1:])][warmup:]
+
+
+def profile_block(runner, w: Workload, steps: int, top: int = 25) -> dict:
+    prof = cProfile.Profile()
+    prof.enable()
+    t0 = time.perf_counter()
+    runner(w, steps, lambda e: None)
+    elapsed = time.perf_counter() - t0
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf).sort_stats("tottime")
+    stats.print_stats(top)
+    return {"wall_s": elapsed, "steps": steps, "top_by_tottime": buf.getvalue()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=30, help="optimizer steps per block")
+    ap.add_argument("--warmup", type=int, default=5, help="steps of each block not measured")
+    ap.add_argument("--k", type=int, default=2, help="microbatches per optimizer step")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1: steadier on a shared machine)")
+    ap.add_argument("--profile", action="store_true", help="also cProfile one block of each candidate")
+    ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    skipped_peers = available()
+    workloads = make_workloads(args.k, args.batch_size, args.steps * args.k)
+    results: dict = {"machine": _harness.machine(), "settings": vars(args), "configs": {}}
+
+    for w in workloads:
+        names = [n for n in RUNNERS if skipped_peers.get(n) is None]
+        skip: dict[str, str] = {n: r for n, r in skipped_peers.items() if r}
+        # Warm-up block per candidate (imports, allocator, first-call paths); also finds the
+        # candidates that cannot run this configuration.
+        for n in list(names):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    time_block(RUNNERS[n], w, min(args.steps, 10), 0)
+            except Unsupported as exc:
+                skip[n] = str(exc)
+                names.remove(n)
+        samples: dict[str, list[float]] = {n: [] for n in names}
+        block_medians: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(args.rounds):
+            for n in _harness.rotate(names, r):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    times = time_block(RUNNERS[n], w, args.steps, args.warmup)
+                samples[n] += times
+                block_medians[n].append(_harness.median(times))
+        cfg: dict = {"candidates": {}, "skipped": skip}
+        for n in names:
+            cfg["candidates"][n] = {
+                "median_step_ms": 1e3 * _harness.median(samples[n]),
+                "p10_step_ms": 1e3 * _harness.quantile(samples[n], 0.1),
+                "p90_step_ms": 1e3 * _harness.quantile(samples[n], 0.9),
+                "steps_measured": len(samples[n]),
+                "ratio_vs_hand": _harness.paired_ratio(block_medians, n, "hand"),
+            }
+        if args.profile:
+            cfg["profiles"] = {n: profile_block(RUNNERS[n], w, args.steps) for n in names}
+        results["configs"][w.name] = cfg
+        line = ", ".join(f"{n} {cfg['candidates'][n]['ratio_vs_hand']['median']:.3f}x" for n in names if n != "hand")
+        print(f"{w.name}: hand {cfg['candidates']['hand']['median_step_ms']:.2f} ms/step; vs hand: {line}"
+              + (f"; skipped {sorted(skip)}" if skip else ""), flush=True)
+        for n, why in skip.items():
+            print(f"  skipped {n}: {why}", flush=True)
+
+    path = _harness.write_result("trainer_overhead", results, args.out)
+    worst = max(c["candidates"]["ampspec"]["ratio_vs_hand"]["median"] for c in results["configs"].values())
+    print(f"trainer_overhead: ampspec/hand worst median ratio {worst:.3f}x over {len(workloads)} configs -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
