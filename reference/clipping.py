@@ -188,10 +188,11 @@ def _lane_sum(x: np.ndarray, lanes: int, block: int) -> np.floating:
     body = n - n % block
     if body:
         sq = x[:body] * x[:body]
-        # add.accumulate is a strictly sequential running sum (never pairwise), so each column
-        # is summed one element at a time in index order, rounding after every addition: the
-        # exact behaviour of one SIMD lane.
-        acc = np.add.accumulate(sq.reshape(-1, lanes), axis=0)[-1]
+        # Reducing a C-ordered (rows, lanes) array over axis 0 adds one row at a time into the
+        # lane accumulators (NumPy sums pairwise only along a contiguous reduction axis), so each
+        # lane is a running sum in index order, rounded after every addition: one SIMD lane. A
+        # test pins this against the strictly sequential np.add.accumulate.
+        acc = np.add.reduce(sq.reshape(-1, lanes), axis=0)
     else:
         acc = np.zeros(lanes, dtype=x.dtype)
     b = acc[0]
@@ -345,7 +346,7 @@ def _coefficient(total: np.floating, max_norm: float) -> np.floating:
 def _scale(g: np.ndarray, coef: np.floating) -> np.ndarray:
     op = _opmath(g.dtype)
     with np.errstate(over="ignore", invalid="ignore"):
-        return (g.astype(op) * op.type(coef)).astype(g.dtype)
+        return (g.astype(op, copy=False) * op.type(coef)).astype(g.dtype, copy=False)
 
 
 def clip_grad_norm(

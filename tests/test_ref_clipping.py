@@ -297,3 +297,15 @@ def test_clip_grad_value_rounds_the_bound_to_the_gradient_dtype():
 def test_bad_arguments_raise_value_error_naming_them(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("n", [8, 24, 8 * 1000 + 5, 8 * 2**17])
+def test_lane_sums_are_running_sums_in_index_order(n):
+    # The torch_cpu order relies on NumPy reducing a (rows, 8) array row by row; pin it against
+    # the strictly sequential running sum, on values whose sum depends on the order.
+    x = (np.random.default_rng(n).standard_normal(n) * np.logspace(-3, 3, n)).astype(np.float32)
+    body = n - n % 8
+    sq = x[:body] * x[:body]
+    expected = np.add.accumulate(sq.reshape(-1, 8), axis=0)[-1]
+    actual = np.add.reduce(sq.reshape(-1, 8), axis=0)
+    assert actual.tobytes() == expected.tobytes()
