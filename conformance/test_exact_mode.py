@@ -42,7 +42,7 @@ def test_bit_exact_properties_hold_with_exact_kernels():
     assert probe.stdout.strip() == "DEFAULT", (
         f"ATEN_CPU_CAPABILITY=default did not select the scalar kernels: got {probe.stdout.strip()!r}")
     tests = [str(Path("conformance") / name) for name in EXACT_PROPERTIES]
-    result = subprocess.run([sys.executable, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider", "--device", "cpu"],
+    result = subprocess.run([sys.executable, "-m", "pytest", *tests, "-q", "--tb=short", "-p", "no:cacheprovider", "--device", "cpu"],
                             cwd=ROOT, env=env, capture_output=True, text=True)
     output = (result.stdout + result.stderr)[-TAIL:]
     assert result.returncode == 0, (
