@@ -45,3 +45,129 @@ def autocast_policy_provenance(device: str) -> str:
     if not confirmed:
         return f"the {device} table has not been confirmed on any torch version yet"
     return f"the {device} table was confirmed on torch {', '.join(confirmed)}"
+
+
+# --- Exactness of norms and optimizer steps ------------------------------------------------------
+
+EXACT_MODE_ENV = "AMPSPEC_EXACT_MODE"
+"""Set (to "1") in the environment of the exact-mode rerun, so that it does not start another."""
+
+
+def exact_kernels(device: str) -> bool:
+    """Does torch round every operation separately on ``device`` (no fused multiply-add)?
+
+    True only on CPU with the scalar ATen kernels (``ATEN_CPU_CAPABILITY=default``, reported as
+    ``DEFAULT``): there the spec's ``torch_cpu`` norms, its optimizer steps and the fused Adam
+    kernel are expected to match bit for bit. The AVX2/AVX512 kernels contract some
+    multiply-adds and CUDA's compiler contracts them by default, so elsewhere the ULP bounds
+    below apply.
+    """
+    import torch as _torch
+
+    return device == "cpu" and _torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+
+
+# Norms on native CPU kernels, in ULPs of the norm's own dtype, for one stage fed the spec's
+# inputs (a per-tensor norm from the gradient; a total from the spec's per-tensor norms). Only
+# the scalar tail (< 8 elements per tensor; the whole total stage for < 8 tensors) differs: it
+# is compiled with some fused multiply-adds, each dropping one rounding of a square (at most
+# 1/2 ULP of that square, hence <= 2^-24 relative of the sum of squares) and the square root
+# halves the relative error of the sum, so the norm moves by about 1 ULP at most before its own
+# rounding, which can add 1. Measured: <= 1 ULP (per-tensor and total, 1,000 random pipelines
+# in research and 12,000 norms here). A 2-ULP difference in float32 becomes at most 1 ULP after
+# the final rounding to float16/bfloat16. Not valid where float32 squares are subnormal: there
+# one dropped rounding is a sizeable part of the sum (strategies.CLIP_MAGNITUDES avoids it).
+NORM_ULP = 2
+
+# Optimizer steps on native kernels (CPU AVX2/AVX512, CUDA), one step from the same state,
+# measured in ULPs of the absolute-value evaluation x_abs of each field: the same formula with
+# every operand replaced by its magnitude and every subtraction by an addition (see
+# conformance/test_optimizers.py). Running error analysis bounds each implementation's error by
+# k * u * x_abs, k = roundings on the longest path from an input to the field, u = 2^-24, and
+# u * x_abs < ulp(x_abs); two implementations that only differ in which multiply-adds are fused
+# differ by at most 2 * k ULP of x_abs (a faithful, not correctly rounded, square root counts
+# as 2 roundings: its error is < 1 ULP).
+#   SGD buffer: d = g + wd*p (2), (1 - dampening)*d (3), buf*momentum + that (4): k = 4.
+#   SGD param: Nesterov momentum*buf (5), d + that (6), -lr*d (7), p + that (8): k = 8.
+#   Adam exp_avg: d (2), lerp = sub, mul, add (5): k = 5. exp_avg_sq: (1-b2)*d (3), *d (4),
+#   + beta2*v (5): k = 5; max_exp_avg_sq is a max of exact copies: same bound.
+#   Adam param: sqrt of v (relative error halves: 2.5, + 2 faithful) 4.5, / bc2_sqrt 5.5,
+#   + eps 6.5 (all positive); -step_size*m: 5 + 1 = 6; the division adds both plus 1: 13.5;
+#   decoupled decay p*(1-lr*wd) then the add: 15.
+# Measured (about 6,000 per-field comparisons here, dev profile and a 2,000-step sweep): <= 2 (SGD
+# buffer), <= 4 (Adam moments), <= 5 (parameters).
+SGD_BUFFER_ULP = 2 * 4
+SGD_PARAM_ULP = 2 * 8
+ADAM_MOMENT_ULP = 2 * 5
+ADAM_PARAM_ULP = 2 * 15
+
+
+def cuda_norm_rtol(n: int) -> float:
+    """Relative tolerance for an L2 norm of ``n`` elements computed on CUDA against the spec.
+
+    CUDA reduces in a tree (per-thread serial runs, then warp and block folds); the spec sums
+    each of 8 lanes serially over n/8 terms. Recursive summation of nonnegative terms has a
+    relative error of at most (terms - 1) * u, u = 2^-24: the spec's at most n/8 + 8, CUDA's at
+    most about log2(n) + its serial run (bounded by the same n/8 for the sizes here); the
+    square root halves the relative difference of the sums, and each side's final rounding adds
+    u. Hence (n/8 + 8 + log2(n + 1)) * u / 2 + 2u per side, doubled for the difference of two
+    such results.
+    """
+    import math as _math
+
+    return 2.0 * ((n / 8 + 8 + _math.log2(n + 1)) / 2 + 2) * 2.0**-24
+
+
+# clip_grad_value_ with no gradient at all raises in torch (its foreach grouping refuses an
+# empty list: "Expected !nested_tensorlist[0].empty() to be true"); the spec returns an empty
+# list. Measured on CPU for the versions listed; other versions are probed and reported.
+CLIP_GRAD_VALUE_RAISES_WITHOUT_GRADS: dict[str, bool] = {"2.13": True}
+
+# The L2 norm of a ONE-element tensor is |x| in torch: linalg.vector_norm does not square it, so
+# neither underflow nor overflow happens (float32 [1e30] has norm 1e30, [1e-31] has 1e-31), and
+# so is the total norm of a single gradient (a stack of one norm). The spec (reference.clipping
+# rule 1) squares: it gives inf and 0 there, which is torch's result for two or more elements.
+# The two agree whenever the square is a normal number. Measured on CPU (both kernel modes) for
+# the versions listed; other versions are probed.
+ONE_ELEMENT_L2_NORM_IS_ABS: dict[str, bool] = {"2.13": True}
+
+
+def one_element_l2_norm_is_abs(device: str) -> bool:
+    """Does torch return |x| as the L2 norm of a one-element tensor on ``device``?"""
+    if device == "cpu" and TORCH_VERSION in ONE_ELEMENT_L2_NORM_IS_ABS:
+        return ONE_ELEMENT_L2_NORM_IS_ABS[TORCH_VERSION]
+    return probe_one_element_l2_norm_is_abs(device)
+
+
+def probe_one_element_l2_norm_is_abs(device: str) -> bool:
+    """What the installed torch does: is the norm of float32 [1e30] 1e30 (not inf)?"""
+    x = torch.tensor([1e30], device=device)
+    return bool(torch.equal(torch.linalg.vector_norm(x).cpu(), x.abs()[0].cpu()))
+
+# Fused SGD with momentum fails when, in one step, a parameter gets its FIRST gradient while
+# another one already has a momentum buffer (a parameter whose gradient was None earlier):
+# _fused_sgd passes the None buffer on ("TypeError: expected Tensor as element 1 in argument 2,
+# but got NoneType"). The for-loop and foreach paths, and the spec, start that buffer as a copy
+# of the gradient. Measured on CPU for the versions listed; other versions are probed.
+FUSED_SGD_FAILS_ON_LATE_FIRST_GRADIENT: dict[str, bool] = {"2.13": True}
+
+
+def fused_sgd_fails_on_late_first_gradient(device: str) -> bool:
+    """Does fused SGD with momentum raise TypeError when a parameter's first gradient comes late?"""
+    if device == "cpu" and TORCH_VERSION in FUSED_SGD_FAILS_ON_LATE_FIRST_GRADIENT:
+        return FUSED_SGD_FAILS_ON_LATE_FIRST_GRADIENT[TORCH_VERSION]
+    return probe_fused_sgd_fails_on_late_first_gradient(device)
+
+
+def probe_fused_sgd_fails_on_late_first_gradient(device: str) -> bool:
+    """What the installed torch does, on two parameters whose gradients start one step apart."""
+    a, b = (torch.nn.Parameter(torch.ones(2, device=device)) for _ in range(2))
+    opt = torch.optim.SGD([a, b], lr=0.1, momentum=0.9, fused=True)
+    a.grad = torch.ones(2, device=device)
+    opt.step()
+    b.grad = torch.ones(2, device=device)
+    try:
+        opt.step()
+    except TypeError:
+        return True
+    return False

@@ -99,3 +99,80 @@ def gradient_tree(draw, dtypes=GRAD_DTYPES, max_tensors: int = 5, plant_prob: fl
 def inf_pattern(steps: int) -> st.SearchStrategy[list[bool]]:
     """Which of ``steps`` consecutive steps see a non-finite gradient."""
     return st.lists(st.booleans(), min_size=steps, max_size=steps)
+
+
+# --- Clipping and optimizers -------------------------------------------------------------------
+
+# Every gradient dtype clip_grad_norm_ accepts (it has no fp16 restriction, unlike unscale_).
+CLIP_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float64))
+
+# Gradient magnitudes for clipping: tiny (float32 squares underflow to 0), small, unit, large, huge
+# (float32 squares overflow). None of them puts float32 squares in the subnormal range, where a
+# fused multiply-add changes a norm by far more than an ULP (see expectations.NORM_ULP).
+CLIP_MAGNITUDES = (1e-30, 1e-8, 1e-3, 1.0, 1e3, 1e30)
+
+
+@st.composite
+def clip_case(draw, norm_types=(2.0, float("inf"))) -> dict:
+    """Gradients for clip_grad_norm_: mixed dtypes, sizes that exercise the 8-lane body, the
+    tail and zero size, per-tensor magnitudes, sometimes inf/NaN; a norm type and a max_norm."""
+    count = draw(st.integers(0, 7))
+    grads = []
+    for _ in range(count):
+        size = draw(st.one_of(st.integers(0, 20), st.integers(21, 2500)))
+        dtype = np.dtype(draw(st.sampled_from(CLIP_DTYPES)))
+        magnitude = draw(st.sampled_from(CLIP_MAGNITUDES))
+        with np.errstate(over="ignore"):  # 1e30 in float16/bfloat16 is meant to overflow
+            grads.append(draw(gradient(dtype, (size,), magnitude, plant_prob=0.1)))
+    max_norm = draw(st.one_of(st.sampled_from([0.0, 1e-6, 1.0, 1e3, float("inf")]),
+                              st.floats(min_value=1e-3, max_value=10.0)))
+    return dict(grads=grads, norm_type=draw(st.sampled_from(norm_types)), max_norm=max_norm)
+
+
+@st.composite
+def clip_value_case(draw) -> dict:
+    """Gradients for clip_grad_value_ (at least one: see expectations) and a clip value, some
+    larger than float16's maximum."""
+    with np.errstate(over="ignore"):
+        grads = draw(gradient_tree(dtypes=CLIP_DTYPES, max_tensors=4, plant_prob=0.4).filter(bool))
+    clip_value = draw(st.one_of(st.sampled_from([0.0, 2.0**-149, 0.5, 1.0, 65504.0, 1e5, float("inf")]),
+                                st.floats(min_value=0.0, max_value=1e3)))
+    return dict(grads=grads, clip_value=clip_value)
+
+
+@st.composite
+def sgd_config(draw) -> dict:
+    """torch.optim.SGD keyword arguments: momentum, dampening, Nesterov, weight decay, maximize."""
+    momentum = draw(st.sampled_from([0.0, 0.5, 0.9]))
+    nesterov = momentum > 0 and draw(st.booleans())
+    return dict(lr=draw(st.floats(1e-4, 1.0)), momentum=momentum,
+                dampening=0.0 if nesterov else draw(st.sampled_from([0.0, 0.1, 0.5])),
+                nesterov=nesterov, weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
+                maximize=draw(st.booleans()))
+
+
+@st.composite
+def adam_config(draw) -> dict:
+    """torch.optim.Adam/AdamW keyword arguments: betas, eps, weight decay, AMSGrad, maximize."""
+    return dict(lr=draw(st.floats(1e-5, 0.5)),
+                betas=(draw(st.sampled_from([0.9, 0.5, 0.0])), draw(st.sampled_from([0.999, 0.9, 0.5]))),
+                eps=draw(st.sampled_from([1e-8, 1e-3, 0.0])), weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
+                amsgrad=draw(st.booleans()), maximize=draw(st.booleans()))
+
+
+@st.composite
+def optimizer_trajectory(draw, plant_nonfinite: bool = False) -> dict:
+    """Initial float32 parameters and the gradients recorded for each step (None: no gradient
+    that step). With ``plant_nonfinite`` some steps carry inf/NaN, as loss-scaled gradients do."""
+    shapes = draw(st.lists(st.lists(st.integers(0, 33), min_size=1, max_size=2).map(tuple), min_size=1, max_size=3))
+    param_magnitude = draw(st.sampled_from([1e-3, 1.0, 10.0]))
+    grad_magnitude = draw(st.sampled_from([1e-6, 1e-2, 1.0, 1e2]))
+    params = [draw(gradient(np.dtype(np.float32), s, param_magnitude, plant_prob=0.0)) for s in shapes]
+    steps = draw(st.integers(1, 6))
+    grads = []
+    for _ in range(steps):
+        # The first parameter always has one: GradScaler.step refuses a step without any.
+        grads.append([None if i > 0 and draw(st.integers(0, 9)) == 0 else
+                      draw(gradient(np.dtype(np.float32), s, grad_magnitude, plant_prob=0.3 if plant_nonfinite else 0.0))
+                      for i, s in enumerate(shapes)])
+    return dict(params=params, grads=grads)
