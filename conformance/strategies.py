@@ -176,3 +176,73 @@ def optimizer_trajectory(draw, plant_nonfinite: bool = False) -> dict:
                       draw(gradient(np.dtype(np.float32), s, grad_magnitude, plant_prob=0.3 if plant_nonfinite else 0.0))
                       for i, s in enumerate(shapes)])
     return dict(params=params, grads=grads)
+
+
+# ----------------------------------------------------------------------------- property 5: the trainer
+
+# Loss scales for the end-to-end trainer property: torch's default, a non-power-of-two scale
+# (unscaling by multiplying with the rounded inverse then differs from a true division), scales
+# that underflow every gradient (2**-20, and 2**-140 whose inverse is inf in float32), and ones
+# whose growth or whose scaled gradients overflow.
+TRAINER_SCALES = (2.0**16, 3.0 * 2.0**10, 1.0, 2.0**-20, 2.0**-140, 2.0**100, 2.0**126)
+
+
+@st.composite
+def trainer_case(draw) -> dict:
+    """One end-to-end training run: configuration, planted faults and an optional resume point.
+
+    Keys: ``task`` (``mlp``/``lm``), ``precision`` (``fp32``, ``bf16`` autocast, ``fp16`` which
+    the CPU runs in fp32 with a forced loss scaler), ``force_scaler``, ``steps``,
+    ``microbatches``, ``batches_per_epoch`` (small, so short last windows happen), ``clip_norm``,
+    ``scaler`` (keyword arguments of ``torchimpl.scaler.ScalerConfig``), ``optimizer`` (of
+    ``OptimizerConfig``), ``schedule`` (of ``ScheduleConfig``), ``faults`` (global microbatch
+    index -> ``("data" | "hook", value)``), ``resume`` (``None``, ``("step", r)`` to save after
+    step r, or ``("microbatch", r, j)`` to save after the j-th microbatch of step r) and ``seed``.
+    """
+    task = draw(st.sampled_from(["mlp", "lm"]))
+    precision = draw(st.sampled_from(["fp32", "bf16", "fp16"]))
+    force_scaler = True if precision == "fp16" else draw(st.booleans())
+    steps = draw(st.integers(2, 5))
+    microbatches = draw(st.integers(1, 3))
+    preset = draw(st.sampled_from(["torch", "megatron", "deepspeed"]))
+    init_scale = draw(st.sampled_from(TRAINER_SCALES))
+    if preset != "torch":
+        init_scale = max(init_scale, 1.0)  # their floor is 1.0
+    scaler = dict(
+        preset=preset,
+        init_scale=init_scale,
+        growth_factor=draw(st.sampled_from([2.0, 1.5, 2.0**64])),
+        backoff_factor=draw(st.sampled_from([0.5, 0.25, 0.7])),
+        growth_interval=draw(st.integers(1, 3)),
+    )
+    if preset == "torch" and draw(st.booleans()):
+        scaler["hysteresis"] = 2  # the torch preset through the extended update
+    name = draw(st.sampled_from(["sgd", "adamw"]))
+    optimizer = dict(name=name, lr=draw(st.sampled_from([1e-3, 0.01, 0.1])),
+                     weight_decay=draw(st.sampled_from([0.0, 0.01])), no_decay_bias_and_norm=False)
+    if name == "sgd":
+        momentum = draw(st.sampled_from([0.0, 0.9]))
+        optimizer.update(momentum=momentum, nesterov=momentum > 0 and draw(st.booleans()))
+    schedule = dict(
+        name=draw(st.sampled_from(["constant", "cosine"])),
+        warmup_steps=draw(st.integers(0, 2)),
+        min_lr_ratio=draw(st.sampled_from([0.0, 0.1, 0.5])),
+        decay_steps=draw(st.one_of(st.none(), st.integers(1, 6))),
+    )
+    total_mb = steps * microbatches
+    fault_at = draw(st.lists(st.integers(0, total_mb - 1), max_size=2, unique=True))
+    kinds = ["hook", "data"] if task == "mlp" else ["hook"]  # token ids cannot hold an inf
+    faults = {i: (draw(st.sampled_from(kinds)), draw(st.sampled_from([float("inf"), float("-inf"), float("nan")])))
+              for i in fault_at}
+    resume = draw(st.one_of(
+        st.none(),
+        st.integers(1, steps - 1).map(lambda r: ("step", r)),
+        st.tuples(st.just("microbatch"), st.integers(0, steps - 1), st.integers(1, 2)),
+    ))
+    return dict(
+        task=task, precision=precision, force_scaler=force_scaler, steps=steps, microbatches=microbatches,
+        batches_per_epoch=draw(st.integers(2, 7)),
+        clip_norm=draw(st.one_of(st.none(), st.sampled_from([0.05, 1.0]), st.floats(0.01, 10.0))),
+        scaler=scaler, optimizer=optimizer, schedule=schedule, faults=faults, resume=resume,
+        seed=draw(st.integers(0, 3)),
+    )

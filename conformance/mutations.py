@@ -1,0 +1,161 @@
+"""Mutation check: deliberate mixed-precision bugs in a copy of torchimpl, each of which the
+conformance suite must catch ("the suite has teeth").
+
+Run from the repository root (a few minutes on 2 cores; not part of ``pytest``):
+
+    PYTHONPATH=. python -m conformance.mutations            # every mutant
+    PYTHONPATH=. python -m conformance.mutations tracker_not_reset loss_not_divided_by_k
+
+For each mutant the script copies ``reference/``, ``torchimpl/`` and ``conformance/`` into a
+temporary folder, applies one source edit to the copy of torchimpl (the edit must match the
+production source exactly, else the script stops: a mutant that no longer applies is reported,
+never silently skipped), and runs ``pytest -x -q`` on the conformance files relevant to it, in
+the exact mode (``ATEN_CPU_CAPABILITY=default``) with the ``ci`` profile. The unmutated copy
+runs first and must pass. A mutant is killed when pytest exits non-zero. Exit status: 0 when
+every mutant is killed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAINER = "torchimpl/trainer.py"
+SCALER = "torchimpl/scaler.py"
+TRAINER_TESTS = ("conformance/test_trainer.py",)
+SCALER_TESTS = ("conformance/test_scaler.py", "conformance/test_trainer.py")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    bug: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+_UNSCALE = """        found_inf = self._unscale_and_check()
+        self.found_inf = found_inf
+        grad_norm = clip_coef = None
+        if cfg.train.clip_norm is not None:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
+            # The same expression torch's clip_grads_with_norm_ evaluates, so the recorded
+            # coefficient is the one applied.
+            clip_coef = torch.clamp(cfg.train.clip_norm / (grad_norm + 1e-6), max=1.0)
+            torch.nn.utils.clip_grads_with_norm_(self.params, cfg.train.clip_norm, grad_norm)
+"""
+_CLIP_FIRST = """        grad_norm = clip_coef = None
+        if cfg.train.clip_norm is not None:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
+            clip_coef = torch.clamp(cfg.train.clip_norm / (grad_norm + 1e-6), max=1.0)
+            torch.nn.utils.clip_grads_with_norm_(self.params, cfg.train.clip_norm, grad_norm)
+        found_inf = self._unscale_and_check()
+        self.found_inf = found_inf
+"""
+
+MUTANTS = (
+    Mutant("clip_before_unscale", "clip the scaled gradients, then unscale", TRAINER, _UNSCALE, _CLIP_FIRST,
+           TRAINER_TESTS),
+    Mutant("schedule_on_skipped_step", "advance the LR schedule on a skipped step", TRAINER,
+           "            self.schedule.step(applied)\n", "            self.schedule.step(True)\n", TRAINER_TESTS),
+    Mutant("unscale_twice", "multiply by the inverse scale a second time", TRAINER,
+           "            self.scaler.unscale_(self.optimizer)\n",
+           "            self.scaler.unscale_(self.optimizer)\n"
+           "            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None],\n"
+           "                                self.scaler._scale.double().reciprocal().float())\n",
+           TRAINER_TESTS),
+    Mutant("divide_by_scale", "unscale by dividing by the scale, not multiplying by its inverse", TRAINER,
+           "            self.scaler.unscale_(self.optimizer)\n",
+           "            _grads = [p.grad for p in self.params if p.grad is not None]\n"
+           "            _scaled = [g.clone() for g in _grads]\n"
+           "            self.scaler.unscale_(self.optimizer)\n"
+           "            for _g, _s in zip(_grads, _scaled):\n"
+           "                _g.copy_(_s / self.scaler._scale)\n",
+           TRAINER_TESTS),
+    Mutant("growth_without_finite_guard", "grow the scale even when the grown scale is inf", SCALER,
+           "torch.where(grow & grow_ok, grown, scale)", "torch.where(grow, grown, scale)", SCALER_TESTS),
+    Mutant("tracker_not_reset", "keep the growth tracker on an overflow", SCALER,
+           "new_tracker = torch.where(found, torch.zeros_like(tracker), clean_tracker)",
+           "new_tracker = torch.where(found, tracker, clean_tracker)", SCALER_TESTS),
+    Mutant("loss_not_divided_by_k", "backward from the microbatch loss, not loss / k", TRAINER,
+           "            scaled = loss / k\n", "            scaled = loss\n", TRAINER_TESTS),
+    Mutant("scaler_not_restored", "ignore the scaler state of a checkpoint on resume", TRAINER,
+           "            self.scaler.load_state_dict(state)\n", "            pass\n", TRAINER_TESTS),
+)
+
+
+def _copy_tree(dest: Path) -> None:
+    for name in ("reference", "torchimpl", "conformance"):
+        shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"))
+
+
+def _run_tests(root: Path, tests: tuple[str, ...]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", AMPSPEC_HYPOTHESIS_PROFILE="ci", PYTHONPATH=str(root),
+               PYTHONDONTWRITEBYTECODE="1")
+    return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                          cwd=root, env=env, capture_output=True, text=True)
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def run(names: list[str]) -> int:
+    chosen = [m for m in MUTANTS if not names or m.name in names]
+    unknown = sorted(set(names) - {m.name for m in MUTANTS})
+    if unknown:
+        print(f"unknown mutants {unknown}; known: {[m.name for m in MUTANTS]}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ampspec-mutants-") as tmp:
+        base = Path(tmp) / "baseline"
+        _copy_tree(base)
+        tests = tuple(sorted({t for m in chosen for t in m.tests}))
+        proc = _run_tests(base, tests)
+        if proc.returncode != 0:
+            print(f"baseline (no mutation) FAILS, so kills would mean nothing:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}")
+            return 1
+        print(f"baseline passes: {_last_line(proc.stdout)}  ({time.perf_counter() - t0:.0f} s)")
+        killed = 0
+        for m in chosen:
+            t1 = time.perf_counter()
+            work = Path(tmp) / m.name
+            _copy_tree(work)
+            path = work / m.file
+            source = path.read_text()
+            if source.count(m.old) != 1:
+                print(f"{m.name}: the edit no longer applies to {m.file} ({source.count(m.old)} matches): update it")
+                return 1
+            path.write_text(source.replace(m.old, m.new))
+            proc = _run_tests(work, m.tests)
+            dead = proc.returncode != 0
+            killed += dead
+            first = next((ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))), "")
+            print(f"{m.name:28s} {'killed' if dead else 'SURVIVED'}  ({time.perf_counter() - t1:.0f} s)  "
+                  f"{m.bug}\n    {first or _last_line(proc.stdout)}")
+            shutil.rmtree(work)
+    print(f"{killed} of {len(chosen)} mutants killed in {time.perf_counter() - t0:.0f} s")
+    return 0 if killed == len(chosen) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m conformance.mutations", description=__doc__.split("\n\n")[0])
+    parser.add_argument("mutants", nargs="*", help="names of the mutants to run (default: all)")
+    return run(parser.parse_args(argv).mutants)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

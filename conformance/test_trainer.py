@@ -1,0 +1,432 @@
+"""Property 5: ``torchimpl.Trainer`` end to end, step by step, against ``reference.step``.
+
+Each example trains a tiny model (the ``mlp`` task or the ``lm`` transformer) for a few steps
+with a Hypothesis-chosen configuration (precision, microbatches, clipping, scaler preset and
+initial scale, optimizer, schedule), inf/NaN planted in chosen microbatches (a data fault: an
+inf/NaN input; or a gradient hook on a parameter), and sometimes a resume in the middle of the
+run (after a step, or inside an accumulation window): save, a new Trainer and model, load,
+continue. Callbacks watch the run and drive the reference in lockstep:
+
+1. the boundary (rule 1 of ``reference.step``): at ``on_after_backward`` the trainer's
+   accumulated SCALED gradients must equal the spec's accumulation (``accumulate_gradients``)
+   of per-microbatch gradients that torch's autograd computes for the spec's expression
+   ``(loss / k) * scale`` (``k`` the window's real size, one constant scale), replayed with the
+   same parameters, batches and dropout RNG state;
+2. those scaled gradients go to ``reference.step.train_step`` with a ``StepConfig`` built from
+   the trainer's resolved configuration (optimizer, ``LRSchedule`` mirroring
+   ``torchimpl.schedule``, the scaler's resolved policy, clip norm);
+3. after every step: the optimizer-visible gradients (``on_before_optimizer_step``), the
+   parameters (``on_step_end``) and every field of the ``StepRecord`` (``on_log``, logged every
+   step) must equal the spec's; a ``ScaleAtMinimumError`` must come at the same step.
+
+Exactness: everything is compared bit for bit (NaN as a class). That holds only with the
+arithmetic pinned: CPU, one thread, ``ATEN_CPU_CAPABILITY=default`` (native AVX2/AVX512
+kernels contract ``add(alpha=)``, ``lerp`` and the norm's tail into fused multiply-adds, a few
+ULPs per step that then compound over steps; properties 3 and 4 bound those per kernel), the
+for-loop optimizers, and for AdamW torch's own square root injected into the spec (rule 9 of
+``reference.optim``: torch's CPU ``sqrt`` is not correctly rounded). A run with native kernels
+runs this property in a child process in the exact mode, so that one-ULP contract bugs (dividing
+by the scale instead of multiplying by its inverse) stay visible. No tolerance is used anywhere,
+except the one documented expectation below (the cosine schedule's float64 formula).
+
+Budget: each example costs a whole (short) training run, so this property runs half of the
+profile's ``max_examples`` (25 in ``ci``, 625 in ``thorough``) plus the explicit examples.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import reference.step as ref_step
+from conformance import strategies
+from conformance.assertions import Where, assert_equal, assert_same, assert_same_list
+from conformance.bridge import to_numpy, to_torch
+from reference import optim, scaling
+from torchimpl.config import Config, ScheduleConfig
+from torchimpl.precision import autocast_context
+from torchimpl.scaler import ScaleAtMinimumError
+from torchimpl.schedule import lr_at as ti_lr_at
+from torchimpl.tasks import SyntheticBatches, build_task
+from torchimpl.trainer import Callback, Trainer, default_loss_fn
+
+REPRO = ("ATEN_CPU_CAPABILITY=default PYTHONPATH=. python -m pytest conformance/test_trainer.py "
+         "with the @reproduce_failure blob printed above")
+EXACT_MODE = torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+_CHILD_ENV = "AMPSPEC_TRAINER_PROPERTY_CHILD"
+
+
+# ----------------------------------------------------------------------------- expectations
+
+
+def _cosine_formulas_agree() -> bool:
+    """Whether torchimpl.schedule.lr_at and reference.step.LRSchedule give the same float64 bits.
+
+    KNOWN DIFFERENCE (reported, not papered over): torchimpl/schedule.py evaluates the cosine
+    decay as ``lr * (r + (1 - r) * (1 + cos(pi p)) / 2)``, the spec (reference/step.py,
+    ``LRSchedule.lr_at``) as ``min_lr + (lr - min_lr) * 0.5 * (1 + cos(pi p))`` with
+    ``min_lr = lr * r``. Equal in real arithmetic, they differ in the last float64 bits for
+    about 6% of steps (by up to a few ULPs). ``test_cosine_schedule_formula_matches_the_spec`` fails on it (strict
+    xfail); once one side adopts the other's expression this returns True and the trainer
+    property compares ``lr`` exactly for cosine schedules too.
+    """
+    for base in (1e-3, 0.01, 0.1, 0.3):
+        for r in (0.0, 0.1, 0.5):
+            for warm, decay in ((0, 5), (1, 3), (2, 6)):
+                cfg = ScheduleConfig(name="cosine", warmup_steps=warm, min_lr_ratio=r, decay_steps=decay)
+                spec = ref_step.LRSchedule(base, "cosine", warm, decay, r)
+                if any(ti_lr_at(n, base, cfg, decay) != spec.lr_at(n) for n in range(8)):
+                    return False
+    return True
+
+
+COSINE_AGREES = _cosine_formulas_agree()
+
+
+def _assert_lr(actual: float, expected: float, cosine: bool, where: Where) -> None:
+    if COSINE_AGREES or not cosine:
+        assert_equal(actual, expected, where)
+        return
+    # The known cosine difference (see _cosine_formulas_agree). Bound: both sides evaluate
+    # sums and products of non-negative float64 terms from the same c = cos(pi p); torchimpl
+    # rounds 4 times (1 - r, the product with 1 + c, the sum with r, the product with lr), the
+    # spec 4 times (lr * r, lr - min_lr, the product with 1 + c, the sum with min_lr; the halving
+    # is exact). With u = 2**-53 each result is within about 4u (relative) of the exact value,
+    # so the two are within 8u of each other: at most 8 float64 ULPs (a value in [2**e, 2**(e+1))
+    # has ULP 2**(e-52)). The float32 the for-loop optimizers round lr to (f(-lr), f(1 - lr*wd),
+    # f(-lr / bc1)) then agrees except in the ~2**-26 of cases that straddle a float32 rounding
+    # boundary, which the exact parameter check would report.
+    ulps = abs(actual - expected) / math.ulp(max(abs(actual), abs(expected)))
+    if not ulps <= 8:
+        raise AssertionError(f"{where.header()}: torch {actual!r}, spec {expected!r}: {ulps:.0f} float64 ULPs apart, "
+                             f"more than the 8 the known cosine difference allows\n{where.footer()}")
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="torchimpl/schedule.py lr_at evaluates the cosine decay with a different float64 "
+                          "expression than reference.step.LRSchedule.lr_at (see _cosine_formulas_agree)")
+@given(base=st.sampled_from([1e-3, 0.01, 0.1, 0.3, 3e-4]), ratio=st.sampled_from([0.0, 0.1, 0.25, 0.5]),
+       warm=st.integers(0, 3), decay=st.integers(1, 10), n=st.integers(0, 12))
+@settings(max_examples=max(50, settings.default.max_examples))
+def test_cosine_schedule_formula_matches_the_spec(base, ratio, warm, decay, n):
+    cfg = ScheduleConfig(name="cosine", warmup_steps=warm, min_lr_ratio=ratio, decay_steps=decay)
+    spec = ref_step.LRSchedule(base, "cosine", warm, decay, ratio)
+    assert_equal(ti_lr_at(n, base, cfg, decay), spec.lr_at(n), Where("schedule[cosine]", n, "lr", REPRO))
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _torch_sqrt(a: np.ndarray) -> np.ndarray:
+    """torch's CPU square root, elementwise on a same-shaped tensor (rule 9 of reference.optim)."""
+    return to_numpy(to_torch(np.ascontiguousarray(a)).sqrt())
+
+
+class _OptimWithTorchSqrt:
+    """``reference.optim`` with torch's square root given to ``adam_step``, for ``train_step``."""
+
+    adam_step = staticmethod(functools.partial(optim.adam_step, sqrt=_torch_sqrt))
+
+    def __getattr__(self, name):
+        return getattr(optim, name)
+
+
+class FaultyBatches:
+    """The task's batches, ``batches_per_epoch`` per epoch, with inf/NaN planted in some inputs.
+
+    ``faults`` maps a global microbatch index (``epoch * batches_per_epoch + index``) to a value
+    written into the first input element. Resumable: ``iter_from`` as the trainer expects.
+    """
+
+    def __init__(self, base: SyntheticBatches, batches_per_epoch: int, faults: dict[int, float]):
+        self.base, self.batches_per_epoch, self.faults = base, batches_per_epoch, faults
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def iter_from(self, epoch: int, index: int):
+        for i in range(index, self.batches_per_epoch):
+            x, y = self.base.batch(epoch, i)
+            g = epoch * self.batches_per_epoch + i
+            if g in self.faults:
+                x = x.clone()
+                x.view(-1)[0] = self.faults[g]
+            yield x, y
+
+    def __iter__(self):
+        return self.iter_from(0, 0)
+
+
+class Lockstep(Callback):
+    """Drives the spec in lockstep with one or more consecutive Trainers (a resumed run)."""
+
+    def __init__(self, case: dict, ckpt: Path):
+        self.case, self.ckpt = case, ckpt
+        self.microbatches: list[tuple[torch.Tensor, object]] = []  # (RNG state, batch), global order
+        self.current = -1  # global index of the microbatch being differentiated (for the hook fault)
+        self.window_start = 0
+        self.ref_state = None
+        self.result = None
+        self.expect_raise_at: int | None = None
+        self.steps_checked = 0
+        self.cosine = case["schedule"]["name"] == "cosine"
+
+    # --- the loss function and the gradient hook see every microbatch -----------------------
+
+    def loss_fn(self, model, batch):
+        self.current = len(self.microbatches)
+        self.microbatches.append((torch.get_rng_state(), batch))
+        return default_loss_fn(model, batch)
+
+    def hook_for(self, value: float):
+        faults = {i for i, (kind, _) in self.case["faults"].items() if kind == "hook"}
+
+        def hook(grad):
+            if self.current in faults:
+                grad = grad.clone()
+                grad.view(-1)[grad.numel() // 2] = value
+            return grad
+
+        return hook
+
+    # --- configuration -------------------------------------------------------------------
+
+    def on_fit_start(self, trainer):
+        assert trainer.optimizer_kind == "for-loop", f"expected the CPU for-loop optimizer, got {trainer.optimizer_kind}"
+        if self.ref_state is not None:
+            return  # a resumed run: the spec simply continues
+        cfg = trainer.config
+        o = cfg.optimizer
+        if o.name == "sgd":
+            opt = optim.SGDConfig(lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay)
+        else:
+            opt = optim.adamw_config(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        s = cfg.schedule
+        schedule = ref_step.LRSchedule(
+            base_lr=o.lr, kind=s.name, warmup_steps=s.warmup_steps,
+            total_steps=s.decay_steps if s.decay_steps is not None else cfg.train.steps, min_lr_ratio=s.min_lr_ratio,
+        )
+        if trainer.scaler is not None:
+            p = trainer.scaler.policy
+            scaler = scaling.ScalerConfig(
+                init_scale=p.init_scale, growth_factor=p.growth_factor, backoff_factor=p.backoff_factor,
+                growth_interval=p.growth_interval, hysteresis=p.hysteresis, min_scale=p.min_scale,
+                max_scale=p.max_scale, raise_at_min_scale=p.raise_at_min_scale,
+                consecutive_hysteresis=p.consecutive_hysteresis, growth_since_overflow=p.preset == "deepspeed",
+            )
+        else:
+            scaler = scaling.ScalerConfig()
+        self.config = ref_step.StepConfig(optimizer=opt, schedule=schedule, scaler=scaler,
+                                          use_scaler=trainer.scaler is not None, clip_norm=cfg.train.clip_norm)
+        self.ref_state = ref_step.init_train_state([to_numpy(p) for p in trainer.params], self.config)
+
+    def where(self, trainer, field: str) -> Where:
+        return Where("trainer", trainer.state.step, field, REPRO)
+
+    # --- the step -------------------------------------------------------------------------
+
+    def on_after_backward(self, trainer, st):
+        k = st.window_size
+        window = list(range(len(self.microbatches) - k, len(self.microbatches)))
+        scaled = [to_numpy(p.grad) for p in trainer.params]
+        assert_same_list([to_numpy(p) for p in trainer.params], list(self.ref_state.params),
+                         self.where(trainer, "parameters before the step"))
+        scale = trainer.scaler._scale.detach().clone() if trainer.scaler is not None else None
+        assert_equal(float(scale) if scale is not None else 1.0, float(self.ref_state.scaler.scale),
+                     self.where(trainer, "scale used by backward"))
+        expected = ref_step.accumulate_gradients([self._microbatch_grads(trainer, i, k, scale) for i in window])
+        assert_same_list(scaled, expected, self.where(trainer, "accumulated scaled gradients"))
+
+        patch = mock.patch.object(ref_step, "optim", _OptimWithTorchSqrt())
+        try:
+            with patch:
+                self.result = ref_step.train_step(self.ref_state, scaled, self.config, microbatches=k)
+        except scaling.ScaleAtMinimumError:
+            self.expect_raise_at, self.result = st.step, None
+
+    def _microbatch_grads(self, trainer, index: int, k: int, scale):
+        """Gradients of the spec's ``(loss / k) * scale`` for one recorded microbatch, by autograd."""
+        rng_state, batch = self.microbatches[index]
+        saved = torch.get_rng_state()
+        torch.set_rng_state(rng_state)
+        self.current = index
+        try:
+            with autocast_context(trainer.plan, trainer.device):
+                loss = default_loss_fn(trainer.model, batch)
+            target = loss / k
+            if scale is not None:
+                target = target * scale
+            grads = torch.autograd.grad(target, trainer.params)
+        finally:
+            torch.set_rng_state(saved)
+            self.current = -1
+        return [to_numpy(g) for g in grads]
+
+    def on_before_optimizer_step(self, trainer, st):
+        if self.result is None:
+            self.raised_at = st.step  # the spec raised ScaleAtMinimumError here: torchimpl must too
+            return
+        assert_same_list([to_numpy(p.grad) for p in trainer.params], list(self.result.grads),
+                         self.where(trainer, "optimizer-visible gradients"))
+
+    def on_step_end(self, trainer, st):
+        step = st.step - 1
+        assert_same_list([to_numpy(p) for p in trainer.params], list(self.result.state.params),
+                         Where("trainer", step, "parameters after the step", REPRO))
+        self.ref_state = self.result.state
+        if self.case["resume"] == ("step", st.step) and not self.resumed:
+            self.save(trainer)
+
+    def on_microbatch_end(self, trainer, st):
+        r = self.case["resume"]
+        if r is not None and r[0] == "microbatch" and not self.resumed and (st.step, st.window_done) == r[1:] \
+                and st.window_done < st.window_size:
+            self.save(trainer)
+
+    def save(self, trainer):
+        trainer.save_checkpoint(self.ckpt)
+        self.saved = True
+        trainer.request_stop("resume point")
+
+    def on_log(self, trainer, st, records, losses):
+        for rec in records:
+            expected = self.result.record
+            assert_equal(rec.step, expected.step, Where("trainer", rec.step, "record.step", REPRO))
+            for name in ("microbatches", "scale_before", "found_inf", "applied", "grad_norm", "clip_coef",
+                         "scale_after", "growth_tracker"):
+                assert_equal(getattr(rec, name), getattr(expected, name), Where("trainer", rec.step, f"record.{name}", REPRO))
+            _assert_lr(rec.lr, expected.lr, self.cosine, Where("trainer", rec.step, "record.lr", REPRO))
+            self.steps_checked += 1
+
+    resumed = False
+    saved = False
+    raised_at: int | None = None
+
+
+def _config(case: dict, device: str) -> Config:
+    return Config.from_dict(dict(
+        device=device,
+        task=dict(name=case["task"], size="tiny"),
+        precision=dict(mode=case["precision"]),
+        optimizer=case["optimizer"],
+        scaler=case["scaler"],
+        schedule=case["schedule"],
+        train=dict(steps=case["steps"], microbatches=case["microbatches"], batch_size=4, clip_norm=case["clip_norm"],
+                   log_interval=1, seed=case["seed"], force_scaler=case["force_scaler"], on_nonfinite="skip"),
+    ))
+
+
+def _fit(cfg: Config, case: dict, lock: Lockstep, resume: Path | None):
+    task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
+    data_faults = {i: v for i, (kind, v) in case["faults"].items() if kind == "data"}
+    data = FaultyBatches(task.train_data, case["batches_per_epoch"], data_faults)
+    hook_faults = [v for kind, v in case["faults"].values() if kind == "hook"]
+    if hook_faults:
+        # One hook on the first parameter; each planted microbatch gets the first hook value.
+        next(task.model.parameters()).register_hook(lock.hook_for(hook_faults[0]))
+    trainer = Trainer(cfg, callbacks=[lock])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU fp16 downgrade warns by design
+        trainer.fit(task.model, data, loss_fn=lock.loss_fn, resume=resume)
+    return trainer
+
+
+def run_case(case: dict, device: str) -> None:
+    cfg = _config(case, device)
+    with tempfile.TemporaryDirectory() as tmp:
+        lock = Lockstep(case, Path(tmp) / "resume.ckpt")
+        try:
+            trainer = _fit(cfg, case, lock, None)
+            if lock.saved:
+                lock.resumed = True
+                trainer = _fit(cfg, case, lock, lock.ckpt)
+        except ScaleAtMinimumError:
+            assert lock.expect_raise_at is not None, "torchimpl raised ScaleAtMinimumError, the spec did not"
+            assert_equal(lock.raised_at, lock.expect_raise_at, Where("trainer", None, "ScaleAtMinimumError step", REPRO))
+            return
+        assert lock.expect_raise_at is None, f"the spec raised ScaleAtMinimumError at step {lock.expect_raise_at}, torchimpl did not"
+        assert_equal(trainer.state.step, case["steps"], Where("trainer", None, "steps run", REPRO))
+        assert_equal(lock.steps_checked, case["steps"], Where("trainer", None, "step records checked", REPRO))
+
+
+# Cases that the mutation check relies on, run in every profile on top of the drawn ones.
+_EXAMPLES = [
+    # megatron (the extended update), a growth that overflows float32, mid-window resume, clip, faults
+    dict(task="mlp", precision="fp16", force_scaler=True, steps=4, microbatches=3, batches_per_epoch=7,
+         clip_norm=0.05, scaler=dict(preset="megatron", init_scale=3.0 * 2.0**10, growth_factor=2.0**64,
+                                     backoff_factor=0.5, growth_interval=1),
+         optimizer=dict(name="adamw", lr=0.01, weight_decay=0.01, no_decay_bias_and_norm=False),
+         schedule=dict(name="constant", warmup_steps=2, min_lr_ratio=0.1, decay_steps=None),
+         faults={7: ("data", float("nan"))}, resume=("microbatch", 1, 1), seed=0),
+    # deepspeed, tracker > 0 at an overflow, skip under warmup, resume between steps, SGD momentum
+    dict(task="mlp", precision="fp32", force_scaler=True, steps=5, microbatches=2, batches_per_epoch=3,
+         clip_norm=1.0, scaler=dict(preset="deepspeed", init_scale=2.0**16, growth_factor=2.0,
+                                    backoff_factor=0.5, growth_interval=3),
+         optimizer=dict(name="sgd", lr=0.1, weight_decay=0.01, momentum=0.9, nesterov=False,
+                        no_decay_bias_and_norm=False),
+         schedule=dict(name="constant", warmup_steps=2, min_lr_ratio=0.1, decay_steps=None),
+         faults={4: ("hook", float("inf"))}, resume=("step", 2), seed=1),
+    # the transformer under bf16 autocast with a forced torch scaler, clipping, a hook fault
+    dict(task="lm", precision="bf16", force_scaler=True, steps=3, microbatches=2, batches_per_epoch=5,
+         clip_norm=0.5, scaler=dict(preset="torch", init_scale=3.0 * 2.0**10, growth_factor=2.0,
+                                    backoff_factor=0.5, growth_interval=2),
+         optimizer=dict(name="adamw", lr=0.01, weight_decay=0.01, no_decay_bias_and_norm=False),
+         schedule=dict(name="constant", warmup_steps=1, min_lr_ratio=0.1, decay_steps=None),
+         faults={1: ("hook", float("nan"))}, resume=("step", 1), seed=2),
+    # deepspeed at its floor: the second overflow must raise ScaleAtMinimumError on both sides
+    dict(task="mlp", precision="fp32", force_scaler=True, steps=3, microbatches=1, batches_per_epoch=4,
+         clip_norm=None, scaler=dict(preset="deepspeed", init_scale=1.0, growth_factor=2.0,
+                                     backoff_factor=0.5, growth_interval=2),
+         optimizer=dict(name="sgd", lr=0.01, weight_decay=0.0, momentum=0.0, nesterov=False,
+                        no_decay_bias_and_norm=False),
+         schedule=dict(name="cosine", warmup_steps=0, min_lr_ratio=0.1, decay_steps=None),
+         faults={0: ("data", float("inf")), 1: ("hook", float("nan"))}, resume=None, seed=3),
+]
+
+
+def _property(device: str) -> None:
+    @settings(max_examples=max(5, settings.default.max_examples // 2))
+    @given(case=strategies.trainer_case())
+    def check(case):
+        run_case(case, device)
+
+    for ex in _EXAMPLES:
+        check = example(case=ex)(check)
+    check()
+
+
+def test_trainer_matches_the_spec(device):
+    if device != "cpu":
+        pytest.skip("the end-to-end bit comparison is defined for the CPU for-loop path; on CUDA the "
+                    "fused optimizer and cuBLAS/cuDNN reductions need per-kernel ULP bounds (properties 3, 4)")
+    if EXACT_MODE or os.environ.get(_CHILD_ENV):
+        _property(device)
+        return
+    # Native kernels: run this same test in a child process with the arithmetic pinned.
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", **{_CHILD_ENV: "1"})
+    env["AMPSPEC_HYPOTHESIS_PROFILE"] = settings._current_profile
+    root = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+         f"{Path(__file__).resolve()}::test_trainer_matches_the_spec[cpu]"],
+        cwd=root, env=env, capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, (
+        "the trainer property failed in the exact mode (ATEN_CPU_CAPABILITY=default); child output:\n"
+        + proc.stdout[-12000:] + proc.stderr[-3000:]
+    )
