@@ -150,9 +150,7 @@ class ShardedData:
             return (base.batch(epoch, i) for i in wanted)
         if isinstance(base, Sequence) and not hasattr(base, "iter_from"):
             return (base[i] for i in wanted)
-        source = base.iter_from(epoch, wanted.start)
-        return itertools.islice(source, 0, len(wanted) * self.world_size if self._per_rank is not None else None,
-                                self.world_size)
+        return self._take(base.iter_from(epoch, index * self.world_size))
 
     def __iter__(self) -> Iterator[Any]:
         if self.positional:
@@ -165,9 +163,13 @@ class ShardedData:
             it = iter(self.base)
             # A sampler draws its seed lazily, at the first batch: draw it under the shared seed.
             first = next(it, _END)
-        chained = it if first is _END else itertools.chain([first], it)
-        limit = None if self._per_rank is None else self._per_rank * self.world_size
-        return itertools.islice(chained, self.rank, limit, self.world_size)
+        return self._take(it if first is _END else itertools.chain([first], it))
+
+    def _take(self, source: Iterator[Any]) -> Iterator[Any]:
+        # Whole groups of W batches only: an incomplete last group is dropped on every rank, so
+        # all ranks run the same number of windows even when the length is unknown.
+        for group in zip(*[iter(source)] * self.world_size):
+            yield group[self.rank]
 
 
 _END = object()
@@ -329,6 +331,9 @@ class DistributedContext:
         """Rule 3: every rank must run the same configuration."""
         if not self.enabled or self.world_size == 1:
             return
+        # The barrier first: it names the ranks that never arrived, within this run's timeout
+        # (the group's own timeout may be longer when the group was created by someone else).
+        self.barrier("the start-up barrier")
         mine = (_fingerprint(config), dict(config))
         gathered: list[Any] = [None] * self.world_size
         self._collective("the configuration check at start",
@@ -378,7 +383,8 @@ class DistributedContext:
             return found_inf
         buf = torch.stack([found_inf.detach().reshape(()).to(torch.float32),
                            loss_acc.detach().reshape(()).to(torch.float32)])
-        self._collective("the found_inf all-reduce", lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM))
+        self._collective("the found_inf all-reduce", lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, async_op=True)
+                         .wait(timeout=_timeout(self.timeout_s)))
         # A flag of exactly 1.0: fused optimizers skip only on found_inf == 1.0.
         found = (buf[0] != 0).to(torch.float32)
         loss_acc.copy_(buf[1] / self.world_size)
