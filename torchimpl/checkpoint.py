@@ -13,6 +13,10 @@ followed by the payload, the bytes of ``torch.save(contents)``. Rules:
 4. Files are named ``step-<8 digits>[-mb<3 digits>].ckpt`` (the optimizer step, and the
    microbatch for a save inside an accumulation window), so names sort by training time;
    :func:`latest_checkpoint` returns the newest one that verifies, skipping bad ones.
+5. A sharded (FSDP2) checkpoint is a folder ``step-<8 digits>.dcp`` written by
+   ``torch.distributed.checkpoint`` with this module's ``meta.ckpt`` file inside; it is
+   written under a temporary name and renamed when complete (see ``torchimpl.distributed``), so
+   it verifies when its ``meta.ckpt`` and ``.metadata`` do.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -46,7 +51,7 @@ log = logging.getLogger(__name__)
 
 _MAGIC = b"AMPSPEC-CHECKPOINT"
 _VERSION = 1
-_NAME = re.compile(r"^step-(\d{8})(?:-mb(\d{3}))?\.ckpt$")
+_NAME = re.compile(r"^step-(\d{8})(?:-mb(\d{3}))?\.(?:ckpt|dcp)$")
 
 
 class CheckpointError(ValueError):
@@ -119,7 +124,12 @@ def _read_payload(path: Path) -> bytes:
 
 def verify_checkpoint(path: str | Path) -> None:
     """Raise :class:`CheckpointError` unless the file's header, length and checksum are right."""
-    _read_payload(Path(path))
+    path = Path(path)
+    if path.is_dir():
+        if not (path / ".metadata").is_file():
+            raise CheckpointError(f"{path} is not a complete sharded checkpoint (no .metadata)")
+        path = path / "meta.ckpt"
+    _read_payload(path)
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device | None = "cpu") -> dict[str, Any]:
@@ -167,7 +177,10 @@ def prune_checkpoints(folder: str | Path, keep_last: int) -> list[Path]:
     paths = list_checkpoints(folder)
     removed = paths[:-keep_last]
     for p in removed:
-        p.unlink(missing_ok=True)
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
     return removed
 
 

@@ -168,6 +168,14 @@ class TrainConfig(_Checked):
     trace_file: str | None = None
     """Write one JSON Lines step record per optimizer step to this file."""
 
+    distributed: Literal["none", "ddp", "fsdp2"] = "none"
+    """Multi-process training, launched with ``torchrun``: ``ddp`` (DistributedDataParallel,
+    replicated parameters) or ``fsdp2`` (``fully_shard``, sharded parameters and sharded
+    checkpoints); ``none`` for one process."""
+
+    distributed_timeout_s: float = 300.0
+    """Seconds any rank waits for the others (start-up, every collective) before failing."""
+
     def _problems(self) -> list[tuple[str, str]]:
         out = _int_at_least("steps", self.steps, 1)
         out += _int_at_least("microbatches", self.microbatches, 1)
@@ -180,6 +188,11 @@ class TrainConfig(_Checked):
             out.append(("clip_norm", f"must be a number > 0 or null (no clipping), got {c!r}"))
         if self.on_nonfinite not in ("skip", "stop"):
             out.append(("on_nonfinite", f"must be one of 'skip', 'stop', got {self.on_nonfinite!r}"))
+        if self.distributed not in ("none", "ddp", "fsdp2"):
+            out.append(("distributed", f"must be one of 'none', 'ddp', 'fsdp2', got {self.distributed!r}"))
+        t = self.distributed_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            out.append(("distributed_timeout_s", f"must be a number > 0, got {t!r}"))
         for name in ("compile", "sync_free", "guard", "force_scaler"):
             if not isinstance(getattr(self, name), bool):
                 out.append((name, f"must be true or false, got {getattr(self, name)!r}"))

@@ -49,6 +49,7 @@ from torchimpl.checkpoint import (
 )
 from torchimpl.config import Config
 from torchimpl.device import resolve_device
+from torchimpl.distributed import init_distributed
 from torchimpl.optim import build_optimizer
 from torchimpl.precision import autocast_context, resolve_precision
 from torchimpl.records import StepRecord, TraceWriter
@@ -208,10 +209,11 @@ class Trainer:
             if folder is None:
                 raise ValueError("no path given and checkpoint.folder is not set")
             path = Path(folder) / checkpoint_name(self.state.step, self.state.window_done)
-        written = save_checkpoint(self._checkpoint_contents(), path)
+        written = self._dist.save_checkpoint(self._checkpoint_contents(), Path(path))
         self._last_checkpoint = str(written)
         log.info("saved checkpoint %s", written)
-        if self.config.checkpoint.folder is not None and Path(written).parent == Path(self.config.checkpoint.folder):
+        if (self.config.checkpoint.folder is not None and Path(written).parent == Path(self.config.checkpoint.folder)
+                and self._dist.is_main):
             prune_checkpoints(self.config.checkpoint.folder, self.config.checkpoint.keep_last)
         return written
 
@@ -254,15 +256,28 @@ class Trainer:
         self._last_checkpoint: str | None = None
         self._diagnosis: str | None = None
         self.loss_fn = loss_fn or default_loss_fn
-        self.train_data = train_data
         self.device = resolve_device(cfg.device)
+        # Multi-process hooks (torchimpl.distributed); identities with train.distributed=none.
+        self._dist = init_distributed(cfg.train.distributed, device=self.device,
+                                      timeout_s=cfg.train.distributed_timeout_s)
+        try:
+            return self._fit(model, train_data, val_data, resume)
+        finally:
+            self._dist.close()
+
+    def _fit(self, model: nn.Module, train_data: Iterable[Any], val_data: Iterable[Any] | None,
+             resume: str | Path | None) -> RunSummary:
+        cfg = self.config
+        self._dist.check_config(cfg.to_dict())
+        self.device = self._dist.place(self.device)
+        self.train_data = self._dist.shard_data(train_data, cfg.train.seed)
         self.plan = resolve_precision(cfg.precision, self.device)
         downgrades = []
         if self.plan.reason:
             downgrades.append(self.plan.reason)
             warnings.warn(f"precision: {self.plan.reason}", stacklevel=2)
 
-        self.model = model.to(self.device)
+        self.model, forward_model = self._dist.wrap_model(model.to(self.device), self.plan)
         self.model.train()
         # The optimizer is built after the move so the fused probe sees the real parameters.
         built = build_optimizer(self.model, cfg.optimizer, self.device)
@@ -287,7 +302,8 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
 
-        self._forward_model = torch.compile(self.model) if cfg.train.compile else self.model
+        self._dist.attach(self.model, self.optimizer)
+        self._forward_model = torch.compile(forward_model) if cfg.train.compile else forward_model
         self._it: Iterator[Any] | None = None
         self._epoch_rng: torch.Tensor | None = None
         self._loss_acc = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -298,6 +314,7 @@ class Trainer:
         random.seed(cfg.train.seed)
         np.random.seed(cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
+        self._dist.seed(cfg.train.seed)
         resume_contents = None
         if resume is not None:
             path = resume
@@ -308,7 +325,7 @@ class Trainer:
                 if path is None:
                     log.info("no checkpoint in %s; starting fresh", cfg.checkpoint.folder)
             if path is not None:
-                resume_contents = load_checkpoint(path, map_location="cpu")
+                resume_contents = self._dist.load_checkpoint(Path(path))
                 self._restore(resume_contents, Path(path))
                 log.info("resumed from %s at step %d", path, self.state.step)
 
@@ -324,7 +341,7 @@ class Trainer:
             guard = NonFiniteGuard(self.model)
 
         writer = None
-        if cfg.train.trace_file:
+        if cfg.train.trace_file and self._dist.is_main:
             writer = TraceWriter(cfg.train.trace_file, append=resume_contents is not None)
         for cb in self.callbacks:
             cb.on_fit_start(self)
@@ -334,7 +351,7 @@ class Trainer:
             restore_rng_state(resume_contents["rng"])
             self._reopen_data(resume_contents["data"])
 
-        bar = self._progress_bar()
+        bar = self._progress_bar() if self._dist.is_main else None
         start_step = self.state.step
         start_samples = self.state.samples
         t0 = time.perf_counter()
@@ -436,12 +453,12 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_after_backward(self, st)
 
-        found_inf = self._unscale_and_check()
+        found_inf = self._dist.agree(self._unscale_and_check(), self.scaler, self._loss_acc)
         self.found_inf = found_inf
         grad_norm = clip_coef = None
         if cfg.train.clip_norm is not None:
             grads = [p.grad for p in self.params if p.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
+            grad_norm = self._dist.total_norm(grads)
             # The same expression torch's clip_grads_with_norm_ evaluates, so the recorded
             # coefficient is the one applied.
             clip_coef = torch.clamp(cfg.train.clip_norm / (grad_norm + 1e-6), max=1.0)
