@@ -56,9 +56,10 @@ class LRSchedule:
 
     1. warmup: while ``n < warmup_steps``, ``base_lr * (n + 1) / warmup_steps``;
     2. ``constant``: ``base_lr`` afterwards;
-    3. ``cosine``: with ``p = clamp((n - warmup_steps) / max(1, total_steps - warmup_steps), 0, 1)``,
-       ``min_lr + (base_lr - min_lr) * 0.5 * (1 + cos(pi * p))`` where
-       ``min_lr = base_lr * min_lr_ratio``.
+    3. ``cosine``: with ``p = clamp((n - warmup_steps) / max(1, total_steps - warmup_steps), 0, 1)``
+       and ``r = min_lr_ratio``, ``base_lr * (r + (1 - r) * (1 + cos(pi * p)) / 2)``: it decays
+       from exactly ``base_lr`` at ``p = 0`` to ``base_lr * r``. The float64 expression is part
+       of the rule (an equal expression in real arithmetic can differ in the last bits).
     """
 
     base_lr: float
@@ -91,8 +92,8 @@ class LRSchedule:
         assert self.total_steps is not None
         span = max(1, self.total_steps - self.warmup_steps)
         p = min(1.0, max(0.0, (n - self.warmup_steps) / span))
-        min_lr = self.base_lr * self.min_lr_ratio
-        return min_lr + (self.base_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
+        r = self.min_lr_ratio
+        return self.base_lr * (r + (1.0 - r) * (1.0 + math.cos(math.pi * p)) / 2.0)
 
 
 @dataclass(frozen=True)
