@@ -44,12 +44,12 @@ class Mutant:
     tests: tuple[str, ...]
 
 
-_UNSCALE = """        found_inf = self._unscale_and_check()
+_UNSCALE = """        found_inf = self._dist.agree(self._unscale_and_check(), self.scaler, self._loss_acc)
         self.found_inf = found_inf
         grad_norm = clip_coef = None
         if cfg.train.clip_norm is not None:
             grads = [p.grad for p in self.params if p.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
+            grad_norm = self._dist.total_norm(grads)
             # The same expression torch's clip_grads_with_norm_ evaluates, so the recorded
             # coefficient is the one applied.
             clip_coef = torch.clamp(cfg.train.clip_norm / (grad_norm + 1e-6), max=1.0)
@@ -58,10 +58,10 @@ _UNSCALE = """        found_inf = self._unscale_and_check()
 _CLIP_FIRST = """        grad_norm = clip_coef = None
         if cfg.train.clip_norm is not None:
             grads = [p.grad for p in self.params if p.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
+            grad_norm = self._dist.total_norm(grads)
             clip_coef = torch.clamp(cfg.train.clip_norm / (grad_norm + 1e-6), max=1.0)
             torch.nn.utils.clip_grads_with_norm_(self.params, cfg.train.clip_norm, grad_norm)
-        found_inf = self._unscale_and_check()
+        found_inf = self._dist.agree(self._unscale_and_check(), self.scaler, self._loss_acc)
         self.found_inf = found_inf
 """
 
