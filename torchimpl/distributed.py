@@ -29,7 +29,7 @@ every hook is the identity and nothing here touches ``torch.distributed``. Rules
 8. Random streams: rank 0 keeps ``train.seed`` (a one-rank run equals a non-distributed one);
    rank ``r`` seeds ``seed + r * 1_000_003``. Checkpoints keep every rank's generator states.
 9. Rank 0 alone logs at INFO, writes the trace and the progress bar. Checkpoints: DDP (and
-   none) write the usual single file from rank 0; FSDP2 writes a ``step-XXXXXXXX.dcp`` folder with
+   none) write the usual single file from rank 0; FSDP2 writes a ``step-NNNNNNNN.dcp`` folder with
    ``torch.distributed.checkpoint`` (model and optimizer, sharded) plus ``meta.ckpt`` (the rest),
    first under a temporary name, then renamed by rank 0 once every rank has finished.
 """
