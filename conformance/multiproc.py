@@ -5,8 +5,8 @@ share it: starting processes and importing torch costs seconds, so one group ser
 ``with rank_group(handler) as run:`` spawns ``world`` processes that join a gloo group on
 127.0.0.1 and wait for payloads; ``run(payload)`` sends the payload to every rank, each calls
 ``handler(rank, payload)`` (a module-level function, so that it can be pickled), and returns the
-results in rank order. An exception in a handler comes back as ``{"error": "Type: message"}``
-(or fails the test with ``run(payload, check=True)``).
+results in rank order. An exception in a handler comes back as ``{"error": "Type: message",
+"traceback": ...}`` (or fails the test with ``run(payload, check=True)``).
 
 Every wait is bounded: a rank that does not answer within ``wait_s`` fails the test naming it;
 idle workers exit after ``wait_s``; on exit the workers are asked to stop, joined with a
@@ -20,6 +20,7 @@ import datetime
 import os
 import queue
 import socket
+import traceback
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -56,7 +57,8 @@ def _serve(rank: int, world: int, port: int, handler: Handler, wait_s: float, ti
             try:
                 outbox.put((rank, handler(rank, payload)))
             except Exception as exc:  # reported to the parent, which fails the test
-                outbox.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
+                where = traceback.format_exc(limit=-3)
+                outbox.put((rank, {"error": f"{type(exc).__name__}: {exc}", "traceback": where}))
     finally:
         dist.destroy_process_group()
 
@@ -95,7 +97,8 @@ def rank_group(handler: Handler, world: int = 2, *, wait_s: float = 90.0,
         results = [got[r] for r in range(world)]
         if check:
             for r, res in enumerate(results):
-                assert not (isinstance(res, dict) and "error" in res), f"rank {r} raised: {res['error']}"
+                assert not (isinstance(res, dict) and "error" in res), (
+                    f"rank {r} raised: {res['error']}\n{res['traceback']}")
         return results
 
     try:

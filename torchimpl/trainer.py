@@ -600,7 +600,8 @@ class Trainer:
         """Write the diagnosis report for the window's first batch and request a stop.
 
         Every rank diagnoses its own batch (the fault may be in any rank's data); rank 0 alone
-        writes the one file, with the other ranks' diagnoses under ``other_ranks``.
+        writes the one file, with the other ranks' diagnoses under ``other_ranks``. Under FSDP2
+        the file says why there is no diagnosis.
         """
         from torchimpl.diagnostics import diagnose_nonfinite
 
@@ -608,6 +609,9 @@ class Trainer:
             Path(self.config.train.trace_file).parent if self.config.train.trace_file else "."))
         path = folder / f"nonfinite-step{self.state.step:08d}.json"
         try:
+            if self._dist.sharded:  # the diagnosis reruns the step on a copy of the whole model
+                raise ValueError("FSDP2 shards the parameters; rerun from the last checkpoint with "
+                                 "train.distributed=ddp or none to diagnose")
             report = diagnose_nonfinite(self.model, _to_device(window[0], self.device), self.loss_fn, self.plan,
                                         self.optimizer, self.scaler)
             data = report.to_dict() if hasattr(report, "to_dict") else dataclasses.asdict(report)
@@ -621,7 +625,8 @@ class Trainer:
             folder.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(data, indent=2))
         self._diagnosis = str(path)
-        log.error("%s at step %d; diagnosis written to %s", what, self.state.step, path)
+        log.error("%s at step %d; diagnosis %s %s", what, self.state.step,
+                  "written to" if by_rank is not None else "of this rank written by rank 0 to", path)
         self.state.window_size = self.state.window_done = 0
         self.request_stop(f"{what} at step {self.state.step}")
 
