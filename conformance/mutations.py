@@ -32,6 +32,8 @@ TRAINER = "torchimpl/trainer.py"
 SCALER = "torchimpl/scaler.py"
 TRAINER_TESTS = ("conformance/test_trainer.py",)
 SCALER_TESTS = ("conformance/test_scaler.py", "conformance/test_trainer.py")
+DISTRIBUTED = "torchimpl/distributed.py"
+DISTRIBUTED_TESTS = ("conformance/test_distributed.py",)
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,9 @@ MUTANTS = (
            "            scaled = loss / k\n", "            scaled = loss\n", TRAINER_TESTS),
     Mutant("scaler_not_restored", "ignore the scaler state of a checkpoint on resume", TRAINER,
            "            self.scaler.load_state_dict(state)\n", "            pass\n", TRAINER_TESTS),
+    Mutant("ddp_reduces_every_microbatch", "DDP all-reduces every microbatch instead of the window's local sum",
+           DISTRIBUTED, "            return self._ddp.no_sync()\n", "            return contextlib.nullcontext()\n",
+           DISTRIBUTED_TESTS),
 )
 
 

@@ -1,12 +1,16 @@
 """Conformance of the multi-rank step: the trainer on a 2-rank gloo group against reference.distributed.
 
-Two worker processes join one gloo group on 127.0.0.1 once per module and stay up; Hypothesis
-draws each case here in the parent, sends it to both workers, which run ``Trainer.fit`` on it
-(DDP or FSDP2) and send back what every step left behind. Each rank's data is its own scaled
-gradient ``f32(G_r * scale)`` (the model's loss is ``sum(p * G_r)``), so the reference receives
-exactly the gradients backward produced. Inf and NaN are planted on a random subset of ranks and
-at random points: in ``G_r`` (before the gradient reduction) and in the gradients after
-backward (after the reduction, from a callback). Properties, per step and per rank:
+Two worker processes join one gloo group on 127.0.0.1 once per module and stay up
+(`conformance.multiproc`); Hypothesis draws each case here in the parent, sends it to both
+workers, which run ``Trainer.fit`` on it (DDP or FSDP2, 1 to 3 microbatches per step) and send
+back what every step left behind. Each rank's microbatch data is a gradient ``G`` (the model's
+loss is ``sum(p * G)``), so backward gives exactly ``f32(G * f32(scale / k))`` and the reference
+receives the gradients backward produced. Inf and NaN are planted on a random subset of ranks and
+at random points: in ``G`` (before the gradient reduction) and in the gradients after backward
+(after the reduction, from a callback). Properties, per step and per rank:
+
+0. DDP's gradients after the window equal the reference's local sums reduced once (rule 9 of
+   reference.distributed: ``no_sync`` accumulation), bit for bit;
 
 1. every rank makes the reference's skip decision (the OR over ranks) and ends the step with
    the reference's scale and growth tracker;
@@ -14,55 +18,27 @@ backward (after the reduction, from a callback). Properties, per step and per ra
    FSDP2, whose shards are put back together here);
 3. rank 0's gradient norm equals the reference's (NaN as a class).
 
-Every wait is bounded; the workers are joined with a timeout and terminated if they linger.
 """
 
 from __future__ import annotations
 
-import datetime
 import math
-import os
-import queue
-import socket
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conformance.multiproc import rank_group
 from reference import optim, scaling, step
-from reference.distributed import ddp_average, ddp_step, fsdp_step, shard_rows
+from reference.distributed import ddp_step, ddp_window, fsdp_step, shard_rows
 
 WORLD = 2
 SHAPES = ((3, 2), (3,))
 WAIT_S = 90.0
 
 
-# ---------------------------------------------------------------- the workers
-
-
-def _worker(rank: int, port: int, inbox, outbox) -> None:
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    try:
-        while True:
-            try:
-                case = inbox.get(timeout=WAIT_S)
-            except queue.Empty:
-                return
-            if case is None:
-                return
-            try:
-                outbox.put((rank, _run_case(rank, case)))
-            except Exception as exc:  # reported to the parent, which fails the example
-                outbox.put((rank, {"error": repr(exc)}))
-    finally:
-        dist.destroy_process_group()
+# ---------------------------------------------------------------- the ranks
 
 
 def _run_case(rank: int, case: dict) -> dict:
@@ -108,14 +84,15 @@ def _run_case(rank: int, case: dict) -> dict:
 
     cfg = load_config(overrides=[
         f"train.distributed={case['mode']}", "device=cpu", "precision.mode=fp32", "train.force_scaler=true",
-        f"train.steps={len(case['grads'])}", "train.log_interval=1000", "optimizer.name=sgd",
+        f"train.steps={len(case['grads'])}", f"train.microbatches={case['microbatches']}", "train.log_interval=1000", "optimizer.name=sgd",
         f"optimizer.lr={case['lr']}", "optimizer.weight_decay=0.0", "schedule.name=constant",
         f"scaler.init_scale={case['init_scale']}", f"scaler.growth_interval={case['growth_interval']}",
         f"train.clip_norm={'null' if case['clip'] is None else case['clip']}", "train.distributed_timeout_s=60",
     ])
-    # Batch s * W + r is rank r's data at step s (the trainer gives rank r every W-th batch).
-    data = [[torch.from_numpy(g) for g in case["grads"][s][r]] for s in range(len(case["grads"]))
-            for r in range(WORLD)]
+    # Batch (s * k + m) * W + r is rank r's microbatch m of step s (rank r gets every W-th batch).
+    k = case["microbatches"]
+    data = [[torch.from_numpy(g) for g in case["grads"][s][r][m]] for s in range(len(case["grads"]))
+            for m in range(k) for r in range(WORLD)]
     probe = Probe()
     Trainer(cfg, [probe]).fit(Planted(case["init"]), data, loss_fn=lambda m, b: m(b))
     return {"steps": probe.steps, "shards": probe.shards}
@@ -123,47 +100,8 @@ def _run_case(rank: int, case: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def group():
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    inboxes = [ctx.Queue() for _ in range(WORLD)]
-    outbox = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, inboxes[r], outbox), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-
-    def run(case: dict) -> list[dict]:
-        for box in inboxes:
-            box.put(case)
-        got = {}
-        for _ in range(WORLD):
-            try:
-                r, res = outbox.get(timeout=WAIT_S)
-            except queue.Empty:
-                pytest.fail(f"a worker did not answer within {WAIT_S:g} s (alive: {[p.is_alive() for p in procs]})")
-            got[r] = res
-        for r in range(WORLD):
-            assert "error" not in got[r], f"rank {r} raised: {got[r]['error']}"
-        return [got[r] for r in range(WORLD)]
-
-    try:
-        yield run
-    finally:
-        for box in inboxes:
-            box.put(None)
-        for p in procs:
-            p.join(timeout=20)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    with rank_group(_run_case, WORLD, wait_s=WAIT_S) as run:
+        yield lambda case: run(case, check=True)
 
 
 # ---------------------------------------------------------------- the cases
@@ -186,16 +124,19 @@ def _plants(steps: int):
 @st.composite
 def cases(draw, mode: str):
     steps = draw(st.integers(1, 3))
-    grads = [[[draw(_values(int(np.prod(s)))).reshape(s) for s in SHAPES] for _ in range(WORLD)]
-             for _ in range(steps)]
+    k = draw(st.sampled_from([1, 2, 3]))
+    # grads[step][rank][microbatch][parameter]
+    grads = [[[[draw(_values(int(np.prod(s)))).reshape(s) for s in SHAPES] for _ in range(k)]
+              for _ in range(WORLD)] for _ in range(steps)]
     # Before the reduction: in the rank's own data, hence in its gradient before DDP's all-reduce
     # or FSDP2's reduce-scatter.
     for s, r, i, flat, value in draw(_plants(steps)):
-        grads[s][r][i].reshape(-1)[flat % grads[s][r][i].size] = value
+        g = grads[s][r][draw(st.integers(0, k - 1))][i]
+        g.reshape(-1)[flat % g.size] = value
     after = draw(_plants(steps))
     init = [draw(_values(int(np.prod(s)))).reshape(s) for s in SHAPES]
     return {
-        "mode": mode, "grads": grads, "after": after, "init": init,
+        "mode": mode, "grads": grads, "microbatches": k, "after": after, "init": init,
         "lr": draw(st.sampled_from([0.5, 0.125, 0.1])),
         "init_scale": draw(st.sampled_from([1.0, 2.0**10, 2.0**16])),
         "growth_interval": draw(st.integers(1, 3)),
@@ -226,11 +167,17 @@ def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
 def _check(case: dict, results: list[dict]) -> None:
     cfg = _step_config(case)
     state = step.init_train_state(case["init"], cfg)
+    k = case["microbatches"]
     for s, per_rank in enumerate(case["grads"]):
+        # What backward gives rank r for microbatch m: the loss sum(p * G) divided by k, times the
+        # scale, has the gradient f32(G * f32(scale / k)) (the boundary: autograd is not modelled).
+        per_mb = np.float32(state.scaler.scale / np.float32(k))
         with np.errstate(over="ignore", invalid="ignore"):
-            scaled = [[(g * state.scaler.scale).astype(np.float32) for g in grads] for grads in per_rank]
+            scaled = [[[(g * per_mb).astype(np.float32) for g in mb] for mb in mbs] for mbs in per_rank]
+            # Rule 9: each rank sums its window locally; DDP reduces the sum once.
+            local = [step.accumulate_gradients(mbs) for mbs in scaled]
+            reduced = ddp_window(scaled)
         if case["mode"] == "ddp":
-            reduced = ddp_average(scaled)
             held = [None] * WORLD
             for r in range(WORLD):
                 got = results[r]["shards"][s]
@@ -243,10 +190,10 @@ def _check(case: dict, results: list[dict]) -> None:
                     assert _bits_equal(a, b), (
                         f"step {s} rank {r} gradient {i} after DDP's reduction: {a.ravel()} != spec {b.ravel()}")
                 held[r] = want
-            res = ddp_step(state, scaled, cfg, after_reduction=held)
+            res = ddp_step(state, local, cfg, after_reduction=held, microbatches=k)
         else:
             shards = [results[r]["shards"][s] for r in range(WORLD)]
-            res = fsdp_step(state, shards, cfg)
+            res = fsdp_step(state, shards, cfg, microbatches=k)
         state = res.state
         for r in range(WORLD):
             got = results[r]["steps"][s]
@@ -286,7 +233,8 @@ def test_fsdp2_shards_follow_the_spec_layout(group):
     rng = np.random.default_rng(0)
     case = {"mode": "fsdp2", "after": [], "lr": 0.5, "init_scale": 1.0, "growth_interval": 2, "clip": 1.0,
             "init": [rng.standard_normal(s).astype(np.float32) for s in SHAPES],
-            "grads": [[[rng.standard_normal(s).astype(np.float32) for s in SHAPES] for _ in range(WORLD)]]}
+            "microbatches": 1,
+            "grads": [[[[rng.standard_normal(s).astype(np.float32) for s in SHAPES]] for _ in range(WORLD)]]}
     results = group(case)
     for i, shape in enumerate(SHAPES):
         want = [sh.shape for sh in shard_rows(np.zeros(shape, np.float32), WORLD)]

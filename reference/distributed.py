@@ -35,6 +35,13 @@ after FSDP2's reduce-scatter. Rules:
    whole parameter.
 8. One scale update per step from the combined ``found_inf`` (`reference.scaling.update_scale`):
    every rank ends the step with the same scale and growth tracker.
+9. Accumulation over a window of ``k`` microbatches, DDP: each rank sums its own microbatch
+   gradients locally, as autograd accumulates ``.grad`` (`reference.step.accumulate_gradients`),
+   and rule 1 reduces the window's sum once, after the last backward (DDP's ``no_sync`` for all
+   but the last microbatch). This is not the result of reducing every microbatch: the
+   pre-division and the cross-rank sum round once per window, so a gradient that a per-microbatch
+   reduction would flush to zero can survive (`ddp_window`). FSDP2 reduce-scatters every
+   microbatch; its step starts from the shards each rank holds after the window (rule 5).
 """
 
 from __future__ import annotations
@@ -45,12 +52,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from reference import clipping, optim, scaling
-from reference.step import StepConfig, StepRecord, TrainState
+from reference.step import StepConfig, StepRecord, TrainState, accumulate_gradients
 
 __all__ = [
     "DistributedStepResult",
     "ddp_average",
     "ddp_step",
+    "ddp_window",
     "found_inf_across_ranks",
     "fsdp_step",
     "shard_rows",
@@ -102,6 +110,18 @@ def ddp_average(per_rank_grads: Sequence[Sequence[np.ndarray]]) -> list[np.ndarr
                 total = total + np.asarray(grads[i], dtype=np.float32) * inv
         out.append(total.astype(np.float32))
     return out
+
+
+def ddp_window(per_rank_microbatch_grads: Sequence[Sequence[Sequence[np.ndarray]]]) -> list[np.ndarray]:
+    """Rule 9: the gradients every DDP rank holds after the last backward of an accumulation window.
+
+    ``per_rank_microbatch_grads[r][m][i]``: float32 gradient ``i`` that rank ``r``'s backward of
+    microbatch ``m`` produced. Each rank's microbatches are summed locally, then reduced once
+    (`ddp_average`).
+    """
+    if not per_rank_microbatch_grads:
+        raise ValueError("per_rank_microbatch_grads must hold one list of microbatches per rank, got no ranks")
+    return ddp_average([accumulate_gradients(mbs) for mbs in per_rank_microbatch_grads])
 
 
 def found_inf_across_ranks(per_rank_grads: Sequence[Sequence[np.ndarray]]) -> bool:
@@ -200,7 +220,10 @@ def ddp_step(
     after_reduction: Sequence[Sequence[np.ndarray] | None] | None = None,
     microbatches: int = 1,
 ) -> DistributedStepResult:
-    """One DDP step (rules 1-4, 7, 8) from each rank's own scaled float32 gradients.
+    """One DDP step (rules 1-4, 7-9) from each rank's own scaled float32 gradients.
+
+    ``per_rank_scaled_grads[r]`` is what rank ``r`` holds before the reduction: its window's
+    microbatch gradients summed locally (rule 9; the gradient itself when ``microbatches`` is 1).
 
     ``after_reduction[r]``, when given and not None, replaces rank ``r``'s reduced gradients (a
     change made after DDP's all-reduce, rule 2). If the combined ``found_inf`` is false, the

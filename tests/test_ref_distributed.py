@@ -7,6 +7,7 @@ from reference import clipping, optim, scaling, step
 from reference.distributed import (
     ddp_average,
     ddp_step,
+    ddp_window,
     found_inf_across_ranks,
     fsdp_step,
     shard_rows,
@@ -48,6 +49,21 @@ def test_ddp_average_on_one_rank_is_the_identity():
     g = _grads(1)
     for got, want in zip(ddp_average([g]), g):
         assert got.tobytes() == want.tobytes()
+
+
+def test_ddp_window_reduces_the_local_sums_once():
+    rng = np.random.default_rng(7)
+    per_rank = [[rng.standard_normal(4).astype(F32) for _ in range(3)] for _ in range(2)]
+    want = ddp_average([[step.accumulate_gradients([[g] for g in mbs])[0]] for mbs in per_rank])[0]
+    got = ddp_window([[[g] for g in mbs] for mbs in per_rank])[0]
+    assert got.tobytes() == want.tobytes()
+    # The smallest subnormal on both ranks in both microbatches: a reduction per microbatch
+    # halves it to 0 each time (ties to even); the window's local sum 2 * TINY halves to TINY on
+    # each rank, and the ranks' halves add up to 2 * TINY.
+    tiny = [[np.array([TINY], F32)], [np.array([TINY], F32)]]
+    per_microbatch = ddp_average([tiny[0], tiny[0]])[0] + ddp_average([tiny[1], tiny[1]])[0]
+    assert per_microbatch.tolist() == [0.0]
+    assert ddp_window([tiny, tiny])[0].tolist() == [float(F32(2 * TINY))]
 
 
 def test_found_inf_is_an_or_over_ranks():

@@ -1,14 +1,22 @@
+"""torchimpl.distributed: the single-process helpers, then a 2-rank gloo group (conformance.multiproc).
+
+Every multi-rank job runs on the same two ranks, kept up for the module: training and resuming
+bit for bit (at a window boundary and inside an accumulation window), the collective count of a
+DDP window, rank 0's outputs, and the failures (mismatched configurations, a hanging rank).
+"""
+
 from __future__ import annotations
 
-import datetime
+import json
 import os
-import queue
-import socket
+import shutil
 import time
 
 import pytest
 import torch
 
+from conformance.multiproc import rank_group
+from torchimpl.checkpoint import CheckpointError
 from torchimpl.config import ConfigError, load_config
 from torchimpl.distributed import (
     DistributedError,
@@ -80,188 +88,233 @@ def test_none_mode_hooks_are_identities():
     assert ctx.shard_data(data) is data and ctx.is_main and not ctx.enabled
 
 
+def test_under_torchrun_only_rank_0_prints_the_summary(monkeypatch, capsys, tmp_path):
+    from torchimpl.cli import main
+
+    args = ["train", "--set", "device=cpu", "--set", "task.name=mlp", "--set", "task.size=tiny",
+            "--set", "train.steps=2", "--set", "train.batch_size=8", "--set", f"checkpoint.folder={tmp_path}"]
+    monkeypatch.setenv("RANK", "1")
+    assert main(args) == 0
+    assert capsys.readouterr().out == "", "a rank other than 0 printed"
+    monkeypatch.setenv("RANK", "0")
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 2
+
+
 # ---------------------------------------------------------------- two ranks
+
+WORLD = 2
+WAIT_S = 120.0
+MIDWINDOW = "step-00000003-mb001"
 
 
 def _cfg(mode: str, folder: str, *extra: str):
     return load_config(overrides=[
         "task.name=mlp", "task.size=tiny", "device=cpu", "precision.mode=bf16", "train.force_scaler=true",
-        "train.steps=6", "train.batch_size=8", "train.log_interval=100", f"train.distributed={mode}",
-        f"checkpoint.folder={folder}", "checkpoint.interval=3", "train.distributed_timeout_s=20", *extra,
+        "train.steps=6", "train.batch_size=8", "train.microbatches=2", "train.log_interval=100",
+        f"train.distributed={mode}", f"checkpoint.folder={folder}", "checkpoint.interval=3", "checkpoint.keep_last=5",
+        "train.distributed_timeout_s=20", *extra,
     ])
 
 
-def _worker(rank: int, port: int, folder: str, inbox, outbox) -> None:
-    import torch.distributed as dist
+def _count_syncs(trainer):
+    """Host syncs per optimizer step, counted with a TorchDispatchMode from fit start to fit end."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    try:
-        while True:
-            try:
-                job = inbox.get(timeout=WAIT_S)
-            except queue.Empty:
-                return
-            if job is None:
-                return
-            try:
-                outbox.put((rank, _JOBS[job](rank, folder)))
-            except Exception as exc:
-                outbox.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
-    finally:
-        dist.destroy_process_group()
+    aten = torch.ops.aten
+    per_step, last = [], [0]
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # The optimizer's host-side step counters are not syncs on any device.
+            steps = {s["step"].data_ptr() for s in trainer.optimizer.state.values() if "step" in s}
+            if func in (aten._local_scalar_dense.default, aten.is_nonzero.default) and not (
+                    args and isinstance(args[0], torch.Tensor) and args[0].data_ptr() in steps):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def step_end():
+        per_step.append(Count.n - last[0])
+        last[0] = Count.n
+
+    return Count(), per_step, step_end
 
 
-def _train(mode: str, folder: str, resume=None, extra=()):
+def _train(mode: str, folder: str, resume=None, extra=(), mid_window_save=False, loss_fn=None):
     from torchimpl.tasks import build_task
     from torchimpl.trainer import Callback, Trainer
 
-    class Syncs(Callback):
+    class Probe(Callback):
         def on_fit_start(self, trainer):
-            from torch.utils._python_dispatch import TorchDispatchMode
-
-            aten = torch.ops.aten
-
-            class Count(TorchDispatchMode):
-                n = 0
-
-                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                    # The optimizer's host-side step counters are not syncs on any device.
-                    steps = {s["step"].data_ptr() for s in trainer.optimizer.state.values() if "step" in s}
-                    if func in (aten._local_scalar_dense.default, aten.is_nonzero.default) and not (
-                            args and isinstance(args[0], torch.Tensor) and args[0].data_ptr() in steps):
-                        Count.n += 1
-                    return func(*args, **(kwargs or {}))
-
-            self.mode, self.per_step, self.last = Count(), [], 0
+            self.mode, self.syncs, self.step_end = _count_syncs(trainer)
             self.mode.__enter__()
 
+        def on_microbatch_end(self, trainer, state):
+            # A checkpoint inside an accumulation window, as a callback may write one.
+            if mid_window_save and state.step == 3 and state.window_done == 1:
+                trainer.save_checkpoint()
+
         def on_step_end(self, trainer, state):
-            self.per_step.append(type(self.mode).n - self.last)
-            self.last = type(self.mode).n
+            self.step_end()
 
         def on_fit_end(self, trainer, summary):
             self.mode.__exit__(None, None, None)
 
     cfg = _cfg(mode, folder, *extra)
     task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
-    syncs = Syncs()
-    summary = Trainer(cfg, [syncs]).fit(task.model, task.train_data, loss_fn=task.loss_fn, resume=resume)
+    probe = Probe()
+    summary = Trainer(cfg, [probe]).fit(task.model, task.train_data, loss_fn=loss_fn or task.loss_fn, resume=resume)
     params = [(p.to_local() if hasattr(p, "to_local") else p).detach().clone().numpy() for p in task.model.parameters()]
-    return {"summary": summary.to_dict(), "params": params, "syncs": syncs.per_step}
+    return {"summary": summary.to_dict(), "params": params, "syncs": probe.syncs}
 
 
-def _resume_job(mode: str):
-    def job(rank, folder):
-        import shutil
-
-        whole = _train(mode, os.path.join(folder, mode, "whole"))
-        part = os.path.join(folder, mode, "part")
+def _resume_from(rank: int, folder: str, mode: str, name: str) -> dict:
+    """Copy one checkpoint of the whole run to a fresh folder and resume from it there."""
+    ext = ".dcp" if mode == "fsdp2" else ".ckpt"
+    part = os.path.join(folder, mode, "from-" + name)
+    if rank == 0:
         os.makedirs(part, exist_ok=True)
-        src = os.path.join(folder, mode, "whole", "step-00000003" + (".dcp" if mode == "fsdp2" else ".ckpt"))
-        if rank == 0:
-            (shutil.copytree if mode == "fsdp2" else shutil.copy)(src, os.path.join(part, os.path.basename(src)))
-        torch.distributed.barrier()
-        resumed = _train(mode, part, resume="latest")
-        return {"whole": whole, "resumed": resumed}
-    return job
+        src = os.path.join(folder, mode, "whole", name + ext)
+        (shutil.copytree if mode == "fsdp2" else shutil.copy)(src, os.path.join(part, name + ext))
+    torch.distributed.barrier()
+    return _train(mode, part, resume="latest")
 
 
-def _mismatch_job(rank, folder):
+def _resume_job(rank, job):
+    mode, folder = job["mode"], job["folder"]
+    whole = _train(mode, os.path.join(folder, mode, "whole"), mid_window_save=True)
+    return {"whole": whole, "boundary": _resume_from(rank, folder, mode, "step-00000003"),
+            "window": _resume_from(rank, folder, mode, MIDWINDOW)}
+
+
+def _allreduce_job(rank, job):
+    """Collectives of DDP training, 3 steps of 4 microbatches, counted by the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _train("ddp", os.path.join(job["folder"], "allreduce"),
+               extra=["train.steps=3", "train.microbatches=4", "checkpoint.interval=0"])
+    return sum(e.name == "gloo:all_reduce" for e in prof.events())
+
+
+def _nonfinite_job(rank, job):
+    """Rank 1 alone gets a NaN loss at step 2: both ranks stop there; rank 0 writes the diagnosis."""
+    from torchimpl.tasks import build_task
+    from torchimpl.trainer import default_loss_fn
+
+    folder = os.path.join(job["folder"], "nonfinite-" + job["mode"])
+    cfg = _cfg(job["mode"], folder)
+    task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
+    calls = []
+
+    def loss_fn(model, batch):
+        calls.append(None)
+        loss = (task.loss_fn or default_loss_fn)(model, batch)
+        # Microbatches 4 and 5 are step 2's (2 per step); the diagnosis reruns the window's first.
+        return loss * float("nan") if rank == 1 and len(calls) >= 5 else loss
+
+    out = _train(job["mode"], folder, extra=["train.on_nonfinite=stop"], loss_fn=loss_fn)
+    return {"summary": out["summary"], "files": sorted(os.listdir(folder)) if rank == 0 else None}
+
+
+def _mismatch_job(rank, job):
     try:
-        _train("ddp", os.path.join(folder, "mismatch"), extra=[f"train.seed={rank}"])
+        _train("ddp", os.path.join(job["folder"], "mismatch"), extra=[f"train.seed={rank}"])
     except DistributedError as exc:
         return {"raised": str(exc)}
     return {"raised": None}
 
 
-def _hang_job(rank, folder):
+def _hang_job(rank, job):
     if rank == 1:
-        time.sleep(8)  # a rank that never joins: rank 0 must give up after its timeout
+        time.sleep(1)  # a rank that never joins (it waits for the next job): rank 0 must give up
         return {"raised": None}
     t0 = time.monotonic()
     try:
-        _train("ddp", os.path.join(folder, "hang"), extra=["train.distributed_timeout_s=3"])
+        _train("ddp", os.path.join(job["folder"], "hang"), extra=["train.distributed_timeout_s=3"])
     except DistributedError as exc:
         return {"raised": str(exc), "after_s": time.monotonic() - t0}
     return {"raised": None}
 
 
-_JOBS = {"ddp": _resume_job("ddp"), "fsdp2": _resume_job("fsdp2"), "mismatch": _mismatch_job, "hang": _hang_job}
+_JOBS = {"resume": _resume_job, "allreduce": _allreduce_job, "nonfinite": _nonfinite_job,
+         "mismatch": _mismatch_job, "hang": _hang_job}
+
+
+def _serve(rank, job):
+    return _JOBS[job["name"]](rank, job)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     folder = str(tmp_path_factory.mktemp("dist"))
-    inboxes = [ctx.Queue() for _ in range(WORLD)]
-    outbox = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, folder, inboxes[r], outbox), daemon=True)
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
+    with rank_group(_serve, WORLD, wait_s=WAIT_S) as run:
+        def job(name: str, **kw) -> list:
+            return run(dict(kw, name=name, folder=folder))
 
-    def run(job: str) -> list[dict]:
-        for box in inboxes:
-            box.put(job)
-        got = {}
-        for _ in range(WORLD):
-            try:
-                r, res = outbox.get(timeout=WAIT_S)
-            except queue.Empty:
-                pytest.fail(f"job {job}: a rank did not answer within {WAIT_S:g} s")
-            got[r] = res
-        return [got[r] for r in range(WORLD)]
+        job.folder = folder
+        yield job
 
-    run.folder = folder
-    try:
-        yield run
-    finally:
-        for box in inboxes:
-            box.put(None)
-        for p in procs:
-            p.join(timeout=20)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
+
+@pytest.fixture(scope="module")
+def resumed(ranks):
+    """Each mode's whole run and its two resumed runs, computed once for the tests below."""
+    return dict({mode: ranks("resume", mode=mode) for mode in ("ddp", "fsdp2")}, folder=ranks.folder)
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_two_ranks_train_and_resume_bit_for_bit(ranks, mode):
-    res = ranks(mode)
+@pytest.mark.parametrize("start", ["boundary", "window"])
+def test_two_ranks_train_and_resume_bit_for_bit(resumed, mode, start):
+    res = resumed[mode]
     for r, out in enumerate(res):
-        assert "error" not in out, f"rank {r}: {out.get('error')}"
-        for i, (a, b) in enumerate(zip(out["whole"]["params"], out["resumed"]["params"])):
-            assert a.tobytes() == b.tobytes(), f"{mode} rank {r} parameter {i}: resumed run differs"
-        assert out["whole"]["summary"]["final_scale"] == out["resumed"]["summary"]["final_scale"]
-    if mode == "ddp":
-        for i, (a, b) in enumerate(zip(res[0]["whole"]["params"], res[1]["whole"]["params"])):
-            assert a.tobytes() == b.tobytes(), f"DDP replicas differ in parameter {i}"
-        # The single-device budget: one host read per step (the skip decision), none added. The
-        # count of step 3 also holds the checkpoint written after step 2 (reads of its state).
-        syncs = res[0]["whole"]["syncs"]
-        assert [n for i, n in enumerate(syncs) if i != 3] == [1] * 5, f"host syncs per step on rank 0: {syncs}"
+        assert "error" not in out, f"rank {r}: {out.get('error')}\n{out.get('traceback')}"
+        whole, again = out["whole"], out[start]
+        for i, (a, b) in enumerate(zip(whole["params"], again["params"])):
+            assert a.tobytes() == b.tobytes(), f"{mode} rank {r} parameter {i}: run resumed at the {start} differs"
+        assert whole["summary"]["final_scale"] == again["summary"]["final_scale"]
+        assert again["summary"]["steps"] == 6 and len(again["syncs"]) == 3, "the resumed run must run steps 3 to 5"
 
 
-def test_a_two_rank_fsdp2_checkpoint_loads_on_one_rank(ranks):
+def test_ddp_replicas_agree_with_one_host_sync_per_step(resumed):
+    res = resumed["ddp"]
+    for i, (a, b) in enumerate(zip(res[0]["whole"]["params"], res[1]["whole"]["params"])):
+        assert a.tobytes() == b.tobytes(), f"DDP replicas differ in parameter {i}"
+    # The single-device budget: one host read per step (the skip decision), none added. The
+    # count of step 3 also holds the two checkpoints written before it ends (reads of their state).
+    syncs = res[0]["whole"]["syncs"]
+    assert [n for i, n in enumerate(syncs) if i != 3] == [1] * 5, f"host syncs per step on rank 0: {syncs}"
+
+
+def test_ddp_reduces_a_window_once(ranks):
+    counts = ranks("allreduce")
+    # Per step: one gradient all-reduce (the tiny model fits one bucket) after the last of the 4
+    # microbatches, and one for the skip decision and the loss. Without no_sync: 4 + 1.
+    assert counts == [3 * 2] * WORLD, f"gloo all-reduces over 3 steps of 4 microbatches: {counts}"
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_a_mid_window_checkpoint_refuses_another_world_size(resumed, tmp_path, mode):
     from torchimpl.tasks import build_task
     from torchimpl.trainer import Trainer
 
-    path = os.path.join(ranks.folder, "fsdp2", "whole", "step-00000006.dcp")
-    if not os.path.isdir(path):
-        ranks("fsdp2")
-    cfg = _cfg("fsdp2", os.path.join(ranks.folder, "one-rank"))
+    src = os.path.join(resumed["folder"], mode, "whole", MIDWINDOW + (".dcp" if mode == "fsdp2" else ".ckpt"))
+    cfg = _cfg(mode, str(tmp_path))
     task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
-    trainer = Trainer(cfg)
-    summary = trainer.fit(task.model, task.train_data, loss_fn=task.loss_fn, resume=path)
+    with pytest.raises(CheckpointError, match=r"inside an accumulation window .* by 2 rank\(s\).* cannot resume on 1: "
+                       r"resume it on 2 rank\(s\), or from a checkpoint written at a window boundary"):
+        Trainer(cfg).fit(task.model, task.train_data, loss_fn=task.loss_fn, resume=src)
+
+
+def test_a_two_rank_fsdp2_checkpoint_loads_on_one_rank(resumed, tmp_path):
+    from torchimpl.tasks import build_task
+    from torchimpl.trainer import Trainer
+
+    path = os.path.join(resumed["folder"], "fsdp2", "whole", "step-00000006.dcp")
+    cfg = _cfg("fsdp2", str(tmp_path))
+    task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
+    summary = Trainer(cfg).fit(task.model, task.train_data, loss_fn=task.loss_fn, resume=path)
     assert summary.steps == 6, "the loaded run must be at its last step"
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
@@ -269,6 +322,24 @@ def test_a_two_rank_fsdp2_checkpoint_loads_on_one_rank(ranks):
     for name, value in task.model.state_dict().items():
         full = value.full_tensor() if hasattr(value, "full_tensor") else value
         assert torch.equal(full, saved[name]), f"{name} differs after loading on one rank"
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_a_nonfinite_loss_on_one_rank_stops_both_and_rank_0_writes_the_diagnosis(ranks, mode):
+    res = ranks("nonfinite", mode=mode)
+    for r, out in enumerate(res):
+        assert "error" not in out, f"rank {r}: {out.get('error')}\n{out.get('traceback')}"
+        assert out["summary"]["steps"] == 2 and out["summary"]["stopped"].startswith("non-finite loss at step 2"), out
+    report = res[0]["summary"]["diagnosis_report"]
+    assert os.path.basename(report) == "nonfinite-step00000002.json"
+    assert [f for f in res[0]["files"] if f.startswith("nonfinite")] == ["nonfinite-step00000002.json"]
+    with open(report) as f:
+        data = json.load(f)
+    assert data["problem"] == "non-finite loss" and set(data["other_ranks"]) == {"1"}, data.keys()
+    if mode == "ddp":  # rank 1's own batch is the culprit, and its diagnosis reproduces it
+        assert not data["diagnosis"]["reproduced"] and data["other_ranks"]["1"]["reproduced"], data
+    else:
+        assert "FSDP2 shards the parameters" in data["diagnosis"]["error"], data
 
 
 def test_mismatched_configs_are_detected_at_start(ranks):

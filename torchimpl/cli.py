@@ -9,10 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
 from typing import Sequence
+
+from torchimpl.distributed import launch_rank
 
 __all__ = ["main"]
 
@@ -45,7 +48,10 @@ def _train(args: argparse.Namespace) -> int:
         raise ValueError("--resume needs checkpoint.folder in the configuration")
     summary = Trainer(cfg).fit(task.model, task.train_data, task.val_data, loss_fn=task.loss_fn,
                                resume="latest" if args.resume else None)
-    print(json.dumps(summary.to_dict(), indent=2))
+    # Under torchrun rank 0 alone prints; every rank's exit status still reports a stop (the
+    # stop decision is the same on every rank).
+    if launch_rank() == 0:
+        print(json.dumps(summary.to_dict(), indent=2))
     return 0 if summary.stopped is None else 1
 
 
@@ -145,12 +151,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # Under torchrun, the ranks other than 0 log warnings and errors only, each line naming its rank.
+    rank = launch_rank()
+    prefix = f"[rank {rank}] " if "RANK" in os.environ else ""
+    logging.basicConfig(level=logging.INFO if args.verbose and rank == 0 else logging.WARNING,
+                        format=prefix + "%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except (ValueError, RuntimeError, OSError, ImportError) as exc:
         msg = str(exc).splitlines()
-        print(f"ampspec {args.command}: error: {' '.join(m.strip() for m in msg)}", file=sys.stderr)
+        print(f"{prefix}ampspec {args.command}: error: {' '.join(m.strip() for m in msg)}", file=sys.stderr)
         return 2
 
 

@@ -170,8 +170,10 @@ class TrainConfig(_Checked):
 
     distributed: Literal["none", "ddp", "fsdp2"] = "none"
     """Multi-process training, launched with ``torchrun``: ``ddp`` (DistributedDataParallel,
-    replicated parameters) or ``fsdp2`` (``fully_shard``, sharded parameters and sharded
-    checkpoints); ``none`` for one process."""
+    replicated parameters; accumulates a window under ``no_sync`` and all-reduces it once) or
+    ``fsdp2`` (``fully_shard``, sharded parameters and sharded checkpoints); ``none`` for one
+    process. Rank 0 alone logs, prints and writes the trace; a checkpoint written inside an
+    accumulation window resumes only on the same number of ranks."""
 
     distributed_timeout_s: float = 300.0
     """Seconds any rank waits for the others (start-up, every collective) before failing."""

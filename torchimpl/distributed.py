@@ -28,14 +28,25 @@ every hook is the identity and nothing here touches ``torch.distributed``. Rules
    ``DataLoader`` with a ``DistributedSampler`` is used as it is.
 8. Random streams: rank 0 keeps ``train.seed`` (a one-rank run equals a non-distributed one);
    rank ``r`` seeds ``seed + r * 1_000_003``. Checkpoints keep every rank's generator states.
-9. Rank 0 alone logs at INFO, writes the trace and the progress bar. Checkpoints: DDP (and
-   none) write the usual single file from rank 0; FSDP2 writes a ``step-NNNNNNNN.dcp`` folder with
-   ``torch.distributed.checkpoint`` (model and optimizer, sharded) plus ``meta.ckpt`` (the rest),
-   first under a temporary name, then renamed by rank 0 once every rank has finished.
+9. Rank 0 alone logs at INFO, writes the trace, the progress bar and the non-finite diagnosis
+   (one file holding every rank's diagnosis of its own batch). Checkpoints: DDP (and none) write
+   the usual single file from rank 0; FSDP2 writes a ``step-NNNNNNNN.dcp`` folder with
+   ``torch.distributed.checkpoint`` (model, optimizer and, inside an accumulation window, the
+   sharded accumulated gradients) plus ``meta.ckpt`` (the rest), first under a temporary name,
+   then renamed by rank 0 once every rank has finished. Every rank's generator states and, inside
+   a window, its own loss accumulator (and DDP's local gradient sums) are gathered into rank 0's
+   file. A checkpoint written inside a window resumes only on as many ranks as wrote it (the
+   partial sums belong to those ranks' data shards); at a window boundary any world size loads it.
+10. Gradient accumulation: DDP runs every microbatch of a window but the last under
+   ``no_sync()``, so each rank sums its microbatch gradients locally and DDP all-reduces the
+   window's sum once, in the last backward (one gradient all-reduce per window, not one per
+   microbatch). FSDP2 reduce-scatters every microbatch into its sharded gradients (gradient
+   memory stays sharded).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import itertools
@@ -45,13 +56,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchimpl.checkpoint import load_checkpoint, save_checkpoint
+from torchimpl.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 __all__ = [
     "MODES",
@@ -60,6 +71,7 @@ __all__ = [
     "ShardedData",
     "config_differences",
     "init_distributed",
+    "launch_rank",
     "rank_seed",
     "shard_data",
     "wrap_model",
@@ -80,6 +92,11 @@ def rank_seed(seed: int, rank: int) -> int:
     if rank < 0:
         raise ValueError(f"rank must be >= 0, got {rank}")
     return (seed + rank * _SEED_STRIDE) % (2**63)
+
+
+def launch_rank() -> int:
+    """This process's rank as ``torchrun`` sets it (``RANK``); 0 when not launched by torchrun."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def config_differences(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -293,6 +310,9 @@ class DistributedContext:
                  owns_group: bool, timeout_s: float):
         self.mode, self.rank, self.world_size, self.local_rank = mode, rank, world_size, local_rank
         self.device, self.owns_group, self.timeout_s = device, owns_group, timeout_s
+        self._ddp: nn.Module | None = None
+        self._model: nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
 
     @property
     def enabled(self) -> bool:
@@ -371,7 +391,27 @@ class DistributedContext:
     def wrap_model(self, model: nn.Module, plan: Any = None) -> tuple[nn.Module, nn.Module]:
         if not self.enabled:
             return model, model
-        return self._collective("wrapping the model", lambda: wrap_model(model, self.mode, plan, self.device))
+        module, forward = self._collective("wrapping the model", lambda: wrap_model(model, self.mode, plan, self.device))
+        self._ddp = forward if self.mode == "ddp" else None
+        return module, forward
+
+    def accumulate(self, is_last: bool) -> ContextManager[Any]:
+        """Rule 10: the context of one microbatch's forward; ``is_last`` for the window's last one.
+
+        DDP decides in the forward whether the following backward reduces, so entering the
+        context around the forward alone is enough. Identity for none and FSDP2.
+        """
+        if self._ddp is not None and not is_last:
+            return self._ddp.no_sync()
+        return contextlib.nullcontext()
+
+    def gather(self, obj: Any, what: str) -> list[Any] | None:
+        """Every rank's ``obj`` (picklable, CPU tensors) as a list on rank 0; None on the others."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.is_main else None
+        self._collective(what, lambda: dist.gather_object(obj, out, dst=0))
+        return out
 
     def agree(self, found_inf: torch.Tensor, scaler: Any, loss_acc: torch.Tensor) -> torch.Tensor:
         """Rule 5: the rank-consistent found_inf (0.0 or 1.0); ``loss_acc`` becomes the rank mean.
@@ -406,10 +446,18 @@ class DistributedContext:
         """Write ``contents`` (as the trainer builds them) for this run's mode; call on every rank."""
         if not self.enabled:
             return save_checkpoint(contents, path)
-        rngs: list[Any] = [None] * self.world_size
-        rng = contents["rng"]
-        self._collective("gathering generator states", lambda: dist.all_gather_object(rngs, rng))
-        contents = dict(contents, rng_per_rank=rngs)
+        acc = contents.get("accumulation")
+        local = None
+        if acc is not None:
+            # FSDP2's gradients are sharded DTensors: they go through torch.distributed.checkpoint.
+            local = {"loss": acc["loss"].cpu()}
+            if not self.sharded:
+                local["grads"] = [None if g is None else g.cpu() for g in acc["grads"]]
+        per_rank = self.gather((contents["rng"], local), "gathering generator states and accumulators")
+        contents = dict(contents, accumulation=None)
+        if per_rank is not None:
+            contents["rng_per_rank"] = [rng for rng, _ in per_rank]
+            contents["accumulation_per_rank"] = None if acc is None else [a for _, a in per_rank]
         path = Path(path)
         if not self.sharded:
             written = path
@@ -417,14 +465,12 @@ class DistributedContext:
                 written = save_checkpoint(contents, path)
             self.barrier("the checkpoint barrier")
             return written
-        return self._save_sharded(contents, path)
+        grads = None if acc is None else acc["grads"]
+        return self._save_sharded(contents, grads, path)
 
-    def _save_sharded(self, contents: dict[str, Any], path: Path) -> Path:
+    def _save_sharded(self, contents: dict[str, Any], grads: list[Any] | None, path: Path) -> Path:
         import torch.distributed.checkpoint as dcp
 
-        if contents.get("accumulation") is not None:
-            raise ValueError("FSDP2 checkpoints are written between optimizer steps, not inside an "
-                             "accumulation window")
         final = path.with_suffix(".dcp")
         holder: list[Any] = [None]
         if self.is_main:
@@ -438,7 +484,12 @@ class DistributedContext:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self._model, self._optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd}
+        state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+        if grads is not None:
+            # The window's reduced, sharded gradients so far, keyed by position in the trainer's
+            # parameter list; meta records which parameters had one.
+            state["accumulation"] = {str(i): g for i, g in enumerate(grads) if g is not None}
+            contents["accumulation_grads"] = [g is not None for g in grads]
         self._collective("writing the sharded checkpoint", lambda: dcp.save(state, checkpoint_id=str(tmp)))
         if self.is_main:
             save_checkpoint(contents, tmp / "meta.ckpt")
@@ -452,9 +503,14 @@ class DistributedContext:
         """The trained module and its optimizer (FSDP2 checkpoints read them directly)."""
         self._model, self._optimizer = model, optimizer
 
+    def _trained_params(self) -> list[nn.Parameter]:
+        # The trainer's parameter list (its checkpoint's accumulated gradients follow this order).
+        return [p for p in self._model.parameters() if p.requires_grad]
+
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        """Read a checkpoint for resuming on this rank: its own generator states, and for FSDP2
-        the sharded model and optimizer loaded in place (resharded if the world size changed)."""
+        """Read a checkpoint for resuming on this rank: its own generator states and accumulators,
+        and for FSDP2 the sharded model and optimizer (and accumulated gradients) loaded in place,
+        resharded if the world size changed (at a window boundary only)."""
         path = Path(path)
         if path.is_dir():
             if not self.sharded:
@@ -463,18 +519,30 @@ class DistributedContext:
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
             contents = load_checkpoint(path / "meta.ckpt", map_location="cpu")
+            self._check_window_world(contents, path)
             model_sd, optim_sd = get_state_dict(self._model, self._optimizer)
-            state = {"model": model_sd, "optimizer": optim_sd}
+            state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+            present = contents.get("accumulation_grads")
+            if present is not None:
+                params = self._trained_params()
+                state["accumulation"] = {str(i): torch.zeros_like(p) for i, p in enumerate(params) if present[i]}
             self._collective("reading the sharded checkpoint", lambda: dcp.load(state, checkpoint_id=str(path)))
             set_state_dict(self._model, self._optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])
             # The trainer's restore then reloads these, a no-op.
             contents["model"] = self._model.state_dict()
             contents["optimizer"] = self._optimizer.state_dict()
+            if present is not None:
+                grads = [state["accumulation"].get(str(i)) for i in range(len(present))]
+                contents["accumulation_per_rank"][self.rank]["grads"] = grads
         else:
             if self.sharded:
                 raise ValueError(f"{path} is a single-file checkpoint; resume it with train.distributed none or ddp")
             contents = load_checkpoint(path, map_location="cpu")
+            self._check_window_world(contents, path)
+        per_acc = contents.get("accumulation_per_rank")
+        if per_acc is not None:
+            contents["accumulation"] = per_acc[self.rank]
         per_rank = contents.get("rng_per_rank")
         if per_rank and len(per_rank) == self.world_size:
             contents["rng"] = per_rank[self.rank]
@@ -482,6 +550,20 @@ class DistributedContext:
             log.warning("checkpoint from %d ranks resumed on %d: rank %d's generators start from rank 0's",
                         len(per_rank), self.world_size, self.rank)
         return contents
+
+    def _check_window_world(self, contents: dict[str, Any], path: Path) -> None:
+        """A checkpoint from inside an accumulation window resumes only on the ranks that wrote it."""
+        per_acc = contents.get("accumulation_per_rank")
+        writers = len(per_acc) if per_acc is not None else 1 if contents.get("accumulation") is not None else None
+        if writers is not None and writers != self.world_size:
+            trainer = contents.get("trainer", {})
+            raise CheckpointError(
+                f"{path} was written inside an accumulation window (step {trainer.get('step')}, "
+                f"{trainer.get('window_done')} of {trainer.get('window_size')} microbatches) by "
+                f"{writers} rank(s); its partial gradients belong to those ranks' data shards, so it "
+                f"cannot resume on {self.world_size}: resume it on {writers} rank(s), or from a "
+                "checkpoint written at a window boundary (checkpoint.interval saves between steps)"
+            )
 
     def close(self) -> None:
         """Destroy the process group if this context created it."""

@@ -435,7 +435,7 @@ class Trainer:
         for batch in window:
             batch_size = _batch_size(batch)
             batch = _to_device(batch, self.device)
-            with autocast_context(self.plan, self.device):
+            with self._dist.accumulate(st.window_done + 1 == k), autocast_context(self.plan, self.device):
                 loss = self.loss_fn(self._forward_model, batch)
             # Outside autocast from here: the division, the scaling and backward.
             self._loss_acc += loss.detach().float()
@@ -597,23 +597,36 @@ class Trainer:
         return tqdm(total=self.config.train.steps, initial=self.state.step, unit="step", dynamic_ncols=True)
 
     def _stop_on_nonfinite(self, window: list[Any], what: str) -> None:
-        """Write the diagnosis report for the window's first batch and request a stop."""
+        """Write the diagnosis report for the window's first batch and request a stop.
+
+        Every rank diagnoses its own batch (the fault may be in any rank's data); rank 0 alone
+        writes the one file, with the other ranks' diagnoses under ``other_ranks``. Under FSDP2
+        the file says why there is no diagnosis.
+        """
         from torchimpl.diagnostics import diagnose_nonfinite
 
         folder = Path(self.config.checkpoint.folder or (
             Path(self.config.train.trace_file).parent if self.config.train.trace_file else "."))
         path = folder / f"nonfinite-step{self.state.step:08d}.json"
         try:
+            if self._dist.sharded:  # the diagnosis reruns the step on a copy of the whole model
+                raise ValueError("FSDP2 shards the parameters; rerun from the last checkpoint with "
+                                 "train.distributed=ddp or none to diagnose")
             report = diagnose_nonfinite(self.model, _to_device(window[0], self.device), self.loss_fn, self.plan,
                                         self.optimizer, self.scaler)
             data = report.to_dict() if hasattr(report, "to_dict") else dataclasses.asdict(report)
         except Exception as exc:  # the diagnosis must not hide the original problem
             data = {"error": f"diagnosis failed: {exc!r}"}
-        data = {"step": self.state.step, "problem": what, "diagnosis": data}
-        folder.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2, default=str))
+        data = {"step": self.state.step, "problem": what, "diagnosis": json.loads(json.dumps(data, default=str))}
+        by_rank = self._dist.gather(data["diagnosis"], "gathering the non-finite diagnoses")
+        if by_rank is not None:
+            if len(by_rank) > 1:
+                data["other_ranks"] = {str(r): d for r, d in enumerate(by_rank) if r}
+            folder.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(data, indent=2))
         self._diagnosis = str(path)
-        log.error("%s at step %d; diagnosis written to %s", what, self.state.step, path)
+        log.error("%s at step %d; diagnosis %s %s", what, self.state.step,
+                  "written to" if by_rank is not None else "of this rank written by rank 0 to", path)
         self.state.window_size = self.state.window_done = 0
         self.request_stop(f"{what} at step {self.state.step}")
 
