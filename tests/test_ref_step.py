@@ -181,6 +181,7 @@ def test_fused_adamw_skip_leaves_gradients_scaled():
         optimizer=optim.adamw_config(lr=1e-3),
         scaler=scaling.ScalerConfig(init_scale=1000.0),
         optimizer_kind="fused",
+        unscale="kernel",
     )
     state = init_train_state([np.ones(3, np.float32)], cfg)
     grads = [np.array([1.0, np.inf, 2.0], np.float32)]

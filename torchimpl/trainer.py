@@ -285,9 +285,15 @@ class Trainer:
         self.optimizer_kind, optimizer_reason = built.kind, built.reason
         if optimizer_reason:
             log.info("optimizer: %s (%s)", built.kind, optimizer_reason)
-        self.sync_free = cfg.train.sync_free and built.kind == "fused"
+        # torch's fused SGD creates its momentum buffers with empty_like before the kernel reads
+        # found_inf: a first step skipped inside the kernel would leave them uninitialised.
+        momentum_sgd = cfg.optimizer.name == "sgd" and cfg.optimizer.momentum > 0
+        self.sync_free = cfg.train.sync_free and built.kind == "fused" and not momentum_sgd
         if cfg.train.sync_free and not self.sync_free:
-            msg = f"train.sync_free needs a fused optimizer, got {built.kind}; using one host sync per step"
+            why = (f"train.sync_free needs a fused optimizer, got {built.kind}" if built.kind != "fused" else
+                   "train.sync_free is refused for fused SGD with momentum (torch leaves its momentum buffers "
+                   "uninitialised when the kernel skips the first step)")
+            msg = f"{why}; using one host sync per step"
             downgrades.append(msg)
             warnings.warn(msg, stacklevel=2)
         self.scaler = make_grad_scaler(self.plan, cfg.scaler, force=cfg.train.force_scaler)
