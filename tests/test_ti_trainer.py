@@ -205,6 +205,18 @@ def test_sync_free_schedule_matches_host_schedule_and_skips(tmp_path):
         assert (a.scale_after, a.growth_tracker) == (b.scale_after, b.growth_tracker)
 
 
+def test_sync_free_is_refused_for_fused_sgd_with_momentum():
+    # torch's fused SGD creates its momentum buffers with empty_like before its kernel reads
+    # found_inf: a first step skipped inside the kernel would leave them uninitialised.
+    c = cfg("train.steps=3", "optimizer.name=sgd", "optimizer.momentum=0.9", "optimizer.fused=true",
+            "train.sync_free=true", "train.force_scaler=true")
+    with pytest.warns(UserWarning, match="refused for fused SGD with momentum"):
+        s = Trainer(c).fit(Poisoned(), batches(3, poison={0}))
+    assert s.optimizer_kind == "fused" and not s.sync_free
+    assert any("momentum" in d for d in s.downgrades), s.downgrades
+    assert s.steps_skipped == 1 and s.steps_applied == 2
+
+
 def test_stop_on_nonfinite_loss_writes_a_diagnosis(tmp_path):
     c = cfg("train.steps=5", "train.on_nonfinite=stop", f"checkpoint.folder={tmp_path}")
     s = Trainer(c).fit(Poisoned(), batches(10, poison={2}))
