@@ -220,7 +220,9 @@ def trainer_case(draw) -> dict:
     if preset == "torch" and draw(st.booleans()):
         scaler["hysteresis"] = 2  # the torch preset through the extended update
     name = draw(st.sampled_from(["sgd", "adamw"]))
-    fused = draw(st.booleans())
+    # One draw for the optimizer call, so that each of the three modes gets its share.
+    mode = draw(st.sampled_from(["for-loop", "fused", "sync-free"]))
+    fused = mode != "for-loop"
     optimizer = dict(name=name, lr=draw(st.sampled_from([1e-3, 0.01, 0.1])),
                      weight_decay=draw(st.sampled_from([0.0, 0.01, 0.5])), fused=fused,
                      no_decay_bias_and_norm=draw(st.booleans()))
@@ -245,7 +247,7 @@ def trainer_case(draw) -> dict:
     ))
     return dict(
         task=task, precision=precision, force_scaler=force_scaler, steps=steps, microbatches=microbatches,
-        sync_free=fused and draw(st.booleans()), log_interval=draw(st.integers(1, 3)),
+        sync_free=mode == "sync-free", log_interval=draw(st.integers(1, 3)),
         batches_per_epoch=draw(st.integers(2, 7)),
         clip_norm=draw(st.one_of(st.none(), st.sampled_from([0.05, 1.0]), st.floats(0.01, 10.0))),
         scaler=scaler, optimizer=optimizer, schedule=schedule, faults=faults, resume=resume,
