@@ -18,6 +18,7 @@ re-implemented here. Everything downstream of it is, in this order and no other:
 5. Update the scale (`reference.scaling.update_scale`).
 6. Advance the learning-rate schedule and the applied-step counter only if the step was applied:
    the schedule is a function of the number of *applied* steps, so a skipped step never moves it.
+   The rate is a float64 value, or float32 in the sync-free mode (`StepConfig.lr_at`).
 
 Each step yields a `StepRecord` whose fields are exactly those the trainer writes as JSON Lines.
 `replay` recomputes a recorded scale history from its ``found_inf`` bits alone and names the
