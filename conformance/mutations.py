@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = "torchimpl/trainer.py"
 SCALER = "torchimpl/scaler.py"
+OPTIM = "torchimpl/optim.py"
 TRAINER_TESTS = ("conformance/test_trainer.py",)
 SCALER_TESTS = ("conformance/test_scaler.py", "conformance/test_trainer.py")
 
@@ -93,6 +94,9 @@ MUTANTS = (
            "            scaled = loss / k\n", "            scaled = loss\n", TRAINER_TESTS),
     Mutant("scaler_not_restored", "ignore the scaler state of a checkpoint on resume", TRAINER,
            "            self.scaler.load_state_dict(state)\n", "            pass\n", TRAINER_TESTS),
+    Mutant("bias_and_norm_decayed", "decay biases and norm weights despite no_decay_bias_and_norm", OPTIM,
+           '{"params": no_decay, "weight_decay": 0.0}', '{"params": no_decay, "weight_decay": config.weight_decay}',
+           TRAINER_TESTS),
 )
 
 
