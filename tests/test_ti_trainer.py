@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -200,8 +201,9 @@ def test_sync_free_schedule_matches_host_schedule_and_skips(tmp_path):
     assert [r.applied for r in free] == [r.applied for r in host] == [True, True, True, False, True, True]
     assert out["true"][1].steps_skipped == 1
     for a, b in zip(host, free):
-        # The device schedule is float32; the host one float64 rounded by the kernel.
-        assert b.lr == pytest.approx(a.lr, rel=1e-6), (a, b)
+        # The device schedule is the host's float64 rate rounded once to float32 (the kernel
+        # reads either as a double), and it stands still on the skipped step in both modes.
+        assert b.lr == float(np.float32(a.lr)), (a, b)
         assert (a.scale_after, a.growth_tracker) == (b.scale_after, b.growth_tracker)
 
 
