@@ -136,7 +136,7 @@ class Lockstep(Callback):
         self.result = None
         self.expect_raise_at: int | None = None
         self.steps_checked = 0
-        self.expected: dict[int, ref_step.StepRecord] = {}  # spec records by step, until logged
+        self.expected: dict[int, ref_step.StepResult] = {}  # the spec's steps, until logged
 
     # --- the loss function and the gradient hook see every microbatch -----------------------
 
@@ -212,7 +212,7 @@ class Lockstep(Callback):
 
         try:
             self.result = ref_step.train_step(self.ref_state, scaled, self.config, microbatches=k)
-            self.expected[st.step] = self.result.record
+            self.expected[st.step] = self.result
         except scaling.ScaleAtMinimumError:
             self.expect_raise_at, self.result = st.step, None
 
@@ -266,13 +266,20 @@ class Lockstep(Callback):
         for rec in records:
             # Records are read at log points: several steps at once when log_interval > 1.
             assert rec.step in self.expected, f"step {rec.step}: a record the spec has no step for\n{REPRO}"
-            expected = self.expected.pop(rec.step)
+            spec = self.expected.pop(rec.step)
+            expected = spec.record
             assert_equal(rec.step, expected.step, Where("trainer", rec.step, "record.step", REPRO))
             for name in ("microbatches", "scale_before", "found_inf", "applied", "grad_norm", "clip_coef",
                          "scale_after", "growth_tracker"):
                 assert_equal(getattr(rec, name), getattr(expected, name), Where("trainer", rec.step, f"record.{name}", REPRO))
             assert_equal(rec.lr, expected.lr, Where("trainer", rec.step, "record.lr", REPRO))
             self.steps_checked += 1
+        # The counters a log point shows (kept on the device in the sync-free mode).
+        if records:
+            where = Where("trainer", records[-1].step, "state.applied_steps at the log point", REPRO)
+            assert_equal(st.applied_steps, spec.state.applied_steps, where)
+            assert_equal(st.skipped_steps, spec.state.step - spec.state.applied_steps,
+                         where.at("state.skipped_steps at the log point"))
 
     resumed = False
     saved = False

@@ -219,6 +219,23 @@ def test_sync_free_is_refused_for_fused_sgd_with_momentum():
     assert s.steps_skipped == 1 and s.steps_applied == 2
 
 
+def test_sync_free_counters_at_log_points_survive_a_checkpoint_between_them(tmp_path):
+    # A checkpoint reads the device counter of applied steps, which already includes the steps
+    # whose records are still pending; the next log point must count those once, not twice.
+    seen = []
+
+    class Counters(Callback):
+        def on_log(self, trainer, state, records, losses):
+            seen.append((state.step, state.applied_steps, state.skipped_steps))
+
+    c = cfg("train.steps=6", "optimizer.fused=true", "train.sync_free=true", "train.force_scaler=true",
+            "scaler.init_scale=256.0", "train.log_interval=3", f"checkpoint.folder={tmp_path}",
+            "checkpoint.interval=2")
+    s = Trainer(c, [Counters()]).fit(Poisoned(), batches(12, poison={1}))
+    assert s.sync_free
+    assert seen == [(3, 2, 1), (6, 5, 1)], seen
+
+
 def test_stop_on_nonfinite_loss_writes_a_diagnosis(tmp_path):
     c = cfg("train.steps=5", "train.on_nonfinite=stop", f"checkpoint.folder={tmp_path}")
     s = Trainer(c).fit(Poisoned(), batches(10, poison={2}))

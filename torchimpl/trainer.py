@@ -682,7 +682,11 @@ class Trainer:
 
     def _checkpoint_contents(self) -> dict[str, Any]:
         st = self.state
-        self._sync_counters()
+        if self.sync_free:
+            # The device count includes steps whose records are not flushed yet: save it, but
+            # leave self.state to the flushes, which count every record once.
+            applied = int(self._applied_t.item())
+            st = dataclasses.replace(st, applied_steps=applied, skipped_steps=st.step - applied)
         schedule_state = self.schedule.state_dict()
         schedule_state["applied_steps"] = st.applied_steps
         mid_window = st.window_size > 0
