@@ -219,7 +219,7 @@ def trainer_case(draw) -> dict:
     )
     if preset == "torch" and draw(st.booleans()):
         scaler["hysteresis"] = 2  # the torch preset through the extended update
-    name = draw(st.sampled_from(["sgd", "adamw"]))
+    name = draw(st.sampled_from(["sgd", "adamw", "adam"]))
     # One draw for the optimizer call, so that each of the three modes gets its share.
     mode = draw(st.sampled_from(["for-loop", "fused", "sync-free"]))
     fused = mode != "for-loop"

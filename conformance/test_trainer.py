@@ -171,7 +171,8 @@ class Lockstep(Callback):
         if o.name == "sgd":
             opt = optim.SGDConfig(lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay)
         else:
-            opt = optim.adamw_config(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+            opt = optim.AdamConfig(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                                   decoupled_weight_decay=o.name == "adamw")
         s = cfg.schedule
         schedule = ref_step.LRSchedule(
             base_lr=o.lr, kind=s.name, warmup_steps=s.warmup_steps,
