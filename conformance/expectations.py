@@ -171,3 +171,30 @@ def probe_fused_sgd_fails_on_late_first_gradient(device: str) -> bool:
     except TypeError:
         return True
     return False
+
+
+# Fused SGD with momentum whose kernel skips a FIRST step (found_inf == 1.0, as in the trainer's
+# sync-free mode): _fused_sgd creates the momentum buffers with empty_like before the kernel reads
+# the flag, and SGD.step stores them, so the next applied step treats uninitialised memory as
+# the buffer instead of starting it as a copy of the gradient (the spec, and the for-loop path
+# that a host skip never calls, have no buffer until a step applies). reference.step refuses
+# sync_free for SGD with momentum and the trainer keeps the host skip there. Measured on CPU for
+# the versions listed; other versions are probed.
+FUSED_SGD_SKIPPED_FIRST_STEP_STORES_A_BUFFER: dict[str, bool] = {"2.13": True}
+
+
+def fused_sgd_skipped_first_step_stores_a_buffer(device: str) -> bool:
+    """Does fused SGD with momentum store a momentum buffer on a first step its kernel skips?"""
+    if device == "cpu" and TORCH_VERSION in FUSED_SGD_SKIPPED_FIRST_STEP_STORES_A_BUFFER:
+        return FUSED_SGD_SKIPPED_FIRST_STEP_STORES_A_BUFFER[TORCH_VERSION]
+    return probe_fused_sgd_skipped_first_step_stores_a_buffer(device)
+
+
+def probe_fused_sgd_skipped_first_step_stores_a_buffer(device: str) -> bool:
+    """What the installed torch does: one skipped first step, then is there a momentum buffer?"""
+    p = torch.nn.Parameter(torch.ones(4, device=device))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, fused=True)
+    p.grad = torch.full((4,), float("inf"), device=device)
+    opt.grad_scale, opt.found_inf = None, torch.ones((), device=device)
+    opt.step()
+    return opt.state.get(p, {}).get("momentum_buffer") is not None

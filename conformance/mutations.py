@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = "torchimpl/trainer.py"
 SCALER = "torchimpl/scaler.py"
+OPTIM = "torchimpl/optim.py"
 TRAINER_TESTS = ("conformance/test_trainer.py",)
 SCALER_TESTS = ("conformance/test_scaler.py", "conformance/test_trainer.py")
 DISTRIBUTED = "torchimpl/distributed.py"
@@ -98,6 +99,9 @@ MUTANTS = (
     Mutant("ddp_reduces_every_microbatch", "DDP all-reduces every microbatch instead of the window's local sum",
            DISTRIBUTED, "            return self._ddp.no_sync()\n", "            return contextlib.nullcontext()\n",
            DISTRIBUTED_TESTS),
+    Mutant("bias_and_norm_decayed", "decay biases and norm weights despite no_decay_bias_and_norm", OPTIM,
+           '{"params": no_decay, "weight_decay": 0.0}', '{"params": no_decay, "weight_decay": config.weight_decay}',
+           TRAINER_TESTS),
 )
 
 

@@ -193,9 +193,11 @@ def trainer_case(draw) -> dict:
 
     Keys: ``task`` (``mlp``/``lm``), ``precision`` (``fp32``, ``bf16`` autocast, ``fp16`` which
     the CPU runs in fp32 with a forced loss scaler), ``force_scaler``, ``steps``,
-    ``microbatches``, ``batches_per_epoch`` (small, so short last windows happen), ``clip_norm``,
-    ``scaler`` (keyword arguments of ``torchimpl.scaler.ScalerConfig``), ``optimizer`` (of
-    ``OptimizerConfig``), ``schedule`` (of ``ScheduleConfig``), ``faults`` (global microbatch
+    ``microbatches``, ``sync_free`` (only with a fused optimizer), ``log_interval`` (records are
+    read at log points), ``batches_per_epoch`` (small, so short last windows happen),
+    ``clip_norm``, ``scaler`` (keyword arguments of ``torchimpl.scaler.ScalerConfig``),
+    ``optimizer`` (of ``OptimizerConfig``: for-loop or fused, parameter groups with or without
+    ``no_decay_bias_and_norm``), ``schedule`` (of ``ScheduleConfig``), ``faults`` (global microbatch
     index -> ``("data" | "hook", value)``), ``resume`` (``None``, ``("step", r)`` to save after
     step r, or ``("microbatch", r, j)`` to save after the j-th microbatch of step r) and ``seed``.
     """
@@ -217,9 +219,13 @@ def trainer_case(draw) -> dict:
     )
     if preset == "torch" and draw(st.booleans()):
         scaler["hysteresis"] = 2  # the torch preset through the extended update
-    name = draw(st.sampled_from(["sgd", "adamw"]))
+    name = draw(st.sampled_from(["sgd", "adamw", "adam"]))
+    # One draw for the optimizer call, so that each of the three modes gets its share.
+    mode = draw(st.sampled_from(["for-loop", "fused", "sync-free"]))
+    fused = mode != "for-loop"
     optimizer = dict(name=name, lr=draw(st.sampled_from([1e-3, 0.01, 0.1])),
-                     weight_decay=draw(st.sampled_from([0.0, 0.01])), no_decay_bias_and_norm=False)
+                     weight_decay=draw(st.sampled_from([0.0, 0.01, 0.5])), fused=fused,
+                     no_decay_bias_and_norm=draw(st.booleans()))
     if name == "sgd":
         momentum = draw(st.sampled_from([0.0, 0.9]))
         optimizer.update(momentum=momentum, nesterov=momentum > 0 and draw(st.booleans()))
@@ -241,6 +247,7 @@ def trainer_case(draw) -> dict:
     ))
     return dict(
         task=task, precision=precision, force_scaler=force_scaler, steps=steps, microbatches=microbatches,
+        sync_free=mode == "sync-free", log_interval=draw(st.integers(1, 3)),
         batches_per_epoch=draw(st.integers(2, 7)),
         clip_norm=draw(st.one_of(st.none(), st.sampled_from([0.05, 1.0]), st.floats(0.01, 10.0))),
         scaler=scaler, optimizer=optimizer, schedule=schedule, faults=faults, resume=resume,

@@ -43,6 +43,7 @@ from conformance import expectations, strategies
 from conformance.assertions import Where, assert_equal, assert_same
 from conformance.bridge import to_numpy, to_torch
 from reference import optim
+from reference import step as ref_step
 
 KINDS = ["SGD", "Adam", "AdamW"]
 IMPLS = ["for-loop", "foreach", "fused"]
@@ -231,3 +232,19 @@ def test_optimizer_steps_match_the_spec(kind, impl, device, data):
     trajectory = data.draw(strategies.optimizer_trajectory(plant_nonfinite=scaled), label="trajectory")
     scale = data.draw(st.sampled_from(SCALES), label="init_scale") if scaled else 1.0
     run_optimizer_case(kind, impl, config, trajectory, scale, device)
+
+
+def test_fused_sgd_skipped_first_step_is_the_keyed_expectation(device):
+    """torch's fused SGD keeps an uninitialised buffer after a skipped first step: a keyed fact,
+    and the reason the spec refuses the sync-free mode for SGD with momentum."""
+    probed = expectations.probe_fused_sgd_skipped_first_step_stores_a_buffer(device)
+    expected = expectations.fused_sgd_skipped_first_step_stores_a_buffer(device)
+    assert probed == expected, (
+        f"torch {torch.__version__} on {device}: fused SGD stores a momentum buffer on a skipped first step="
+        f"{probed}, the suite expects {expected}; update conformance/expectations.py after checking the change"
+    )
+    # The spec: a skipped step creates no buffer, and sync_free with momentum is refused.
+    cfg = optim.SGDConfig(lr=0.1, momentum=0.9)
+    assert optim.init_state([np.ones(4, np.float32)], cfg)[0].momentum_buffer is None
+    with pytest.raises(ValueError, match="SGD with momentum"):
+        ref_step.StepConfig(optimizer=cfg, optimizer_kind="fused", sync_free=True)

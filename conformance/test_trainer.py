@@ -2,7 +2,7 @@
 
 Each example trains a tiny model (the ``mlp`` task or the ``lm`` transformer) for a few steps
 with a Hypothesis-chosen configuration (precision, microbatches, clipping, scaler preset and
-initial scale, optimizer, schedule), inf/NaN planted in chosen microbatches (a data fault: an
+initial scale, optimizer, schedule, log interval), inf/NaN planted in chosen microbatches (a data fault: an
 inf/NaN input; or a gradient hook on a parameter), and sometimes a resume in the middle of the
 run (after a step, or inside an accumulation window): save, a new Trainer and model, load,
 continue. Callbacks watch the run and drive the reference in lockstep:
@@ -14,23 +14,31 @@ continue. Callbacks watch the run and drive the reference in lockstep:
    same parameters, batches and dropout RNG state;
 2. those scaled gradients go to ``reference.step.train_step`` with a ``StepConfig`` built from
    the trainer's resolved configuration (optimizer, ``LRSchedule`` mirroring
-   ``torchimpl.schedule``, the scaler's resolved policy, clip norm);
+   ``torchimpl.schedule``, the scaler's resolved policy, clip norm) and from the rules of
+   ``torchimpl.optim``: the optimizer kind (the for-loop, or ``optimizer.fused``), the
+   parameter groups (``no_decay_bias_and_norm``: ``ParamGroup`` options ``weight_decay=0`` for
+   parameters of fewer than 2 dimensions) and the sync-free mode (``train.sync_free``: the
+   fused kernel skips on ``found_inf``, the rate is a float32 device value computed from a
+   device counter of applied steps; refused for fused SGD with momentum);
 3. after every step: the optimizer-visible gradients (``on_before_optimizer_step``), the
-   parameters (``on_step_end``) and every field of the ``StepRecord`` (``on_log``, logged every
-   step) must equal the spec's; a ``ScaleAtMinimumError`` must come at the same step.
+   parameters (``on_step_end``) and every field of the ``StepRecord`` (``on_log``, read at the
+   log points, up to 3 steps at a time) must equal the spec's; a ``ScaleAtMinimumError`` must
+   come at the same step. The learning rate must stand still on skipped steps in both modes:
+   the record's ``lr`` is compared exactly, float32 in the sync-free mode.
 
 Exactness: everything is compared bit for bit (NaN as a class). That holds only with the
 arithmetic pinned: CPU, one thread, ``ATEN_CPU_CAPABILITY=default`` (native AVX2/AVX512
 kernels contract ``add(alpha=)``, ``lerp`` and the norm's tail into fused multiply-adds, a few
-ULPs per step that then compound over steps; properties 3 and 4 bound those per kernel), the
-for-loop optimizers, and for AdamW torch's own square root injected into the spec (rule 9 of
-``reference.optim``: torch's CPU ``sqrt`` is not correctly rounded). A run with native kernels
+ULPs per step that then compound over steps; properties 3 and 4 bound those per kernel), and
+for the for-loop AdamW torch's own square root injected into the spec (rule 9 of
+``reference.optim``: torch's CPU ``sqrt`` is not correctly rounded; the fused kernel's is). A run with native kernels
 runs this property in a child process in the exact mode, so that one-ULP contract bugs (dividing
 by the scale instead of multiplying by its inverse) stay visible. No tolerance is used anywhere;
 the learning rate, schedule included, is compared to the last float64 bit.
 
-Budget: each example costs a whole (short) training run, so this property runs half of the
-profile's ``max_examples`` (25 in ``ci``, 625 in ``thorough``) plus the explicit examples.
+Budget: each example costs a whole (short) training run (about 0.1 s), so this property runs
+the profile's ``max_examples`` (50 in ``ci``, 1,250 in ``thorough``), spread over three optimizer
+modes (for-loop, fused, sync-free), plus the explicit examples.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 import reference.step as ref_step
@@ -57,6 +65,7 @@ from torchimpl.config import Config, ScheduleConfig
 from torchimpl.precision import autocast_context
 from torchimpl.scaler import ScaleAtMinimumError
 from torchimpl.schedule import lr_at as ti_lr_at
+from torchimpl.schedule import lr_at_tensor as ti_lr_at_tensor
 from torchimpl.tasks import SyntheticBatches, build_task
 from torchimpl.trainer import Callback, Trainer, default_loss_fn
 
@@ -76,6 +85,9 @@ def test_cosine_schedule_formula_matches_the_spec(base, ratio, warm, decay, n):
     cfg = ScheduleConfig(name="cosine", warmup_steps=warm, min_lr_ratio=ratio, decay_steps=decay)
     spec = ref_step.LRSchedule(base, "cosine", warm, decay, ratio)
     assert_equal(ti_lr_at(n, base, cfg, decay), spec.lr_at(n), Where("schedule[cosine]", n, "lr", REPRO))
+    # The sync-free mode's device schedule: the same float64 expression in tensor operations.
+    device_lr = float(ti_lr_at_tensor(torch.tensor(n), base, cfg, decay))
+    assert_equal(device_lr, spec.lr_at(n), Where("schedule[cosine, device]", n, "lr", REPRO))
 
 
 # ----------------------------------------------------------------------------- the run
@@ -124,7 +136,7 @@ class Lockstep(Callback):
         self.result = None
         self.expect_raise_at: int | None = None
         self.steps_checked = 0
-        self.cosine = case["schedule"]["name"] == "cosine"
+        self.expected: dict[int, ref_step.StepResult] = {}  # the spec's steps, until logged
 
     # --- the loss function and the gradient hook see every microbatch -----------------------
 
@@ -147,15 +159,20 @@ class Lockstep(Callback):
     # --- configuration -------------------------------------------------------------------
 
     def on_fit_start(self, trainer):
-        assert trainer.optimizer_kind == "for-loop", f"expected the CPU for-loop optimizer, got {trainer.optimizer_kind}"
-        if self.ref_state is not None:
-            return  # a resumed run: the spec simply continues
         cfg = trainer.config
         o = cfg.optimizer
+        kind = "fused" if o.fused else "for-loop"  # fused=None is the for-loop on the CPU
+        assert_equal(trainer.optimizer_kind, kind, Where("trainer", None, "optimizer kind", REPRO))
+        # The sync-free mode is refused for fused SGD with momentum (see reference.step.StepConfig).
+        sync_free = cfg.train.sync_free and not (o.name == "sgd" and o.momentum > 0)
+        assert_equal(trainer.sync_free, sync_free, Where("trainer", None, "sync_free", REPRO))
+        if self.ref_state is not None:
+            return  # a resumed run: the spec simply continues
         if o.name == "sgd":
             opt = optim.SGDConfig(lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay)
         else:
-            opt = optim.adamw_config(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+            opt = optim.AdamConfig(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                                   decoupled_weight_decay=o.name == "adamw")
         s = cfg.schedule
         schedule = ref_step.LRSchedule(
             base_lr=o.lr, kind=s.name, warmup_steps=s.warmup_steps,
@@ -173,7 +190,8 @@ class Lockstep(Callback):
             scaler = scaling.ScalerConfig()
         self.config = ref_step.StepConfig(optimizer=opt, schedule=schedule, scaler=scaler,
                                           use_scaler=trainer.scaler is not None, clip_norm=cfg.train.clip_norm,
-                                          sqrt=_torch_sqrt)
+                                          optimizer_kind=kind, sync_free=sync_free,
+                                          param_groups=_param_groups(trainer.params, o), sqrt=_torch_sqrt)
         self.ref_state = ref_step.init_train_state([to_numpy(p) for p in trainer.params], self.config)
 
     def where(self, trainer, field: str) -> Where:
@@ -195,6 +213,7 @@ class Lockstep(Callback):
 
         try:
             self.result = ref_step.train_step(self.ref_state, scaled, self.config, microbatches=k)
+            self.expected[st.step] = self.result
         except scaling.ScaleAtMinimumError:
             self.expect_raise_at, self.result = st.step, None
 
@@ -243,18 +262,39 @@ class Lockstep(Callback):
         trainer.request_stop("resume point")
 
     def on_log(self, trainer, st, records, losses):
+        if sys.exc_info()[0] is not None:
+            return  # the trainer flushes while a failed check propagates: do not mask that failure
         for rec in records:
-            expected = self.result.record
+            # Records are read at log points: several steps at once when log_interval > 1.
+            assert rec.step in self.expected, f"step {rec.step}: a record the spec has no step for\n{REPRO}"
+            spec = self.expected.pop(rec.step)
+            expected = spec.record
             assert_equal(rec.step, expected.step, Where("trainer", rec.step, "record.step", REPRO))
             for name in ("microbatches", "scale_before", "found_inf", "applied", "grad_norm", "clip_coef",
                          "scale_after", "growth_tracker"):
                 assert_equal(getattr(rec, name), getattr(expected, name), Where("trainer", rec.step, f"record.{name}", REPRO))
             assert_equal(rec.lr, expected.lr, Where("trainer", rec.step, "record.lr", REPRO))
             self.steps_checked += 1
+        # The counters a log point shows (kept on the device in the sync-free mode).
+        if records:
+            where = Where("trainer", records[-1].step, "state.applied_steps at the log point", REPRO)
+            assert_equal(st.applied_steps, spec.state.applied_steps, where)
+            assert_equal(st.skipped_steps, spec.state.step - spec.state.applied_steps,
+                         where.at("state.skipped_steps at the log point"))
 
     resumed = False
     saved = False
     raised_at: int | None = None
+
+
+def _param_groups(params: list[torch.Tensor], o) -> tuple[ref_step.ParamGroup, ...] | None:
+    """The spec's parameter groups for ``torchimpl.optim`` rule 4: with ``no_decay_bias_and_norm``,
+    parameters of fewer than 2 dimensions get ``weight_decay=0``."""
+    if not o.no_decay_bias_and_norm:
+        return None
+    decay = tuple(i for i, p in enumerate(params) if p.ndim >= 2)
+    no_decay = tuple(i for i, p in enumerate(params) if p.ndim < 2)
+    return ref_step.ParamGroup(decay), ref_step.ParamGroup(no_decay, {"weight_decay": 0.0})
 
 
 def _config(case: dict, device: str) -> Config:
@@ -266,7 +306,8 @@ def _config(case: dict, device: str) -> Config:
         scaler=case["scaler"],
         schedule=case["schedule"],
         train=dict(steps=case["steps"], microbatches=case["microbatches"], batch_size=4, clip_norm=case["clip_norm"],
-                   log_interval=1, seed=case["seed"], force_scaler=case["force_scaler"], on_nonfinite="skip"),
+                   log_interval=case.get("log_interval", 1), seed=case["seed"], force_scaler=case["force_scaler"],
+                   on_nonfinite="skip", sync_free=case.get("sync_free", False)),
     ))
 
 
@@ -301,6 +342,10 @@ def run_case(case: dict, device: str) -> None:
         assert lock.expect_raise_at is None, f"the spec raised ScaleAtMinimumError at step {lock.expect_raise_at}, torchimpl did not"
         assert_equal(trainer.state.step, case["steps"], Where("trainer", None, "steps run", REPRO))
         assert_equal(lock.steps_checked, case["steps"], Where("trainer", None, "step records checked", REPRO))
+    c = lock.config
+    event(f"optimizer {c.optimizer_kind}{' sync-free' if c.sync_free else ''}, "
+          f"{'two parameter groups' if c.param_groups else 'one parameter group'}")
+    event(f"skipped steps: {lock.ref_state.step - lock.ref_state.applied_steps}")
 
 
 # Cases that the mutation check relies on, run in every profile on top of the drawn ones.
@@ -335,11 +380,38 @@ _EXAMPLES = [
                         no_decay_bias_and_norm=False),
          schedule=dict(name="cosine", warmup_steps=0, min_lr_ratio=0.1, decay_steps=None),
          faults={0: ("data", float("inf")), 1: ("hook", float("nan"))}, resume=None, seed=3),
+    # fused AdamW in the sync-free mode: the first steps overflow and are skipped inside the kernel
+    # while the float32 device schedule stands still (cosine after warmup), parameter groups,
+    # records read every 3 steps, resume inside a window
+    dict(task="mlp", precision="fp16", force_scaler=True, steps=5, microbatches=2, batches_per_epoch=5,
+         sync_free=True, log_interval=3, clip_norm=None,
+         scaler=dict(preset="torch", init_scale=2.0**126, growth_factor=2.0, backoff_factor=2.0**-40,
+                     growth_interval=1),
+         optimizer=dict(name="adamw", lr=0.01, weight_decay=0.5, fused=True, no_decay_bias_and_norm=True),
+         schedule=dict(name="cosine", warmup_steps=1, min_lr_ratio=0.1, decay_steps=4),
+         faults={6: ("hook", float("nan"))}, resume=("microbatch", 3, 1), seed=0),
+    # fused SGD with momentum: sync_free is refused (a first step skipped in torch's kernel leaves
+    # uninitialised momentum buffers); the host skips the first step; groups, clipping, resume
+    dict(task="mlp", precision="fp32", force_scaler=False, steps=4, microbatches=2, batches_per_epoch=4,
+         sync_free=True, log_interval=2, clip_norm=1.0,
+         scaler=dict(preset="torch", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2),
+         optimizer=dict(name="sgd", lr=0.1, weight_decay=0.5, momentum=0.9, nesterov=True, fused=True,
+                        no_decay_bias_and_norm=True),
+         schedule=dict(name="cosine", warmup_steps=1, min_lr_ratio=0.0, decay_steps=None),
+         faults={1: ("data", float("inf"))}, resume=("step", 2), seed=1),
+    # fused AdamW with the host skip: the transformer under bf16 autocast without a scaler (the
+    # plain inf/NaN check), clipping, parameter groups (norm weights and biases not decayed)
+    dict(task="lm", precision="bf16", force_scaler=False, steps=4, microbatches=2, batches_per_epoch=5,
+         sync_free=False, log_interval=1, clip_norm=0.5,
+         scaler=dict(preset="torch", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2),
+         optimizer=dict(name="adamw", lr=0.01, weight_decay=0.5, fused=True, no_decay_bias_and_norm=True),
+         schedule=dict(name="cosine", warmup_steps=1, min_lr_ratio=0.1, decay_steps=None),
+         faults={2: ("hook", float("inf"))}, resume=("step", 3), seed=2),
 ]
 
 
 def _property(device: str) -> None:
-    @settings(max_examples=max(5, settings.default.max_examples // 2))
+    @settings(max_examples=max(5, settings.default.max_examples))
     @given(case=strategies.trainer_case())
     def check(case):
         run_case(case, device)

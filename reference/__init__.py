@@ -8,7 +8,8 @@ the dtypes it takes and its edge cases.
 - `reference.scaling`: dynamic loss scaling (torch's rules, and the Megatron/DeepSpeed presets).
 - `reference.clipping`: gradient clipping by norm and by value, with torch's summation order.
 - `reference.optim`: SGD, Adam and AdamW as torch computes them, and fused Adam(W) under a scaler.
-- `reference.step`: the training-step contract, its record, and the replay of a recorded trace.
+- `reference.step`: the training-step contract (parameter groups, fused and sync-free optimizer
+  calls), its record, and the replay of a recorded trace.
 - `reference.precision`: which precision a device and a request resolve to.
 - `reference.autocast`: which dtype autocast gives each operation, per device type.
 

@@ -51,8 +51,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference import clipping, optim, scaling
-from reference.step import StepConfig, StepRecord, TrainState, accumulate_gradients
+from reference import clipping, scaling
+from reference.step import StepConfig, StepRecord, TrainState, accumulate_gradients, optimizer_step
 
 __all__ = [
     "DistributedStepResult",
@@ -190,10 +190,7 @@ def _finish(
     lr = config.lr_at(state.applied_steps)
     params, opt_state = state.params, state.opt_state
     if not found:
-        if isinstance(config.optimizer, optim.SGDConfig):
-            params, opt_state = optim.sgd_step(list(params), full_grads, opt_state, config.optimizer, lr=lr)
-        else:
-            params, opt_state = optim.adam_step(list(params), full_grads, opt_state, config.optimizer, lr=lr)
+        params, _, opt_state = optimizer_step(params, full_grads, opt_state, config, lr)
     new_scaler = scaling.update_scale(state.scaler, found, config.scaler) if config.use_scaler else state.scaler
     record = StepRecord(
         step=state.step, microbatches=microbatches, scale_before=float(state.scaler.scale), found_inf=found,

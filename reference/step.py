@@ -10,10 +10,15 @@ re-implemented here. Everything downstream of it is, in this order and no other:
 2. Unscale once and record ``found_inf`` (`reference.scaling.unscale_gradients`). Without a
    loss scaler the scale is fixed at 1 and ``found_inf`` is the plain inf/NaN check.
 3. Clip the **unscaled** gradients at the unchanged threshold (never ``max_norm * scale``).
-4. Run the optimizer step only if ``found_inf`` is false.
+4. Run the optimizer step only if ``found_inf`` is false. Each parameter group (`ParamGroup`)
+   steps its parameters with its own hyperparameters. A fused optimizer that skips inside its
+   kernel (``StepConfig.unscale == "kernel"``, ``StepConfig.sync_free``) is called on every
+   step with the ``found_inf`` flag instead, and leaves parameters and moments unchanged when
+   it is set (`reference.optim` rule 8).
 5. Update the scale (`reference.scaling.update_scale`).
 6. Advance the learning-rate schedule and the applied-step counter only if the step was applied:
    the schedule is a function of the number of *applied* steps, so a skipped step never moves it.
+   The rate is a float64 value, or float32 in the sync-free mode (`StepConfig.lr_at`).
 
 Each step yields a `StepRecord` whose fields are exactly those the trainer writes as JSON Lines.
 `replay` recomputes a recorded scale history from its ``found_inf`` bits alone and names the
@@ -32,6 +37,7 @@ from reference import clipping, optim, scaling
 
 __all__ = [
     "LRSchedule",
+    "ParamGroup",
     "StepConfig",
     "StepRecord",
     "TrainState",
@@ -40,12 +46,14 @@ __all__ = [
     "accumulate_gradients",
     "scaled_microbatch_loss",
     "init_train_state",
+    "optimizer_step",
     "train_step",
     "replay",
 ]
 
 _SCHEDULE_KINDS = ("constant", "cosine")
 _OPTIMIZER_KINDS = ("for-loop", "fused")
+_UNSCALE = ("scaler", "kernel")
 
 
 @dataclass(frozen=True)
@@ -97,15 +105,75 @@ class LRSchedule:
 
 
 @dataclass(frozen=True)
+class ParamGroup:
+    """One optimizer parameter group: which parameters, and the hyperparameters it overrides.
+
+    ``params`` are indices into the step's parameter list. ``options`` override fields of the
+    step's optimizer configuration for these parameters, as the keys of a torch parameter group
+    override the optimizer's defaults (``{"weight_decay": 0.0}`` for biases and norm weights).
+    The learning rate is one per step (the schedule's, or ``optimizer.lr``) and shared by every
+    group, as the trainer's schedule sets it, so ``lr`` is not an option. ``options`` may be
+    given as a mapping; it is kept as sorted ``(name, value)`` pairs.
+    """
+
+    params: tuple[int, ...]
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        idx = tuple(self.params)
+        for i in idx:
+            if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0:
+                raise ValueError(f"ParamGroup.params must be parameter indices (ints >= 0), got {i!r}")
+        if len(set(idx)) != len(idx):
+            raise ValueError(f"ParamGroup.params lists a parameter twice: {idx}")
+        object.__setattr__(self, "params", tuple(int(i) for i in idx))
+        opts = dict(self.options)
+        if "lr" in opts:
+            raise ValueError("ParamGroup.options cannot set 'lr': every group uses the step's learning rate "
+                             "(StepConfig.schedule or optimizer.lr)")
+        object.__setattr__(self, "options", tuple(sorted(opts.items())))
+
+    def config_for(self, defaults: Any) -> Any:
+        """``defaults`` (an SGDConfig or AdamConfig) with this group's options applied."""
+        names = [f.name for f in fields(defaults)]
+        unknown = [k for k, _ in self.options if k not in names]
+        if unknown:
+            raise ValueError(f"ParamGroup.options {unknown} are not fields of {type(defaults).__name__}; "
+                             f"valid names: {[n for n in names if n != 'lr']}")
+        return replace(defaults, **dict(self.options))
+
+
+@dataclass(frozen=True)
 class StepConfig:
     """Everything one step needs besides state and gradients.
 
     ``use_scaler`` false means no loss scaling (bf16 and fp32): the scale is fixed at 1.
-    ``optimizer_kind`` ``"fused"`` models a fused Adam/AdamW under the scaler
-    (`reference.optim.fused_adam_step`); it applies only when ``clip_norm`` is None, since
-    clipping needs the gradients unscaled first, after which fused and for-loop see the same
-    unscaled gradients. ``sqrt`` replaces Adam's square root (`reference.optim.adam_step`): torch's
+
+    ``optimizer`` is the configuration of every parameter, or, with ``param_groups``, the
+    defaults that each group's options override. ``param_groups`` None is one group of all
+    parameters; otherwise the groups must cover every parameter exactly once.
+
+    ``optimizer_kind`` is the optimizer's arithmetic: ``"for-loop"`` (`reference.optim` rules
+    1-7, torch's CPU default) or ``"fused"`` (rule 8: Adam/AdamW by `fused_adam_step`; torch's
+    fused SGD rounds like the for-loop on CPU, so SGD keeps `sgd_step`).
+
+    ``unscale``: who removes the loss scale. ``"scaler"`` (rule 2 of the module: a multiply by
+    the float32 inverse, before clipping) for every kind; ``"kernel"`` only for fused Adam/AdamW
+    with a scaler and without clipping, as ``GradScaler.step`` drives a fused optimizer that was
+    not unscaled first: the kernel divides by the scale (a true division), is called on every
+    step and skips by itself.
+
+    ``sync_free`` (fused only) models the trainer's mode without host syncs: the optimizer is
+    called on every step with the ``found_inf`` flag and skips inside its kernel, and the
+    learning rate lives in a float32 device tensor: the schedule's float64 rate is rounded once
+    to float32 (``lr_at``), the kernel reads that value back exactly (as a double), and the
+    record carries it. SGD with momentum is refused: torch's fused SGD creates its momentum
+    buffers with ``empty_like`` before the kernel checks the flag, so a skipped first step
+    leaves them uninitialised (measured on torch 2.13).
+
+    ``sqrt`` replaces the for-loop Adam's square root (`reference.optim.adam_step`): torch's
     CPU square root is not correctly rounded, so a bit-level comparison injects torch's own.
+    The fused kernel's root is correctly rounded and is never replaced.
     """
 
     optimizer: Any
@@ -117,6 +185,9 @@ class StepConfig:
     clip_order: str = "torch_cpu"
     optimizer_kind: str = "for-loop"
     sqrt: Callable[[np.ndarray], np.ndarray] | None = field(default=None, compare=False)
+    param_groups: tuple[ParamGroup, ...] | None = None
+    unscale: str = "scaler"
+    sync_free: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.optimizer, (optim.SGDConfig, optim.AdamConfig)):
@@ -125,13 +196,64 @@ class StepConfig:
             raise ValueError(f"clip_norm must be None or a finite number > 0, got {self.clip_norm!r}")
         if self.optimizer_kind not in _OPTIMIZER_KINDS:
             raise ValueError(f"optimizer_kind must be one of {_OPTIMIZER_KINDS}, got {self.optimizer_kind!r}")
-        if self.optimizer_kind == "fused" and not isinstance(self.optimizer, optim.AdamConfig):
-            raise ValueError("optimizer_kind 'fused' is modelled for Adam/AdamW only")
+        if self.param_groups is not None:
+            groups = tuple(self.param_groups)
+            if not groups or not all(isinstance(g, ParamGroup) for g in groups):
+                raise ValueError("param_groups must be None or a non-empty sequence of ParamGroup")
+            seen: dict[int, int] = {}
+            for gi, g in enumerate(groups):
+                g.config_for(self.optimizer)  # options must name fields of the optimizer's config
+                for i in g.params:
+                    if i in seen:
+                        raise ValueError(f"parameter {i} is in param_groups {seen[i]} and {gi}; each belongs to one group")
+                    seen[i] = gi
+            object.__setattr__(self, "param_groups", groups)
+        if self.unscale not in _UNSCALE:
+            raise ValueError(f"unscale must be one of {_UNSCALE}, got {self.unscale!r}")
+        if self.unscale == "kernel" and not (
+            self.optimizer_kind == "fused" and isinstance(self.optimizer, optim.AdamConfig)
+            and self.use_scaler and self.clip_norm is None
+        ):
+            raise ValueError("unscale 'kernel' needs optimizer_kind 'fused' with an AdamConfig, use_scaler=True and "
+                             "clip_norm=None (clipping needs the gradients unscaled by the scaler first)")
+        if not isinstance(self.sync_free, bool):
+            raise ValueError(f"sync_free must be a bool, got {self.sync_free!r}")
+        if self.sync_free:
+            if self.optimizer_kind != "fused":
+                raise ValueError("sync_free needs optimizer_kind 'fused': only a fused kernel takes the skip flag")
+            if any(isinstance(c, optim.SGDConfig) and c.momentum != 0 for c in self._group_configs()):
+                raise ValueError("sync_free is refused for SGD with momentum: torch's fused SGD leaves its momentum "
+                                 "buffers uninitialised when the kernel skips the first step")
+
+    def _group_configs(self) -> list[Any]:
+        if self.param_groups is None:
+            return [self.optimizer]
+        return [g.config_for(self.optimizer) for g in self.param_groups]
+
+    def groups(self, n_params: int) -> list[tuple[tuple[int, ...], Any]]:
+        """``(parameter indices, optimizer config)`` per group, for ``n_params`` parameters.
+
+        Raises ValueError when the groups do not cover ``0 .. n_params - 1`` exactly once.
+        """
+        if self.param_groups is None:
+            return [(tuple(range(n_params)), self.optimizer)]
+        covered = sorted(i for g in self.param_groups for i in g.params)
+        if covered != list(range(n_params)):
+            missing = sorted(set(range(n_params)) - set(covered))
+            extra = sorted(set(covered) - set(range(n_params)))
+            raise ValueError(f"param_groups must cover the {n_params} parameters exactly once: "
+                             f"missing {missing}, out of range {extra}")
+        return [(g.params, g.config_for(self.optimizer)) for g in self.param_groups]
+
+    @property
+    def kernel_skips(self) -> bool:
+        """Whether the optimizer is called on every step and skips inside its kernel."""
+        return self.unscale == "kernel" or self.sync_free
 
     def lr_at(self, applied_steps: int) -> float:
-        if self.schedule is None:
-            return float(self.optimizer.lr)
-        return self.schedule.lr_at(applied_steps)
+        """The rate the next step uses: the schedule's (or ``optimizer.lr``), float32 when ``sync_free``."""
+        rate = float(self.optimizer.lr) if self.schedule is None else self.schedule.lr_at(applied_steps)
+        return float(np.float32(rate)) if self.sync_free else rate
 
 
 @dataclass(frozen=True)
@@ -189,10 +311,15 @@ class StepResult:
 
 
 def init_train_state(params: Sequence[np.ndarray], config: StepConfig) -> TrainState:
-    """Fresh state: float32 copies of the parameters, empty optimizer state, initial scale."""
+    """Fresh state: float32 copies of the parameters, empty optimizer state (each parameter's
+    by its group's configuration), initial scale."""
     ps = tuple(np.array(p, dtype=np.float32, copy=True) for p in params)
     scaler_state = scaling.initial_state(config.scaler) if config.use_scaler else _unit_scale()
-    return TrainState(params=ps, opt_state=optim.init_state(ps, config.optimizer), scaler=scaler_state)
+    opt_state: list[Any] = [None] * len(ps)
+    for idx, cfg in config.groups(len(ps)):
+        for i, s in zip(idx, optim.init_state([ps[i] for i in idx], cfg)):
+            opt_state[i] = s
+    return TrainState(params=ps, opt_state=tuple(opt_state), scaler=scaler_state)
 
 
 def _unit_scale() -> scaling.ScalerState:
@@ -253,13 +380,10 @@ def train_step(
             raise ValueError(f"gradient {i} has shape {np.shape(g)}, parameter {i} has {p.shape}")
     lr = config.lr_at(state.applied_steps)
     grad_norm = clip_coef = None
-    if config.optimizer_kind == "fused" and config.clip_norm is None and config.use_scaler:
+    if config.unscale == "kernel":
         # The fused kernel checks, divides by the scale (true division) and skips by itself.
         found_inf = scaling.has_inf_or_nan(list(scaled_grads))
-        params, grads, opt_state = optim.fused_adam_step(
-            list(state.params), list(scaled_grads), state.opt_state, config.optimizer,
-            grad_scale=state.scaler.scale, found_inf=1.0 if found_inf else 0.0, lr=lr,
-        )
+        grads = list(scaled_grads)
     else:
         if config.use_scaler:
             grads, found_inf = scaling.unscale_gradients(list(scaled_grads), state.scaler)
@@ -269,9 +393,12 @@ def train_step(
         if config.clip_norm is not None:
             clipped = clipping.clip_grad_norm(grads, config.clip_norm, config.norm_type, order=config.clip_order)
             grads, grad_norm, clip_coef = list(clipped.grads), float(clipped.total_norm), float(clipped.clip_coef)
-        params, opt_state = state.params, state.opt_state
-        if not found_inf:
-            params, opt_state = _optimizer_step(params, grads, opt_state, config, lr)
+    params, opt_state = state.params, state.opt_state
+    if config.kernel_skips or not found_inf:
+        params, grads, opt_state = optimizer_step(
+            params, grads, opt_state, config, lr, found_inf=bool(found_inf),
+            grad_scale=state.scaler.scale if config.unscale == "kernel" else None,
+        )
 
     new_scaler = scaling.update_scale(state.scaler, found_inf, config.scaler) if config.use_scaler else state.scaler
     applied = not found_inf
@@ -297,10 +424,44 @@ def train_step(
     return StepResult(state=new_state, record=record, grads=tuple(grads))
 
 
-def _optimizer_step(params, grads, opt_state, config: StepConfig, lr: float):
-    if isinstance(config.optimizer, optim.SGDConfig):
-        return optim.sgd_step(list(params), grads, opt_state, config.optimizer, lr=lr)
-    return optim.adam_step(list(params), grads, opt_state, config.optimizer, lr=lr, sqrt=config.sqrt)
+def optimizer_step(
+    params: Sequence[np.ndarray],
+    grads: Sequence[np.ndarray],
+    opt_state: Sequence[Any],
+    config: StepConfig,
+    lr: float,
+    *,
+    found_inf: bool = False,
+    grad_scale: np.float32 | None = None,
+) -> tuple[tuple[np.ndarray, ...], list[np.ndarray], tuple[Any, ...]]:
+    """Rule 4: the optimizer call, group by group, each with its own configuration.
+
+    Every group gets the same ``lr``. For-loop Adam uses ``config.sqrt``; fused Adam/AdamW runs
+    `reference.optim.fused_adam_step` with ``grad_scale`` and ``found_inf`` (it skips inside the
+    kernel when the flag is set); SGD of either kind runs `reference.optim.sgd_step`, left
+    unchanged when ``found_inf`` is set (a fused SGD kernel returns at once; the for-loop path is
+    never called then). Returns the parameters, the gradients as the kernel leaves them, and
+    the optimizer state, in parameter order.
+    """
+    new_params, new_grads, new_state = list(params), list(grads), list(opt_state)
+    for idx, cfg in config.groups(len(params)):
+        p = [params[i] for i in idx]
+        g = [grads[i] for i in idx]
+        s = [opt_state[i] for i in idx]
+        if isinstance(cfg, optim.SGDConfig):
+            if found_inf:
+                continue
+            p, s = optim.sgd_step(p, g, s, cfg, lr=lr)
+        elif config.optimizer_kind == "fused":
+            p, g, s = optim.fused_adam_step(p, g, s, cfg, grad_scale=grad_scale,
+                                            found_inf=1.0 if found_inf else 0.0, lr=lr)
+        else:
+            if found_inf:
+                continue
+            p, s = optim.adam_step(p, g, s, cfg, lr=lr, sqrt=config.sqrt)
+        for j, i in enumerate(idx):
+            new_params[i], new_grads[i], new_state[i] = p[j], g[j], s[j]
+    return tuple(new_params), new_grads, tuple(new_state)
 
 
 @dataclass(frozen=True)

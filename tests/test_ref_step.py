@@ -11,6 +11,7 @@ import pytest
 from reference import optim, scaling
 from reference.step import (
     LRSchedule,
+    ParamGroup,
     StepConfig,
     StepRecord,
     accumulate_gradients,
@@ -181,6 +182,7 @@ def test_fused_adamw_skip_leaves_gradients_scaled():
         optimizer=optim.adamw_config(lr=1e-3),
         scaler=scaling.ScalerConfig(init_scale=1000.0),
         optimizer_kind="fused",
+        unscale="kernel",
     )
     state = init_train_state([np.ones(3, np.float32)], cfg)
     grads = [np.array([1.0, np.inf, 2.0], np.float32)]
@@ -239,3 +241,114 @@ def test_replay_of_a_resumed_trace_trusts_its_first_record():
 def test_step_record_from_dict_names_missing_fields():
     with pytest.raises(ValueError, match="scale_after"):
         StepRecord.from_dict({"step": 0})
+
+
+# --- parameter groups, the fused optimizer and the sync-free mode ---------------------------------
+
+
+def _adamw_step_config(**kw) -> StepConfig:
+    base = dict(optimizer=optim.adamw_config(lr=0.1, weight_decay=0.5),
+                scaler=scaling.ScalerConfig(init_scale=1024.0, growth_interval=3))
+    base.update(kw)
+    return StepConfig(**base)
+
+
+def test_a_parameter_group_overrides_weight_decay_for_its_parameters_only():
+    groups = (ParamGroup((1,)), ParamGroup((0,), {"weight_decay": 0.0}))
+    cfg = _adamw_step_config(param_groups=groups)
+    plain = _adamw_step_config()
+    state = init_train_state(_params(), cfg)
+    grads = [np.ones_like(p) * state.scaler.scale for p in state.params]
+    grouped = train_step(state, grads, cfg).state.params
+    decayed = train_step(init_train_state(_params(), plain), grads, plain).state.params
+    no_decay = _adamw_step_config(optimizer=optim.adamw_config(lr=0.1, weight_decay=0.0))
+    undecayed = train_step(init_train_state(_params(), no_decay), grads, no_decay).state.params
+    np.testing.assert_array_equal(grouped[0], undecayed[0])
+    np.testing.assert_array_equal(grouped[1], decayed[1])
+    assert not np.array_equal(grouped[0], decayed[0]), "weight decay 0.5 must change parameter 0"
+
+
+def test_parameter_groups_give_each_parameter_its_own_state_kind():
+    cfg = _adamw_step_config(param_groups=(ParamGroup((0,), {"amsgrad": True}), ParamGroup((1,))))
+    state = init_train_state(_params(), cfg)
+    assert state.opt_state[0].max_exp_avg_sq is not None and state.opt_state[1].max_exp_avg_sq is None
+
+
+@pytest.mark.parametrize(
+    "groups, match",
+    [
+        ((ParamGroup((0,)),), r"missing \[1\]"),
+        ((ParamGroup((0, 1, 2)),), r"out of range \[2\]"),
+    ],
+)
+def test_parameter_groups_must_cover_every_parameter(groups, match):
+    cfg = _adamw_step_config(param_groups=groups)
+    with pytest.raises(ValueError, match=match):
+        init_train_state(_params(), cfg)
+
+
+def test_parameter_groups_reject_bad_options():
+    with pytest.raises(ValueError, match="'lr'"):
+        ParamGroup((0,), {"lr": 0.5})
+    with pytest.raises(ValueError, match="momentum"):
+        _adamw_step_config(param_groups=(ParamGroup((0, 1), {"momentum": 0.9}),))
+    with pytest.raises(ValueError, match="weight_decay"):
+        _adamw_step_config(param_groups=(ParamGroup((0, 1), {"weight_decay": -1.0}),))
+    with pytest.raises(ValueError, match="parameter 1 is in param_groups 0 and 1"):
+        _adamw_step_config(param_groups=(ParamGroup((0, 1)), ParamGroup((1,))))
+    with pytest.raises(ValueError, match="twice"):
+        ParamGroup((0, 0))
+    with pytest.raises(ValueError, match="indices"):
+        ParamGroup((-1,))
+
+
+def test_fused_with_clipping_runs_the_fused_kernel_on_the_unscaled_clipped_gradients():
+    cfg = _adamw_step_config(optimizer_kind="fused", clip_norm=0.5)
+    state = init_train_state(_params(), cfg)
+    grads = [np.full(p.shape, 3.0, np.float32) * state.scaler.scale for p in state.params]
+    result = train_step(state, grads, cfg)
+    clipped = train_step(state, grads, _adamw_step_config(clip_norm=0.5)).grads
+    for a, b in zip(result.grads, clipped):
+        np.testing.assert_array_equal(a, b)
+    expected, _, _ = optim.fused_adam_step(list(state.params), list(clipped), state.opt_state, cfg.optimizer, lr=0.1)
+    for a, b in zip(result.state.params, expected):
+        np.testing.assert_array_equal(a, b)
+    assert result.record.clip_coef < 1.0
+
+
+def test_sync_free_rate_is_float32_and_stands_still_on_a_skipped_step():
+    schedule = LRSchedule(base_lr=0.1, kind="cosine", warmup_steps=1, total_steps=6, min_lr_ratio=0.1)
+    cfg = _adamw_step_config(optimizer_kind="fused", sync_free=True, schedule=schedule)
+    assert cfg.lr_at(3) == float(np.float32(schedule.lr_at(3))) != schedule.lr_at(3)
+    state = init_train_state(_params(), cfg)
+    lrs = []
+    for bad in (False, True, False):
+        grads = [np.ones_like(p) * state.scaler.scale for p in state.params]
+        if bad:
+            grads[1] = grads[1].copy()
+            grads[1][0, 0] = np.nan
+        result = train_step(state, grads, cfg)
+        assert result.record.applied is not bad
+        if bad:
+            # Skipped inside the kernel: parameters, moments and the step counter are unchanged.
+            for a, b in zip(result.state.params, state.params):
+                np.testing.assert_array_equal(a, b)
+            assert [s.step for s in result.state.opt_state] == [s.step for s in state.opt_state]
+        lrs.append(result.record.lr)
+        state = result.state
+    assert lrs == [cfg.lr_at(0), cfg.lr_at(1), cfg.lr_at(1)], "a skipped step must not advance the schedule"
+
+
+def test_fused_and_sync_free_options_are_validated():
+    with pytest.raises(ValueError, match="sync_free needs optimizer_kind 'fused'"):
+        _adamw_step_config(sync_free=True)
+    with pytest.raises(ValueError, match="SGD with momentum"):
+        _sgd_config(optimizer=optim.SGDConfig(lr=0.1, momentum=0.9), optimizer_kind="fused", sync_free=True)
+    with pytest.raises(ValueError, match="SGD with momentum"):
+        _sgd_config(optimizer_kind="fused", sync_free=True,
+                    param_groups=(ParamGroup((0,), {"momentum": 0.9}), ParamGroup((1,))))
+    _sgd_config(optimizer_kind="fused", sync_free=True)  # plain SGD: the kernel's skip is safe
+    with pytest.raises(ValueError, match="unscale 'kernel'"):
+        _adamw_step_config(optimizer_kind="fused", unscale="kernel", clip_norm=1.0)
+    with pytest.raises(ValueError, match="unscale must be one of"):
+        _adamw_step_config(unscale="optimizer")

@@ -285,9 +285,15 @@ class Trainer:
         self.optimizer_kind, optimizer_reason = built.kind, built.reason
         if optimizer_reason:
             log.info("optimizer: %s (%s)", built.kind, optimizer_reason)
-        self.sync_free = cfg.train.sync_free and built.kind == "fused"
+        # torch's fused SGD creates its momentum buffers with empty_like before the kernel reads
+        # found_inf: a first step skipped inside the kernel would leave them uninitialised.
+        momentum_sgd = cfg.optimizer.name == "sgd" and cfg.optimizer.momentum > 0
+        self.sync_free = cfg.train.sync_free and built.kind == "fused" and not momentum_sgd
         if cfg.train.sync_free and not self.sync_free:
-            msg = f"train.sync_free needs a fused optimizer, got {built.kind}; using one host sync per step"
+            why = (f"train.sync_free needs a fused optimizer, got {built.kind}" if built.kind != "fused" else
+                   "train.sync_free is refused for fused SGD with momentum (torch leaves its momentum buffers "
+                   "uninitialised when the kernel skips the first step)")
+            msg = f"{why}; using one host sync per step"
             downgrades.append(msg)
             warnings.warn(msg, stacklevel=2)
         self.scaler = make_grad_scaler(self.plan, cfg.scaler, force=cfg.train.force_scaler)
@@ -689,7 +695,11 @@ class Trainer:
 
     def _checkpoint_contents(self) -> dict[str, Any]:
         st = self.state
-        self._sync_counters()
+        if self.sync_free:
+            # The device count includes steps whose records are not flushed yet: save it, but
+            # leave self.state to the flushes, which count every record once.
+            applied = int(self._applied_t.item())
+            st = dataclasses.replace(st, applied_steps=applied, skipped_steps=st.step - applied)
         schedule_state = self.schedule.state_dict()
         schedule_state["applied_steps"] = st.applied_steps
         mid_window = st.window_size > 0
