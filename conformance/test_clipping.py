@@ -43,11 +43,6 @@ from reference import clipping
 REPRO = "rerun this test with the @reproduce_failure blob printed above"
 
 
-def _same_bits(a, b) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return a.dtype == b.dtype and a.tobytes() == b.tobytes()
-
-
 def square_is_normal(x: np.floating) -> bool:
     """Is ``x * x``, in ``x``'s op math (float32, or float64 for float64), zero or a finite
     normal number? Only then is ``sqrt(x * x) == |x|`` whether or not a kernel squares."""
@@ -248,9 +243,16 @@ def test_one_element_norm_is_abs_in_torch_and_the_spec(device, dtype, shape):
         check_one_element(_one_element(value, dtype, shape), device)
 
 
-@given(bits=st.integers(0, 2**32 - 1))
-def test_one_element_float32_norm_is_abs_for_any_bits(device, bits):
-    check_one_element(np.array([bits], np.uint32).view(np.float32), device)
+# Each dtype with the unsigned integer type of its width: drawn bits, viewed as the dtype.
+BIT_PATTERNS = [(np.dtype(np.float16), np.uint16), (np.dtype(ml_dtypes.bfloat16), np.uint16),
+                (np.dtype(np.float32), np.uint32), (np.dtype(np.float64), np.uint64)]
+
+
+@pytest.mark.parametrize("dtype, bits_type", BIT_PATTERNS, ids=[str(d) for d, _ in BIT_PATTERNS])
+@given(data=st.data())
+def test_one_element_norm_is_abs_for_any_bits(device, dtype, bits_type, data):
+    bits = data.draw(st.integers(0, int(np.iinfo(bits_type).max)), label="bits")
+    check_one_element(np.array([bits], bits_type).view(dtype), device)
 
 
 def test_clip_one_element_norm_is_the_keyed_expectation(device):
