@@ -190,8 +190,10 @@ def _group_order(first_appearance: Sequence[np.dtype]) -> list[np.dtype]:
 # The (lanes, block) of rule 8's vectorised torch_cpu kernels, by gradient dtype.
 _LANES = {_F32: (8, 8), _F64: (4, 4), _BF16: (8, 16)}
 
-# _lane_sums works through its gradients in chunks of about this many elements (a few MiB): few
-# enough chunks that Python's per-call cost stays small, small enough to stay in cache.
+# _lane_sums works through its gradients in chunks of about this many elements (2 MiB of float32):
+# few enough chunks that Python's per-call cost stays small, small enough to stay in cache.
+# Measured on transformer-shaped float32 gradients (1M and 12M elements); any values give the
+# same bits, only the speed changes.
 _CHUNK_ELEMENTS = 2**19
 _CHUNK_MIN_ROWS = 2048
 
@@ -203,15 +205,16 @@ def _lane_sums(bodies: Sequence[np.ndarray]) -> np.ndarray:
     ``(len(bodies), lanes)`` array: entry ``[t, j]`` is ``acc[j]`` of body ``t``, the running sum
     ``acc = f(acc + f(x * x))`` from 0 down column ``j`` in row order.
 
-    Why this is exactly the rule, body by body: the squares of row ``r`` of every body still
-    that long are laid side by side in one wide row, and ``np.add.reduce(wide, axis=0)`` adds
+    Why this is exactly the rule, body by body: row ``r`` of every body still that long is laid
+    side by side in one wide row, squared there (``f(x * x)``, elementwise), and
+    ``np.add.reduce(wide, axis=0)`` adds
     the wide rows one at a time into the accumulators, elementwise (NumPy sums pairwise only
     along a contiguous reduction axis; a test pins this), so every column is its own running sum
-    in row order: one SIMD lane. Chunks of rows carry the accumulators on as their first row
-    (``acc + r0 + r1 + ...`` is the same chain continued), and the first chunk starts from 0
-    (copying a row instead of adding it to 0 is the same: a square is never -0). Laying bodies
-    side by side only lets one NumPy call add many lanes at once (a row of 8 is mostly call
-    overhead); no lane ever sees another lane's values.
+    in row order: one SIMD lane. Each chunk of rows starts from a row holding the accumulators
+    so far (``acc + r0 + r1 + ...`` is the same chain continued); the first holds zeros, as
+    torch starts (``0 + s`` is ``s`` exactly: a square is never -0). Laying bodies side by side
+    only lets one NumPy call add many lanes at once (a row of 8 is mostly call overhead); no
+    lane ever sees another lane's values.
     """
     lanes, dtype = bodies[0].shape[1], bodies[0].dtype
     by_length = sorted(range(len(bodies)), key=lambda t: -bodies[t].shape[0])
@@ -219,8 +222,8 @@ def _lane_sums(bodies: Sequence[np.ndarray]) -> np.ndarray:
     acc = np.zeros((len(bodies), lanes), dtype)  # in by_length order
     active = sum(1 for r in rows_of if r > 0)  # the bodies still running: a prefix of by_length
     if active:
-        # One row of lanes as one opaque item: copying rows side by side is then one strided
-        # copy of whole rows (bits unchanged) instead of one small copy per row.
+        # One row of lanes as one opaque item: laying rows side by side is then one strided
+        # copy of whole rows per body (bits unchanged) instead of one small copy per row.
         row_item = np.dtype((np.void, lanes * dtype.itemsize))
 
         def chunk_rows(running: int) -> int:
@@ -228,18 +231,15 @@ def _lane_sums(bodies: Sequence[np.ndarray]) -> np.ndarray:
 
         # Sized for the largest chunk: (1 + chunk_rows(a)) * a * lanes is at most this for a <= active.
         wide_buf = np.empty(max(_CHUNK_MIN_ROWS * active * lanes, _CHUNK_ELEMENTS) + active * lanes, dtype)
-        squares = np.empty(chunk_rows(1) * lanes, dtype)
         start = 0
         while active:
             rows = min(chunk_rows(active), rows_of[active - 1] - start)
             wide = wide_buf[: (1 + rows) * active * lanes].reshape(1 + rows, active, lanes)
             wide[0] = acc[:active]
-            wide_rows = wide.view(row_item)[..., 0]
-            for col in range(active):
-                part = bodies[by_length[col]][start : start + rows].reshape(-1)
-                sq = squares[: part.size]
-                np.multiply(part, part, out=sq)
-                wide_rows[1:, col] = sq.view(row_item)
+            # Each part is (rows, 1) items: one body's rows as one column of the wide chunk.
+            parts = [bodies[t][start : start + rows].view(row_item) for t in by_length[:active]]
+            np.concatenate(parts, axis=1, out=wide.view(row_item)[1:, :, 0])
+            np.multiply(wide[1:], wide[1:], out=wide[1:])
             acc[:active] = np.add.reduce(wide, axis=0)
             start += rows
             while active and rows_of[active - 1] <= start:
@@ -249,18 +249,18 @@ def _lane_sums(bodies: Sequence[np.ndarray]) -> np.ndarray:
     return result
 
 
-def _lane_order_sums(xs: Sequence[np.ndarray], lanes: int, block: int) -> list[np.floating]:
+def _lane_order_sums(xs: Sequence[np.ndarray], lanes: int, block: int) -> np.ndarray:
     """Rule 8's vectorised torch_cpu sum of squares of each 1-D float32/float64 array: lane
-    sums of the body, folded in lane order, then the tail added in index order."""
+    sums of the body, folded in lane order, then the tail added in index order. Returns one
+    sum per array (the fold runs for all arrays at once: elementwise, the same roundings)."""
     bodies = [x[: x.size - x.size % block].reshape(-1, lanes) for x in xs]
-    sums = []
-    for x, body, acc in zip(xs, bodies, _lane_sums(bodies)):
-        b = acc[0]
-        for j in range(1, lanes):
-            b = b + acc[j]
+    acc = _lane_sums(bodies)
+    sums = acc[:, 0].copy()
+    for j in range(1, lanes):
+        sums = sums + acc[:, j]
+    for t, (x, body) in enumerate(zip(xs, bodies)):
         for v in x[body.size :]:
-            b = b + v * v
-        sums.append(b)
+            sums[t] = sums[t] + v * v
     return sums
 
 
@@ -331,8 +331,9 @@ def _norms(flats: Sequence[np.ndarray], p: float, order: str, num_threads: int) 
         for dtype, indices in lane_groups.items():
             # copy=False: float32/float64 gradients are read in place, bfloat16 ones widened.
             xs = [flats[i].astype(_opmath(dtype), copy=False) for i in indices]
-            for i, s in zip(indices, _lane_order_sums(xs, *_LANES[dtype])):
-                norms[i] = np.asarray(np.sqrt(s)).astype(dtype)[()]
+            roots = np.sqrt(_lane_order_sums(xs, *_LANES[dtype])).astype(dtype)
+            for i, root in zip(indices, roots):
+                norms[i] = root
     return norms  # type: ignore[return-value]
 
 
@@ -420,11 +421,10 @@ def _coefficient(total: np.floating, max_norm: float) -> np.floating:
 def _scale_into(g: np.ndarray, coef: np.floating, out: np.ndarray) -> np.ndarray:
     """Rule 5's multiply of one gradient by the coefficient, written to ``out`` (may be ``g``)."""
     op = _opmath(g.dtype)
-    with np.errstate(over="ignore", invalid="ignore"):
-        if g.dtype == op:
-            np.multiply(g, op.type(coef), out=out)
-        else:
-            out[...] = (g.astype(op) * op.type(coef)).astype(g.dtype)
+    if g.dtype == op:
+        np.multiply(g, op.type(coef), out=out)
+    else:
+        out[...] = (g.astype(op) * op.type(coef)).astype(g.dtype)
     return out
 
 
@@ -444,7 +444,8 @@ def _clip(
         arrays, norm_type, order, error_if_nonfinite=error_if_nonfinite, num_threads=num_threads
     )
     coef = _coefficient(total, mx)
-    clipped = tuple(_scale_into(a, coef, a if in_place else np.empty_like(a)) for a in arrays)
+    with np.errstate(over="ignore", invalid="ignore"):
+        clipped = tuple(_scale_into(a, coef, a if in_place else np.empty_like(a)) for a in arrays)
     return ClipResult(grads=clipped, total_norm=total, clip_coef=coef)
 
 

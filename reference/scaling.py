@@ -295,7 +295,8 @@ def unscale_gradients(grads: Sequence[np.ndarray], state: ScalerState) -> tuple[
     inv = inverse_scale(state)
     if inv == np.float32(1.0):
         return [a.copy() for a in arrays], found
-    return [_unscale_into(a, inv, np.empty_like(a)) for a in arrays], found
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        return [_unscale_into(a, inv, np.empty_like(a)) for a in arrays], found
 
 
 def unscale_gradients_(grads: Sequence[np.ndarray], state: ScalerState) -> tuple[list[np.ndarray], bool]:
@@ -309,20 +310,20 @@ def unscale_gradients_(grads: Sequence[np.ndarray], state: ScalerState) -> tuple
     found = has_inf_or_nan(arrays)
     inv = inverse_scale(state)
     if inv != np.float32(1.0):
-        for a in arrays:
-            _unscale_into(a, inv, a)
+        with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+            for a in arrays:
+                _unscale_into(a, inv, a)
     return arrays, found
 
 
 def _unscale_into(a: np.ndarray, inv: np.float32, out: np.ndarray) -> np.ndarray:
     """Rule 4's multiply of one gradient by inv, written to ``out`` (may be ``a``)."""
-    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        if a.dtype == np.float64:
-            np.multiply(a, np.float64(inv), out=out)
-        elif a.dtype == np.float32:
-            np.multiply(a, inv, out=out)
-        else:
-            out[...] = (a.astype(np.float32) * inv).astype(a.dtype)
+    if a.dtype == np.float64:
+        np.multiply(a, np.float64(inv), out=out)
+    elif a.dtype == np.float32:
+        np.multiply(a, inv, out=out)
+    else:
+        out[...] = (a.astype(np.float32) * inv).astype(a.dtype)
     return out
 
 
