@@ -165,6 +165,21 @@ def test_clip_grad_norm_matches_the_spec(device, data):
     run_clip_case(data.draw(strategies.clip_case(), label="case"), device)
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_clip_grad_norm_matches_the_spec_on_long_gradients(device, seed):
+    """Gradients long enough for the spec's chunked, side-by-side lane sums (up to 40000 rows,
+    lengths that end inside chunks, tails of 1 to 15), with values whose squares overflow,
+    underflow or are subnormal planted, checked stage by stage as the drawn cases are."""
+    rng = np.random.default_rng(seed)
+    grads = []
+    for i, n in enumerate([320_005, 131_072, 65_543, 40_000, 16_391, 2_049, 9, 1]):
+        values = rng.standard_normal(n) * 10.0 ** rng.integers(-3, 3)
+        values[rng.integers(0, n, 2)] = rng.choice([1e20, 1e-20, 1e-40, 0.0])
+        dtype = (np.float32, ml_dtypes.bfloat16, np.float64)[i % 3] if i < 6 else np.float32
+        grads.append(values.astype(np.float32).astype(dtype))
+    run_clip_case(dict(grads=grads, norm_type=2.0, max_norm=1.0), device)
+
+
 @given(data=st.data())
 def test_clip_grad_value_matches_the_spec_bit_for_bit(device, data):
     """Clamping is exact on every kernel: NaN stays NaN, +-inf becomes +-clip_value."""
