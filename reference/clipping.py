@@ -259,8 +259,9 @@ def _lane_order_sums(xs: Sequence[np.ndarray], lanes: int, block: int) -> np.nda
     for j in range(1, lanes):
         sums = sums + acc[:, j]
     for t, (x, body) in enumerate(zip(xs, bodies)):
-        for v in x[body.size :]:
-            sums[t] = sums[t] + v * v
+        if x.size > body.size:
+            for v in x[body.size :]:
+                sums[t] = sums[t] + v * v
     return sums
 
 
@@ -395,7 +396,7 @@ def total_norm(
         norms = _norms([a.ravel() for a in ordered], p, order, num_threads)
         # Widening to the promoted dtype is exact. A single gradient stacks one norm, whose
         # norm is itself (rule 1's one-element case).
-        stacked = np.array([np.asarray(n).astype(out_dtype) for n in norms], dtype=out_dtype)
+        stacked = np.array(norms, dtype=out_dtype)
         result = _norms([stacked], p, order, num_threads)[0]
     if error_if_nonfinite and not np.isfinite(np.float64(result)):
         raise _nonfinite_error(p)
