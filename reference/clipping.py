@@ -382,6 +382,13 @@ def total_norm(
     p = _check_norm_type(norm_type)
     _check_order(order)
     _check_threads(num_threads)
+    return _total_norm(arrays, p, order, error_if_nonfinite, num_threads)
+
+
+def _total_norm(
+    arrays: list[np.ndarray], p: float, order: str, error_if_nonfinite: bool, num_threads: int
+) -> np.floating:
+    """``total_norm`` of arguments already checked."""
     if not arrays:
         return np.float32(0.0)
     groups: dict[np.dtype, list[np.ndarray]] = {}
@@ -441,9 +448,10 @@ def _clip(
     mx = float(max_norm)
     if not mx >= 0.0:
         raise ValueError(f"max_norm must be >= 0, got {max_norm!r}")
-    total = total_norm(
-        arrays, norm_type, order, error_if_nonfinite=error_if_nonfinite, num_threads=num_threads
-    )
+    p = _check_norm_type(norm_type)
+    _check_order(order)
+    _check_threads(num_threads)
+    total = _total_norm(arrays, p, order, error_if_nonfinite, num_threads)
     coef = _coefficient(total, mx)
     with np.errstate(over="ignore", invalid="ignore"):
         clipped = tuple(_scale_into(a, coef, a if in_place else np.empty_like(a)) for a in arrays)

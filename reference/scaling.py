@@ -271,7 +271,11 @@ def has_inf_or_nan(grads: Sequence[np.ndarray]) -> bool:
     and +-0 are finite. An empty list and zero-size arrays hold nothing non-finite: False.
     Dtypes: float16, bfloat16, float32, float64; anything else is a ValueError naming the index.
     """
-    for a in _as_float_arrays(grads):
+    return _any_non_finite(_as_float_arrays(grads))
+
+
+def _any_non_finite(arrays: list[np.ndarray]) -> bool:
+    for a in arrays:
         wide = a.astype(np.float32) if a.dtype in _LOW else a
         if not np.isfinite(wide).all():
             return True
@@ -291,7 +295,7 @@ def unscale_gradients(grads: Sequence[np.ndarray], state: ScalerState) -> tuple[
     payload): compare NaN as a class.
     """
     arrays = _as_float_arrays(grads)
-    found = has_inf_or_nan(arrays)
+    found = _any_non_finite(arrays)
     inv = inverse_scale(state)
     if inv == np.float32(1.0):
         return [a.copy() for a in arrays], found
@@ -307,7 +311,7 @@ def unscale_gradients_(grads: Sequence[np.ndarray], state: ScalerState) -> tuple
     ``ValueError``: a converted copy would be unscaled and lost).
     """
     arrays = _as_float_arrays(grads, in_place=True)
-    found = has_inf_or_nan(arrays)
+    found = _any_non_finite(arrays)
     inv = inverse_scale(state)
     if inv != np.float32(1.0):
         with np.errstate(over="ignore", invalid="ignore", under="ignore"):
