@@ -4,9 +4,13 @@ Part 1: unscale + inf check + clip (L2, max_norm 1.0) of float32 gradients, spli
 tensor shapes of a GPT-style transformer (embedding, per-layer qkv/proj/fc1/fc2 weights and
 biases, layer norms) adding up to about 1M and 10M elements (100M with ``--large``):
 
-- ``reference``: ``reference.scaling.unscale_gradients`` (which runs ``has_inf_or_nan``) then
-  ``reference.clipping.clip_grad_norm`` with its default ``order="torch_cpu"``, the
-  bit-for-bit emulation of ATen's CPU summation order. Single-threaded (NumPy ufuncs).
+- ``reference``: ``reference.scaling.unscale_gradients_`` (which runs ``has_inf_or_nan``) then
+  ``reference.clipping.clip_grad_norm_`` with its default ``order="torch_cpu"``, the bit-for-bit
+  emulation of ATen's CPU summation order, both in place on fresh copies of the gradients (the
+  copy is not timed), as the torch candidates work. Single-threaded (NumPy ufuncs).
+- ``reference, new arrays``: ``unscale_gradients`` then ``clip_grad_norm``, the functional
+  forms, each returning new arrays: the difference is the cost of allocating (and, on large
+  inputs, page-faulting) two sets of gradient-sized arrays.
 - ``reference exact``: the same with ``order="exact"`` (float64 squares, ``math.fsum``); 1M only,
   it is meant for small inputs.
 - ``torch 1 thread`` / ``torch N threads``: ``torch._amp_foreach_non_finite_check_and_unscale_``
@@ -42,8 +46,8 @@ import _harness  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from reference.clipping import clip_grad_norm  # noqa: E402
-from reference.scaling import ScalerState, unscale_gradients  # noqa: E402
+from reference.clipping import clip_grad_norm, clip_grad_norm_  # noqa: E402
+from reference.scaling import ScalerState, unscale_gradients, unscale_gradients_  # noqa: E402
 
 SCALE = np.float32(2.0**16)
 
@@ -65,11 +69,17 @@ def make_grads(shapes: list[tuple[int, ...]], seed: int = 0) -> list[np.ndarray]
     return [(rng.standard_normal(s, dtype=np.float32) * np.float32(1e-3) * SCALE) for s in shapes]
 
 
-def run_reference(grads: list[np.ndarray], order: str) -> float:
+def run_reference(grads: list[np.ndarray], order: str, in_place: bool = True) -> float:
     state = ScalerState(SCALE, np.int32(0), 1)
-    t0 = time.perf_counter()
-    unscaled, found = unscale_gradients(grads, state)
-    result = clip_grad_norm(unscaled, 1.0, order=order)
+    if in_place:
+        work = [g.copy() for g in grads]  # fresh scaled gradients, untimed
+        t0 = time.perf_counter()
+        unscaled, found = unscale_gradients_(work, state)
+        result = clip_grad_norm_(unscaled, 1.0, order=order)
+    else:
+        t0 = time.perf_counter()
+        unscaled, found = unscale_gradients(grads, state)
+        result = clip_grad_norm(unscaled, 1.0, order=order)
     elapsed = time.perf_counter() - t0
     assert not found and np.isfinite(result.total_norm)
     return elapsed
@@ -109,6 +119,7 @@ def bench_size(target: int, reps: int, threads_all: int) -> dict:
     n = sum(g.size for g in grads)
     candidates = {
         "reference": lambda: run_reference(grads, "torch_cpu"),
+        "reference, new arrays": lambda: run_reference(grads, "torch_cpu", in_place=False),
         "torch 1 thread": TorchCandidate(grads, 1),
     }
     if threads_all > 1:

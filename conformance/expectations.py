@@ -123,26 +123,31 @@ def cuda_norm_rtol(n: int) -> float:
 # list. Measured on CPU for the versions listed; other versions are probed and reported.
 CLIP_GRAD_VALUE_RAISES_WITHOUT_GRADS: dict[str, bool] = {"2.13": True}
 
-# The L2 norm of a ONE-element tensor is |x| in torch: linalg.vector_norm does not square it, so
-# neither underflow nor overflow happens (float32 [1e30] has norm 1e30, [1e-31] has 1e-31), and
-# so is the total norm of a single gradient (a stack of one norm). The spec (reference.clipping
-# rule 1) squares: it gives inf and 0 there, which is torch's result for two or more elements.
-# The two agree whenever the square is a normal number. Measured on CPU (both kernel modes) for
-# the versions listed; other versions are probed.
-ONE_ELEMENT_L2_NORM_IS_ABS: dict[str, bool] = {"2.13": True}
+# torch's L2 norm of a ONE-element tensor is |x|, never squared: linalg_vector_norm_out (ATen's
+# LinearAlgebra.cpp, code shared by all devices) returns abs() when every reduced dimension has
+# size 1. The spec models it (reference.clipping rule 1) and test_clipping compares it exactly.
+# clip_grad_norm_ / get_total_norm take their per-tensor norms from torch._foreach_norm instead.
+# On CPU that loops over linalg.vector_norm: the same |x| [measured, both kernel modes, float16,
+# bfloat16, float32, float64]. CUDA's fused multi-tensor norm kernel (ForeachReduceOp.cu) sums
+# squares with no one-element case [read in the source, not measured]: there a one-element
+# gradient whose square under- or overflows (float32 [1e30]) gets a different per-tensor norm
+# inside clipping than linalg.vector_norm gives. Measured on CPU for the versions listed; other
+# devices and versions are probed.
+CLIP_ONE_ELEMENT_L2_NORM_IS_ABS: dict[str, bool] = {"2.13": True}
 
 
-def one_element_l2_norm_is_abs(device: str) -> bool:
-    """Does torch return |x| as the L2 norm of a one-element tensor on ``device``?"""
-    if device == "cpu" and TORCH_VERSION in ONE_ELEMENT_L2_NORM_IS_ABS:
-        return ONE_ELEMENT_L2_NORM_IS_ABS[TORCH_VERSION]
-    return probe_one_element_l2_norm_is_abs(device)
+def clip_one_element_l2_norm_is_abs(device: str) -> bool:
+    """Does torch's clipping path (get_total_norm) give |x| for a one-element gradient on ``device``?"""
+    if device == "cpu" and TORCH_VERSION in CLIP_ONE_ELEMENT_L2_NORM_IS_ABS:
+        return CLIP_ONE_ELEMENT_L2_NORM_IS_ABS[TORCH_VERSION]
+    return probe_clip_one_element_l2_norm_is_abs(device)
 
 
-def probe_one_element_l2_norm_is_abs(device: str) -> bool:
-    """What the installed torch does: is the norm of float32 [1e30] 1e30 (not inf)?"""
+def probe_clip_one_element_l2_norm_is_abs(device: str) -> bool:
+    """What the installed torch does: is get_total_norm of float32 [1e30] 1e30 (not inf)?"""
     x = torch.tensor([1e30], device=device)
-    return bool(torch.equal(torch.linalg.vector_norm(x).cpu(), x.abs()[0].cpu()))
+    return bool(torch.equal(torch.nn.utils.get_total_norm([x], 2.0).cpu(), x.abs()[0].cpu()))
+
 
 # Fused SGD with momentum fails when, in one step, a parameter gets its FIRST gradient while
 # another one already has a momentum buffer (a parameter whose gradient was None earlier):

@@ -69,6 +69,7 @@ __all__ = [
     "tracker_after_growth",
     "tracker_after_overflow",
     "unscale_gradients",
+    "unscale_gradients_",
     "update_scale",
     "update_scale_multi",
 ]
@@ -248,11 +249,14 @@ def scale_loss(loss: Any, state: ScalerState) -> np.ndarray:
         return wide if x.ndim == 0 else wide.astype(x.dtype)
 
 
-def _as_float_arrays(grads: Sequence[Any]) -> list[np.ndarray]:
+def _as_float_arrays(grads: Sequence[Any], in_place: bool = False) -> list[np.ndarray]:
     if isinstance(grads, np.ndarray) or not isinstance(grads, Iterable):
         raise ValueError(f"grads must be a list of arrays, got {type(grads).__name__}")
     out = []
     for i, g in enumerate(grads):
+        if in_place and (not isinstance(g, np.ndarray) or not g.flags.writeable):
+            raise ValueError(f"grads[{i}] must be a writeable NumPy array to be unscaled in place, got "
+                             f"{type(g).__name__}; use unscale_gradients for unscaled copies")
         a = np.asarray(g)
         if a.dtype not in _GRAD_DTYPES:
             raise ValueError(f"grads[{i}] must have dtype float16, bfloat16, float32 or float64, got {a.dtype}")
@@ -267,7 +271,11 @@ def has_inf_or_nan(grads: Sequence[np.ndarray]) -> bool:
     and +-0 are finite. An empty list and zero-size arrays hold nothing non-finite: False.
     Dtypes: float16, bfloat16, float32, float64; anything else is a ValueError naming the index.
     """
-    for a in _as_float_arrays(grads):
+    return _any_non_finite(_as_float_arrays(grads))
+
+
+def _any_non_finite(arrays: list[np.ndarray]) -> bool:
+    for a in arrays:
         wide = a.astype(np.float32) if a.dtype in _LOW else a
         if not np.isfinite(wide).all():
             return True
@@ -287,20 +295,40 @@ def unscale_gradients(grads: Sequence[np.ndarray], state: ScalerState) -> tuple[
     payload): compare NaN as a class.
     """
     arrays = _as_float_arrays(grads)
-    found = has_inf_or_nan(arrays)
+    found = _any_non_finite(arrays)
     inv = inverse_scale(state)
     if inv == np.float32(1.0):
         return [a.copy() for a in arrays], found
-    out = []
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        for a in arrays:
-            if a.dtype == np.float64:
-                out.append(np.asarray(a * np.float64(inv)))
-            elif a.dtype == np.float32:
-                out.append(np.asarray(a * inv))
-            else:
-                out.append(np.asarray(a.astype(np.float32) * inv).astype(a.dtype))
-    return out, found
+        return [_unscale_into(a, inv, np.empty_like(a)) for a in arrays], found
+
+
+def unscale_gradients_(grads: Sequence[np.ndarray], state: ScalerState) -> tuple[list[np.ndarray], bool]:
+    """``unscale_gradients`` in place, as torch's ``_amp_foreach_non_finite_check_and_unscale_``:
+    the same rules and bits (found_inf is taken on the scaled values before any is overwritten),
+    but each array is overwritten with its unscaled values and the list holds those same arrays.
+    For gradients the caller owns. ``grads`` must be writeable NumPy arrays (anything else is a
+    ``ValueError``: a converted copy would be unscaled and lost).
+    """
+    arrays = _as_float_arrays(grads, in_place=True)
+    found = _any_non_finite(arrays)
+    inv = inverse_scale(state)
+    if inv != np.float32(1.0):
+        with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+            for a in arrays:
+                _unscale_into(a, inv, a)
+    return arrays, found
+
+
+def _unscale_into(a: np.ndarray, inv: np.float32, out: np.ndarray) -> np.ndarray:
+    """Rule 4's multiply of one gradient by inv, written to ``out`` (may be ``a``)."""
+    if a.dtype == np.float64:
+        np.multiply(a, np.float64(inv), out=out)
+    elif a.dtype == np.float32:
+        np.multiply(a, inv, out=out)
+    else:
+        out[...] = (a.astype(np.float32) * inv).astype(a.dtype)
+    return out
 
 
 # ----------------------------------------------------------------------------- the update rules

@@ -391,7 +391,7 @@ def train_step(
             grads = [np.array(g, copy=True) for g in scaled_grads]
             found_inf = scaling.has_inf_or_nan(grads)
         if config.clip_norm is not None:
-            clipped = clipping.clip_grad_norm(grads, config.clip_norm, config.norm_type, order=config.clip_order)
+            clipped = clipping.clip_grad_norm_(grads, config.clip_norm, config.norm_type, order=config.clip_order)
             grads, grad_norm, clip_coef = list(clipped.grads), float(clipped.total_norm), float(clipped.clip_coef)
     params, opt_state = state.params, state.opt_state
     if config.kernel_skips or not found_inf:

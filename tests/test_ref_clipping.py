@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from reference import clipping
 from reference.clipping import (
     ClipResult,
     clip_grad_norm,
@@ -309,3 +310,125 @@ def test_lane_sums_are_running_sums_in_index_order(n):
     expected = np.add.accumulate(sq.reshape(-1, 8), axis=0)[-1]
     actual = np.add.reduce(sq.reshape(-1, 8), axis=0)
     assert actual.tobytes() == expected.tobytes()
+
+
+def test_wide_rows_are_still_reduced_one_row_at_a_time():
+    # _lane_sums lays several gradients' rows side by side: a (rows, gradients, lanes) array
+    # reduced over axis 0 must still give each column its running sum in row order.
+    rng = np.random.default_rng(5)
+    wide = (rng.standard_normal((3001, 7, 8)) * np.logspace(-3, 3, 8)).astype(np.float32) ** 2
+    expected = np.add.accumulate(wide, axis=0)[-1]
+    assert np.add.reduce(wide, axis=0).tobytes() == expected.tobytes()
+
+
+# --- the side-by-side lane sums against the plain rule ------------------------------------
+
+EDGE_VALUES = np.array([np.inf, -np.inf, np.nan, 3e38, -2e19, 1e-45, -1e-40, 1e-20, 0.0, -0.0, 1.0], np.float64)
+
+
+def _edge_gradients(dtype, sizes, seed):
+    """Gradients of ``sizes`` elements: random magnitudes, some with inf/NaN/overflowing squares/
+    subnormals planted."""
+    rng = np.random.default_rng(seed)
+    grads = []
+    for k, n in enumerate(sizes):
+        x = rng.standard_normal(n) * 10.0 ** rng.integers(-30, 30)
+        if n and k % 3 == 1:
+            x[rng.integers(0, n, 3)] = rng.choice(EDGE_VALUES, 3)
+        with np.errstate(over="ignore", under="ignore"):
+            grads.append(x.astype(F32).astype(dtype) if dtype != np.float64 else x)
+    return grads
+
+
+def plain_norm(g: np.ndarray) -> np.floating:
+    """Rule 8 for one gradient, as a plain scalar loop (lane_model), with rule 1's one-element case."""
+    dtype = g.dtype
+    flat = g.ravel()
+    if flat.size == 1:
+        return np.abs(flat.astype(np.float64)).astype(dtype)[0]
+    lanes, block = {np.dtype(F32): (8, 8), np.dtype(np.float64): (4, 4), BF16: (8, 16)}[dtype]
+    with np.errstate(over="ignore", invalid="ignore"):
+        root = lane_model(flat.astype(np.float64 if dtype == np.float64 else F32), lanes, block)
+    return np.asarray(root).astype(dtype)[()]
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(F32), np.dtype(np.float64), BF16], ids=str)
+def test_norms_taken_side_by_side_equal_each_gradient_alone(monkeypatch, dtype):
+    # Tiny chunks so that a few hundred elements cross many chunk boundaries, with gradients
+    # ending inside, at and between them.
+    monkeypatch.setattr(clipping, "_CHUNK_ELEMENTS", 40)
+    monkeypatch.setattr(clipping, "_CHUNK_MIN_ROWS", 3)
+    sizes = [0, 1, 2, 7, 8, 9, 16, 17, 24, 40, 41, 95, 96, 200, 333, 517]
+    grads = _edge_gradients(dtype, sizes, seed=len(sizes))
+    with np.errstate(over="ignore", invalid="ignore"):
+        together = clipping._norms([g.ravel() for g in grads], 2.0, "torch_cpu", 1)
+    for g, n in zip(grads, together):
+        alone = plain_norm(g) if g.size else dtype.type(0.0)
+        assert same_bits(np.asarray(n), np.asarray(alone)) or (np.isnan(n) and np.isnan(alone)), (g.size, n, alone)
+
+
+def test_total_norm_equals_the_norm_of_the_stacked_plain_norms(monkeypatch):
+    monkeypatch.setattr(clipping, "_CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(clipping, "_CHUNK_MIN_ROWS", 2)
+    for seed in range(6):
+        grads = _edge_gradients(np.dtype(F32), [9, 64, 1, 130, 33, 8 * 40 + 3], seed)
+        stacked = np.array([plain_norm(g) for g in grads], F32)
+        assert same_bits(np.asarray(total_norm(grads)), np.asarray(plain_norm(stacked))) or np.isnan(total_norm(grads))
+
+
+# --- one element: |x|, never squared (rule 1) ----------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1,), (), (1, 1, 1)])
+def test_one_element_norm_is_its_absolute_value_never_squared(shape):
+    for value in (1e30, -1e30, 3e38, -1e-30, 2.0**-149, 1e-20, -0.0):
+        g = np.array(value, F32).reshape(shape)
+        for p in (2.0, math.inf):
+            for order in ("torch_cpu", "exact"):
+                assert same_bits(np.asarray(tensor_norm(g, p, order)), np.abs(np.array(value, F32))), (value, p, order)
+    assert tensor_norm(np.array([1e200]), 2.0) == 1e200
+    assert tensor_norm(np.array([-1e-200]), 2.0) == 1e-200
+    big = np.asarray(np.float32(3e38)).astype(BF16).reshape(1)
+    assert same_bits(np.asarray(tensor_norm(big)), big[0])
+    assert np.isnan(tensor_norm(np.array([np.nan], F32))) and tensor_norm(np.array([-np.inf], F32)) == np.inf
+    # Two elements square: [1e30, 0] overflows, as in torch.
+    assert np.isinf(tensor_norm(np.array([1e30, 0.0], F32)))
+
+
+def test_a_single_one_element_gradient_clips_by_its_absolute_value():
+    r = clip_grad_norm([np.array([1e30], F32)], max_norm=1.0)
+    assert r.total_norm == F32(1e30), "the total of one gradient is its norm, not inf"
+    assert r.grads[0][0] == F32(F32(F32(1.0) / F32(F32(1e30) + F32(1e-6))) * F32(1e30))
+    tiny = clip_grad_norm([np.array([1e-30], F32)], max_norm=1.0)
+    assert tiny.total_norm == F32(1e-30) and tiny.clip_coef == F32(1.0)
+    # With a second gradient the stacked norms are squared again: 1e30 overflows there.
+    assert np.isinf(total_norm([np.array([1e30], F32), np.array([1.0], F32)]))
+
+
+# --- in place --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_clip_in_place_gives_the_bits_of_the_copying_clip(seed):
+    grads = [g.copy() for dtype in (np.dtype(F32), BF16, np.dtype(np.float16), np.dtype(np.float64))
+             for g in _edge_gradients(dtype, [3, 1, 40, 0, 17], seed)]
+    grads.append(np.array([[1e-45, -3e38], [2.0, -0.0]], F32).T)  # not C-contiguous
+    copies = [g.copy() for g in grads]
+    with np.errstate(over="ignore"):
+        expected = clip_grad_norm(copies, 0.5)
+        actual = clipping.clip_grad_norm_(grads, 0.5)
+    assert same_bits(np.asarray(actual.total_norm), np.asarray(expected.total_norm)) or np.isnan(expected.total_norm)
+    for g, got, want in zip(grads, actual.grads, expected.grads):
+        assert got is g, "clip_grad_norm_ must return the arrays it was given"
+        nan = np.isnan(want.astype(np.float64))
+        assert np.array_equal(nan, np.isnan(got.astype(np.float64)))
+        assert same_bits(got[~nan], want[~nan])
+
+
+def test_clip_in_place_refuses_what_it_cannot_overwrite():
+    frozen = np.ones(3, F32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match=r"grads\[0\] must be a writeable NumPy array"):
+        clipping.clip_grad_norm_([frozen], 1.0)
+    with pytest.raises(ValueError, match=r"grads\[1\] must be a writeable NumPy array"):
+        clipping.clip_grad_norm_([np.ones(2, F32), [1.0, 2.0]], 1.0)

@@ -27,6 +27,7 @@ from reference.scaling import (
     scale_loss,
     should_grow,
     unscale_gradients,
+    unscale_gradients_,
     update_scale,
     update_scale_multi,
 )
@@ -497,3 +498,44 @@ def test_cli_prints_rules_and_the_e1_table():
     with redirect_stdout(buf):
         assert cli.main(["--preset", "deepspeed"]) == 0
     assert "hysteresis_left" in buf.getvalue()
+
+
+# --- unscaling in place ----------------------------------------------------------------------
+
+
+def _bits(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a).tobytes()
+
+
+@pytest.mark.parametrize("scale", [2.0**16, 3.0, 1.0, 0.25, 2.0**-140, 0.0, float("inf")])
+def test_unscale_in_place_gives_the_bits_and_flag_of_unscale(scale):
+    values = [1.0, -3e38, 3e38, 1e-45, -1e-40, 65504.0, 6e-8, 0.0, -0.0, 7.5]
+    with np.errstate(over="ignore"):  # 3e38 overflows float16 on purpose
+        grads = [np.array(values, np.float32), np.array(values, np.float64),
+                 np.array(values, np.float32).astype(np.float16), np.array(values, np.float32).astype(BF16),
+                 np.array(values[:4], np.float32).reshape(2, 2).T, np.array(2.5, np.float32)]
+    for planted in (None, np.inf, np.nan):
+        arrays = [g.copy() for g in grads]
+        if planted is not None:
+            arrays[1][3] = planted
+        state = ScalerState(np.float32(scale), np.int32(0), 1)
+        with np.errstate(over="ignore"):
+            expected, expected_found = unscale_gradients([a.copy() for a in arrays], state)
+        given = list(arrays)
+        actual, found = unscale_gradients_(given, state)
+        assert found == expected_found
+        for a, g, e in zip(actual, given, expected):
+            assert a is g, "unscale_gradients_ must return the arrays it was given"
+            nan = np.isnan(e.astype(np.float64))
+            assert np.array_equal(nan, np.isnan(a.astype(np.float64)))
+            assert _bits(a[~nan]) == _bits(e[~nan]), (scale, planted, a, e)
+
+
+def test_unscale_in_place_refuses_what_it_cannot_overwrite():
+    frozen = np.ones(2, np.float32)
+    frozen.flags.writeable = False
+    state = ScalerState(np.float32(2.0), np.int32(0), 1)
+    with pytest.raises(ValueError, match=r"grads\[0\] must be a writeable NumPy array"):
+        unscale_gradients_([frozen], state)
+    with pytest.raises(ValueError, match=r"grads\[0\] must be a writeable NumPy array"):
+        unscale_gradients_([[1.0, 2.0]], state)
