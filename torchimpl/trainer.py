@@ -49,6 +49,7 @@ from torchimpl.checkpoint import (
 )
 from torchimpl.config import Config
 from torchimpl.device import resolve_device
+from torchimpl.diagnostics import NonFiniteError
 from torchimpl.distributed import init_distributed
 from torchimpl.optim import build_optimizer
 from torchimpl.precision import autocast_context, resolve_precision
@@ -179,6 +180,50 @@ def _batch_size(batch: Any) -> int:
     return 1
 
 
+# Device types whose gradients torch's clipping multiplies with one _foreach_mul_ per group.
+_FOREACH_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _group_by_device_and_dtype(params: list[nn.Parameter]) -> list[tuple[torch.device, list[nn.Parameter], bool]]:
+    """Parameters grouped by (device, dtype), a gradient's too, in first-seen order, each with
+    whether its gradients are plain tensors on a device with foreach kernels (as torch checks)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault((p.device, p.dtype), []).append(p)
+    return [(device, ps, device.type in _FOREACH_DEVICE_TYPES and all(type(p) in (torch.Tensor, nn.Parameter) for p in ps))
+            for (device, _), ps in groups.items()]
+
+
+def _read_all(rows: list[tuple[Any, ...]]) -> list[list[Any]]:
+    """``rows`` with every tensor replaced by its value as a Python float, in one transfer.
+
+    The 0-d tensors are stacked per dtype, widened to float64 (exact for every dtype a record
+    holds) and concatenated; other values pass through.
+    """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for row in rows:
+        for v in row:
+            if isinstance(v, torch.Tensor):
+                by_dtype.setdefault(v.dtype, []).append(v)
+    if not by_dtype:
+        return [list(row) for row in rows]
+    flat = torch.cat([torch.stack(ts).to(torch.float64) for ts in by_dtype.values()]).cpu().tolist()
+    cursor, start = {}, 0
+    for dtype, ts in by_dtype.items():
+        cursor[dtype], start = start, start + len(ts)
+    out = []
+    for row in rows:
+        host = []
+        for v in row:
+            if isinstance(v, torch.Tensor):
+                host.append(flat[cursor[v.dtype]])
+                cursor[v.dtype] += 1
+            else:
+                host.append(v)
+        out.append(host)
+    return out
+
+
 class Trainer:
     """Trains a model by the step contract; see the module docstring.
 
@@ -292,6 +337,9 @@ class Trainer:
             warnings.warn(msg, stacklevel=2)
         self.scaler = make_grad_scaler(self.plan, cfg.scaler, force=cfg.train.force_scaler)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self._param_groups = _group_by_device_and_dtype(self.params)
+        self._one = torch.ones((), dtype=torch.float32, device=self.device)
+        self._autocast = autocast_context(self.plan, self.device)
 
         self.schedule = AppliedStepSchedule(self.optimizer, cfg.schedule, cfg.train.steps)
         self.state = TrainState()
@@ -307,7 +355,7 @@ class Trainer:
         self._it: Iterator[Any] | None = None
         self._epoch_rng: torch.Tensor | None = None
         self._loss_acc = torch.zeros((), dtype=torch.float32, device=self.device)
-        self._pending: list[tuple[int, int, bool | None, torch.Tensor, Any]] = []
+        self._pending: list[tuple[Any, ...]] = []
         self.loss_history, self.scale_history = [], []
 
         # Seed every generator from train.seed (a resume overwrites them with the saved states).
@@ -361,14 +409,24 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         try:
             while self.state.step < cfg.train.steps:
-                self._one_step()
+                try:
+                    self._one_step()
+                except NonFiniteError as err:  # raised by the guard's hooks (train.guard)
+                    self._guard_hit(err)
                 last = self.state.step >= cfg.train.steps
                 if self.state.step % cfg.train.log_interval == 0 or last or self._stop_requested:
                     self._flush(writer, bar)
                 te = time.perf_counter()
                 ei = cfg.train.eval_interval
                 if val_data is not None and ((ei and self.state.step % ei == 0) or last):
-                    self._record_val(self.evaluate(val_data))
+                    # The guard watches training steps; a non-finite validation loss is recorded as is.
+                    if guard is not None:
+                        guard.remove()
+                    try:
+                        self._record_val(self.evaluate(val_data))
+                    finally:
+                        if guard is not None:
+                            guard.install()
                 ci = cfg.checkpoint.interval
                 if cfg.checkpoint.folder is not None and ((ci and self.state.step % ci == 0) or last):
                     self.save_checkpoint()
@@ -431,11 +489,12 @@ class Trainer:
         else:  # resumed inside a window: the rest of it
             window = self._fetch(st.window_size - st.window_done)
         k = st.window_size
-        scale_before = self.scaler._scale.detach().clone() if self.scaler is not None else None
+        scale_before = self.scaler.state_tensors()[0].clone() if self.scaler is not None else None
+        self._window, self._scale_before = window, scale_before  # for _guard_hit
         for batch in window:
             batch_size = _batch_size(batch)
             batch = _to_device(batch, self.device)
-            with autocast_context(self.plan, self.device):
+            with self._autocast:
                 loss = self.loss_fn(self._forward_model, batch)
             # Outside autocast from here: the division, the scaling and backward.
             self._loss_acc += loss.detach().float()
@@ -450,6 +509,11 @@ class Trainer:
                 cb.on_microbatch_end(self, st)
             if self._stop_requested:
                 return
+        self._finish_step(window, k, scale_before)
+
+    def _finish_step(self, window: list[Any], k: int, scale_before: torch.Tensor | None) -> None:
+        """Rules 2-6 of the step contract, after the window's last backward."""
+        cfg, st = self.config, self.state
         for cb in self.callbacks:
             cb.on_after_backward(self, st)
 
@@ -459,10 +523,7 @@ class Trainer:
         if cfg.train.clip_norm is not None:
             grads = [p.grad for p in self.params if p.grad is not None]
             grad_norm = self._dist.total_norm(grads)
-            # The same expression torch's clip_grads_with_norm_ evaluates, so the recorded
-            # coefficient is the one applied.
-            clip_coef = torch.clamp(cfg.train.clip_norm / (grad_norm + 1e-6), max=1.0)
-            torch.nn.utils.clip_grads_with_norm_(self.params, cfg.train.clip_norm, grad_norm)
+            clip_coef = self._clip_grads_with_norm_(cfg.train.clip_norm, grad_norm)
         for cb in self.callbacks:
             cb.on_before_optimizer_step(self, st)
 
@@ -475,9 +536,10 @@ class Trainer:
             applied = None
         else:
             lr_used = float(self.optimizer.param_groups[0]["lr"])
-            # The one host sync of the step: the skip decision and the loss's finiteness.
-            flags = int(((found_inf > 0).float() + 2.0 * (~torch.isfinite(mean_loss)).float()).item())
-            found, loss_bad = bool(flags & 1), bool(flags & 2)
+            # The one host sync of the step reads both flags at once: found_inf as the real
+            # part, the mean loss (for its finiteness) as the imaginary part.
+            flags = torch.complex(found_inf, mean_loss).item()
+            found, loss_bad = flags.real > 0, not math.isfinite(flags.imag)
             if (loss_bad or (found and self.scaler is None)) and cfg.train.on_nonfinite == "stop":
                 self._stop_on_nonfinite(window, "non-finite loss" if loss_bad else "non-finite gradients")
                 return
@@ -487,8 +549,11 @@ class Trainer:
                     self.optimizer.grad_scale = None
                     self.optimizer.found_inf = found_inf
                 self.optimizer.step()
+        scale_after = tracker = None
         if self.scaler is not None:
             self.scaler.update()
+            # Snapshots: update() changes the live tensors in place.
+            scale_after, tracker = (t.clone() for t in self.scaler.state_tensors())
 
         if self.sync_free:
             self._applied_t += (1.0 - found_inf).to(torch.int64)
@@ -499,67 +564,96 @@ class Trainer:
             st.applied_steps += int(applied)
             st.skipped_steps += int(not applied)
 
-        self._pending.append(self._device_record(k, applied, found_inf, scale_before, grad_norm, clip_coef, lr_used, mean_loss))
+        # The record's values stay as they are (device tensors or host numbers) until the next
+        # log point, where _flush reads all pending ones in one transfer.
+        self._pending.append((st.step, k, applied, scale_before, found_inf, grad_norm, clip_coef,
+                              scale_after, tracker, lr_used, mean_loss))
         st.step += 1
         st.window_size = st.window_done = 0
         for cb in self.callbacks:
             cb.on_step_end(self, st)
 
+    def _guard_hit(self, err: NonFiniteError) -> None:
+        """The guard stopped a microbatch at a non-finite value: follow ``train.on_nonfinite``.
+
+        ``stop`` writes the diagnosis and ends ``fit`` cleanly. ``skip`` counts the window's
+        remaining batches as consumed and takes the step with every gradient set to NaN, which
+        is the contract's path for non-finite gradients: ``found_inf``, no update, the scale
+        backs off, the schedule holds, a record is written (on every rank, through ``agree``).
+        """
+        st = self.state
+        log.warning("step %d: %s", st.step, err)
+        if self.config.train.on_nonfinite == "stop":
+            self._stop_on_nonfinite(self._window, f"non-finite value ({err})")
+            return
+        window = self._window
+        for batch in window[len(window) - (st.window_size - st.window_done):]:
+            st.window_done += 1
+            st.batch_index += 1
+            st.samples += _batch_size(batch)
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.full_like(p, math.nan)
+            else:
+                p.grad.fill_(math.nan)
+        self._loss_acc.fill_(math.nan)
+        self._finish_step(window, st.window_size, self._scale_before)
+
     def _unscale_and_check(self) -> torch.Tensor:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
             return self.scaler.found_inf_tensor().to(torch.float32)
-        # Without a scaler: the same non-finite check at a scale of 1 (grads unchanged).
+        # Without a scaler: the same non-finite check at a scale of 1 (grads unchanged). It stays
+        # a pass of its own: a clip norm that is not finite does not imply a non-finite gradient
+        # (finite float32 values whose squares overflow), and found_inf must not change there.
         found = torch.zeros((), dtype=torch.float32, device=self.device)
-        one = torch.ones((), dtype=torch.float32, device=self.device)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in self.params:
-            if p.grad is not None:
-                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for grads in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        for _, params, _ in self._param_groups:
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, self._one)
         return found
 
-    def _device_record(self, k, applied, found_inf, scale_before, grad_norm, clip_coef, lr_used, mean_loss):
-        nan = torch.full((), float("nan"), dtype=torch.float64, device=self.device)
-        one = torch.ones((), dtype=torch.float64, device=self.device)
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+    def _clip_grads_with_norm_(self, max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+        """``torch.nn.utils.clip_grads_with_norm_``, returning the coefficient it multiplies in.
 
-        def f64(t):
-            if t is None:
-                return nan
-            if isinstance(t, torch.Tensor):
-                return t.detach().to(torch.float64).reshape(())
-            return torch.tensor(float(t), dtype=torch.float64, device=self.device)
-
-        if self.scaler is not None:
-            after, tracker = f64(self.scaler._scale), f64(self.scaler._growth_tracker)
-            before = f64(scale_before)
-        else:
-            after, tracker, before = one, zero, one
-        values = torch.stack([before, f64(found_inf), f64(grad_norm), f64(clip_coef), after, tracker,
-                              f64(lr_used), f64(mean_loss)])
-        return (self.state.step, k, applied, values, grad_norm is not None)
+        torch's expression and order, so the gradients get the same bits: ``max_norm /
+        (total_norm + 1e-6)`` (a float over a tensor: a reciprocal, then a multiply), clamped at
+        1.0 and always multiplied in (no branch, so no sync), one ``_foreach_mul_`` per (device,
+        dtype) group of plain tensors, ``mul_`` per tensor otherwise (e.g. DTensor gradients).
+        Computed once, the recorded coefficient is the applied one.
+        """
+        coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+        for device, params, foreach in self._param_groups:
+            grads = [p.grad for p in params if p.grad is not None]
+            if not grads:
+                continue
+            coef_here = coef.to(device)
+            if foreach:
+                torch._foreach_mul_(grads, coef_here)
+            else:
+                for g in grads:
+                    g.mul_(coef_here)
+        return coef
 
     def _flush(self, writer: TraceWriter | None, bar: Any) -> None:
         """Read pending records from the device in one transfer; log, write, call ``on_log``."""
         if not self._pending:
             return
-        table = torch.stack([p[3] for p in self._pending]).cpu().tolist()
+        pending, self._pending = self._pending, []
+        values = _read_all([entry[3:] for entry in pending])
         records, losses = [], []
-        for (step, k, applied, _, clipped), row in zip(self._pending, table):
+        for (step, k, applied, *_), row in zip(pending, values):
             before, found, norm, coef, after, tracker, lr, loss = row
             found_b = bool(found)
             records.append(StepRecord(
-                step=step, microbatches=k, scale_before=before, found_inf=found_b,
-                applied=(not found_b) if applied is None else applied,
-                grad_norm=norm if clipped else None, clip_coef=coef if clipped else None,
-                scale_after=after, growth_tracker=int(tracker), lr=lr,
+                step=step, microbatches=k, scale_before=1.0 if before is None else before, found_inf=found_b,
+                applied=(not found_b) if applied is None else applied, grad_norm=norm, clip_coef=coef,
+                scale_after=1.0 if after is None else after, growth_tracker=0 if tracker is None else int(tracker),
+                lr=lr,
             ))
             losses.append(loss)
             self.loss_history.append((step, loss))
-            self.scale_history.append((step, after))
-        self._pending = []
+            self.scale_history.append((step, records[-1].scale_after))
         if self.sync_free:
             applied_n = sum(r.applied for r in records)
             self.state.applied_steps += applied_n
