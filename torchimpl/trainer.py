@@ -195,33 +195,31 @@ def _group_by_device_and_dtype(params: list[nn.Parameter]) -> list[tuple[torch.d
 
 
 def _read_all(rows: list[tuple[Any, ...]]) -> list[list[Any]]:
-    """``rows`` with every tensor replaced by its value as a Python float, in one transfer.
+    """``rows`` with every tensor replaced by its value as a Python number, in one transfer.
 
-    The 0-d tensors are stacked per dtype, widened to float64 (exact for every dtype a record
-    holds) and concatenated; other values pass through.
+    The 0-d tensors are stacked column by column (a column holds one record field, so one
+    dtype), widened to float64 (exact for every dtype a record holds) and concatenated; other
+    values pass through.
     """
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for row in rows:
-        for v in row:
-            if isinstance(v, torch.Tensor):
-                by_dtype.setdefault(v.dtype, []).append(v)
-    if not by_dtype:
+    cols = [list(col) for col in zip(*rows)]
+    tensors: list[torch.Tensor] = []
+    for col in cols:
+        tensors += [v for v in col if isinstance(v, torch.Tensor)]
+    if not tensors:
         return [list(row) for row in rows]
-    flat = torch.cat([torch.stack(ts).to(torch.float64) for ts in by_dtype.values()]).cpu().tolist()
-    cursor, start = {}, 0
-    for dtype, ts in by_dtype.items():
-        cursor[dtype], start = start, start + len(ts)
-    out = []
-    for row in rows:
-        host = []
-        for v in row:
+    parts, run = [], [tensors[0]]
+    for t in tensors[1:]:
+        if t.dtype != run[0].dtype:
+            parts.append(torch.stack(run).to(torch.float64))
+            run = []
+        run.append(t)
+    parts.append(torch.stack(run).to(torch.float64))
+    flat = iter((torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().tolist())
+    for col in cols:
+        for i, v in enumerate(col):
             if isinstance(v, torch.Tensor):
-                host.append(flat[cursor[v.dtype]])
-                cursor[v.dtype] += 1
-            else:
-                host.append(v)
-        out.append(host)
-    return out
+                col[i] = next(flat)
+    return [list(row) for row in zip(*cols)]
 
 
 class Trainer:
@@ -528,6 +526,7 @@ class Trainer:
             cb.on_before_optimizer_step(self, st)
 
         mean_loss = self._loss_acc / k
+        found_value, loss_value = found_inf, mean_loss  # host numbers once read (host mode)
         if self.sync_free:
             lr_used = self.optimizer.param_groups[0]["lr"].detach().clone()
             self.optimizer.grad_scale = None
@@ -539,7 +538,8 @@ class Trainer:
             # The one host sync of the step reads both flags at once: found_inf as the real
             # part, the mean loss (for its finiteness) as the imaginary part.
             flags = torch.complex(found_inf, mean_loss).item()
-            found, loss_bad = flags.real > 0, not math.isfinite(flags.imag)
+            found_value, loss_value = flags.real, flags.imag
+            found, loss_bad = found_value > 0, not math.isfinite(loss_value)
             if (loss_bad or (found and self.scaler is None)) and cfg.train.on_nonfinite == "stop":
                 self._stop_on_nonfinite(window, "non-finite loss" if loss_bad else "non-finite gradients")
                 return
@@ -566,8 +566,8 @@ class Trainer:
 
         # The record's values stay as they are (device tensors or host numbers) until the next
         # log point, where _flush reads all pending ones in one transfer.
-        self._pending.append((st.step, k, applied, scale_before, found_inf, grad_norm, clip_coef,
-                              scale_after, tracker, lr_used, mean_loss))
+        self._pending.append((st.step, k, applied, scale_before, found_value, grad_norm, clip_coef,
+                              scale_after, tracker, lr_used, loss_value))
         st.step += 1
         st.window_size = st.window_done = 0
         for cb in self.callbacks:
