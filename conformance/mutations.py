@@ -44,21 +44,17 @@ class Mutant:
     tests: tuple[str, ...]
 
 
-_UNSCALE = """        found_inf = self._dist.agree(self._unscale_and_check(), self.scaler, self._loss_acc)
-        self.found_inf = found_inf
-        grad_norm = clip_coef = None
-        if cfg.train.clip_norm is not None:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            grad_norm = self._dist.total_norm(grads)
-            clip_coef = self._clip_grads_with_norm_(cfg.train.clip_norm, grad_norm)
+_UNSCALE = """        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+            found = self.scaler.found_inf_tensor().to(torch.float32)
+            if clip_norm is not None:
+                grad_norm, clip_coef = self._clip_grads(clip_norm)
 """
-_CLIP_FIRST = """        grad_norm = clip_coef = None
-        if cfg.train.clip_norm is not None:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            grad_norm = self._dist.total_norm(grads)
-            clip_coef = self._clip_grads_with_norm_(cfg.train.clip_norm, grad_norm)
-        found_inf = self._dist.agree(self._unscale_and_check(), self.scaler, self._loss_acc)
-        self.found_inf = found_inf
+_CLIP_FIRST = """        if self.scaler is not None:
+            if clip_norm is not None:
+                grad_norm, clip_coef = self._clip_grads(clip_norm)
+            self.scaler.unscale_(self.optimizer)
+            found = self.scaler.found_inf_tensor().to(torch.float32)
 """
 
 MUTANTS = (

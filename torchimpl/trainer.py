@@ -182,6 +182,8 @@ def _batch_size(batch: Any) -> int:
 
 # Device types whose gradients torch's clipping multiplies with one _foreach_mul_ per group.
 _FOREACH_DEVICE_TYPES = ("cpu", "cuda")
+# Gradient dtypes that _amp_foreach_non_finite_check_and_unscale_ multiplies in float32.
+_CHECK_AND_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _group_by_device_and_dtype(params: list[nn.Parameter]) -> list[tuple[torch.device, list[nn.Parameter], bool]]:
@@ -515,13 +517,23 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_after_backward(self, st)
 
-        found_inf = self._dist.agree(self._unscale_and_check(), self.scaler, self._loss_acc)
-        self.found_inf = found_inf
+        clip_norm = cfg.train.clip_norm
         grad_norm = clip_coef = None
-        if cfg.train.clip_norm is not None:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            grad_norm = self._dist.total_norm(grads)
-            clip_coef = self._clip_grads_with_norm_(cfg.train.clip_norm, grad_norm)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+            found = self.scaler.found_inf_tensor().to(torch.float32)
+            if clip_norm is not None:
+                grad_norm, clip_coef = self._clip_grads(clip_norm)
+        elif clip_norm is not None:
+            # Without a scaler the check runs at a scale of 1 and changes no gradient, so the
+            # clip's multiply can carry it: one pass, the same found_inf, the same clipped bits.
+            found = torch.zeros((), dtype=torch.float32, device=self.device)
+            grad_norm, clip_coef = self._clip_grads(clip_norm, found)
+        else:
+            found = torch.zeros((), dtype=torch.float32, device=self.device)
+            self._check_nonfinite(found)
+        found_inf = self._dist.agree(found, self.scaler, self._loss_acc)
+        self.found_inf = found_inf
         for cb in self.callbacks:
             cb.on_before_optimizer_step(self, st)
 
@@ -599,41 +611,51 @@ class Trainer:
         self._loss_acc.fill_(math.nan)
         self._finish_step(window, st.window_size, self._scale_before)
 
-    def _unscale_and_check(self) -> torch.Tensor:
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-            return self.scaler.found_inf_tensor().to(torch.float32)
-        # Without a scaler: the same non-finite check at a scale of 1 (grads unchanged). It stays
-        # a pass of its own: a clip norm that is not finite does not imply a non-finite gradient
-        # (finite float32 values whose squares overflow), and found_inf must not change there.
-        found = torch.zeros((), dtype=torch.float32, device=self.device)
-        for _, params, _ in self._param_groups:
+    def _check_nonfinite(self, found: torch.Tensor, groups: list | None = None) -> None:
+        """The non-finite check without a scaler: ``found`` becomes 1.0 when a gradient holds
+        inf or NaN; the gradients are multiplied by 1, which leaves every bit unchanged."""
+        for _, params, _ in self._param_groups if groups is None else groups:
             grads = [p.grad for p in params if p.grad is not None]
             if grads:
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, found, self._one)
-        return found
 
-    def _clip_grads_with_norm_(self, max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
-        """``torch.nn.utils.clip_grads_with_norm_``, returning the coefficient it multiplies in.
+    def _clip_grads(self, max_norm: float, found: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip the gradients to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` does; return
+        the total norm and the coefficient multiplied in (computed once, so the recorded one is
+        the applied one). With ``found``, also run the non-finite check (scale 1) on the
+        gradients before the multiply.
 
-        torch's expression and order, so the gradients get the same bits: ``max_norm /
-        (total_norm + 1e-6)`` (a float over a tensor: a reciprocal, then a multiply), clamped at
-        1.0 and always multiplied in (no branch, so no sync), one ``_foreach_mul_`` per (device,
-        dtype) group of plain tensors, ``mul_`` per tensor otherwise (e.g. DTensor gradients).
-        Computed once, the recorded coefficient is the applied one.
+        torch's expression and order, so the gradients get the same bits: the norm from
+        ``get_total_norm``; ``max_norm / (total_norm + 1e-6)`` (a float over a tensor: a
+        reciprocal, then a multiply), clamped at 1.0 and always multiplied in (no branch, so no
+        sync), one ``_foreach_mul_`` per (device, dtype) group of plain tensors, ``mul_`` per
+        tensor otherwise (e.g. DTensor gradients). A group of float32/bfloat16/float16 plain
+        tensors on the check's device with a float32 coefficient gets the check and the
+        multiply in one ``_amp_foreach_non_finite_check_and_unscale_`` with the coefficient as
+        its factor: that kernel tests each value before multiplying and computes ``x * coef``
+        in float32, as ``mul_`` does (and leaves ``x`` as it is for a factor of 1.0).
         """
+        grads = [p.grad for p in self.params if p.grad is not None]
+        total_norm = self._dist.total_norm(grads)
         coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
-        for device, params, foreach in self._param_groups:
+        for group in self._param_groups:
+            device, params, foreach = group
             grads = [p.grad for p in params if p.grad is not None]
             if not grads:
                 continue
             coef_here = coef.to(device)
+            if found is not None and foreach and coef.dtype == torch.float32 and device == found.device \
+                    and params[0].dtype in _CHECK_AND_SCALE_DTYPES:
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, coef_here)
+                continue
+            if found is not None:
+                self._check_nonfinite(found, [group])
             if foreach:
                 torch._foreach_mul_(grads, coef_here)
             else:
                 for g in grads:
                     g.mul_(coef_here)
-        return coef
+        return total_norm, coef
 
     def _flush(self, writer: TraceWriter | None, bar: Any) -> None:
         """Read pending records from the device in one transfer; log, write, call ``on_log``."""
