@@ -537,9 +537,11 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_before_optimizer_step(self, st)
 
-        mean_loss = self._loss_acc / k
-        found_value, loss_value = found_inf, mean_loss  # host numbers once read (host mode)
+        # found_inf and the window's loss sum: device tensors, or host numbers once read (host
+        # mode). The mean loss is taken on the host at the log point.
+        found_value, loss_sum = found_inf, self._loss_acc
         if self.sync_free:
+            loss_sum = loss_sum.clone()  # the accumulator is zeroed by the next window
             lr_used = self.optimizer.param_groups[0]["lr"].detach().clone()
             self.optimizer.grad_scale = None
             self.optimizer.found_inf = found_inf
@@ -548,10 +550,10 @@ class Trainer:
         else:
             lr_used = float(self.optimizer.param_groups[0]["lr"])
             # The one host sync of the step reads both flags at once: found_inf as the real
-            # part, the mean loss (for its finiteness) as the imaginary part.
-            flags = torch.complex(found_inf, mean_loss).item()
-            found_value, loss_value = flags.real, flags.imag
-            found, loss_bad = found_value > 0, not math.isfinite(loss_value)
+            # part, the loss sum (finite exactly when the mean is) as the imaginary part.
+            flags = torch.complex(found_inf, self._loss_acc).item()
+            found_value, loss_sum = flags.real, flags.imag
+            found, loss_bad = found_value > 0, not math.isfinite(loss_sum)
             if (loss_bad or (found and self.scaler is None)) and cfg.train.on_nonfinite == "stop":
                 self._stop_on_nonfinite(window, "non-finite loss" if loss_bad else "non-finite gradients")
                 return
@@ -579,7 +581,7 @@ class Trainer:
         # The record's values stay as they are (device tensors or host numbers) until the next
         # log point, where _flush reads all pending ones in one transfer.
         self._pending.append((st.step, k, applied, scale_before, found_value, grad_norm, clip_coef,
-                              scale_after, tracker, lr_used, loss_value))
+                              scale_after, tracker, lr_used, loss_sum))
         st.step += 1
         st.window_size = st.window_done = 0
         for cb in self.callbacks:
@@ -663,9 +665,12 @@ class Trainer:
             return
         pending, self._pending = self._pending, []
         values = _read_all([entry[3:] for entry in pending])
+        # The mean loss of each window: its float32 sum over its size, one float32 division.
+        means = (np.array([row[-1] for row in values], dtype=np.float32)
+                 / np.array([entry[1] for entry in pending], dtype=np.float32)).tolist()
         records, losses = [], []
-        for (step, k, applied, *_), row in zip(pending, values):
-            before, found, norm, coef, after, tracker, lr, loss = row
+        for (step, k, applied, *_), row, loss in zip(pending, values, means):
+            before, found, norm, coef, after, tracker, lr, _ = row
             found_b = bool(found)
             records.append(StepRecord(
                 step=step, microbatches=k, scale_before=1.0 if before is None else before, found_inf=found_b,
