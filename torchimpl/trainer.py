@@ -192,16 +192,17 @@ def _group_by_device_and_dtype(params: list[nn.Parameter]) -> list[tuple[torch.d
     groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
     for p in params:
         groups.setdefault((p.device, p.dtype), []).append(p)
-    return [(device, ps, device.type in _FOREACH_DEVICE_TYPES and all(type(p) in (torch.Tensor, nn.Parameter) for p in ps))
+    plain = (torch.Tensor, nn.Parameter)  # a Parameter's gradient is a plain tensor
+    return [(device, ps, device.type in _FOREACH_DEVICE_TYPES and all(type(p) in plain for p in ps))
             for (device, _), ps in groups.items()]
 
 
 def _read_all(rows: list[tuple[Any, ...]]) -> list[list[Any]]:
     """``rows`` with every tensor replaced by its value as a Python number, in one transfer.
 
-    The 0-d tensors are stacked column by column (a column holds one record field, so one
-    dtype), widened to float64 (exact for every dtype a record holds) and concatenated; other
-    values pass through.
+    The one-element tensors are stacked column by column (a column holds one record field, so
+    one dtype), widened to float64 (exact for every dtype a record holds) and concatenated;
+    other values pass through.
     """
     cols = [list(col) for col in zip(*rows)]
     tensors: list[torch.Tensor] = []
@@ -211,11 +212,11 @@ def _read_all(rows: list[tuple[Any, ...]]) -> list[list[Any]]:
         return [list(row) for row in rows]
     parts, run = [], [tensors[0]]
     for t in tensors[1:]:
-        if t.dtype != run[0].dtype:
-            parts.append(torch.stack(run).to(torch.float64))
+        if t.dtype != run[0].dtype or t.shape != run[0].shape:
+            parts.append(torch.stack(run).to(torch.float64).reshape(-1))
             run = []
         run.append(t)
-    parts.append(torch.stack(run).to(torch.float64))
+    parts.append(torch.stack(run).to(torch.float64).reshape(-1))
     flat = iter((torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().tolist())
     for col in cols:
         for i, v in enumerate(col):
@@ -490,7 +491,7 @@ class Trainer:
             window = self._fetch(st.window_size - st.window_done)
         k = st.window_size
         scale_before = self.scaler.state_tensors()[0].clone() if self.scaler is not None else None
-        self._window, self._scale_before = window, scale_before  # for _guard_hit
+        self._window, self._scale_before = window, scale_before  # for _guard_hit, while in the window
         for batch in window:
             batch_size = _batch_size(batch)
             batch = _to_device(batch, self.device)
@@ -509,6 +510,7 @@ class Trainer:
                 cb.on_microbatch_end(self, st)
             if self._stop_requested:
                 return
+        self._window = None
         self._finish_step(window, k, scale_before)
 
     def _finish_step(self, window: list[Any], k: int, scale_before: torch.Tensor | None) -> None:
@@ -595,13 +597,16 @@ class Trainer:
         is the contract's path for non-finite gradients: ``found_inf``, no update, the scale
         backs off, the schedule holds, a record is written (on every rank, through ``agree``).
         """
-        st = self.state
+        st, window = self.state, self._window
+        if window is None:  # not from a microbatch's forward or backward (e.g. a callback's)
+            raise err
+        self._window = None
         log.warning("step %d: %s", st.step, err)
+        rest = window[len(window) - (st.window_size - st.window_done):]  # rest[0] hit the guard
         if self.config.train.on_nonfinite == "stop":
-            self._stop_on_nonfinite(self._window, f"non-finite value ({err})")
+            self._stop_on_nonfinite(rest, f"non-finite value ({err})")
             return
-        window = self._window
-        for batch in window[len(window) - (st.window_size - st.window_done):]:
+        for batch in rest:
             st.window_done += 1
             st.batch_index += 1
             st.samples += _batch_size(batch)
@@ -718,7 +723,7 @@ class Trainer:
         return tqdm(total=self.config.train.steps, initial=self.state.step, unit="step", dynamic_ncols=True)
 
     def _stop_on_nonfinite(self, window: list[Any], what: str) -> None:
-        """Write the diagnosis report for the window's first batch and request a stop."""
+        """Write the diagnosis report for ``window``'s first batch and request a stop."""
         from torchimpl.diagnostics import diagnose_nonfinite
 
         folder = Path(self.config.checkpoint.folder or (
