@@ -230,7 +230,9 @@ class Trainer:
 
     Attributes available to callbacks during ``fit``: ``model`` (the module being trained,
     uncompiled), ``optimizer``, ``scaler`` (``None`` without loss scaling), ``plan``,
-    ``device``, ``state``, ``schedule`` (host mode) and ``found_inf`` (this step's device flag).
+    ``device``, ``state``, ``schedule`` (host mode), ``found_inf`` (this step's device flag) and
+    ``grad_norm`` (this step's total gradient norm before clipping, a device tensor; ``None``
+    without clipping).
     """
 
     def __init__(self, config: Config, callbacks: Sequence[Callback] = ()):
@@ -529,13 +531,13 @@ class Trainer:
         elif clip_norm is not None:
             # Without a scaler the check runs at a scale of 1 and changes no gradient, so the
             # clip's multiply can carry it: one pass, the same found_inf, the same clipped bits.
-            found = torch.zeros((), dtype=torch.float32, device=self.device)
+            found = torch.zeros_like(self._one)
             grad_norm, clip_coef = self._clip_grads(clip_norm, found)
         else:
-            found = torch.zeros((), dtype=torch.float32, device=self.device)
+            found = torch.zeros_like(self._one)
             self._check_nonfinite(found)
         found_inf = self._dist.agree(found, self.scaler, self._loss_acc)
-        self.found_inf = found_inf
+        self.found_inf, self.grad_norm = found_inf, grad_norm
         for cb in self.callbacks:
             cb.on_before_optimizer_step(self, st)
 
@@ -569,7 +571,8 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.update()
             # Snapshots: update() changes the live tensors in place.
-            scale_after, tracker = (t.clone() for t in self.scaler.state_tensors())
+            scale, tracker = self.scaler.state_tensors()
+            scale_after, tracker = scale.clone(), tracker.clone()
 
         if self.sync_free:
             self._applied_t += (1.0 - found_inf).to(torch.int64)
