@@ -225,6 +225,16 @@ def _read_all(rows: list[tuple[Any, ...]]) -> list[list[Any]]:
     return [list(row) for row in zip(*cols)]
 
 
+_STEP_HOOKS = ("on_microbatch_end", "on_after_backward", "on_before_optimizer_step", "on_step_end")
+
+
+def _active_hooks(callbacks: Sequence[Callback], name: str) -> list[Callable[..., None]]:
+    """The callbacks' bound ``name`` hooks, leaving out those that are Callback's no-op."""
+    base = getattr(Callback, name)
+    hooks = [getattr(cb, name) for cb in callbacks]
+    return [h for h in hooks if getattr(h, "__func__", None) is not base]
+
+
 class Trainer:
     """Trains a model by the step contract; see the module docstring.
 
@@ -396,6 +406,8 @@ class Trainer:
             writer = TraceWriter(cfg.train.trace_file, append=resume_contents is not None)
         for cb in self.callbacks:
             cb.on_fit_start(self)
+        # The per-step hooks that do something, bound once (Callback's own are no-ops).
+        self._hooks = {name: _active_hooks(self.callbacks, name) for name in _STEP_HOOKS}
 
         if resume_contents is not None:
             # RNG last, so nothing in the set-up above consumes the restored streams.
@@ -508,8 +520,8 @@ class Trainer:
             st.window_done += 1
             st.batch_index += 1
             st.samples += batch_size
-            for cb in self.callbacks:
-                cb.on_microbatch_end(self, st)
+            for hook in self._hooks["on_microbatch_end"]:
+                hook(self, st)
             if self._stop_requested:
                 return
         self._window = None
@@ -518,8 +530,8 @@ class Trainer:
     def _finish_step(self, window: list[Any], k: int, scale_before: torch.Tensor | None) -> None:
         """Rules 2-6 of the step contract, after the window's last backward."""
         cfg, st = self.config, self.state
-        for cb in self.callbacks:
-            cb.on_after_backward(self, st)
+        for hook in self._hooks["on_after_backward"]:
+            hook(self, st)
 
         clip_norm = cfg.train.clip_norm
         grad_norm = clip_coef = None
@@ -538,8 +550,8 @@ class Trainer:
             self._check_nonfinite(found)
         found_inf = self._dist.agree(found, self.scaler, self._loss_acc)
         self.found_inf, self.grad_norm = found_inf, grad_norm
-        for cb in self.callbacks:
-            cb.on_before_optimizer_step(self, st)
+        for hook in self._hooks["on_before_optimizer_step"]:
+            hook(self, st)
 
         # found_inf and the window's loss sum: device tensors, or host numbers once read (host
         # mode). The mean loss is taken on the host at the log point.
@@ -589,8 +601,8 @@ class Trainer:
                               scale_after, tracker, lr_used, loss_sum))
         st.step += 1
         st.window_size = st.window_done = 0
-        for cb in self.callbacks:
-            cb.on_step_end(self, st)
+        for hook in self._hooks["on_step_end"]:
+            hook(self, st)
 
     def _guard_hit(self, err: NonFiniteError) -> None:
         """The guard stopped a microbatch at a non-finite value: follow ``train.on_nonfinite``.
@@ -645,12 +657,13 @@ class Trainer:
         its factor: that kernel tests each value before multiplying and computes ``x * coef``
         in float32, as ``mul_`` does (and leaves ``x`` as it is for a factor of 1.0).
         """
-        grads = [p.grad for p in self.params if p.grad is not None]
-        total_norm = self._dist.total_norm(grads)
+        all_grads = [p.grad for p in self.params if p.grad is not None]
+        total_norm = self._dist.total_norm(all_grads)
         coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+        single = len(self._param_groups) == 1
         for group in self._param_groups:
             device, params, foreach = group
-            grads = [p.grad for p in params if p.grad is not None]
+            grads = all_grads if single else [p.grad for p in params if p.grad is not None]
             if not grads:
                 continue
             coef_here = coef.to(device)
