@@ -268,3 +268,46 @@ def test_without_scaler_found_inf_is_the_gradient_check_not_the_norm(tmp_path, f
     if not found:
         assert rec.grad_norm == math.inf and rec.clip_coef == 0.0, rec
         assert all(torch.equal(g, torch.zeros_like(g)) for g in cap.clipped[0]), "finite grads times 0 are 0"
+
+
+class MixedDtypes(nn.Module):
+    """Parameters of several dtypes; the loss scales every gradient by the batch's factor."""
+
+    def __init__(self, dtypes):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.ps = nn.ParameterList([nn.Parameter(torch.randn(n, generator=g).to(dt))
+                                    for n, dt in zip((37, 19, 8, 5), dtypes)])
+
+    def forward(self, x, factor):
+        return sum((p.float() * x[: p.numel()]).sum() for p in self.ps) * factor
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16, torch.float16, torch.float32),
+                                    (torch.float32, torch.float64, torch.float32, torch.float64)])
+@pytest.mark.parametrize("factor", [3.0, math.inf])
+def test_clipping_without_scaler_matches_torch_clip_grad_norm_bit_for_bit(tmp_path, dtypes, factor):
+    # Float32/bfloat16/float16 gradients with a float32 norm take the fused check-and-multiply;
+    # a float64 gradient makes the norm float64 and takes the plain check and multiply.
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randn(40, generator=g) * 10, torch.tensor(factor if i == 1 else 1.0)) for i in range(3)]
+    trace = tmp_path / "t.jsonl"
+    cap = Capture()
+    Trainer(cfg("train.steps=3", "train.clip_norm=0.5", "optimizer.name=sgd", f"train.trace_file={trace}"),
+            [cap]).fit(MixedDtypes(dtypes), data)
+    recs = read_trace(trace)
+    for rec, scaled, clipped in zip(recs, cap.scaled, cap.clipped):
+        want = [s.clone() for s in scaled]
+        params = [nn.Parameter(torch.zeros_like(w)) for w in want]
+        for p, w in zip(params, want):
+            p.grad = w
+        norm = torch.nn.utils.clip_grad_norm_(params, 0.5)
+        assert rec.found_inf is (not all(torch.isfinite(s.float()).all() for s in scaled)), rec
+        assert torch.equal(torch.tensor(rec.grad_norm, dtype=torch.float64), norm.double()) or (
+            math.isnan(rec.grad_norm) and norm.isnan()), (rec, norm)
+        for w, got in zip(want, clipped):
+            assert w.dtype == got.dtype and torch.equal(w.isnan(), got.isnan())
+            bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[w.element_size()]
+            finite = ~w.isnan()  # NaN payloads aside, every bit (the sign of zero too)
+            assert torch.equal(w[finite].view(bits), got[finite].view(bits)), "clipped gradients differ from torch's"
+    assert [r.found_inf for r in recs] == [False, factor != 3.0, False]
