@@ -47,25 +47,17 @@ class Mutant:
     tests: tuple[str, ...]
 
 
-_UNSCALE = """        found_inf = self._dist.agree(self._unscale_and_check(), self.scaler, self._loss_acc)
-        self.found_inf = found_inf
-        grad_norm = clip_coef = None
-        if cfg.train.clip_norm is not None:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            grad_norm = self._dist.total_norm(grads)
-            # The same expression torch's clip_grads_with_norm_ evaluates, so the recorded
-            # coefficient is the one applied.
-            clip_coef = torch.clamp(cfg.train.clip_norm / (grad_norm + 1e-6), max=1.0)
-            torch.nn.utils.clip_grads_with_norm_(self.params, cfg.train.clip_norm, grad_norm)
+_UNSCALE = """        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+            found = self.scaler.found_inf_tensor().to(torch.float32)
+            if clip_norm is not None:
+                grad_norm, clip_coef = self._clip_grads(clip_norm)
 """
-_CLIP_FIRST = """        grad_norm = clip_coef = None
-        if cfg.train.clip_norm is not None:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            grad_norm = self._dist.total_norm(grads)
-            clip_coef = torch.clamp(cfg.train.clip_norm / (grad_norm + 1e-6), max=1.0)
-            torch.nn.utils.clip_grads_with_norm_(self.params, cfg.train.clip_norm, grad_norm)
-        found_inf = self._dist.agree(self._unscale_and_check(), self.scaler, self._loss_acc)
-        self.found_inf = found_inf
+_CLIP_FIRST = """        if self.scaler is not None:
+            if clip_norm is not None:
+                grad_norm, clip_coef = self._clip_grads(clip_norm)
+            self.scaler.unscale_(self.optimizer)
+            found = self.scaler.found_inf_tensor().to(torch.float32)
 """
 
 MUTANTS = (
@@ -77,7 +69,7 @@ MUTANTS = (
            "            self.scaler.unscale_(self.optimizer)\n",
            "            self.scaler.unscale_(self.optimizer)\n"
            "            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None],\n"
-           "                                self.scaler._scale.double().reciprocal().float())\n",
+           "                                self.scaler.state_tensors()[0].double().reciprocal().float())\n",
            TRAINER_TESTS),
     Mutant("divide_by_scale", "unscale by dividing by the scale, not multiplying by its inverse", TRAINER,
            "            self.scaler.unscale_(self.optimizer)\n",
@@ -85,7 +77,7 @@ MUTANTS = (
            "            _scaled = [g.clone() for g in _grads]\n"
            "            self.scaler.unscale_(self.optimizer)\n"
            "            for _g, _s in zip(_grads, _scaled):\n"
-           "                _g.copy_(_s / self.scaler._scale)\n",
+           "                _g.copy_(_s / self.scaler.state_tensors()[0])\n",
            TRAINER_TESTS),
     Mutant("growth_without_finite_guard", "grow the scale even when the grown scale is inf", SCALER,
            "torch.where(grow & grow_ok, grown, scale)", "torch.where(grow, grown, scale)", SCALER_TESTS),

@@ -72,7 +72,7 @@ def _run_case(rank: int, case: dict) -> dict:
 
         def on_step_end(self, trainer, state):
             sc = trainer.scaler
-            norm = trainer._pending[-1][3][2] if trainer._pending else None
+            norm = trainer.grad_norm
             self.steps.append({
                 "found": float(trainer.found_inf), "scale": float(sc._scale), "tracker": int(sc._growth_tracker),
                 "params": [_local(p.detach()).numpy().copy() for p in trainer.params],

@@ -60,3 +60,11 @@ def test_schedule_warmup_cosine_and_device_form_agree():
     assert lrs[20] == pytest.approx(0.1) and lrs[24] == pytest.approx(0.1)
     dev = [lr_at_tensor(torch.tensor(n), 1.0, s, 20).item() for n in range(25)]
     assert dev == pytest.approx(lrs, rel=1e-12)
+
+
+def test_cross_field_error_is_reported_when_each_field_alone_is_valid():
+    # min_scale and init_scale are each valid against the defaults; only together do they clash.
+    with pytest.raises(ConfigError) as info:
+        Config.from_dict({"scaler": {"min_scale": 100.0, "init_scale": 50.0}})
+    assert ("scaler", ) == tuple(p for p, _ in info.value.errors)
+    assert "init_scale must be >= min_scale" in str(info.value)

@@ -638,3 +638,25 @@ def test_make_grad_scaler_force():
 def test_make_grad_scaler_rejects_a_non_plan():
     with pytest.raises(ValueError, match="use_scaler"):
         make_grad_scaler(object())
+
+
+@pytest.mark.parametrize("preset", ["torch", "megatron"])
+def test_state_tensors_are_the_live_scale_and_tracker_without_a_read(preset):
+    s = _scaler(preset=preset, init_scale=1024.0, growth_interval=3)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    (s.scale(p.sum())).backward()
+    with _CountScalarReads() as mode:
+        scale, tracker = s.state_tensors()
+    assert mode.count == 0
+    assert (scale.dtype, tracker.dtype, scale.shape, tracker.shape) == (torch.float32, torch.int32, (), ())
+    s.step(opt)
+    s.update()
+    # The same tensors, changed in place by update(): one clean step counted.
+    assert s.state_tensors()[0] is scale and s.state_tensors()[1] is tracker
+    assert (float(scale), int(tracker)) == (s.get_scale(), 1) == (1024.0, 1)
+
+
+def test_state_tensors_of_a_disabled_scaler_raise():
+    with pytest.raises(RuntimeError, match="disabled"):
+        _scaler(enabled=False).state_tensors()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -250,3 +251,94 @@ def test_compile_runs_and_matches_eager(tmp_path, monkeypatch):
     a = Trainer(cfg("train.steps=2", "train.compile=true")).fit(Poisoned(), data)
     b = Trainer(cfg("train.steps=2")).fit(Poisoned(), data)
     assert a.compiled and a.final_train_loss == pytest.approx(b.final_train_loss, rel=1e-5)
+
+
+def test_guard_hit_skips_the_step_when_on_nonfinite_is_skip(tmp_path):
+    # Window 1 (batches 2, 3): the guard stops the forward of batch 3 at its inf input.
+    data = batches(8, poison={3})
+    trace = tmp_path / "t.jsonl"
+    c = cfg("train.steps=4", "train.microbatches=2", "train.guard=true", "train.force_scaler=true",
+            "scaler.init_scale=1024.0", f"train.trace_file={trace}")
+    cap = Capture()
+    trainer = Trainer(c, [cap])
+    s = trainer.fit(Poisoned(), data, val_data=batches(2, poison={0}))
+    recs = read_trace(trace)
+    assert s.stopped is None and s.steps == 4 and s.steps_skipped == 1, s
+    assert [r.found_inf for r in recs] == [False, True, False, False]
+    assert [r.applied for r in recs] == [True, False, True, True]
+    assert recs[1].scale_after == 512.0 and recs[2].scale_before == 512.0
+    assert recs[2].lr == recs[1].lr, "the schedule moved over the skipped step"
+    for a, b in zip(cap.params_after[0], cap.params_after[1]):
+        assert torch.equal(a, b), "parameters changed on the skipped step"
+    assert trainer.state.batch_index == 8 and trainer.state.samples == 64, "the skipped window's batches were not consumed"
+    # The guard watches training only: the non-finite validation loss is recorded, not raised.
+    assert s.final_val_loss is not None and not math.isfinite(s.final_val_loss)
+
+
+def test_guard_hit_stops_with_a_diagnosis_when_on_nonfinite_is_stop(tmp_path):
+    c = cfg("train.steps=5", "train.guard=true", "train.on_nonfinite=stop", f"checkpoint.folder={tmp_path}")
+    s = Trainer(c).fit(Poisoned(), batches(10, poison={2}))
+    assert s.stopped and "non-finite" in s.stopped and s.steps == 2, s
+    report = json.loads((tmp_path / "nonfinite-step00000002.json").read_text())
+    assert report["step"] == 2 and "input[2]" in report["problem"], report["problem"]
+    assert s.diagnosis_report == str(tmp_path / "nonfinite-step00000002.json")
+
+
+@pytest.mark.parametrize("factor,found", [(1e30, False), (math.inf, True)])
+def test_without_scaler_found_inf_is_the_gradient_check_not_the_norm(tmp_path, factor, found):
+    # 1e30: finite gradients whose squares overflow float32, so the clip norm is inf and the
+    # coefficient 0, yet no gradient is inf or NaN: found_inf stays false and the step applies
+    # (reference.step: has_inf_or_nan of the gradients). inf: a real non-finite gradient.
+    data = [(x, y, torch.tensor(factor)) for x, y, _ in batches(2)]
+    trace = tmp_path / "t.jsonl"
+    cap = Capture()
+    Trainer(cfg("train.steps=1", "train.clip_norm=1.0", f"train.trace_file={trace}"), [cap]).fit(Poisoned(), data)
+    (rec,) = read_trace(trace)
+    assert rec.found_inf is found and rec.applied is (not found), rec
+    assert not math.isfinite(rec.grad_norm), rec
+    if not found:
+        assert rec.grad_norm == math.inf and rec.clip_coef == 0.0, rec
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in cap.clipped[0]), "finite grads times 0 are 0"
+
+
+class MixedDtypes(nn.Module):
+    """Parameters of several dtypes; the loss scales every gradient by the batch's factor."""
+
+    def __init__(self, dtypes):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.ps = nn.ParameterList([nn.Parameter(torch.randn(n, generator=g).to(dt))
+                                    for n, dt in zip((37, 19, 8, 5), dtypes)])
+
+    def forward(self, x, factor):
+        return sum((p.float() * x[: p.numel()]).sum() for p in self.ps) * factor
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16, torch.float16, torch.float32),
+                                    (torch.float32, torch.float64, torch.float32, torch.float64)])
+@pytest.mark.parametrize("factor", [3.0, math.inf])
+def test_clipping_without_scaler_matches_torch_clip_grad_norm_bit_for_bit(tmp_path, dtypes, factor):
+    # Float32/bfloat16/float16 gradients with a float32 norm take the fused check-and-multiply;
+    # a float64 gradient makes the norm float64 and takes the plain check and multiply.
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randn(40, generator=g) * 10, torch.tensor(factor if i == 1 else 1.0)) for i in range(3)]
+    trace = tmp_path / "t.jsonl"
+    cap = Capture()
+    Trainer(cfg("train.steps=3", "train.clip_norm=0.5", "optimizer.name=sgd", f"train.trace_file={trace}"),
+            [cap]).fit(MixedDtypes(dtypes), data)
+    recs = read_trace(trace)
+    for rec, scaled, clipped in zip(recs, cap.scaled, cap.clipped):
+        want = [s.clone() for s in scaled]
+        params = [nn.Parameter(torch.zeros_like(w)) for w in want]
+        for p, w in zip(params, want):
+            p.grad = w
+        norm = torch.nn.utils.clip_grad_norm_(params, 0.5)
+        assert rec.found_inf is (not all(torch.isfinite(s.float()).all() for s in scaled)), rec
+        assert torch.equal(torch.tensor(rec.grad_norm, dtype=torch.float64), norm.double()) or (
+            math.isnan(rec.grad_norm) and norm.isnan()), (rec, norm)
+        for w, got in zip(want, clipped):
+            assert w.dtype == got.dtype and torch.equal(w.isnan(), got.isnan())
+            bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[w.element_size()]
+            finite = ~w.isnan()  # NaN payloads aside, every bit (the sign of zero too)
+            assert torch.equal(w[finite].view(bits), got[finite].view(bits)), "clipped gradients differ from torch's"
+    assert [r.found_inf for r in recs] == [False, factor != 3.0, False]

@@ -395,8 +395,8 @@ def _construct(cls: type, kwargs: dict[str, Any], prefix: str, errors: list[tupl
     except ConfigError as exc:
         errors.extend((_join(prefix, p), m) for p, m in exc.errors)
         return None
-    except (ValueError, TypeError) as first:
-        pass
+    except (ValueError, TypeError) as exc:
+        first = str(exc)  # the name bound by ``as`` is cleared when the handler ends
     # A section validated by its own class raises on its first bad field: try each field
     # alone against the defaults so that every bad one is named.
     found = False
@@ -409,7 +409,7 @@ def _construct(cls: type, kwargs: dict[str, Any], prefix: str, errors: list[tupl
             found = True
             errors.append((_join(prefix, name), _strip_name(str(exc), name)))
     if not found:
-        errors.append((prefix, str(first)))
+        errors.append((prefix, first))
     return None
 
 

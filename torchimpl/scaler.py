@@ -31,7 +31,8 @@ State: the scale (float32), the growth tracker (int32) and the hysteresis counte
 
 Host syncs (device-to-host reads), per optimizer step:
 
-- ``scale``, ``unscale_``, ``update``, ``found_inf_tensor``, ``last_step_applied``: none,
+- ``scale``, ``unscale_``, ``update``, ``found_inf_tensor``, ``last_step_applied``,
+  ``state_tensors``: none,
   except that ``update`` reads one flag when ``raise_at_min_scale`` is on (it must know on
   the host whether an overflow hit the floor in order to raise).
 - ``step``: one with a plain optimizer (torch's own skip decision), none with an optimizer
@@ -313,7 +314,8 @@ class DynamicLossScaler(GradScaler):
     - ``step(optimizer)`` returns a 0-d bool tensor on the scale's device, True when the
       optimizer's update was applied (``found_inf == 0``), instead of the optimizer's return
       value; reading it on the host is a sync that ``step`` itself does not make.
-    - ``found_inf_tensor()`` gives the iteration's combined found_inf without a sync.
+    - ``found_inf_tensor()`` gives the iteration's combined found_inf without a sync, and
+      ``state_tensors()`` the live scale and growth tracker.
     - ``state_dict`` holds the whole policy and state; ``load_state_dict`` validates
       everything and changes nothing when it rejects.
     """
@@ -380,6 +382,16 @@ class DynamicLossScaler(GradScaler):
         if self._hysteresis_tracker is None:
             return self._init_hysteresis_left
         return int(self._hysteresis_tracker.item())
+
+    def state_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The live scale (0-d float32) and growth tracker (0-d int32) on the scale's device.
+
+        No host sync. ``update()`` (and ``load_state_dict``) change them in place, so clone one
+        to keep its current value. Valid once the scale exists (after the first ``scale()``).
+        """
+        if not self._enabled:
+            raise RuntimeError("state_tensors(): this scaler is disabled and holds no scale")
+        return self._check_scale_growth_tracker("state_tensors")
 
     def found_inf_tensor(self) -> torch.Tensor:
         """The current iteration's combined found_inf: 0-d float32 on the scale's device.

@@ -28,7 +28,7 @@ import random
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -42,13 +42,12 @@ from torchimpl.checkpoint import (
     capture_rng_state,
     checkpoint_name,
     latest_checkpoint,
-    load_checkpoint,
     prune_checkpoints,
     restore_rng_state,
-    save_checkpoint,
 )
 from torchimpl.config import Config
 from torchimpl.device import resolve_device
+from torchimpl.diagnostics import NonFiniteError
 from torchimpl.distributed import init_distributed
 from torchimpl.optim import build_optimizer
 from torchimpl.precision import autocast_context, resolve_precision
@@ -179,12 +178,69 @@ def _batch_size(batch: Any) -> int:
     return 1
 
 
+# Device types whose gradients torch's clipping multiplies with one _foreach_mul_ per group.
+_FOREACH_DEVICE_TYPES = ("cpu", "cuda")
+# Gradient dtypes that _amp_foreach_non_finite_check_and_unscale_ multiplies in float32.
+_CHECK_AND_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _group_by_device_and_dtype(params: list[nn.Parameter]) -> list[tuple[torch.device, list[nn.Parameter], bool]]:
+    """Parameters grouped by (device, dtype), a gradient's too, in first-seen order, each with
+    whether its gradients are plain tensors on a device with foreach kernels (as torch checks)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault((p.device, p.dtype), []).append(p)
+    plain = (torch.Tensor, nn.Parameter)  # a Parameter's gradient is a plain tensor
+    return [(device, ps, device.type in _FOREACH_DEVICE_TYPES and all(type(p) in plain for p in ps))
+            for (device, _), ps in groups.items()]
+
+
+def _read_all(rows: list[tuple[Any, ...]]) -> list[list[Any]]:
+    """``rows`` with every tensor replaced by its value as a Python number, in one transfer.
+
+    The one-element tensors are stacked column by column (a column holds one record field, so
+    one dtype), widened to float64 (exact for every dtype a record holds) and concatenated;
+    other values pass through.
+    """
+    cols = [list(col) for col in zip(*rows)]
+    tensors: list[torch.Tensor] = []
+    for col in cols:
+        tensors += [v for v in col if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [list(row) for row in rows]
+    parts, run = [], [tensors[0]]
+    for t in tensors[1:]:
+        if t.dtype != run[0].dtype or t.shape != run[0].shape:
+            parts.append(torch.stack(run).to(torch.float64).reshape(-1))
+            run = []
+        run.append(t)
+    parts.append(torch.stack(run).to(torch.float64).reshape(-1))
+    flat = iter((torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().tolist())
+    for col in cols:
+        for i, v in enumerate(col):
+            if isinstance(v, torch.Tensor):
+                col[i] = next(flat)
+    return [list(row) for row in zip(*cols)]
+
+
+_STEP_HOOKS = ("on_microbatch_end", "on_after_backward", "on_before_optimizer_step", "on_step_end")
+
+
+def _active_hooks(callbacks: Sequence[Callback], name: str) -> list[Callable[..., None]]:
+    """The callbacks' bound ``name`` hooks, leaving out those that are Callback's no-op."""
+    base = getattr(Callback, name)
+    hooks = [getattr(cb, name) for cb in callbacks]
+    return [h for h in hooks if getattr(h, "__func__", None) is not base]
+
+
 class Trainer:
     """Trains a model by the step contract; see the module docstring.
 
     Attributes available to callbacks during ``fit``: ``model`` (the module being trained,
     uncompiled), ``optimizer``, ``scaler`` (``None`` without loss scaling), ``plan``,
-    ``device``, ``state``, ``schedule`` (host mode) and ``found_inf`` (this step's device flag).
+    ``device``, ``state``, ``schedule`` (host mode), ``found_inf`` (this step's device flag) and
+    ``grad_norm`` (this step's total gradient norm before clipping, a device tensor; ``None``
+    without clipping).
     """
 
     def __init__(self, config: Config, callbacks: Sequence[Callback] = ()):
@@ -298,6 +354,9 @@ class Trainer:
             warnings.warn(msg, stacklevel=2)
         self.scaler = make_grad_scaler(self.plan, cfg.scaler, force=cfg.train.force_scaler)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self._param_groups = _group_by_device_and_dtype(self.params)
+        self._one = torch.ones((), dtype=torch.float32, device=self.device)
+        self._autocast = autocast_context(self.plan, self.device)
 
         self.schedule = AppliedStepSchedule(self.optimizer, cfg.schedule, cfg.train.steps)
         self.state = TrainState()
@@ -313,7 +372,7 @@ class Trainer:
         self._it: Iterator[Any] | None = None
         self._epoch_rng: torch.Tensor | None = None
         self._loss_acc = torch.zeros((), dtype=torch.float32, device=self.device)
-        self._pending: list[tuple[int, int, bool | None, torch.Tensor, Any]] = []
+        self._pending: list[tuple[Any, ...]] = []
         self.loss_history, self.scale_history = [], []
 
         # Seed every generator from train.seed (a resume overwrites them with the saved states).
@@ -351,6 +410,8 @@ class Trainer:
             writer = TraceWriter(cfg.train.trace_file, append=resume_contents is not None)
         for cb in self.callbacks:
             cb.on_fit_start(self)
+        # The per-step hooks that do something, bound once (Callback's own are no-ops).
+        self._hooks = {name: _active_hooks(self.callbacks, name) for name in _STEP_HOOKS}
 
         if resume_contents is not None:
             # RNG last, so nothing in the set-up above consumes the restored streams.
@@ -367,14 +428,24 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         try:
             while self.state.step < cfg.train.steps:
-                self._one_step()
+                try:
+                    self._one_step()
+                except NonFiniteError as err:  # raised by the guard's hooks (train.guard)
+                    self._guard_hit(err)
                 last = self.state.step >= cfg.train.steps
                 if self.state.step % cfg.train.log_interval == 0 or last or self._stop_requested:
                     self._flush(writer, bar)
                 te = time.perf_counter()
                 ei = cfg.train.eval_interval
                 if val_data is not None and ((ei and self.state.step % ei == 0) or last):
-                    self._record_val(self.evaluate(val_data))
+                    # The guard watches training steps; a non-finite validation loss is recorded as is.
+                    if guard is not None:
+                        guard.remove()
+                    try:
+                        self._record_val(self.evaluate(val_data))
+                    finally:
+                        if guard is not None:
+                            guard.install()
                 ci = cfg.checkpoint.interval
                 if cfg.checkpoint.folder is not None and ((ci and self.state.step % ci == 0) or last):
                     self.save_checkpoint()
@@ -437,11 +508,12 @@ class Trainer:
         else:  # resumed inside a window: the rest of it
             window = self._fetch(st.window_size - st.window_done)
         k = st.window_size
-        scale_before = self.scaler._scale.detach().clone() if self.scaler is not None else None
+        scale_before = self.scaler.state_tensors()[0].clone() if self.scaler is not None else None
+        self._window, self._scale_before = window, scale_before  # for _guard_hit, while in the window
         for batch in window:
             batch_size = _batch_size(batch)
             batch = _to_device(batch, self.device)
-            with self._dist.accumulate(st.window_done + 1 == k), autocast_context(self.plan, self.device):
+            with self._dist.accumulate(st.window_done + 1 == k), self._autocast:
                 loss = self.loss_fn(self._forward_model, batch)
             # Outside autocast from here: the division, the scaling and backward.
             self._loss_acc += loss.detach().float()
@@ -452,28 +524,44 @@ class Trainer:
             st.window_done += 1
             st.batch_index += 1
             st.samples += batch_size
-            for cb in self.callbacks:
-                cb.on_microbatch_end(self, st)
+            for hook in self._hooks["on_microbatch_end"]:
+                hook(self, st)
             if self._stop_requested:
                 return
-        for cb in self.callbacks:
-            cb.on_after_backward(self, st)
+        self._window = None
+        self._finish_step(window, k, scale_before)
 
-        found_inf = self._dist.agree(self._unscale_and_check(), self.scaler, self._loss_acc)
-        self.found_inf = found_inf
+    def _finish_step(self, window: list[Any], k: int, scale_before: torch.Tensor | None) -> None:
+        """Rules 2-6 of the step contract, after the window's last backward."""
+        cfg, st = self.config, self.state
+        for hook in self._hooks["on_after_backward"]:
+            hook(self, st)
+
+        clip_norm = cfg.train.clip_norm
         grad_norm = clip_coef = None
-        if cfg.train.clip_norm is not None:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            grad_norm = self._dist.total_norm(grads)
-            # The same expression torch's clip_grads_with_norm_ evaluates, so the recorded
-            # coefficient is the one applied.
-            clip_coef = torch.clamp(cfg.train.clip_norm / (grad_norm + 1e-6), max=1.0)
-            torch.nn.utils.clip_grads_with_norm_(self.params, cfg.train.clip_norm, grad_norm)
-        for cb in self.callbacks:
-            cb.on_before_optimizer_step(self, st)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+            found = self.scaler.found_inf_tensor().to(torch.float32)
+            if clip_norm is not None:
+                grad_norm, clip_coef = self._clip_grads(clip_norm)
+        elif clip_norm is not None:
+            # Without a scaler the check runs at a scale of 1 and changes no gradient, so the
+            # clip's multiply can carry it: one pass, the same found_inf, the same clipped bits.
+            found = torch.zeros_like(self._one)
+            grad_norm, clip_coef = self._clip_grads(clip_norm, found)
+        else:
+            found = torch.zeros_like(self._one)
+            self._check_nonfinite(found)
+        found_inf = self._dist.agree(found, self.scaler, self._loss_acc)
+        self.found_inf, self.grad_norm = found_inf, grad_norm
+        for hook in self._hooks["on_before_optimizer_step"]:
+            hook(self, st)
 
-        mean_loss = self._loss_acc / k
+        # found_inf and the window's loss sum: device tensors, or host numbers once read (host
+        # mode). The mean loss is taken on the host at the log point.
+        found_value, loss_sum = found_inf, self._loss_acc
         if self.sync_free:
+            loss_sum = loss_sum.clone()  # the accumulator is zeroed by the next window
             lr_used = self.optimizer.param_groups[0]["lr"].detach().clone()
             self.optimizer.grad_scale = None
             self.optimizer.found_inf = found_inf
@@ -481,9 +569,11 @@ class Trainer:
             applied = None
         else:
             lr_used = float(self.optimizer.param_groups[0]["lr"])
-            # The one host sync of the step: the skip decision and the loss's finiteness.
-            flags = int(((found_inf > 0).float() + 2.0 * (~torch.isfinite(mean_loss)).float()).item())
-            found, loss_bad = bool(flags & 1), bool(flags & 2)
+            # The one host sync of the step reads both flags at once: found_inf as the real
+            # part, the loss sum (finite exactly when the mean is) as the imaginary part.
+            flags = torch.complex(found_inf, self._loss_acc).item()
+            found_value, loss_sum = flags.real, flags.imag
+            found, loss_bad = found_value > 0, not math.isfinite(loss_sum)
             if (loss_bad or (found and self.scaler is None)) and cfg.train.on_nonfinite == "stop":
                 self._stop_on_nonfinite(window, "non-finite loss" if loss_bad else "non-finite gradients")
                 return
@@ -493,8 +583,12 @@ class Trainer:
                     self.optimizer.grad_scale = None
                     self.optimizer.found_inf = found_inf
                 self.optimizer.step()
+        scale_after = tracker = None
         if self.scaler is not None:
             self.scaler.update()
+            # Snapshots: update() changes the live tensors in place.
+            scale, tracker = self.scaler.state_tensors()
+            scale_after, tracker = scale.clone(), tracker.clone()
 
         if self.sync_free:
             self._applied_t += (1.0 - found_inf).to(torch.int64)
@@ -505,67 +599,113 @@ class Trainer:
             st.applied_steps += int(applied)
             st.skipped_steps += int(not applied)
 
-        self._pending.append(self._device_record(k, applied, found_inf, scale_before, grad_norm, clip_coef, lr_used, mean_loss))
+        # The record's values stay as they are (device tensors or host numbers) until the next
+        # log point, where _flush reads all pending ones in one transfer.
+        self._pending.append((st.step, k, applied, scale_before, found_value, grad_norm, clip_coef,
+                              scale_after, tracker, lr_used, loss_sum))
         st.step += 1
         st.window_size = st.window_done = 0
-        for cb in self.callbacks:
-            cb.on_step_end(self, st)
+        for hook in self._hooks["on_step_end"]:
+            hook(self, st)
 
-    def _unscale_and_check(self) -> torch.Tensor:
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-            return self.scaler.found_inf_tensor().to(torch.float32)
-        # Without a scaler: the same non-finite check at a scale of 1 (grads unchanged).
-        found = torch.zeros((), dtype=torch.float32, device=self.device)
-        one = torch.ones((), dtype=torch.float32, device=self.device)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    def _guard_hit(self, err: NonFiniteError) -> None:
+        """The guard stopped a microbatch at a non-finite value: follow ``train.on_nonfinite``.
+
+        ``stop`` writes the diagnosis and ends ``fit`` cleanly. ``skip`` counts the window's
+        remaining batches as consumed and takes the step with every gradient set to NaN, which
+        is the contract's path for non-finite gradients: ``found_inf``, no update, the scale
+        backs off, the schedule holds, a record is written (on every rank, through ``agree``).
+        """
+        st, window = self.state, self._window
+        if window is None:  # not from a microbatch's forward or backward (e.g. a callback's)
+            raise err
+        self._window = None
+        log.warning("step %d: %s", st.step, err)
+        rest = window[len(window) - (st.window_size - st.window_done):]  # rest[0] hit the guard
+        if self.config.train.on_nonfinite == "stop":
+            self._stop_on_nonfinite(rest, f"non-finite value ({err})")
+            return
+        for batch in rest:
+            st.window_done += 1
+            st.batch_index += 1
+            st.samples += _batch_size(batch)
         for p in self.params:
-            if p.grad is not None:
-                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for grads in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
-        return found
+            if p.grad is None:
+                p.grad = torch.full_like(p, math.nan)
+            else:
+                p.grad.fill_(math.nan)
+        self._loss_acc.fill_(math.nan)
+        self._finish_step(window, st.window_size, self._scale_before)
 
-    def _device_record(self, k, applied, found_inf, scale_before, grad_norm, clip_coef, lr_used, mean_loss):
-        nan = torch.full((), float("nan"), dtype=torch.float64, device=self.device)
-        one = torch.ones((), dtype=torch.float64, device=self.device)
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+    def _check_nonfinite(self, found: torch.Tensor, groups: list | None = None) -> None:
+        """The non-finite check without a scaler: ``found`` becomes 1.0 when a gradient holds
+        inf or NaN; the gradients are multiplied by 1, which leaves every bit unchanged."""
+        for _, params, _ in self._param_groups if groups is None else groups:
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, self._one)
 
-        def f64(t):
-            if t is None:
-                return nan
-            if isinstance(t, torch.Tensor):
-                return t.detach().to(torch.float64).reshape(())
-            return torch.tensor(float(t), dtype=torch.float64, device=self.device)
+    def _clip_grads(self, max_norm: float, found: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip the gradients to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` does; return
+        the total norm and the coefficient multiplied in (computed once, so the recorded one is
+        the applied one). With ``found``, also run the non-finite check (scale 1) on the
+        gradients before the multiply.
 
-        if self.scaler is not None:
-            after, tracker = f64(self.scaler._scale), f64(self.scaler._growth_tracker)
-            before = f64(scale_before)
-        else:
-            after, tracker, before = one, zero, one
-        values = torch.stack([before, f64(found_inf), f64(grad_norm), f64(clip_coef), after, tracker,
-                              f64(lr_used), f64(mean_loss)])
-        return (self.state.step, k, applied, values, grad_norm is not None)
+        torch's expression and order, so the gradients get the same bits: the norm from
+        ``get_total_norm``; ``max_norm / (total_norm + 1e-6)`` (a float over a tensor: a
+        reciprocal, then a multiply), clamped at 1.0 and always multiplied in (no branch, so no
+        sync), one ``_foreach_mul_`` per (device, dtype) group of plain tensors, ``mul_`` per
+        tensor otherwise (e.g. DTensor gradients). A group of float32/bfloat16/float16 plain
+        tensors on the check's device with a float32 coefficient gets the check and the
+        multiply in one ``_amp_foreach_non_finite_check_and_unscale_`` with the coefficient as
+        its factor: that kernel tests each value before multiplying and computes ``x * coef``
+        in float32, as ``mul_`` does (and leaves ``x`` as it is for a factor of 1.0).
+        """
+        all_grads = [p.grad for p in self.params if p.grad is not None]
+        total_norm = self._dist.total_norm(all_grads)
+        coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+        single = len(self._param_groups) == 1
+        for group in self._param_groups:
+            device, params, foreach = group
+            grads = all_grads if single else [p.grad for p in params if p.grad is not None]
+            if not grads:
+                continue
+            coef_here = coef.to(device)
+            if found is not None and foreach and coef.dtype == torch.float32 and device == found.device \
+                    and params[0].dtype in _CHECK_AND_SCALE_DTYPES:
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, coef_here)
+                continue
+            if found is not None:
+                self._check_nonfinite(found, [group])
+            if foreach:
+                torch._foreach_mul_(grads, coef_here)
+            else:
+                for g in grads:
+                    g.mul_(coef_here)
+        return total_norm, coef
 
     def _flush(self, writer: TraceWriter | None, bar: Any) -> None:
         """Read pending records from the device in one transfer; log, write, call ``on_log``."""
         if not self._pending:
             return
-        table = torch.stack([p[3] for p in self._pending]).cpu().tolist()
+        pending, self._pending = self._pending, []
+        values = _read_all([entry[3:] for entry in pending])
+        # The mean loss of each window: its float32 sum over its size, one float32 division.
+        means = (np.array([row[-1] for row in values], dtype=np.float32)
+                 / np.array([entry[1] for entry in pending], dtype=np.float32)).tolist()
         records, losses = [], []
-        for (step, k, applied, _, clipped), row in zip(self._pending, table):
-            before, found, norm, coef, after, tracker, lr, loss = row
+        for (step, k, applied, *_), row, loss in zip(pending, values, means):
+            before, found, norm, coef, after, tracker, lr, _ = row
             found_b = bool(found)
             records.append(StepRecord(
-                step=step, microbatches=k, scale_before=before, found_inf=found_b,
-                applied=(not found_b) if applied is None else applied,
-                grad_norm=norm if clipped else None, clip_coef=coef if clipped else None,
-                scale_after=after, growth_tracker=int(tracker), lr=lr,
+                step=step, microbatches=k, scale_before=1.0 if before is None else before, found_inf=found_b,
+                applied=(not found_b) if applied is None else applied, grad_norm=norm, clip_coef=coef,
+                scale_after=1.0 if after is None else after, growth_tracker=0 if tracker is None else int(tracker),
+                lr=lr,
             ))
             losses.append(loss)
             self.loss_history.append((step, loss))
-            self.scale_history.append((step, after))
-        self._pending = []
+            self.scale_history.append((step, records[-1].scale_after))
         if self.sync_free:
             applied_n = sum(r.applied for r in records)
             self.state.applied_steps += applied_n
@@ -603,7 +743,7 @@ class Trainer:
         return tqdm(total=self.config.train.steps, initial=self.state.step, unit="step", dynamic_ncols=True)
 
     def _stop_on_nonfinite(self, window: list[Any], what: str) -> None:
-        """Write the diagnosis report for the window's first batch and request a stop.
+        """Write the diagnosis report for ``window``'s first batch and request a stop.
 
         Every rank diagnoses its own batch (the fault may be in any rank's data); rank 0 alone
         writes the one file, with the other ranks' diagnoses under ``other_ranks``. Under FSDP2
