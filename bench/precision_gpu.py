@@ -27,7 +27,6 @@ measured here with a large ``copy_`` (8 B per element moved).
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import sys
 import time

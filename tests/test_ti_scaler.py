@@ -660,3 +660,12 @@ def test_state_tensors_are_the_live_scale_and_tracker_without_a_read(preset):
 def test_state_tensors_of_a_disabled_scaler_raise():
     with pytest.raises(RuntimeError, match="disabled"):
         _scaler(enabled=False).state_tensors()
+
+
+def test_make_grad_scaler_disabled_means_no_scaler():
+    off = ScalerConfig(enabled=False)
+    assert make_grad_scaler(_plan("bf16", False, "cpu"), off) is None
+    with pytest.warns(UserWarning, match="scaler.enabled is false"):
+        assert make_grad_scaler(_plan("fp16", True, "cuda"), off) is None
+    with pytest.warns(UserWarning, match="2\\*\\*-24"):
+        assert make_grad_scaler(_plan("fp32", False, "cpu"), off, force=True) is None

@@ -342,3 +342,12 @@ def test_clipping_without_scaler_matches_torch_clip_grad_norm_bit_for_bit(tmp_pa
             finite = ~w.isnan()  # NaN payloads aside, every bit (the sign of zero too)
             assert torch.equal(w[finite].view(bits), got[finite].view(bits)), "clipped gradients differ from torch's"
     assert [r.found_inf for r in recs] == [False, factor != 3.0, False]
+
+
+def test_scaler_disabled_in_config_trains_without_one():
+    task = build_task(load_config(overrides=["task.name=mlp", "task.size=tiny"]).task, seed=0, batch_size=8)
+    c = cfg("train.steps=3", "train.force_scaler=true", "scaler.enabled=false", "precision.mode=bf16")
+    with pytest.warns(UserWarning, match="scaler.enabled is false"):
+        summary = Trainer(c).fit(task.model, task.train_data)
+    assert not summary.use_scaler and summary.final_scale is None
+    assert summary.steps_applied == 3 and math.isfinite(summary.final_train_loss)

@@ -47,6 +47,7 @@ import dataclasses
 import math
 import numbers
 import struct
+import warnings
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -711,7 +712,9 @@ def make_grad_scaler(
     ``plan`` needs ``use_scaler`` and ``device_type`` (a ``torchimpl.precision.PrecisionPlan``).
     A scaler is made only for fp16 on CUDA (``plan.use_scaler`` and device type ``"cuda"``);
     ``force=True`` makes one on the plan's device type whatever the plan says (CPU fp16
-    experiments, tests).
+    experiments, tests). ``config.enabled=False`` turns loss scaling off whatever the plan and
+    ``force`` say (``None``, with a warning when the plan needs a scaler: fp16 gradients
+    below 2**-24 then flush to zero).
     """
     missing = [a for a in ("use_scaler", "device_type") if not hasattr(plan, a)]
     if missing:
@@ -719,6 +722,13 @@ def make_grad_scaler(
             f"plan must have use_scaler and device_type (a PrecisionPlan), "
             f"{type(plan).__name__} lacks {missing}"
         )
-    if force or (plan.use_scaler and plan.device_type == "cuda"):
+    needed = force or (plan.use_scaler and plan.device_type == "cuda")
+    if config is not None and not config.enabled:
+        if needed:
+            warnings.warn("scaler.enabled is false: this run takes fp16 steps without loss scaling, so "
+                          "gradients below 2**-24 flush to zero; remove scaler.enabled=false to scale",
+                          stacklevel=2)
+        return None
+    if needed:
         return DynamicLossScaler(plan.device_type, config)
     return None
