@@ -20,6 +20,7 @@ import datetime
 import os
 import queue
 import socket
+import time
 import traceback
 from typing import Any, Callable, Iterator
 
@@ -56,7 +57,9 @@ def _serve(rank: int, world: int, port: int, handler: Handler, wait_s: float, ti
                 return
             try:
                 outbox.put((rank, handler(rank, payload)))
-            except Exception as exc:  # reported to the parent, which fails the test
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # reported to the parent (torch's CheckpointException is one)
                 where = traceback.format_exc(limit=-3)
                 outbox.put((rank, {"error": f"{type(exc).__name__}: {exc}", "traceback": where}))
     finally:
@@ -86,13 +89,20 @@ def rank_group(handler: Handler, world: int = 2, *, wait_s: float = 90.0,
         for box in inboxes:
             box.put(payload)
         got: dict[int, Any] = {}
+        deadline = time.monotonic() + wait_s
         while len(got) < world:
             try:
-                r, res = outbox.get(timeout=wait_s)
+                r, res = outbox.get(timeout=1.0)
             except queue.Empty:
                 missing = sorted(set(range(world)) - set(got))
-                pytest.fail(f"ranks {missing} did not answer within {wait_s:g} s "
-                            f"(alive: {[p.is_alive() for p in procs]})")
+                dead = [r for r in missing if not procs[r].is_alive()]
+                if dead:  # a dead rank never answers: fail now, not after wait_s
+                    pytest.fail(f"ranks {dead} exited (exit codes {[procs[r].exitcode for r in dead]}) "
+                                "without answering; their stderr is in the captured output")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"ranks {missing} did not answer within {wait_s:g} s "
+                                f"(alive: {[p.is_alive() for p in procs]})")
+                continue
             got[r] = res
         results = [got[r] for r in range(world)]
         if check:

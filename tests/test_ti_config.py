@@ -68,3 +68,11 @@ def test_cross_field_error_is_reported_when_each_field_alone_is_valid():
         Config.from_dict({"scaler": {"min_scale": 100.0, "init_scale": 50.0}})
     assert ("scaler", ) == tuple(p for p, _ in info.value.errors)
     assert "init_scale must be >= min_scale" in str(info.value)
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_guard_is_refused_in_distributed_runs(engine):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["train.guard=true", f"train.distributed={engine}"])
+    assert [p for p, _ in info.value.errors] == ["train.guard"]
+    assert "distributed=none" in str(info.value)

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 
 import pytest
 import torch
@@ -106,6 +107,8 @@ def test_under_torchrun_only_rank_0_prints_the_summary(monkeypatch, capsys, tmp_
 WORLD = 2
 WAIT_S = 120.0
 MIDWINDOW = "step-00000003-mb001"
+# Before any optimizer step, where the optimizer has no state yet: at the start and mid-window.
+FIRST_BOUNDARY, FIRST_WINDOW = "step-00000000", "step-00000000-mb001"
 
 
 def _cfg(mode: str, folder: str, *extra: str):
@@ -148,12 +151,14 @@ def _train(mode: str, folder: str, resume=None, extra=(), mid_window_save=False,
 
     class Probe(Callback):
         def on_fit_start(self, trainer):
+            if mid_window_save:
+                trainer.save_checkpoint()  # must not create the optimizer's state in the live run
             self.mode, self.syncs, self.step_end = _count_syncs(trainer)
             self.mode.__enter__()
 
         def on_microbatch_end(self, trainer, state):
             # A checkpoint inside an accumulation window, as a callback may write one.
-            if mid_window_save and state.step == 3 and state.window_done == 1:
+            if mid_window_save and state.step in (0, 3) and state.window_done == 1:
                 trainer.save_checkpoint()
 
         def on_step_end(self, trainer, state):
@@ -185,8 +190,11 @@ def _resume_from(rank: int, folder: str, mode: str, name: str) -> dict:
 def _resume_job(rank, job):
     mode, folder = job["mode"], job["folder"]
     whole = _train(mode, os.path.join(folder, mode, "whole"), mid_window_save=True)
-    return {"whole": whole, "boundary": _resume_from(rank, folder, mode, "step-00000003"),
-            "window": _resume_from(rank, folder, mode, MIDWINDOW)}
+    unsaved = _train(mode, os.path.join(folder, mode, "unsaved"), extra=["checkpoint.interval=0"])
+    return {"whole": whole, "unsaved": unsaved, "boundary": _resume_from(rank, folder, mode, "step-00000003"),
+            "window": _resume_from(rank, folder, mode, MIDWINDOW),
+            "first_boundary": _resume_from(rank, folder, mode, FIRST_BOUNDARY),
+            "first_window": _resume_from(rank, folder, mode, FIRST_WINDOW)}
 
 
 def _allreduce_job(rank, job):
@@ -265,7 +273,7 @@ def resumed(ranks):
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-@pytest.mark.parametrize("start", ["boundary", "window"])
+@pytest.mark.parametrize("start", ["boundary", "window", "first_boundary", "first_window"])
 def test_two_ranks_train_and_resume_bit_for_bit(resumed, mode, start):
     res = resumed[mode]
     for r, out in enumerate(res):
@@ -274,7 +282,17 @@ def test_two_ranks_train_and_resume_bit_for_bit(resumed, mode, start):
         for i, (a, b) in enumerate(zip(whole["params"], again["params"])):
             assert a.tobytes() == b.tobytes(), f"{mode} rank {r} parameter {i}: run resumed at the {start} differs"
         assert whole["summary"]["final_scale"] == again["summary"]["final_scale"]
-        assert again["summary"]["steps"] == 6 and len(again["syncs"]) == 3, "the resumed run must run steps 3 to 5"
+        first = 0 if start.startswith("first") else 3
+        assert again["summary"]["steps"] == 6 and len(again["syncs"]) == 6 - first, \
+            f"the resumed run must run steps {first} to 5"
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_writing_checkpoints_does_not_change_training(resumed, mode):
+    # The run that saved at its start, inside windows and every 3 steps against one that never saved.
+    for r, out in enumerate(resumed[mode]):
+        for i, (a, b) in enumerate(zip(out["whole"]["params"], out["unsaved"]["params"])):
+            assert a.tobytes() == b.tobytes(), f"{mode} rank {r} parameter {i}: saving checkpoints changed the run"
 
 
 def test_ddp_replicas_agree_with_one_host_sync_per_step(resumed):
@@ -282,9 +300,9 @@ def test_ddp_replicas_agree_with_one_host_sync_per_step(resumed):
     for i, (a, b) in enumerate(zip(res[0]["whole"]["params"], res[1]["whole"]["params"])):
         assert a.tobytes() == b.tobytes(), f"DDP replicas differ in parameter {i}"
     # The single-device budget: one host read per step (the skip decision), none added. The
-    # count of step 3 also holds the two checkpoints written before it ends (reads of their state).
+    # counts of steps 0 and 3 also hold the checkpoints written during them (reads of their state).
     syncs = res[0]["whole"]["syncs"]
-    assert [n for i, n in enumerate(syncs) if i != 3] == [1] * 5, f"host syncs per step on rank 0: {syncs}"
+    assert [n for i, n in enumerate(syncs) if i not in (0, 3)] == [1] * 4, f"host syncs per step on rank 0: {syncs}"
 
 
 def test_ddp_reduces_a_window_once(ranks):
@@ -318,7 +336,9 @@ def test_a_two_rank_fsdp2_checkpoint_loads_on_one_rank(resumed, tmp_path):
     assert summary.steps == 6, "the loaded run must be at its last step"
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    saved = _load_state_dict_from_keys(checkpoint_id=path)["model"]
+    with warnings.catch_warnings():  # reading in this single process is the intent
+        warnings.filterwarnings("ignore", "torch.distributed is unavailable", UserWarning)
+        saved = _load_state_dict_from_keys(checkpoint_id=path)["model"]
     for name, value in task.model.state_dict().items():
         full = value.full_tensor() if hasattr(value, "full_tensor") else value
         assert torch.equal(full, saved[name]), f"{name} differs after loading on one rank"

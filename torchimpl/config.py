@@ -159,7 +159,8 @@ class TrainConfig(_Checked):
     the run and write a diagnosis report."""
 
     guard: bool = False
-    """Install the non-finite guard that names the first module producing inf or NaN."""
+    """Install the non-finite guard that names the first module producing inf or NaN (one
+    process only: refused with ``distributed`` other than ``none``)."""
 
     force_scaler: bool = False
     """Use a loss scaler even when the precision plan needs none (to exercise the skip logic
@@ -195,6 +196,12 @@ class TrainConfig(_Checked):
         t = self.distributed_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             out.append(("distributed_timeout_s", f"must be a number > 0, got {t!r}"))
+        if self.guard is True and self.distributed != "none":
+            # The guard raises inside one rank's forward; the other ranks would wait in the
+            # window's gradient reduction for a backward that never comes.
+            out.append(("guard", f"cannot be used with distributed={self.distributed!r} (a hit on one rank "
+                                 "would stall the others); diagnose on one process with distributed=none, or "
+                                 "rely on on_nonfinite, whose check is agreed by all ranks"))
         for name in ("compile", "sync_free", "guard", "force_scaler"):
             if not isinstance(getattr(self, name), bool):
                 out.append((name, f"must be true or false, got {getattr(self, name)!r}"))

@@ -327,10 +327,14 @@ class DistributedContext:
         return self.mode == "fsdp2"
 
     def _collective(self, what: str, fn: Callable[[], Any]) -> Any:
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
             return fn()
         except DistributedError:
             raise
+        except CheckpointException as exc:  # a BaseException: it would pass an ``except Exception``
+            raise CheckpointError(f"rank {self.rank}/{self.world_size}: {what} failed: {exc}") from None
         except RuntimeError as exc:
             raise DistributedError(
                 f"rank {self.rank}/{self.world_size}: {what} failed within the {self.timeout_s:g} s timeout "
@@ -481,10 +485,8 @@ class DistributedContext:
         # The trainer's unsharded views are replaced by the sharded state dicts.
         contents.pop("model")
         contents.pop("optimizer")
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self._model, self._optimizer)
-        state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+        state = self._sharded_state(with_optimizer=bool(self._optimizer.state))
+        contents["optimizer_state_saved"] = "optimizer" in state
         if grads is not None:
             # The window's reduced, sharded gradients so far, keyed by position in the trainer's
             # parameter list; meta records which parameters had one.
@@ -498,6 +500,20 @@ class DistributedContext:
             os.replace(tmp, final)
         self.barrier("the checkpoint barrier")
         return final
+
+    def _sharded_state(self, with_optimizer: bool) -> dict[str, Any]:
+        """The sharded model (and optimizer) state dicts that torch.distributed.checkpoint reads or writes.
+
+        An optimizer with no state yet (before its first applied step, or SGD without momentum)
+        is left out: ``get_state_dict`` would first create the state with a zero-learning-rate
+        step, and the live run would keep it (Adam's step count would then start at 1).
+        """
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if not with_optimizer:
+            return {"model": get_model_state_dict(self._model)}
+        model_sd, optim_sd = get_state_dict(self._model, self._optimizer)
+        return {"model": model_sd, "optimizer": optim_sd}
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """The trained module and its optimizer (FSDP2 checkpoints read them directly)."""
@@ -516,19 +532,21 @@ class DistributedContext:
             if not self.sharded:
                 raise ValueError(f"{path} is a sharded (FSDP2) checkpoint; resume it with train.distributed=fsdp2")
             import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
             contents = load_checkpoint(path / "meta.ckpt", map_location="cpu")
             self._check_window_world(contents, path)
-            model_sd, optim_sd = get_state_dict(self._model, self._optimizer)
-            state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+            state = self._sharded_state(with_optimizer=contents.get("optimizer_state_saved", True))
             present = contents.get("accumulation_grads")
             if present is not None:
                 params = self._trained_params()
                 state["accumulation"] = {str(i): torch.zeros_like(p) for i, p in enumerate(params) if present[i]}
             self._collective("reading the sharded checkpoint", lambda: dcp.load(state, checkpoint_id=str(path)))
-            set_state_dict(self._model, self._optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"])
+            if "optimizer" in state:
+                set_state_dict(self._model, self._optimizer, model_state_dict=state["model"],
+                               optim_state_dict=state["optimizer"])
+            else:
+                set_model_state_dict(self._model, state["model"])
             # The trainer's restore then reloads these, a no-op.
             contents["model"] = self._model.state_dict()
             contents["optimizer"] = self._optimizer.state_dict()
