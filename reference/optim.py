@@ -72,9 +72,11 @@ copies.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -287,31 +289,49 @@ def sgd_step(
     """
     arrays = _check_inputs(params, grads, state, config, SGDConfig, SGDParamState)
     step_lr = config.lr if lr is None else _check_lr(lr)
+
+    def update(p: np.ndarray, g: np.ndarray, s: SGDParamState) -> tuple[np.ndarray, SGDParamState, np.ndarray]:
+        f = p.dtype.type
+        d = -g if config.maximize else g
+        if config.weight_decay != 0:
+            d = d + f(config.weight_decay) * p
+        buf = s.momentum_buffer
+        if config.momentum != 0:
+            if buf is None:
+                buf = np.array(d, copy=True)
+            else:
+                buf = buf * f(config.momentum)
+                buf = buf + f(1 - config.dampening) * d
+            d = d + f(config.momentum) * buf if config.nesterov else buf
+            buf = _frozen(buf)
+        return p + f(-step_lr) * d, SGDParamState(momentum_buffer=buf), g
+
+    new_params, _, new_state = _for_each_param(arrays, grads, state, update)
+    return new_params, new_state
+
+
+def _for_each_param(
+    arrays: list[np.ndarray],
+    grads: Sequence[np.ndarray | None],
+    state: Sequence[Any],
+    update: Callable[[np.ndarray, np.ndarray, Any], tuple[np.ndarray, Any, np.ndarray]],
+) -> tuple[list[np.ndarray], list[np.ndarray | None], tuple[Any, ...]]:
+    """Rule 1 for every optimizer: a parameter without a gradient keeps its value (a copy) and
+    its state; ``update(param, grad, state)`` gives ``(param, state, grad)`` for the others.
+    Floating-point exceptions are IEEE results here, not errors."""
     new_params: list[np.ndarray] = []
-    new_state: list[SGDParamState] = []
+    new_grads: list[np.ndarray | None] = []
+    new_state: list[Any] = []
     with np.errstate(all="ignore"):
         for p, g, s in zip(arrays, grads, state):
             if g is None:
-                new_params.append(np.array(p, copy=True))
-                new_state.append(s)
-                continue
-            f = p.dtype.type
-            d = np.asarray(g)
-            d = -d if config.maximize else d
-            if config.weight_decay != 0:
-                d = d + f(config.weight_decay) * p
-            buf = s.momentum_buffer
-            if config.momentum != 0:
-                if buf is None:
-                    buf = np.array(d, copy=True)
-                else:
-                    buf = buf * f(config.momentum)
-                    buf = buf + f(1 - config.dampening) * d
-                d = d + f(config.momentum) * buf if config.nesterov else buf
-                buf = _frozen(buf)
-            new_params.append(p + f(-step_lr) * d)
-            new_state.append(SGDParamState(momentum_buffer=buf))
-    return new_params, tuple(new_state)
+                new_p, new_s, new_g = np.array(p, copy=True), s, None
+            else:
+                new_p, new_s, new_g = update(p, np.asarray(g), s)
+            new_params.append(new_p)
+            new_grads.append(new_g)
+            new_state.append(new_s)
+    return new_params, new_grads, tuple(new_state)
 
 
 def _adam_update(
@@ -380,23 +400,15 @@ def adam_step(
     """
     arrays = _check_inputs(params, grads, state, config, AdamConfig, AdamParamState)
     step_lr = config.lr if lr is None else _check_lr(lr)
-    new_params: list[np.ndarray] = []
-    new_state: list[AdamParamState] = []
-    with np.errstate(all="ignore"):
-        for p, g, s in zip(arrays, grads, state):
-            if g is None:
-                new_params.append(np.array(p, copy=True))
-                new_state.append(s)
-                continue
-            d = np.asarray(g)
-            d = -d if config.maximize else d
-            step = np.float32(s.step + np.float32(1.0))
-            new_p, new_s = _adam_update(
-                p, d, s, step, config, step_lr, fused=False, sqrt=np.sqrt if sqrt is None else sqrt
-            )
-            new_params.append(new_p)
-            new_state.append(new_s)
-    return new_params, tuple(new_state)
+    root = np.sqrt if sqrt is None else sqrt
+
+    def update(p: np.ndarray, g: np.ndarray, s: AdamParamState) -> tuple[np.ndarray, AdamParamState, np.ndarray]:
+        step = np.float32(s.step + np.float32(1.0))
+        new_p, new_s = _adam_update(p, -g if config.maximize else g, s, step, config, step_lr, fused=False, sqrt=root)
+        return new_p, new_s, g
+
+    new_params, _, new_state = _for_each_param(arrays, grads, state, update)
+    return new_params, new_state
 
 
 def fused_adam_step(
@@ -429,35 +441,18 @@ def fused_adam_step(
     step_lr = config.lr if lr is None else _check_lr(lr)
     inf_flag = np.float32(found_inf)
     skip = float(found_inf) == 1.0
-    new_params: list[np.ndarray] = []
-    new_grads: list[np.ndarray | None] = []
-    new_state: list[AdamParamState] = []
-    with np.errstate(all="ignore"):
-        for p, g, s in zip(arrays, grads, state):
-            if g is None:
-                new_params.append(np.array(p, copy=True))
-                new_grads.append(None)
-                new_state.append(s)
-                continue
-            f = p.dtype.type
-            step = np.float32(s.step + np.float32(1.0))
-            g = np.array(g, copy=True)
-            if skip:
-                new_p, new_s = np.array(p, copy=True), s
-            else:
-                if grad_scale is not None:
-                    g = g / f(np.float32(grad_scale))
-                d = -g if config.maximize else g
-                new_p, new_s = _adam_update(p, d, s, step, config, step_lr, fused=True)
-            counter = np.float32(step - inf_flag)
-            new_params.append(new_p)
-            new_grads.append(g)
-            new_state.append(
-                AdamParamState(
-                    step=counter,
-                    exp_avg=new_s.exp_avg,
-                    exp_avg_sq=new_s.exp_avg_sq,
-                    max_exp_avg_sq=new_s.max_exp_avg_sq,
-                )
-            )
-    return new_params, new_grads, tuple(new_state)
+
+    def update(p: np.ndarray, g: np.ndarray, s: AdamParamState) -> tuple[np.ndarray, AdamParamState, np.ndarray]:
+        f = p.dtype.type
+        step = np.float32(s.step + np.float32(1.0))
+        g = np.array(g, copy=True)
+        if skip:
+            new_p, new_s = np.array(p, copy=True), s
+        else:
+            if grad_scale is not None:
+                g = g / f(np.float32(grad_scale))
+            new_p, new_s = _adam_update(p, -g if config.maximize else g, s, step, config, step_lr, fused=True)
+        # The kernel advances the step counter by 1 - found_inf, applied or not.
+        return new_p, dataclasses.replace(new_s, step=np.float32(step - inf_flag)), g
+
+    return _for_each_param(arrays, grads, state, update)
