@@ -254,7 +254,8 @@ class Trainer:
 
     Attributes available to callbacks during ``fit``: ``model`` (the module being trained,
     uncompiled), ``optimizer``, ``scaler`` (``None`` without loss scaling), ``plan``,
-    ``device``, ``state``, ``schedule`` (host mode), ``found_inf`` (this step's device flag) and
+    ``device``, ``state``, ``schedule`` (host mode), ``found_inf`` (this step's device flag, from
+    ``on_before_optimizer_step`` until the next window starts) and
     ``grad_norm`` (this step's total gradient norm before clipping, a device tensor; ``None``
     without clipping).
     """
@@ -387,7 +388,11 @@ class Trainer:
         self._forward_model = torch.compile(forward_model) if cfg.train.compile else forward_model
         self._it: Iterator[Any] | None = None
         self._epoch_rng: torch.Tensor | None = None
-        self._loss_acc = torch.zeros((), dtype=torch.float32, device=self.device)
+        # The step's found_inf flag and the window's float32 loss sum are the real and the
+        # imaginary part of one complex64 device scalar: one zero_() resets both at the start of
+        # a window, and the step's one host read reads both.
+        self._flags = torch.zeros((), dtype=torch.complex64, device=self.device)
+        self._found, self._loss_acc = torch.view_as_real(self._flags).unbind()
         self._pending: list[tuple[Any, ...]] = []
         self.loss_history, self.scale_history = [], []
 
@@ -526,7 +531,7 @@ class Trainer:
             window = self._fetch(cfg.train.microbatches)
             st.window_size, st.window_done = len(window), 0
             self.optimizer.zero_grad(set_to_none=True)
-            self._loss_acc.zero_()
+            self._flags.zero_()  # found_inf and the loss sum
         else:  # resumed inside a window: the rest of it
             window = self._fetch(st.window_size - st.window_done)
         k = st.window_size
@@ -570,20 +575,21 @@ class Trainer:
 
         clip_norm = cfg.train.clip_norm
         grad_norm = clip_coef = None
+        found_inf = self._found  # zeroed at the start of the window
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-            found = self.scaler.found_inf_tensor().to(torch.float32)
+            found_inf.copy_(self.scaler.found_inf_tensor())
             if clip_norm is not None:
                 grad_norm, clip_coef = self._clip_grads(clip_norm)
         elif clip_norm is not None:
             # Without a scaler the check runs at a scale of 1 and changes no gradient, so the
             # clip's multiply can carry it: one pass, the same found_inf, the same clipped bits.
-            found = torch.zeros_like(self._one)
-            grad_norm, clip_coef = self._clip_grads(clip_norm, found)
+            grad_norm, clip_coef = self._clip_grads(clip_norm, found_inf)
         else:
-            found = torch.zeros_like(self._one)
-            self._check_nonfinite(found)
-        found_inf = self._dist.agree(found, self.scaler, self._loss_acc)
+            self._check_nonfinite(found_inf)
+        agreed = self._dist.agree(found_inf, self.scaler, self._loss_acc)
+        if agreed is not found_inf:  # several processes: the all-reduced flag
+            found_inf.copy_(agreed)
         self.found_inf, self.grad_norm = found_inf, grad_norm
         for hook in self._hooks["on_before_optimizer_step"]:
             hook(self, st)
@@ -592,7 +598,8 @@ class Trainer:
         # mode). The mean loss is taken on the host at the log point.
         found_value, loss_sum = found_inf, self._loss_acc
         if self.sync_free:
-            loss_sum = loss_sum.clone()  # the accumulator is zeroed by the next window
+            # Snapshots for the record: the next window zeroes both.
+            found_value, loss_sum = found_inf.clone(), loss_sum.clone()
             lr_used = self.optimizer.param_groups[0]["lr"].detach().clone()
             self.optimizer.grad_scale = None
             self.optimizer.found_inf = found_inf
@@ -600,9 +607,9 @@ class Trainer:
             applied = None
         else:
             lr_used = float(self.optimizer.param_groups[0]["lr"])
-            # The one host sync of the step reads both flags at once: found_inf as the real
-            # part, the loss sum (finite exactly when the mean is) as the imaginary part.
-            flags = torch.complex(found_inf, self._loss_acc).item()
+            # The one host sync of the step reads both at once: found_inf, the real part, and
+            # the loss sum (finite exactly when the mean is), the imaginary part.
+            flags = self._flags.item()
             found_value, loss_sum = flags.real, flags.imag
             found, loss_bad = found_value > 0, not math.isfinite(loss_sum)
             if (loss_bad or (found and self.scaler is None)) and cfg.train.on_nonfinite == "stop":
@@ -931,7 +938,7 @@ class Trainer:
         if acc is not None:
             for p, g in zip(self.params, acc["grads"]):
                 p.grad = None if g is None else g.to(self.device)
-            self._loss_acc = acc["loss"].to(self.device)
+            self._loss_acc.copy_(acc["loss"])
 
     def _restore_scaler(self, state: dict[str, Any] | None, path: Path) -> None:
         if self.scaler is not None and state is None:
