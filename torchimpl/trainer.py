@@ -166,8 +166,12 @@ def _to_device(batch: Any, device: torch.device) -> Any:
             return src.to(device, non_blocking=True)
         return batch.to(device)
     if isinstance(batch, (tuple, list)):
-        if device.type == "cpu" and all(isinstance(b, torch.Tensor) and b.is_cpu for b in batch):
-            return batch  # the common case on a CPU: nothing to move, no new container
+        if device.type == "cpu":
+            for b in batch:
+                if not (isinstance(b, torch.Tensor) and b.is_cpu):
+                    break
+            else:
+                return batch  # the common case on a CPU: nothing to move, no new container
         return type(batch)([_to_device(b, device) for b in batch])
     if isinstance(batch, dict):
         return {k: _to_device(v, device) for k, v in batch.items()}
@@ -176,13 +180,15 @@ def _to_device(batch: Any, device: torch.device) -> Any:
 
 def _batch_size(batch: Any) -> int:
     """Samples in ``batch``: the first dimension of its first tensor (1 for a scalar or none)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.ndim else 1
-    if isinstance(batch, (tuple, list)) and batch:
-        return _batch_size(batch[0])
-    if isinstance(batch, dict) and batch:
-        return _batch_size(next(iter(batch.values())))
-    return 1
+    while True:
+        if isinstance(batch, torch.Tensor):
+            return batch.shape[0] if batch.ndim else 1
+        if isinstance(batch, (tuple, list)) and batch:
+            batch = batch[0]
+        elif isinstance(batch, dict) and batch:
+            batch = next(iter(batch.values()))
+        else:
+            return 1
 
 
 # Device types whose gradients torch's clipping multiplies with one _foreach_mul_ per group.
