@@ -11,8 +11,16 @@ independent block of a benchmark round.
 What is the same for every candidate: model and initial weights, batches, autocast dtype,
 loss scaler or none, ``loss / k`` accumulation, clipping of the unscaled gradients at norm 1.0,
 and AdamW (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01 on weights and 0 on biases
-and norm parameters, torchimpl's default split) as the for-loop or the fused implementation.
+and norm parameters, torchimpl's default split) as the for-loop or the fused implementation,
+and the loss logged every ``LOG_INTERVAL`` steps (the Trainer's default ``log_interval``).
 What differs is each framework's own machinery, which is what is measured.
+
+Logging the loss: the hand, Accelerate and Fabric loops do what a careful hand-written loop does
+(nanoGPT's, say): at a log point they read the last microbatch's loss with one ``item()``, and
+track nothing in between. The Trainer's contract asks for more, and it does it: every window's
+loss is accumulated per microbatch and read with the step's one host read (together with
+found_inf), and each step's record (scale, found_inf, gradient norm, clip coefficient, lr) is
+kept and read at the log point.
 """
 
 from __future__ import annotations
@@ -26,6 +34,13 @@ import torch
 from torch import nn
 
 Mark = Callable[[str], None]
+
+LOG_INTERVAL = 10
+
+
+def _log_point(step: int, loss: torch.Tensor) -> float | None:
+    """At every ``LOG_INTERVAL``-th step: the window's last microbatch loss, read to the host."""
+    return None if (step + 1) % LOG_INTERVAL else loss.item()
 
 
 class Unsupported(Exception):
@@ -59,7 +74,8 @@ def _adamw(model: nn.Module, w: Workload) -> torch.optim.Optimizer:
 
 
 def run_hand(w: Workload, steps: int, mark: Mark) -> None:
-    """The canonical loop: scale/backward per microbatch, unscale_, clip, step, update."""
+    """The canonical loop: scale/backward per microbatch, unscale_, clip, step, update; the loss
+    read at log points."""
     dev = torch.device(w.device)
     model = copy.deepcopy(w.model).to(dev)
     model.train()
@@ -67,17 +83,17 @@ def run_hand(w: Workload, steps: int, mark: Mark) -> None:
     scaler = torch.amp.GradScaler(dev.type) if w.use_scaler else None
     params = [p for p in model.parameters() if p.requires_grad]
     it = iter(w.batches)
-    for _ in range(steps):
+    for step in range(steps):
         opt.zero_grad(set_to_none=True)
         for _ in range(w.k):
             x, y = (t.to(dev, non_blocking=True) for t in next(it))
             with torch.autocast(dev.type, dtype=w.autocast_dtype):
                 loss = model(x, y)
-            loss = loss / w.k
+            scaled = loss / w.k
             if scaler is not None:
-                scaler.scale(loss).backward()
+                scaler.scale(scaled).backward()
             else:
-                loss.backward()
+                scaled.backward()
         mark("window_end")
         if scaler is not None:
             scaler.unscale_(opt)
@@ -87,6 +103,7 @@ def run_hand(w: Workload, steps: int, mark: Mark) -> None:
             scaler.update()
         else:
             opt.step()
+        _log_point(step, loss)
         mark("step_end")
 
 
@@ -165,7 +182,7 @@ def run_accelerate(w: Workload, steps: int, mark: Mark) -> None:
     model, opt = acc.prepare(model, opt)
     model.train()
     it = iter(w.batches)
-    for _ in range(steps):
+    for step in range(steps):
         for _ in range(w.k):
             x, y = (t.to(acc.device, non_blocking=True) for t in next(it))
             with acc.accumulate(model):
@@ -176,6 +193,7 @@ def run_accelerate(w: Workload, steps: int, mark: Mark) -> None:
                     acc.clip_grad_norm_(model.parameters(), w.clip_norm)
                 opt.step()
                 opt.zero_grad()
+        _log_point(step, loss)
         mark("step_end")
     acc.free_memory()
 
@@ -222,7 +240,7 @@ def run_fabric(w: Workload, steps: int, mark: Mark) -> None:
     model, opt = fabric.setup(model, opt)
     model.train()
     it = iter(w.batches)
-    for _ in range(steps):
+    for step in range(steps):
         for j in range(w.k):
             x, y = fabric.to_device(next(it))
             with fabric.no_backward_sync(model, enabled=j < w.k - 1):
@@ -235,6 +253,7 @@ def run_fabric(w: Workload, steps: int, mark: Mark) -> None:
             raise Unsupported(f"Fabric: {exc}") from None
         opt.step()
         opt.zero_grad()
+        _log_point(step, loss)
         mark("step_end")
 
 

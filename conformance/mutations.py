@@ -49,7 +49,7 @@ class Mutant:
 
 _UNSCALE = """        if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-            found = self.scaler.found_inf_tensor().to(torch.float32)
+            self.scaler.found_inf_tensor(out=found_inf)
             if clip_norm is not None:
                 grad_norm, clip_coef = self._clip_grads(clip_norm)
 """
@@ -57,7 +57,7 @@ _CLIP_FIRST = """        if self.scaler is not None:
             if clip_norm is not None:
                 grad_norm, clip_coef = self._clip_grads(clip_norm)
             self.scaler.unscale_(self.optimizer)
-            found = self.scaler.found_inf_tensor().to(torch.float32)
+            self.scaler.found_inf_tensor(out=found_inf)
 """
 
 MUTANTS = (

@@ -408,6 +408,20 @@ def test_found_inf_tensor_sums_optimizers_without_touching_them():
     assert s.get_scale() == 2.0**15
 
 
+def test_found_inf_tensor_writes_the_sum_into_out():
+    s = DynamicLossScaler("cpu")
+    t = _Ticker(s, n_optimizers=2)
+    s.scale(torch.ones(()))
+    out = torch.full((), 7.0)
+    for p, opt, bad in zip(t.params, t.opts, (True, False)):
+        p.grad = torch.full((3,), INF if bad else 1.0)
+        s.unscale_(opt)
+    assert s.found_inf_tensor(out=out) is out and float(out) == 1.0
+    assert torch.equal(out, s.found_inf_tensor())
+    disabled = _scaler(enabled=False)
+    assert disabled.found_inf_tensor(out=out) is out and float(out) == 0.0
+
+
 def test_disabled_scaler_is_a_passthrough():
     s = _scaler(enabled=False)
     x = torch.ones(2)

@@ -394,26 +394,30 @@ class DynamicLossScaler(GradScaler):
             raise RuntimeError("state_tensors(): this scaler is disabled and holds no scale")
         return self._check_scale_growth_tracker("state_tensors")
 
-    def found_inf_tensor(self) -> torch.Tensor:
+    def found_inf_tensor(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The current iteration's combined found_inf: 0-d float32 on the scale's device.
 
         The sum over every optimizer and device recorded since the last ``update()`` (non-zero
         means an overflow); no host sync. Valid after ``unscale_``/``step`` and before
-        ``update``. A disabled scaler checks nothing and returns 0.
+        ``update``. A disabled scaler checks nothing and returns 0. With ``out`` (a 0-d
+        float32 tensor), the sum is written into it and ``out`` is returned: no new tensor.
         """
         if not self._enabled:
-            return torch.zeros((), dtype=torch.float32)
+            zero = torch.zeros((), dtype=torch.float32)
+            return zero if out is None else out.copy_(zero)
         scale, _ = self._check_scale_growth_tracker("found_inf_tensor")
-        found = [
-            fi.to(device=scale.device, non_blocking=True)
-            for state in self._per_optimizer_states.values()
-            for fi in state["found_inf_per_device"].values()
-        ]
+        found = [fi for state in self._per_optimizer_states.values() for fi in state["found_inf_per_device"].values()]
         if not found:
             raise RuntimeError(
                 "found_inf_tensor() needs an unscale_() or step() since the last update(): "
                 "no inf checks were recorded in this iteration."
             )
+        if out is not None:
+            out.copy_(found[0])
+            for fi in found[1:]:
+                out.add_(fi.to(device=out.device, non_blocking=True))
+            return out
+        found = [fi.to(device=scale.device, non_blocking=True) for fi in found]
         # Out of place: torch's update() adds into the first record, so never alias it.
         combined = found[0].clone()
         for fi in found[1:]:

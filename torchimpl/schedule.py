@@ -77,8 +77,9 @@ class AppliedStepSchedule:
         return [lr_at(self.applied_steps, b, self.config, self.total_steps) for b in self.base_lrs]
 
     def apply(self) -> None:
-        for group, lr in zip(self.optimizer.param_groups, self.lrs()):
-            group["lr"] = lr
+        n, config, total = self.applied_steps, self.config, self.total_steps
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = lr_at(n, base, config, total)
 
     def step(self, applied: bool) -> None:
         if applied:

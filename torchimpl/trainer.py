@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import random
+import struct
 import sys
 import time
 import warnings
@@ -153,7 +154,10 @@ class RunSummary:
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` (a tensor, or a tuple, list or dict of them) with its tensors on ``device``."""
     if isinstance(batch, torch.Tensor):
+        if batch.is_cpu and device.type == "cpu":
+            return batch  # what batch.to(device) returns, without its argument parsing
         if device.type == "cuda":
             # Pinned source, asynchronous copy. The pinned block stays referenced by the window
             # until the step ends, and the caching host allocator keeps it from reuse until the
@@ -162,20 +166,29 @@ def _to_device(batch: Any, device: torch.device) -> Any:
             return src.to(device, non_blocking=True)
         return batch.to(device)
     if isinstance(batch, (tuple, list)):
-        return type(batch)(_to_device(b, device) for b in batch)
+        if device.type == "cpu":
+            for b in batch:
+                if not (isinstance(b, torch.Tensor) and b.is_cpu):
+                    break
+            else:
+                return batch  # the common case on a CPU: nothing to move, no new container
+        return type(batch)([_to_device(b, device) for b in batch])
     if isinstance(batch, dict):
         return {k: _to_device(v, device) for k, v in batch.items()}
     return batch
 
 
 def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, (tuple, list)) and batch:
-        return _batch_size(batch[0])
-    if isinstance(batch, dict) and batch:
-        return _batch_size(next(iter(batch.values())))
-    return 1
+    """Samples in ``batch``: the first dimension of its first tensor (1 for a scalar or none)."""
+    while True:
+        if isinstance(batch, torch.Tensor):
+            return batch.shape[0] if batch.ndim else 1
+        if isinstance(batch, (tuple, list)) and batch:
+            batch = batch[0]
+        elif isinstance(batch, dict) and batch:
+            batch = next(iter(batch.values()))
+        else:
+            return 1
 
 
 # Device types whose gradients torch's clipping multiplies with one _foreach_mul_ per group.
@@ -198,29 +211,38 @@ def _group_by_device_and_dtype(params: list[nn.Parameter]) -> list[tuple[torch.d
 def _read_all(rows: list[tuple[Any, ...]]) -> list[list[Any]]:
     """``rows`` with every tensor replaced by its value as a Python number, in one transfer.
 
-    The one-element tensors are stacked column by column (a column holds one record field, so
-    one dtype), widened to float64 (exact for every dtype a record holds) and concatenated;
-    other values pass through.
+    Every tensor in ``rows`` is a 0-d record value on the run's device. They are stacked by
+    dtype; several stacks are widened to float64 (exact for every dtype a record holds) and
+    concatenated, so that one ``tolist`` reads them all. Other values pass through.
     """
-    cols = [list(col) for col in zip(*rows)]
-    tensors: list[torch.Tensor] = []
-    for col in cols:
-        tensors += [v for v in col if isinstance(v, torch.Tensor)]
-    if not tensors:
-        return [list(row) for row in rows]
-    parts, run = [], [tensors[0]]
-    for t in tensors[1:]:
-        if t.dtype != run[0].dtype or t.shape != run[0].shape:
-            parts.append(torch.stack(run).to(torch.float64).reshape(-1))
-            run = []
-        run.append(t)
-    parts.append(torch.stack(run).to(torch.float64).reshape(-1))
-    flat = iter((torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().tolist())
-    for col in cols:
-        for i, v in enumerate(col):
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for row in rows:
+        for v in row:
             if isinstance(v, torch.Tensor):
-                col[i] = next(flat)
-    return [list(row) for row in zip(*cols)]
+                by_dtype.setdefault(v.dtype, []).append(v)
+    if not by_dtype:
+        return [list(row) for row in rows]
+    stacks = [torch.stack(ts) for ts in by_dtype.values()]
+    flat = (stacks[0] if len(stacks) == 1 else torch.cat([t.to(torch.float64) for t in stacks])).tolist()
+    read, start = {}, 0
+    for dtype, ts in by_dtype.items():
+        read[dtype] = iter(flat[start:start + len(ts)])
+        start += len(ts)
+    return [[next(read[v.dtype]) if isinstance(v, torch.Tensor) else v for v in row] for row in rows]
+
+
+_F32 = struct.Struct("f")
+
+
+def _mean_f32(total: float, k: int) -> float:
+    """``total / k`` as one float32 division, for a float32 ``total`` and an int ``k < 2**24``.
+
+    Both are exact in float64, so the float64 quotient rounded to float32 is the correctly
+    rounded float32 quotient: double rounding is innocuous for a division when the wider
+    format has at least 2 * 24 + 2 significand bits (Figueroa, 1995), and float64 has 53.
+    ``struct``'s "f" rounds to nearest even; inf and NaN pass through.
+    """
+    return _F32.unpack(_F32.pack(total / k))[0]
 
 
 _STEP_HOOKS = ("on_microbatch_end", "on_after_backward", "on_before_optimizer_step", "on_step_end")
@@ -238,7 +260,8 @@ class Trainer:
 
     Attributes available to callbacks during ``fit``: ``model`` (the module being trained,
     uncompiled), ``optimizer``, ``scaler`` (``None`` without loss scaling), ``plan``,
-    ``device``, ``state``, ``schedule`` (host mode), ``found_inf`` (this step's device flag) and
+    ``device``, ``state``, ``schedule`` (host mode), ``found_inf`` (this step's device flag, from
+    ``on_before_optimizer_step`` until the next window starts) and
     ``grad_norm`` (this step's total gradient norm before clipping, a device tensor; ``None``
     without clipping).
     """
@@ -371,7 +394,11 @@ class Trainer:
         self._forward_model = torch.compile(forward_model) if cfg.train.compile else forward_model
         self._it: Iterator[Any] | None = None
         self._epoch_rng: torch.Tensor | None = None
-        self._loss_acc = torch.zeros((), dtype=torch.float32, device=self.device)
+        # The step's found_inf flag and the window's float32 loss sum are the real and the
+        # imaginary part of one complex64 device scalar: one zero_() resets both at the start of
+        # a window, and the step's one host read reads both.
+        self._flags = torch.zeros((), dtype=torch.complex64, device=self.device)
+        self._found, self._loss_acc = torch.view_as_real(self._flags).unbind()
         self._pending: list[tuple[Any, ...]] = []
         self.loss_history, self.scale_history = [], []
 
@@ -426,30 +453,36 @@ class Trainer:
         stopped = None
         if torch.cuda.is_available() and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        steps, log_interval = cfg.train.steps, cfg.train.log_interval
+        ei = cfg.train.eval_interval if val_data is not None else None
+        ci = cfg.checkpoint.interval if cfg.checkpoint.folder is not None else None
         try:
-            while self.state.step < cfg.train.steps:
+            while self.state.step < steps:
                 try:
                     self._one_step()
                 except NonFiniteError as err:  # raised by the guard's hooks (train.guard)
                     self._guard_hit(err)
-                last = self.state.step >= cfg.train.steps
-                if self.state.step % cfg.train.log_interval == 0 or last or self._stop_requested:
+                step = self.state.step
+                last = step >= steps
+                if step % log_interval == 0 or last or self._stop_requested:
                     self._flush(writer, bar)
-                te = time.perf_counter()
-                ei = cfg.train.eval_interval
-                if val_data is not None and ((ei and self.state.step % ei == 0) or last):
-                    # The guard watches training steps; a non-finite validation loss is recorded as is.
-                    if guard is not None:
-                        guard.remove()
-                    try:
-                        self._record_val(self.evaluate(val_data))
-                    finally:
+                # ei/ci: None without val_data/checkpoint.folder, 0 for "at the end only".
+                eval_due = ei is not None and ((ei and step % ei == 0) or last)
+                save_due = ci is not None and ((ci and step % ci == 0) or last)
+                if eval_due or save_due:
+                    te = time.perf_counter()
+                    if eval_due:
+                        # The guard watches training steps; a non-finite validation loss is recorded as is.
                         if guard is not None:
-                            guard.install()
-                ci = cfg.checkpoint.interval
-                if cfg.checkpoint.folder is not None and ((ci and self.state.step % ci == 0) or last):
-                    self.save_checkpoint()
-                excluded += time.perf_counter() - te
+                            guard.remove()
+                        try:
+                            self._record_val(self.evaluate(val_data))
+                        finally:
+                            if guard is not None:
+                                guard.install()
+                    if save_due:
+                        self.save_checkpoint()
+                    excluded += time.perf_counter() - te
                 if self._stop_requested:
                     stopped = self._stop_requested
                     break
@@ -504,27 +537,36 @@ class Trainer:
             window = self._fetch(cfg.train.microbatches)
             st.window_size, st.window_done = len(window), 0
             self.optimizer.zero_grad(set_to_none=True)
-            self._loss_acc.zero_()
+            self._flags.zero_()  # found_inf and the loss sum
         else:  # resumed inside a window: the rest of it
             window = self._fetch(st.window_size - st.window_done)
         k = st.window_size
-        scale_before = self.scaler.state_tensors()[0].clone() if self.scaler is not None else None
+        scaler, loss_acc, device = self.scaler, self._loss_acc, self.device
+        scale_before = scaler.state_tensors()[0].clone() if scaler is not None else None
         self._window, self._scale_before = window, scale_before  # for _guard_hit, while in the window
+        model, loss_fn, autocast = self._forward_model, self.loss_fn, self._autocast
+        # Multi-process runs hold back DDP's gradient all-reduce until the window's last backward.
+        accumulate = self._dist.accumulate if self._dist.enabled else None
+        hooks = self._hooks["on_microbatch_end"]
         for batch in window:
             batch_size = _batch_size(batch)
-            batch = _to_device(batch, self.device)
-            with self._dist.accumulate(st.window_done + 1 == k), self._autocast:
-                loss = self.loss_fn(self._forward_model, batch)
-            # Outside autocast from here: the division, the scaling and backward.
-            self._loss_acc += loss.detach().float()
+            batch = _to_device(batch, device)
+            if accumulate is None:
+                with autocast:
+                    loss = loss_fn(model, batch)
+            else:
+                with accumulate(st.window_done + 1 == k), autocast:
+                    loss = loss_fn(model, batch)
+            # Outside autocast from here: the accumulation, the division, the scaling and backward.
+            loss_acc.add_(loss.detach().float())
             scaled = loss / k
-            if self.scaler is not None:
-                scaled = self.scaler.scale(scaled)
+            if scaler is not None:
+                scaled = scaler.scale(scaled)
             scaled.backward()
             st.window_done += 1
             st.batch_index += 1
             st.samples += batch_size
-            for hook in self._hooks["on_microbatch_end"]:
+            for hook in hooks:
                 hook(self, st)
             if self._stop_requested:
                 return
@@ -539,20 +581,21 @@ class Trainer:
 
         clip_norm = cfg.train.clip_norm
         grad_norm = clip_coef = None
+        found_inf = self._found  # zeroed at the start of the window
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-            found = self.scaler.found_inf_tensor().to(torch.float32)
+            self.scaler.found_inf_tensor(out=found_inf)
             if clip_norm is not None:
                 grad_norm, clip_coef = self._clip_grads(clip_norm)
         elif clip_norm is not None:
             # Without a scaler the check runs at a scale of 1 and changes no gradient, so the
             # clip's multiply can carry it: one pass, the same found_inf, the same clipped bits.
-            found = torch.zeros_like(self._one)
-            grad_norm, clip_coef = self._clip_grads(clip_norm, found)
+            grad_norm, clip_coef = self._clip_grads(clip_norm, found_inf)
         else:
-            found = torch.zeros_like(self._one)
-            self._check_nonfinite(found)
-        found_inf = self._dist.agree(found, self.scaler, self._loss_acc)
+            self._check_nonfinite(found_inf)
+        agreed = self._dist.agree(found_inf, self.scaler, self._loss_acc)
+        if agreed is not found_inf:  # several processes: the all-reduced flag
+            found_inf.copy_(agreed)
         self.found_inf, self.grad_norm = found_inf, grad_norm
         for hook in self._hooks["on_before_optimizer_step"]:
             hook(self, st)
@@ -561,7 +604,8 @@ class Trainer:
         # mode). The mean loss is taken on the host at the log point.
         found_value, loss_sum = found_inf, self._loss_acc
         if self.sync_free:
-            loss_sum = loss_sum.clone()  # the accumulator is zeroed by the next window
+            # Snapshots for the record: the next window zeroes both.
+            found_value, loss_sum = found_inf.clone(), loss_sum.clone()
             lr_used = self.optimizer.param_groups[0]["lr"].detach().clone()
             self.optimizer.grad_scale = None
             self.optimizer.found_inf = found_inf
@@ -569,9 +613,9 @@ class Trainer:
             applied = None
         else:
             lr_used = float(self.optimizer.param_groups[0]["lr"])
-            # The one host sync of the step reads both flags at once: found_inf as the real
-            # part, the loss sum (finite exactly when the mean is) as the imaginary part.
-            flags = torch.complex(found_inf, self._loss_acc).item()
+            # The one host sync of the step reads both at once: found_inf, the real part, and
+            # the loss sum (finite exactly when the mean is), the imaginary part.
+            flags = self._flags.item()
             found_value, loss_sum = flags.real, flags.imag
             found, loss_bad = found_value > 0, not math.isfinite(loss_sum)
             if (loss_bad or (found and self.scaler is None)) and cfg.train.on_nonfinite == "stop":
@@ -690,12 +734,11 @@ class Trainer:
             return
         pending, self._pending = self._pending, []
         values = _read_all([entry[3:] for entry in pending])
-        # The mean loss of each window: its float32 sum over its size, one float32 division.
-        means = (np.array([row[-1] for row in values], dtype=np.float32)
-                 / np.array([entry[1] for entry in pending], dtype=np.float32)).tolist()
         records, losses = [], []
-        for (step, k, applied, *_), row, loss in zip(pending, values, means):
-            before, found, norm, coef, after, tracker, lr, _ = row
+        for (step, k, applied, *_), row in zip(pending, values):
+            before, found, norm, coef, after, tracker, lr, loss_sum = row
+            # The mean loss of the window: its float32 sum over its size, one float32 division.
+            loss = _mean_f32(loss_sum, k)
             found_b = bool(found)
             records.append(StepRecord(
                 step=step, microbatches=k, scale_before=1.0 if before is None else before, found_inf=found_b,
@@ -901,7 +944,7 @@ class Trainer:
         if acc is not None:
             for p, g in zip(self.params, acc["grads"]):
                 p.grad = None if g is None else g.to(self.device)
-            self._loss_acc = acc["loss"].to(self.device)
+            self._loss_acc.copy_(acc["loss"])
 
     def _restore_scaler(self, state: dict[str, Any] | None, path: Path) -> None:
         if self.scaler is not None and state is None:
