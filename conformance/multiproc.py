@@ -55,13 +55,14 @@ def _serve(rank: int, world: int, port: int, handler: Handler, wait_s: float, ti
                 return
             if payload is None:
                 return
+            seq, payload = payload
             try:
-                outbox.put((rank, handler(rank, payload)))
+                outbox.put((seq, rank, handler(rank, payload)))
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as exc:  # reported to the parent (torch's CheckpointException is one)
                 where = traceback.format_exc(limit=-3)
-                outbox.put((rank, {"error": f"{type(exc).__name__}: {exc}", "traceback": where}))
+                outbox.put((seq, rank, {"error": f"{type(exc).__name__}: {exc}", "traceback": where}))
     finally:
         dist.destroy_process_group()
 
@@ -85,14 +86,19 @@ def rank_group(handler: Handler, world: int = 2, *, wait_s: float = 90.0,
     for p in procs:
         p.start()
 
+    sent = [0]
+
     def run(payload: Any, check: bool = False) -> list[Any]:
+        # Numbered, so that a late answer to a run that already failed is not taken for this one's.
+        sent[0] += 1
+        seq = sent[0]
         for box in inboxes:
-            box.put(payload)
+            box.put((seq, payload))
         got: dict[int, Any] = {}
         deadline = time.monotonic() + wait_s
         while len(got) < world:
             try:
-                r, res = outbox.get(timeout=1.0)
+                answer_seq, r, res = outbox.get(timeout=1.0)
             except queue.Empty:
                 missing = sorted(set(range(world)) - set(got))
                 dead = [r for r in missing if not procs[r].is_alive()]
@@ -103,7 +109,8 @@ def rank_group(handler: Handler, world: int = 2, *, wait_s: float = 90.0,
                     pytest.fail(f"ranks {missing} did not answer within {wait_s:g} s "
                                 f"(alive: {[p.is_alive() for p in procs]})")
                 continue
-            got[r] = res
+            if answer_seq == seq:
+                got[r] = res
         results = [got[r] for r in range(world)]
         if check:
             for r, res in enumerate(results):

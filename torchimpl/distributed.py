@@ -35,8 +35,11 @@ every hook is the identity and nothing here touches ``torch.distributed``. Rules
    sharded accumulated gradients) plus ``meta.ckpt`` (the rest), first under a temporary name,
    then renamed by rank 0 once every rank has finished. Every rank's generator states and, inside
    a window, its own loss accumulator (and DDP's local gradient sums) are gathered into rank 0's
-   file. A checkpoint written inside a window resumes only on as many ranks as wrote it (the
-   partial sums belong to those ranks' data shards); at a window boundary any world size loads it.
+   file (for DDP that is world size x the model's gradients in rank 0's memory while it writes).
+   A checkpoint written inside a window resumes only on as many ranks as wrote it (the partial
+   sums belong to those ranks' data shards); at a window boundary any world size loads it. An
+   optimizer without state yet (before its first applied step) is left out of an FSDP2
+   checkpoint: ``get_state_dict`` would create the state with a zero-learning-rate step.
 10. Gradient accumulation: DDP runs every microbatch of a window but the last under
    ``no_sync()``, so each rank sums its microbatch gradients locally and DDP all-reduces the
    window's sum once, in the last backward (one gradient all-reduce per window, not one per

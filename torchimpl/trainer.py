@@ -199,7 +199,8 @@ _CHECK_AND_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _group_by_device_and_dtype(params: list[nn.Parameter]) -> list[tuple[torch.device, list[nn.Parameter], bool]]:
     """Parameters grouped by (device, dtype), a gradient's too, in first-seen order, each with
-    whether its gradients are plain tensors on a device with foreach kernels (as torch checks)."""
+    whether its gradients are plain tensors on a device with foreach kernels (torch also counts
+    DTensors; their per-tensor ``mul_`` gives the same bits)."""
     groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
     for p in params:
         groups.setdefault((p.device, p.dtype), []).append(p)
@@ -400,6 +401,8 @@ class Trainer:
         self._flags = torch.zeros((), dtype=torch.complex64, device=self.device)
         self._found, self._loss_acc = torch.view_as_real(self._flags).unbind()
         self._pending: list[tuple[Any, ...]] = []
+        self.found_inf: torch.Tensor | None = None  # set for each step before on_before_optimizer_step
+        self.grad_norm: torch.Tensor | None = None
         self.loss_history, self.scale_history = [], []
 
         # Seed every generator from train.seed (a resume overwrites them with the saved states).
@@ -699,11 +702,13 @@ class Trainer:
         ``get_total_norm``; ``max_norm / (total_norm + 1e-6)`` (a float over a tensor: a
         reciprocal, then a multiply), clamped at 1.0 and always multiplied in (no branch, so no
         sync), one ``_foreach_mul_`` per (device, dtype) group of plain tensors, ``mul_`` per
-        tensor otherwise (e.g. DTensor gradients). A group of float32/bfloat16/float16 plain
-        tensors on the check's device with a float32 coefficient gets the check and the
-        multiply in one ``_amp_foreach_non_finite_check_and_unscale_`` with the coefficient as
-        its factor: that kernel tests each value before multiplying and computes ``x * coef``
-        in float32, as ``mul_`` does (and leaves ``x`` as it is for a factor of 1.0).
+        tensor otherwise (e.g. DTensor gradients, which torch multiplies with ``_foreach_mul_``:
+        the same bits). A group of float32/bfloat16/float16 plain tensors on the check's device
+        with a float32 coefficient gets the check and the multiply in one
+        ``_amp_foreach_non_finite_check_and_unscale_`` with the coefficient as its factor: that
+        kernel tests each value before multiplying and computes ``x * coef`` in float32, as
+        ``mul_`` does on the CPU (and leaves ``x`` as it is for a factor of 1.0); on CUDA only
+        when the gradients are float32 too.
         """
         all_grads = [p.grad for p in self.params if p.grad is not None]
         total_norm = self._dist.total_norm(all_grads)
@@ -715,8 +720,12 @@ class Trainer:
             if not grads:
                 continue
             coef_here = coef.to(device)
+            # Off the CPU, torch's mul_ of a 16-bit gradient by a 0-d float32 device tensor first
+            # rounds the factor to the gradient's dtype, which the check kernel does not: fused
+            # there only when the dtypes match.
             if found is not None and foreach and coef.dtype == torch.float32 and device == found.device \
-                    and params[0].dtype in _CHECK_AND_SCALE_DTYPES:
+                    and params[0].dtype in _CHECK_AND_SCALE_DTYPES \
+                    and (device.type == "cpu" or params[0].dtype == coef.dtype):
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, found, coef_here)
                 continue
             if found is not None:
