@@ -149,6 +149,33 @@ def probe_clip_one_element_l2_norm_is_abs(device: str) -> bool:
     return bool(torch.equal(torch.nn.utils.get_total_norm([x], 2.0).cpu(), x.abs()[0].cpu()))
 
 
+# The clip multiply of a 16-bit gradient by a wider coefficient (a float32 total norm: the
+# model mixes bfloat16/float16 gradients with float32 ones). On CPU, mul_ takes the 0-d float32
+# coefficient as a CPU scalar in float32 op math [measured, both kernel modes]. On CUDA,
+# _foreach_mul_ falls back to mul_ per tensor on a dtype mismatch (ForeachBinaryOpScalarTensor.cu),
+# and mul_ casts a 0-d device tensor to the gradient's dtype before multiplying (Loops.cuh,
+# opmath_symmetric_gpu_kernel_with_scalars) [read in the source, not measured]: the spec's
+# coef_in_grad_dtype rule. Measured on CPU for the versions listed; other devices and versions
+# are probed.
+CLIP_COEF_IN_GRAD_DTYPE: dict[str, dict[str, bool]] = {"cpu": {"2.13": False}}
+
+
+def clip_coef_in_grad_dtype(device: str) -> bool:
+    """Does torch's clip multiply round the coefficient to a 16-bit gradient's dtype on ``device``?"""
+    known = CLIP_COEF_IN_GRAD_DTYPE.get(device, {})
+    if TORCH_VERSION in known:
+        return known[TORCH_VERSION]
+    return probe_clip_coef_in_grad_dtype(device)
+
+
+def probe_clip_coef_in_grad_dtype(device: str) -> bool:
+    """What the installed torch does: bfloat16 255 times float32 1/255 is 1.0 in float32 op math,
+    255/256 when 1/255 is first rounded to bfloat16 (2**-8)."""
+    g = torch.tensor([255.0], dtype=torch.bfloat16, device=device)
+    torch._foreach_mul_([g], torch.tensor(1 / 255, dtype=torch.float32, device=device))
+    return float(g.item()) != 1.0
+
+
 # Fused SGD with momentum fails when, in one step, a parameter gets its FIRST gradient while
 # another one already has a momentum buffer (a parameter whose gradient was None earlier):
 # _fused_sgd passes the None buffer on ("TypeError: expected Tensor as element 1 in argument 2,

@@ -26,7 +26,10 @@ Rules (L2 and max norms; ``g`` is one gradient, ``D`` its dtype; "f32(x)" rounds
 5. The coefficient is clamped to at most 1.0 and then ALWAYS multiplied in: a coefficient of
    exactly 1.0 leaves every bit unchanged, and NaN passes through the clamp. Each gradient is
    multiplied in its own op math (float32, or float64 for float64 grads) by the coefficient
-   converted to that op math, and rounded back to ``D``.
+   converted to that op math, and rounded back to ``D``. On CUDA (``coef_in_grad_dtype=True``)
+   the coefficient is first rounded to ``D``: torch's CUDA ``mul_`` casts a 0-d device tensor to
+   the other operand's dtype, so a float32 coefficient meets a bfloat16 gradient as bfloat16
+   (different bits whenever a model mixes 16-bit and wider gradients).
 6. Non-finite gradients are not special-cased. An inf makes the total inf and the coefficient 0:
    finite entries become zeros of the same sign and the inf becomes NaN. A NaN makes every
    gradient NaN. Finite float32 values whose squares overflow (``[3e38, 3e38]``) behave exactly
@@ -426,9 +429,11 @@ def _coefficient(total: np.floating, max_norm: float) -> np.floating:
         return np.minimum(coef, dtype.type(1.0))
 
 
-def _scale_into(g: np.ndarray, coef: np.floating, out: np.ndarray) -> np.ndarray:
+def _scale_into(g: np.ndarray, coef: np.floating, out: np.ndarray, coef_in_grad_dtype: bool = False) -> np.ndarray:
     """Rule 5's multiply of one gradient by the coefficient, written to ``out`` (may be ``g``)."""
     op = _opmath(g.dtype)
+    if coef_in_grad_dtype:
+        coef = np.asarray(coef).astype(g.dtype)[()]
     if g.dtype == op:
         np.multiply(g, op.type(coef), out=out)
     else:
@@ -444,6 +449,7 @@ def _clip(
     error_if_nonfinite: bool,
     num_threads: int,
     in_place: bool,
+    coef_in_grad_dtype: bool,
 ) -> ClipResult:
     mx = float(max_norm)
     if not mx >= 0.0:
@@ -454,7 +460,8 @@ def _clip(
     total = _total_norm(arrays, p, order, error_if_nonfinite, num_threads)
     coef = _coefficient(total, mx)
     with np.errstate(over="ignore", invalid="ignore"):
-        clipped = tuple(_scale_into(a, coef, a if in_place else np.empty_like(a)) for a in arrays)
+        clipped = tuple(_scale_into(a, coef, a if in_place else np.empty_like(a), coef_in_grad_dtype)
+                        for a in arrays)
     return ClipResult(grads=clipped, total_norm=total, clip_coef=coef)
 
 
@@ -466,16 +473,19 @@ def clip_grad_norm(
     *,
     error_if_nonfinite: bool = False,
     num_threads: int = 1,
+    coef_in_grad_dtype: bool = False,
 ) -> ClipResult:
     """Scale the gradients so that their total norm is at most ``max_norm`` (rules 1-8).
 
     ``max_norm`` must be >= 0 (inf allowed); torch does not check it and a negative one would
     flip every gradient's sign, so the spec refuses it. Clip the UNSCALED gradients: clipping
     loss-scaled gradients and unscaling afterwards divides the clipped norm by the scale.
-    Returns new arrays; the inputs are not modified.
+    ``coef_in_grad_dtype=True`` is rule 5's CUDA multiply. Returns new arrays; the inputs are
+    not modified.
     """
     arrays = [_check_grad(g) for g in grads]
-    return _clip(arrays, max_norm, norm_type, order, error_if_nonfinite, num_threads, in_place=False)
+    return _clip(arrays, max_norm, norm_type, order, error_if_nonfinite, num_threads, in_place=False,
+                 coef_in_grad_dtype=coef_in_grad_dtype)
 
 
 def clip_grad_norm_(
@@ -486,6 +496,7 @@ def clip_grad_norm_(
     *,
     error_if_nonfinite: bool = False,
     num_threads: int = 1,
+    coef_in_grad_dtype: bool = False,
 ) -> ClipResult:
     """``clip_grad_norm`` in place, as torch's ``clip_grad_norm_``: the same rules and bits, but
     each gradient array is overwritten with its clipped values (no second set of arrays), and
@@ -501,7 +512,8 @@ def clip_grad_norm_(
                 f"{type(g).__name__}; use clip_grad_norm for a clipped copy"
             )
         arrays.append(_check_grad(g))
-    return _clip(arrays, max_norm, norm_type, order, error_if_nonfinite, num_threads, in_place=True)
+    return _clip(arrays, max_norm, norm_type, order, error_if_nonfinite, num_threads, in_place=True,
+                 coef_in_grad_dtype=coef_in_grad_dtype)
 
 
 def clip_grad_value(grads: Sequence[np.ndarray], clip_value: float) -> list[np.ndarray]:

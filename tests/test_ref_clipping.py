@@ -432,3 +432,19 @@ def test_clip_in_place_refuses_what_it_cannot_overwrite():
         clipping.clip_grad_norm_([frozen], 1.0)
     with pytest.raises(ValueError, match=r"grads\[1\] must be a writeable NumPy array"):
         clipping.clip_grad_norm_([np.ones(2, F32), [1.0, 2.0]], 1.0)
+
+
+def test_cuda_rule_rounds_the_coefficient_to_a_16_bit_gradient_dtype():
+    # Rule 5: a float32 total (bfloat16 mixed with float32) gives a float32 coefficient; the CUDA
+    # multiply meets bfloat16 255 with 1/255 rounded to bfloat16 (2**-8), the CPU one in float32.
+    bf = np.array([255.0], dtype=ml_dtypes.bfloat16)
+    f32 = np.array([1.0, 2.0], np.float32)
+    cpu = clipping.clip_grad_norm([bf, f32], 1.0)
+    cuda = clipping.clip_grad_norm([bf, f32], 1.0, coef_in_grad_dtype=True)
+    assert cpu.clip_coef == cuda.clip_coef and cpu.clip_coef.dtype == np.float32
+    assert float(cpu.grads[0][0]) == 1.0 and float(cuda.grads[0][0]) == 255 / 256
+    # float32 gradients see the same float32 coefficient either way.
+    assert cpu.grads[1].tobytes() == cuda.grads[1].tobytes()
+    inplace = [bf.copy(), f32.copy()]
+    clipping.clip_grad_norm_(inplace, 1.0, coef_in_grad_dtype=True)
+    assert inplace[0].tobytes() == cuda.grads[0].tobytes()
