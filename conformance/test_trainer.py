@@ -65,7 +65,8 @@ from torchimpl.config import Config, ScheduleConfig
 from torchimpl.precision import autocast_context
 from torchimpl.scaler import ScaleAtMinimumError
 from torchimpl.schedule import lr_at as ti_lr_at
-from torchimpl.schedule import lr_at_tensor as ti_lr_at_tensor
+from torchimpl.schedule import lr_from_table as ti_lr_from_table
+from torchimpl.schedule import lr_table as ti_lr_table
 from torchimpl.tasks import SyntheticBatches, build_task
 from torchimpl.trainer import Callback, Trainer, default_loss_fn
 
@@ -85,9 +86,10 @@ def test_cosine_schedule_formula_matches_the_spec(base, ratio, warm, decay, n):
     cfg = ScheduleConfig(name="cosine", warmup_steps=warm, min_lr_ratio=ratio, decay_steps=decay)
     spec = ref_step.LRSchedule(base, "cosine", warm, decay, ratio)
     assert_equal(ti_lr_at(n, base, cfg, decay), spec.lr_at(n), Where("schedule[cosine]", n, "lr", REPRO))
-    # The sync-free mode's device schedule: the same float64 expression in tensor operations.
-    device_lr = float(ti_lr_at_tensor(torch.tensor(n), base, cfg, decay))
-    assert_equal(device_lr, spec.lr_at(n), Where("schedule[cosine, device]", n, "lr", REPRO))
+    # The sync-free mode's device schedule: the spec's rate rounded once to float32.
+    table = ti_lr_table(base, cfg, decay, "cpu", last=n)
+    device_lr = float(ti_lr_from_table(table, torch.tensor(n)))
+    assert_equal(device_lr, float(np.float32(spec.lr_at(n))), Where("schedule[cosine, device]", n, "lr", REPRO))
 
 
 # ----------------------------------------------------------------------------- the run

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from torchimpl.config import Config, ConfigError, TrainConfig, load_config
-from torchimpl.schedule import lr_at, lr_at_tensor
+from torchimpl.schedule import lr_at, lr_from_table, lr_table
 from torchimpl.config import ScheduleConfig
 
 import torch
@@ -58,8 +58,9 @@ def test_schedule_warmup_cosine_and_device_form_agree():
     lrs = [lr_at(n, 1.0, s, 20) for n in range(25)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0] and lrs[4] == 1.0
     assert lrs[20] == pytest.approx(0.1) and lrs[24] == pytest.approx(0.1)
-    dev = [lr_at_tensor(torch.tensor(n), 1.0, s, 20).item() for n in range(25)]
-    assert dev == pytest.approx(lrs, rel=1e-12)
+    table = lr_table(1.0, s, 20, "cpu", last=24)
+    dev = [lr_from_table(table, torch.tensor(n)).item() for n in range(25)]
+    assert table.dtype == torch.float32 and dev == [float(torch.tensor(x, dtype=torch.float32)) for x in lrs]
 
 
 def test_cross_field_error_is_reported_when_each_field_alone_is_valid():

@@ -5,8 +5,11 @@ with skips follows the same learning-rate curve as one without, only later. Two 
 
 1. :func:`lr_at` on the host (Python floats, float64), used when the trainer knows on the
    host whether a step was applied;
-2. :func:`lr_at_tensor` on the device, used by the sync-free mode, where the count of applied
-   steps is a device tensor and the branch between warmup and decay is a ``torch.where``.
+2. :func:`lr_table` for the sync-free mode, where the count of applied steps is a device
+   tensor: :func:`lr_at` for every count the run can reach, computed once on the host and
+   rounded to float32 (the fused optimizers read a float32 lr tensor), then indexed on the
+   device by the count. The device never evaluates the formula, so the rate is the host's on
+   every device (a CUDA ``cos`` need not round as the host's does).
 
 Rules, with ``n`` the applied steps so far, ``W`` the warmup steps, ``D`` the decay steps:
 1. warmup (``n < W``): ``lr * (n + 1) / W``;
@@ -24,7 +27,7 @@ import torch
 
 from torchimpl.config import ScheduleConfig
 
-__all__ = ["AppliedStepSchedule", "lr_at", "lr_at_tensor"]
+__all__ = ["AppliedStepSchedule", "lr_at", "lr_from_table", "lr_table"]
 
 
 def lr_at(n: int, base_lr: float, config: ScheduleConfig, total_steps: int) -> float:
@@ -42,19 +45,20 @@ def lr_at(n: int, base_lr: float, config: ScheduleConfig, total_steps: int) -> f
     return base_lr * (r + (1.0 - r) * (1.0 + math.cos(math.pi * p)) / 2.0)
 
 
-def lr_at_tensor(n: torch.Tensor, base_lr: float, config: ScheduleConfig, total_steps: int) -> torch.Tensor:
-    """:func:`lr_at` for a device tensor ``n`` (any numeric dtype): float64, no host sync."""
-    n = n.to(torch.float64)
-    warm = config.warmup_steps
-    warmup = base_lr * (n + 1.0) / max(warm, 1)
-    if config.name == "constant":
-        after = torch.full_like(n, base_lr)
-    else:
-        decay = config.decay_steps if config.decay_steps is not None else total_steps
-        p = ((n - warm) / max(1, decay - warm)).clamp(0.0, 1.0)
-        r = config.min_lr_ratio
-        after = base_lr * (r + (1.0 - r) * (1.0 + torch.cos(math.pi * p)) / 2.0)
-    return torch.where(n < warm, warmup, after)
+def lr_table(base_lr: float, config: ScheduleConfig, total_steps: int, device: torch.device | str,
+             last: int | None = None) -> torch.Tensor:
+    """``float32(lr_at(n))`` for ``n = 0 .. last`` (default ``total_steps``), a tensor on ``device``."""
+    last = total_steps if last is None else last
+    if last < 0:
+        raise ValueError(f"last must be >= 0, got {last}")
+    values = [lr_at(n, base_lr, config, total_steps) for n in range(last + 1)]
+    return torch.tensor(values, dtype=torch.float64).to(device=device, dtype=torch.float32)
+
+
+def lr_from_table(table: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """``table[n]`` for a 0-d integer device tensor ``n``, as a 0-d tensor, without a host sync
+    (``table[n]`` would read ``n`` on the host)."""
+    return table.index_select(0, n.reshape(1)).reshape(())
 
 
 class AppliedStepSchedule:

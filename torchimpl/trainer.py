@@ -14,8 +14,9 @@ One optimizer step over ``k`` microbatches, in this order and no other:
 Host syncs: none per microbatch (losses accumulate on the device); one per optimizer step
 (the skip decision, together with the loss's finiteness); none at all with a fused
 optimizer in the sync-free mode, where the optimizer's kernel skips on ``found_inf`` and the
-schedule is computed on the device from a device counter. Metrics (the step records and the
-loss curve) stay on the device until a log point, where they are read in one transfer.
+learning rate is looked up on the device, by a device counter of applied steps, in a table
+computed on the host. Metrics (the step records and the loss curve) stay on the device until a
+log point, where they are read in one transfer.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from torchimpl.optim import build_optimizer
 from torchimpl.precision import autocast_context, resolve_precision
 from torchimpl.records import StepRecord, TraceWriter
 from torchimpl.scaler import make_grad_scaler
-from torchimpl.schedule import AppliedStepSchedule, lr_at_tensor
+from torchimpl.schedule import AppliedStepSchedule, lr_from_table, lr_table
 
 __all__ = ["Callback", "RunSummary", "StopTraining", "Trainer", "TrainState", "default_loss_fn"]
 
@@ -385,11 +386,13 @@ class Trainer:
         self.schedule = AppliedStepSchedule(self.optimizer, cfg.schedule, cfg.train.steps)
         self.state = TrainState()
         if self.sync_free:
-            # The schedule lives on the device: a float32 lr tensor per group, recomputed
-            # from a device counter of applied steps (fused kernels read tensor lrs).
+            # The schedule lives on the device: a float32 lr tensor per group, looked up in a
+            # table computed on the host by a device counter of applied steps (fused kernels
+            # read tensor lrs).
             self._applied_t = torch.zeros((), dtype=torch.int64, device=self.device)
             for group in self.optimizer.param_groups:
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
+            self._build_lr_tables(cfg.train.steps)
 
         self._dist.attach(self.model, self.optimizer)
         self._forward_model = torch.compile(forward_model) if cfg.train.compile else forward_model
@@ -639,8 +642,8 @@ class Trainer:
 
         if self.sync_free:
             self._applied_t += (1.0 - found_inf).to(torch.int64)
-            for group, base in zip(self.optimizer.param_groups, self.schedule.base_lrs):
-                group["lr"].copy_(lr_at_tensor(self._applied_t, base, cfg.schedule, cfg.train.steps))
+            for group, table in zip(self.optimizer.param_groups, self._lr_tables):
+                group["lr"].copy_(lr_from_table(table, self._applied_t))
         else:
             self.schedule.step(applied)
             st.applied_steps += int(applied)
@@ -940,10 +943,13 @@ class Trainer:
         sched = ckpt["schedule"]
         if self.sync_free:
             self.schedule.base_lrs = [float(b) for b in sched["base_lrs"]]
-            self._applied_t.fill_(int(sched["applied_steps"]))
-            for group, base in zip(self.optimizer.param_groups, self.schedule.base_lrs):
-                group["lr"] = lr_at_tensor(self._applied_t, base, self.config.schedule,
-                                           self.config.train.steps).to(torch.float32)
+            applied = int(sched["applied_steps"])
+            self._applied_t.fill_(applied)
+            # A run saved with more steps than this one's train.steps still finds its rate.
+            self._build_lr_tables(max(self.config.train.steps, applied))
+            for group, table in zip(self.optimizer.param_groups, self._lr_tables):
+                # A new tensor: load_state_dict above put the saved group's lr (any type) there.
+                group["lr"] = lr_from_table(table, self._applied_t)
         else:
             self.schedule.load_state_dict(sched)
         self._restore_scaler(ckpt.get("scaler"), path)
@@ -954,6 +960,11 @@ class Trainer:
             for p, g in zip(self.params, acc["grads"]):
                 p.grad = None if g is None else g.to(self.device)
             self._loss_acc.copy_(acc["loss"])
+
+    def _build_lr_tables(self, last: int) -> None:
+        """Sync-free mode: each group's rates for 0 .. ``last`` applied steps, on the device."""
+        self._lr_tables = [lr_table(base, self.config.schedule, self.config.train.steps, self.device, last)
+                           for base in self.schedule.base_lrs]
 
     def _restore_scaler(self, state: dict[str, Any] | None, path: Path) -> None:
         if self.scaler is not None and state is None:
