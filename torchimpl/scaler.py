@@ -412,8 +412,6 @@ class DynamicLossScaler(GradScaler):
                 "found_inf_tensor() needs an unscale_() or step() since the last update(): "
                 "no inf checks were recorded in this iteration."
             )
-        if any(fi.dim() for fi in found):  # torch keeps one 0-d flag per device; say so if that changes
-            raise RuntimeError(f"found_inf records of shapes {[tuple(fi.shape) for fi in found]}, expected 0-d")
         if out is not None:
             out.copy_(found[0])
             for fi in found[1:]:
