@@ -68,7 +68,7 @@ def rotate(items: Sequence[Any], r: int) -> list[Any]:
 
 
 def paired_ratio(blocks: dict[str, list[float]], name: str, base: str) -> dict[str, float]:
-    """Ratios of per-round medians (``name`` over ``base`` in the same round), summarised.
+    """Ratios of per-round block times (``name`` over ``base`` in the same round), summarised.
 
     Pairing by round cancels the slow drift of a shared machine's load.
     """

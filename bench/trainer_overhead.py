@@ -8,9 +8,12 @@ the small MLP (overhead-dominated) and the small transformer.
 
 Method: R rounds; in each round every candidate trains one fresh block of S steps, the order
 rotating from round to round; the first W steps of a block are warm-up. Step time is the time
-between consecutive ``step_end`` marks (the Trainer's log-point flush every 10 steps falls
-inside them, as it does in production). Reported: each candidate's median step time over all
-rounds, and the ratio to the hand loop as the median of per-round ratios.
+between consecutive ``step_end`` marks. A block's time per step is the mean over its measured
+steps, so work done once every ``LOG_INTERVAL`` steps (the Trainer's log-point flush, the
+other loops' loss read) counts at its amortised share; W and S - W are multiples of
+``LOG_INTERVAL`` so that every candidate has the same number of log points in the measured
+steps. Reported: each candidate's median and mean step time over all rounds, and the ratio
+to the hand loop as the median of per-round ratios of block means.
 
     PYTHONPATH=. python bench/trainer_overhead.py            # ~1-2 minutes on 2 cores
     PYTHONPATH=. python bench/trainer_overhead.py --profile  # plus a cProfile of each loop
@@ -29,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness  # noqa: E402  (puts the repository root on sys.path)
-from _loops import RUNNERS, Unsupported, Workload, available  # noqa: E402
+from _loops import LOG_INTERVAL, RUNNERS, Unsupported, Workload, available  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -77,20 +80,31 @@ def profile_block(runner, w: Workload, steps: int, top: int = 25) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=30, help="optimizer steps per block")
-    ap.add_argument("--warmup", type=int, default=5, help="steps of each block not measured")
+    ap.add_argument("--steps", type=int, default=40, help="optimizer steps per block")
+    ap.add_argument("--warmup", type=int, default=10, help="steps of each block not measured")
     ap.add_argument("--k", type=int, default=2, help="microbatches per optimizer step")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: steadier on a shared machine)")
     ap.add_argument("--profile", action="store_true", help="also cProfile one block of each candidate")
+    ap.add_argument("--only", nargs="+", default=None, metavar="CONFIG",
+                    help="run only these configurations (e.g. mlp/bf16+scaler)")
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     args = ap.parse_args(argv)
+    if args.warmup % LOG_INTERVAL or (args.steps - args.warmup) % LOG_INTERVAL or args.steps <= args.warmup:
+        ap.error(f"--warmup and --steps minus --warmup must be multiples of the log interval ({LOG_INTERVAL}), "
+                 f"the latter positive, so that every candidate's measured steps hold the same log points; "
+                 f"got --warmup {args.warmup} --steps {args.steps}")
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     skipped_peers = available()
     workloads = make_workloads(args.k, args.batch_size, args.steps * args.k)
+    if args.only:
+        unknown = sorted(set(args.only) - {w.name for w in workloads})
+        if unknown:
+            ap.error(f"--only: unknown configuration(s) {unknown}; choose from {[w.name for w in workloads]}")
+        workloads = [w for w in workloads if w.name in args.only]
     results: dict = {"machine": _harness.machine(), "settings": vars(args), "configs": {}}
 
     for w in workloads:
@@ -107,22 +121,23 @@ def main(argv: list[str] | None = None) -> int:
                 skip[n] = str(exc)
                 names.remove(n)
         samples: dict[str, list[float]] = {n: [] for n in names}
-        block_medians: dict[str, list[float]] = {n: [] for n in names}
+        block_means: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
             for n in _harness.rotate(names, r):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     times = time_block(RUNNERS[n], w, args.steps, args.warmup)
                 samples[n] += times
-                block_medians[n].append(_harness.median(times))
+                block_means[n].append(sum(times) / len(times))
         cfg: dict = {"candidates": {}, "skipped": skip}
         for n in names:
             cfg["candidates"][n] = {
                 "median_step_ms": 1e3 * _harness.median(samples[n]),
+                "mean_step_ms": 1e3 * sum(samples[n]) / len(samples[n]),
                 "p10_step_ms": 1e3 * _harness.quantile(samples[n], 0.1),
                 "p90_step_ms": 1e3 * _harness.quantile(samples[n], 0.9),
                 "steps_measured": len(samples[n]),
-                "ratio_vs_hand": _harness.paired_ratio(block_medians, n, "hand"),
+                "ratio_vs_hand": _harness.paired_ratio(block_means, n, "hand"),
             }
         if args.profile:
             cfg["profiles"] = {n: profile_block(RUNNERS[n], w, args.steps) for n in names}
