@@ -48,16 +48,14 @@ class Mutant:
 
 
 _UNSCALE = """        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-            self.scaler.found_inf_tensor(out=found_inf)
+            self.scaler.unscale_(self.optimizer, found_inf)
             if clip_norm is not None:
                 grad_norm, clip_coef = self._clip_grads(clip_norm)
 """
 _CLIP_FIRST = """        if self.scaler is not None:
             if clip_norm is not None:
                 grad_norm, clip_coef = self._clip_grads(clip_norm)
-            self.scaler.unscale_(self.optimizer)
-            self.scaler.found_inf_tensor(out=found_inf)
+            self.scaler.unscale_(self.optimizer, found_inf)
 """
 
 MUTANTS = (
@@ -66,16 +64,16 @@ MUTANTS = (
     Mutant("schedule_on_skipped_step", "advance the LR schedule on a skipped step", TRAINER,
            "            self.schedule.step(applied)\n", "            self.schedule.step(True)\n", TRAINER_TESTS),
     Mutant("unscale_twice", "multiply by the inverse scale a second time", TRAINER,
-           "            self.scaler.unscale_(self.optimizer)\n",
-           "            self.scaler.unscale_(self.optimizer)\n"
+           "            self.scaler.unscale_(self.optimizer, found_inf)\n",
+           "            self.scaler.unscale_(self.optimizer, found_inf)\n"
            "            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None],\n"
            "                                self.scaler.state_tensors()[0].double().reciprocal().float())\n",
            TRAINER_TESTS),
     Mutant("divide_by_scale", "unscale by dividing by the scale, not multiplying by its inverse", TRAINER,
-           "            self.scaler.unscale_(self.optimizer)\n",
+           "            self.scaler.unscale_(self.optimizer, found_inf)\n",
            "            _grads = [p.grad for p in self.params if p.grad is not None]\n"
            "            _scaled = [g.clone() for g in _grads]\n"
-           "            self.scaler.unscale_(self.optimizer)\n"
+           "            self.scaler.unscale_(self.optimizer, found_inf)\n"
            "            for _g, _s in zip(_grads, _scaled):\n"
            "                _g.copy_(_s / self.scaler.state_tensors()[0])\n",
            TRAINER_TESTS),

@@ -423,6 +423,130 @@ def test_found_inf_tensor_writes_the_sum_into_out():
     assert disabled.found_inf_tensor(out=out) is out and float(out) == 0.0
 
 
+def _grads_for_unscale(plant: str | None) -> list[torch.nn.Parameter]:
+    """Parameters of two dtypes, one without a gradient; ``plant`` puts inf or NaN in one."""
+    g = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dt)) for n, dt in
+              ((7, torch.float32), (5, torch.bfloat16), (3, torch.float32), (4, torch.float32))]
+    for p in params[:3]:
+        p.grad = (torch.randn(p.shape, generator=g) * 3e4).to(p.dtype)
+    if plant is not None:
+        params[1].grad[2] = float(plant)
+    return params
+
+
+@pytest.mark.parametrize("preset", ["torch", "megatron"])
+@pytest.mark.parametrize("plant", [None, "inf", "nan"])
+def test_unscale_into_found_inf_matches_torchs_path(preset, plant):
+    """``unscale_(opt, found_inf)``: the same gradient bits, flag, skip and scale update as
+    ``unscale_(opt)`` followed by ``found_inf_tensor``, with the flag in the caller's tensor."""
+    runs = []
+    for into in (False, True):
+        s = _scaler(preset=preset, init_scale=3.0)
+        params = _grads_for_unscale(plant)
+        opt = torch.optim.SGD(params, lr=0.5)
+        s.scale(torch.ones(()))
+        found = torch.zeros(())
+        if into:
+            s.unscale_(opt, found)
+            assert s.found_inf_tensor().data_ptr() != found.data_ptr()
+            assert float(s.found_inf_tensor()) == float(found)
+        else:
+            s.unscale_(opt)
+            found = s.found_inf_tensor()
+        applied = bool(s.step(opt))
+        s.update()
+        runs.append(([p.detach().clone() for p in params], [None if p.grad is None else p.grad.clone()
+                                                             for p in params], float(found), applied,
+                     s.get_scale(), s._get_growth_tracker()))
+    (p0, g0, *rest0), (p1, g1, *rest1) = runs
+    assert rest1 == rest0 and rest0[0] == (0.0 if plant is None else 1.0)
+    for i, (a, b) in enumerate(zip(g0 + p0, g1 + p1)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
+                               b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32)), i
+
+
+def test_unscale_into_found_inf_allocates_and_copies_no_flag():
+    s = DynamicLossScaler("cpu")
+    params = _grads_for_unscale(None)
+    opt = torch.optim.SGD(params, lr=0.5)
+    s.scale(torch.ones(()))
+    found = torch.zeros(())
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        s.unscale_(opt, found)
+    # The float64 reciprocal of the scale, rounded to float32 (torch's inv_scale), then one
+    # check-and-unscale per gradient dtype.
+    assert ops.names == ["_to_copy.default", "reciprocal.default", "_to_copy.default"] + [
+        "_amp_foreach_non_finite_check_and_unscale_.default"] * 2
+
+
+def test_unscale_into_found_inf_keeps_torchs_errors():
+    s = DynamicLossScaler("cpu")
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    s.scale(torch.ones(()))
+    p.grad = torch.ones(2)
+    with pytest.raises(ValueError, match=r"found_inf.*0-d float32.*shape \(1,\)"):
+        s.unscale_(opt, torch.zeros(1))
+    with pytest.raises(ValueError, match="found_inf.*torch.float64"):
+        s.unscale_(opt, torch.zeros((), dtype=torch.float64))
+    s.unscale_(opt, torch.zeros(()))
+    with pytest.raises(RuntimeError, match="already been called"):
+        s.unscale_(opt, torch.zeros(()))
+    s.step(opt)
+    with pytest.raises(RuntimeError, match="after step"):
+        s.unscale_(opt, torch.zeros(()))
+    s.update()
+    half = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    half.grad = torch.ones(2, dtype=torch.float16)
+    with pytest.raises(ValueError, match="FP16 gradients"):
+        s.unscale_(torch.optim.SGD([half], lr=0.1), torch.zeros(()))
+
+
+def test_unscale_into_found_inf_sparse_takes_torchs_path():
+    s = DynamicLossScaler("cpu", ScalerConfig(init_scale=4.0))
+    emb = torch.nn.Embedding(5, 2, sparse=True)
+    emb(torch.tensor([1, 3])).sum().mul(4.0).backward()
+    dense = torch.nn.Parameter(torch.zeros(2))
+    dense.grad = torch.tensor([8.0, INF])
+    opt = torch.optim.SGD([emb.weight, dense], lr=0.1)
+    s.scale(torch.ones(()))
+    found = torch.zeros(())
+    s.unscale_(opt, found)
+    assert float(found) == 1.0
+    assert torch.equal(emb.weight.grad.to_dense()[[1, 3]], torch.ones(2, 2))
+    assert dense.grad[0].item() == 2.0
+
+
+def test_update_leaves_a_callers_found_inf_unchanged_with_two_optimizers():
+    s = DynamicLossScaler("cpu")
+    t = _Ticker(s, n_optimizers=2)
+    s.scale(torch.ones(()))
+    mine = torch.zeros(())
+    t.params[0].grad = torch.full((3,), INF)
+    t.params[1].grad = torch.full((3,), INF)
+    s.unscale_(t.opts[0], mine)
+    s.unscale_(t.opts[1])
+    assert float(s.found_inf_tensor()) == 2.0
+    s.step(t.opts[0])
+    s.step(t.opts[1])
+    s.update()
+    # torch's update adds the second flag into the first record; the caller's stays 1.0.
+    assert float(mine) == 1.0 and s.get_scale() == 2.0**15
+
+
 def test_disabled_scaler_is_a_passthrough():
     s = _scaler(enabled=False)
     x = torch.ones(2)

@@ -55,7 +55,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import GradScaler, _refresh_per_optimizer_state
+from torch.amp.grad_scaler import GradScaler, OptState, _refresh_per_optimizer_state
 
 __all__ = [
     "PRESETS",
@@ -424,6 +424,53 @@ class DynamicLossScaler(GradScaler):
             combined = combined + fi
         return combined
 
+    def unscale_(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None = None) -> None:
+        """``GradScaler.unscale_``; with ``found_inf``, the check's flag is written into it.
+
+        ``found_inf`` is a 0-d float32 tensor on the scale's device, zero on entry: the
+        inf/NaN check sets it to 1.0 when a gradient holds inf or NaN, and it becomes this
+        optimizer's record for ``update`` and ``found_inf_tensor``. No tensor is allocated
+        for the flag, and none is copied. The gradients are unscaled by the same kernel with
+        the same ``1 / scale`` (a float64 reciprocal rounded to float32), so their bits are
+        torch's. Gradients on another device than ``found_inf`` take torch's path, after
+        which the combined flag is copied into ``found_inf``.
+        """
+        if found_inf is None or not self._enabled:
+            super().unscale_(optimizer)
+            if found_inf is not None:
+                self.found_inf_tensor(out=found_inf)
+            return
+        scale, _ = self._check_scale_growth_tracker("unscale_")
+        if found_inf.shape != () or found_inf.dtype != torch.float32 or found_inf.device != scale.device:
+            raise ValueError(
+                f"unscale_(found_inf=...) takes a 0-d float32 tensor on {scale.device}, got shape "
+                f"{tuple(found_inf.shape)}, {found_inf.dtype} on {found_inf.device}"
+            )
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.device != scale.device or grad.is_sparse:
+                    super().unscale_(optimizer)  # torch's path: per-device flags, sparse values
+                    self.found_inf_tensor(out=found_inf)
+                    return
+                if grad.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                by_dtype.setdefault(grad.dtype, []).append(grad)
+        inv_scale = scale.double().reciprocal().float()
+        with torch.no_grad():
+            for grads in by_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        state["found_inf_per_device"] = {found_inf.device: found_inf}
+        state["stage"] = OptState.UNSCALED
+
     def last_step_applied(self) -> torch.Tensor | None:
         """The value the most recent ``step()`` returned (``None`` before any step)."""
         return self._last_applied
@@ -472,6 +519,8 @@ class DynamicLossScaler(GradScaler):
         if not self._enabled:
             return
         if new_scale is not None or self._policy.is_plain_torch:
+            if new_scale is None:
+                self._protect_first_record()
             super().update(new_scale)
             return
         scale, tracker = self._check_scale_growth_tracker("update")
@@ -498,6 +547,16 @@ class DynamicLossScaler(GradScaler):
         tracker.copy_(new_tracker)
         hyst.copy_(new_hyst)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def _protect_first_record(self) -> None:
+        """With several found_inf records, torch's ``update`` adds the others into the first
+        in place; that record may be a caller's tensor (``unscale_(found_inf=...)``), so it
+        is replaced by a copy first."""
+        records = [(state["found_inf_per_device"], device)
+                   for state in self._per_optimizer_states.values() for device in state["found_inf_per_device"]]
+        if len(records) > 1:
+            first, device = records[0]
+            first[device] = first[device].clone()
 
     def _policy_update(
         self,

@@ -589,8 +589,7 @@ class Trainer:
         grad_norm = clip_coef = None
         found_inf = self._found  # zeroed at the start of the window
         if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-            self.scaler.found_inf_tensor(out=found_inf)
+            self.scaler.unscale_(self.optimizer, found_inf)
             if clip_norm is not None:
                 grad_norm, clip_coef = self._clip_grads(clip_norm)
         elif clip_norm is not None:
