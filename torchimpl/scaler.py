@@ -317,6 +317,8 @@ class DynamicLossScaler(GradScaler):
       value; reading it on the host is a sync that ``step`` itself does not make.
     - ``found_inf_tensor()`` gives the iteration's combined found_inf without a sync, and
       ``state_tensors()`` the live scale and growth tracker.
+    - ``unscale_(optimizer, found_inf)`` writes the check's flag into a tensor of the
+      caller's (torch allocates one and copies it per device).
     - ``state_dict`` holds the whole policy and state; ``load_state_dict`` validates
       everything and changes nothing when it rejects.
     """
