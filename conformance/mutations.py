@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TRAINER = "torchimpl/trainer.py"
+STEP = "torchimpl/step.py"
 SCALER = "torchimpl/scaler.py"
 OPTIM = "torchimpl/optim.py"
 TRAINER_TESTS = ("conformance/test_trainer.py",)
@@ -47,45 +47,43 @@ class Mutant:
     tests: tuple[str, ...]
 
 
-_UNSCALE = """        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer, found_inf)
-            if clip_norm is not None:
-                grad_norm, clip_coef = self._clip_grads(clip_norm)
+_UNSCALE = """        self.scaling.unscale_(self.optimizer, found)
+        return self._clip(None)
 """
-_CLIP_FIRST = """        if self.scaler is not None:
-            if clip_norm is not None:
-                grad_norm, clip_coef = self._clip_grads(clip_norm)
-            self.scaler.unscale_(self.optimizer, found_inf)
+_CLIP_FIRST = """        clipped = self._clip(None)
+        self.scaling.unscale_(self.optimizer, found)
+        return clipped
 """
+_GRADS = "[p.grad for g in optimizer.param_groups for p in g['params'] if p.grad is not None]"
 
 MUTANTS = (
-    Mutant("clip_before_unscale", "clip the scaled gradients, then unscale", TRAINER, _UNSCALE, _CLIP_FIRST,
+    Mutant("clip_before_unscale", "clip the scaled gradients, then unscale", STEP, _UNSCALE, _CLIP_FIRST,
            TRAINER_TESTS),
-    Mutant("schedule_on_skipped_step", "advance the LR schedule on a skipped step", TRAINER,
-           "            self.schedule.step(applied)\n", "            self.schedule.step(True)\n", TRAINER_TESTS),
-    Mutant("unscale_twice", "multiply by the inverse scale a second time", TRAINER,
-           "            self.scaler.unscale_(self.optimizer, found_inf)\n",
-           "            self.scaler.unscale_(self.optimizer, found_inf)\n"
-           "            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None],\n"
-           "                                self.scaler.state_tensors()[0].double().reciprocal().float())\n",
+    Mutant("schedule_on_skipped_step", "advance the LR schedule on a skipped step", STEP,
+           "        self.schedule.step(applied)\n", "        self.schedule.step(True)\n", TRAINER_TESTS),
+    Mutant("unscale_twice", "multiply by the inverse scale a second time", STEP,
+           "        self.scaler.unscale_(optimizer, found)\n",
+           "        self.scaler.unscale_(optimizer, found)\n"
+           f"        torch._foreach_mul_({_GRADS},\n"
+           "                            self.scaler.state_tensors()[0].double().reciprocal().float())\n",
            TRAINER_TESTS),
-    Mutant("divide_by_scale", "unscale by dividing by the scale, not multiplying by its inverse", TRAINER,
-           "            self.scaler.unscale_(self.optimizer, found_inf)\n",
-           "            _grads = [p.grad for p in self.params if p.grad is not None]\n"
-           "            _scaled = [g.clone() for g in _grads]\n"
-           "            self.scaler.unscale_(self.optimizer, found_inf)\n"
-           "            for _g, _s in zip(_grads, _scaled):\n"
-           "                _g.copy_(_s / self.scaler.state_tensors()[0])\n",
+    Mutant("divide_by_scale", "unscale by dividing by the scale, not multiplying by its inverse", STEP,
+           "        self.scaler.unscale_(optimizer, found)\n",
+           f"        _grads = {_GRADS}\n"
+           "        _scaled = [g.clone() for g in _grads]\n"
+           "        self.scaler.unscale_(optimizer, found)\n"
+           "        for _g, _s in zip(_grads, _scaled):\n"
+           "            _g.copy_(_s / self.scaler.state_tensors()[0])\n",
            TRAINER_TESTS),
     Mutant("growth_without_finite_guard", "grow the scale even when the grown scale is inf", SCALER,
            "torch.where(grow & grow_ok, grown, scale)", "torch.where(grow, grown, scale)", SCALER_TESTS),
     Mutant("tracker_not_reset", "keep the growth tracker on an overflow", SCALER,
            "new_tracker = torch.where(found, torch.zeros_like(tracker), clean_tracker)",
            "new_tracker = torch.where(found, tracker, clean_tracker)", SCALER_TESTS),
-    Mutant("loss_not_divided_by_k", "backward from the microbatch loss, not loss / k", TRAINER,
+    Mutant("loss_not_divided_by_k", "backward from the microbatch loss, not loss / k", STEP,
            "            scaled = loss / k\n", "            scaled = loss\n", TRAINER_TESTS),
-    Mutant("scaler_not_restored", "ignore the scaler state of a checkpoint on resume", TRAINER,
-           "            self.scaler.load_state_dict(state)\n", "            pass\n", TRAINER_TESTS),
+    Mutant("scaler_not_restored", "ignore the scaler state of a checkpoint on resume", STEP,
+           "        self.scaler.load_state_dict(state)\n", "        pass\n", TRAINER_TESTS),
     Mutant("ddp_reduces_every_microbatch", "DDP all-reduces every microbatch instead of the window's local sum",
            DISTRIBUTED, "            return self._ddp.no_sync()\n", "            return contextlib.nullcontext()\n",
            DISTRIBUTED_TESTS),

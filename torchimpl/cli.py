@@ -102,9 +102,9 @@ def _replay(args: argparse.Namespace) -> int:
 
     from torchimpl.config import load_config
     from torchimpl.records import read_trace
+    from torchimpl.spec_bridge import scaler_config
 
-    # The one place in torchimpl that uses the reference, imported only here.
-    from reference.scaling import ScalerConfig as RefScalerConfig
+    # The CLI's boundary with the specification: the spec judges the recorded run.
     from reference.step import replay
 
     records = read_trace(args.trace)
@@ -113,9 +113,7 @@ def _replay(args: argparse.Namespace) -> int:
     if all(r.scale_before == r.scale_after == 1.0 for r in records):
         print(f"{len(records)} steps with the scale fixed at 1 (no loss scaler): nothing to replay")
         return 0
-    policy = load_config(args.config, args.set).scaler.resolved()
-    shared = {f.name for f in dataclasses.fields(RefScalerConfig)} & {f.name for f in dataclasses.fields(policy)}
-    ref_cfg = RefScalerConfig.preset(policy.preset, **{n: getattr(policy, n) for n in shared - {"preset"}})
+    ref_cfg = scaler_config(load_config(args.config, args.set).scaler.resolved())
     result = replay([dataclasses.asdict(r) for r in records], ref_cfg)
     if result.ok:
         print(f"{result.steps_checked} steps replayed: the scale history matches the reference")

@@ -35,9 +35,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import json
+import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,7 +61,10 @@ __all__ = [
     "Finding",
     "DiagnosisReport",
     "diagnose_nonfinite",
+    "report_nonfinite",
 ]
+
+log = logging.getLogger(__name__)
 
 _GUARD_MARK = "_ampspec_nonfinite_guard"
 _FP16_TINY = torch.finfo(torch.float16).tiny  # 2**-14, float16's smallest normal
@@ -662,73 +669,23 @@ def diagnose_nonfinite(
         model, batch, autocast=None, fp32=True, scale=None, unsafe=True, fp16_norm=False, **common
     )
     reproduced = not planned.finite
-    checks: list[Check] = []
-    first_ops: dict[str, Finding] = {}
-
-    # (1) fp32 rerun
     summary = f"plan ({plan.mode}) step: {planned.describe()}; fp32 step: {fp32.describe()}"
-    if not fp32.finite:
-        checks.append(Check("fp32_rerun", False, summary + ": non-finite in fp32 too, so reduced "
-                            "precision is not the cause (see unsafe_math)"))
-    elif reproduced:
-        checks.append(Check("fp32_rerun", True, summary + ": finite in fp32, so reduced precision "
-                            "is the cause"))
-    else:
-        checks.append(Check("fp32_rerun", True, summary + ": the step did not reproduce as "
-                            "non-finite (the fault may depend on data, RNG or optimizer state)"))
-
-    # (2) loss dtype
-    if planned.loss_dtype == torch.float32:
-        checks.append(Check("loss_in_fp32", True, "the loss is float32 under the plan"))
-    else:
-        checks.append(Check(
-            "loss_in_fp32", False,
-            f"the loss is {planned.loss_dtype} under the plan: compute it in fp32 (outside "
-            "autocast, or upcast the logits with torchimpl.precision.upcast)",
-        ))
-
-    # (3) unscale before clip
-    checks.append(_unscale_check(plan, optimizer, scaler))
-
-    # (4) unsafe math in fp32
+    checks = [_fp32_rerun_check(summary, fp32.finite, reproduced), _loss_dtype_check(planned.loss_dtype),
+              _unscale_check(plan, optimizer, scaler)]
     unsafe = fp32.scanner.unsafe_findings
-    if unsafe:
-        more = f" (and {len(unsafe) - 1} more)" if len(unsafe) > 1 else ""
-        checks.append(Check("unsafe_math", False, f"{unsafe[0]}{more}"))
-    else:
-        checks.append(Check("unsafe_math", True, "no log of <= 0, division by zero, sqrt of a "
-                            "negative or similar in the fp32 step"))
-
-    # (5) fp16 normalisation
+    checks.append(_scan_check("unsafe_math", unsafe, "no log of <= 0, division by zero, sqrt of a "
+                              "negative or similar in the fp32 step"))
     norm = planned.scanner.norm_findings
-    if norm:
-        more = f" (and {len(norm) - 1} more)" if len(norm) > 1 else ""
-        checks.append(Check("fp16_normalization", False, f"{norm[0]}{more}"))
-    else:
-        checks.append(Check("fp16_normalization", True, "no normalisation of float16 tensors "
-                            "below float16's resolution in the plan's step"))
-
-    # (6) bf16 rerun
+    checks.append(_scan_check("fp16_normalization", norm, "no normalisation of float16 tensors "
+                              "below float16's resolution in the plan's step"))
     bf16 = None
-    if plan.mode != "fp16":
-        checks.append(Check("bf16_rerun", None, f"not applicable: the plan is {plan.mode}"))
-    elif plan.device_type == "cuda" and not cuda_bf16_supported():
-        checks.append(Check("bf16_rerun", None, "not applicable: this CUDA device lacks bf16"))
-    else:
+    if plan.mode == "fp16" and not (plan.device_type == "cuda" and not cuda_bf16_supported()):
         bf16 = _run_step(
             model, batch, autocast=(plan.device_type, torch.bfloat16), fp32=False, scale=None,
             unsafe=False, fp16_norm=False, **common,
         )
-        if not reproduced:
-            checks.append(Check("bf16_rerun", None, f"the fp16 step did not reproduce; bf16 "
-                                f"step: {bf16.describe()}"))
-        elif bf16.finite:
-            checks.append(Check("bf16_rerun", False, f"bf16 step: {bf16.describe()}: fp16's range "
-                                "or resolution is the cause; precision mode bf16 fixes it"))
-        else:
-            checks.append(Check("bf16_rerun", True, f"bf16 step: {bf16.describe()}: bf16 would "
-                                "not fix it"))
-
+    checks.append(_bf16_rerun_check(plan, reproduced, bf16))
+    first_ops: dict[str, Finding] = {}
     for run, outcome in (("plan", planned), ("fp32", fp32), ("bf16", bf16)):
         if outcome is not None and outcome.scanner.first_nonfinite is not None:
             first_ops[run] = outcome.scanner.first_nonfinite
@@ -737,3 +694,72 @@ def diagnose_nonfinite(
         "fp16_normalization": tuple(norm),
     }
     return DiagnosisReport(tuple(checks), reproduced, first_ops, findings)
+
+
+def _fp32_rerun_check(summary: str, fp32_finite: bool, reproduced: bool) -> Check:
+    """Check 1: the same step in fp32."""
+    if not fp32_finite:
+        return Check("fp32_rerun", False, summary + ": non-finite in fp32 too, so reduced "
+                     "precision is not the cause (see unsafe_math)")
+    if reproduced:
+        return Check("fp32_rerun", True, summary + ": finite in fp32, so reduced precision is the cause")
+    return Check("fp32_rerun", True, summary + ": the step did not reproduce as non-finite (the fault "
+                 "may depend on data, RNG or optimizer state)")
+
+
+def _loss_dtype_check(loss_dtype: torch.dtype | None) -> Check:
+    """Check 2: the loss is computed in float32."""
+    if loss_dtype == torch.float32:
+        return Check("loss_in_fp32", True, "the loss is float32 under the plan")
+    return Check("loss_in_fp32", False, f"the loss is {loss_dtype} under the plan: compute it in fp32 (outside "
+                 "autocast, or upcast the logits with torchimpl.precision.upcast)")
+
+
+def _scan_check(name: str, findings: list[Any], clean: str) -> Check:
+    """Checks 4 and 5: the first finding of an op scan, and how many more."""
+    if not findings:
+        return Check(name, True, clean)
+    more = f" (and {len(findings) - 1} more)" if len(findings) > 1 else ""
+    return Check(name, False, f"{findings[0]}{more}")
+
+
+def _bf16_rerun_check(plan: PrecisionPlan, reproduced: bool, bf16: Any) -> Check:
+    """Check 6: an fp16 step rerun in bf16 (``bf16`` is that rerun, or None when not run)."""
+    if plan.mode != "fp16":
+        return Check("bf16_rerun", None, f"not applicable: the plan is {plan.mode}")
+    if bf16 is None:
+        return Check("bf16_rerun", None, "not applicable: this CUDA device lacks bf16")
+    if not reproduced:
+        return Check("bf16_rerun", None, f"the fp16 step did not reproduce; bf16 step: {bf16.describe()}")
+    if bf16.finite:
+        return Check("bf16_rerun", False, f"bf16 step: {bf16.describe()}: fp16's range or resolution is "
+                     "the cause; precision mode bf16 fixes it")
+    return Check("bf16_rerun", True, f"bf16 step: {bf16.describe()}: bf16 would not fix it")
+
+
+def report_nonfinite(path: Path, *, step: int, what: str, model: nn.Module, batch: Any,
+                     loss_fn: Callable[[nn.Module, Any], torch.Tensor], plan: PrecisionPlan,
+                     optimizer: torch.optim.Optimizer | None, scaler: Any, dist: Any) -> str:
+    """Diagnose a step that stopped on a non-finite value and write the report to ``path``
+    (JSON); returns the path. Call on every rank: each diagnoses its own batch (the fault may
+    be in any rank's data), and rank 0 alone writes the file, with the other ranks'
+    diagnoses under ``other_ranks``. Under FSDP2 the file says why there is no diagnosis.
+    A failing diagnosis is recorded in the file, never raised over the original problem."""
+    try:
+        if dist.sharded:  # the diagnosis reruns the step on a copy of the whole model
+            raise ValueError("FSDP2 shards the parameters; rerun from the last checkpoint with "
+                             "train.distributed=ddp or none to diagnose")
+        report = diagnose_nonfinite(model, batch, loss_fn, plan, optimizer, scaler)
+        data = report.to_dict() if hasattr(report, "to_dict") else dataclasses.asdict(report)
+    except Exception as exc:
+        data = {"error": f"diagnosis failed: {exc!r}"}
+    data = {"step": step, "problem": what, "diagnosis": json.loads(json.dumps(data, default=str))}
+    by_rank = dist.gather(data["diagnosis"], "gathering the non-finite diagnoses")
+    if by_rank is not None:
+        if len(by_rank) > 1:
+            data["other_ranks"] = {str(r): d for r, d in enumerate(by_rank) if r}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2))
+    log.error("%s at step %d; diagnosis %s %s", what, step,
+              "written to" if by_rank is not None else "of this rank written by rank 0 to", path)
+    return str(path)

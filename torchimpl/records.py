@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import IO, Iterable
+from typing import IO, Any, Iterable
 
-__all__ = ["FIELDS", "StepRecord", "TraceWriter", "read_trace", "write_trace"]
+import torch
+
+__all__ = ["FIELDS", "PendingRecords", "StepRecord", "TraceWriter", "read_trace", "write_trace"]
 
 
 @dataclass(frozen=True)
@@ -51,18 +54,7 @@ class StepRecord:
         extra = [k for k in obj if k not in FIELDS]
         if missing or extra:
             raise ValueError(f"step record fields differ: missing {missing}, unexpected {extra}")
-        return cls(
-            step=int(obj["step"]),
-            microbatches=int(obj["microbatches"]),
-            scale_before=float(obj["scale_before"]),
-            found_inf=bool(obj["found_inf"]),
-            applied=bool(obj["applied"]),
-            grad_norm=None if obj["grad_norm"] is None else float(obj["grad_norm"]),
-            clip_coef=None if obj["clip_coef"] is None else float(obj["clip_coef"]),
-            scale_after=float(obj["scale_after"]),
-            growth_tracker=int(obj["growth_tracker"]),
-            lr=float(obj["lr"]),
-        )
+        return cls(**{name: _convert(name, obj[name]) for name in FIELDS})
 
     def same_as(self, other: StepRecord) -> bool:
         """Field-wise equality in which NaN equals NaN."""
@@ -76,6 +68,87 @@ class StepRecord:
 
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StepRecord))
+"""The record's field names, in order: the one list that the trace, the flush and the
+conformance suite (against ``reference.step.StepRecord``) read."""
+
+# How a value read from JSON or from the device becomes a field's type, by field name; floats
+# are the default and None stays None where the field allows it.
+_TYPES = {"step": int, "microbatches": int, "found_inf": bool, "applied": bool, "growth_tracker": int}
+_OPTIONAL = frozenset({"grad_norm", "clip_coef"})
+
+
+def _convert(name: str, value: Any) -> Any:
+    if value is None and name in _OPTIONAL:
+        return None
+    return _TYPES.get(name, float)(value)
+
+
+class PendingRecords:
+    """Step records not yet read from the device, read in one transfer at a log point.
+
+    ``add`` takes every field by name (device tensors or host numbers) and the window's float32
+    loss sum; ``applied`` may be ``None`` where only the device knows it (the kernel skipped on
+    ``found_inf``), and is then ``not found_inf``. ``read`` returns the records and each step's
+    mean loss, and empties the list.
+    """
+
+    def __init__(self) -> None:
+        self._rows: list[dict[str, Any]] = []
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def add(self, loss_sum: Any, **values: Any) -> None:
+        values["loss_sum"] = loss_sum
+        self._rows.append(values)
+
+    def read(self) -> tuple[list[StepRecord], list[float]]:
+        rows, self._rows = _read_all(self._rows), []
+        records, losses = [], []
+        for row in rows:
+            if row["applied"] is None:
+                row["applied"] = not row["found_inf"]
+            # The mean loss of the window: its float32 sum over its size, one float32 division.
+            losses.append(_mean_f32(row.pop("loss_sum"), row["microbatches"]))
+            records.append(StepRecord(**{name: _convert(name, row[name]) for name in FIELDS}))
+        return records, losses
+
+
+def _read_all(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` with every tensor replaced by its value as a Python number, in one transfer.
+
+    Every tensor in ``rows`` is a 0-d record value on the run's device. They are stacked by
+    dtype; several stacks are widened to float64 (exact for every dtype a record holds) and
+    concatenated, so that one ``tolist`` reads them all. Other values pass through.
+    """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for row in rows:
+        for v in row.values():
+            if isinstance(v, torch.Tensor):
+                by_dtype.setdefault(v.dtype, []).append(v)
+    if not by_dtype:
+        return [dict(row) for row in rows]
+    stacks = [torch.stack(ts) for ts in by_dtype.values()]
+    flat = (stacks[0] if len(stacks) == 1 else torch.cat([t.to(torch.float64) for t in stacks])).tolist()
+    read, start = {}, 0
+    for dtype, ts in by_dtype.items():
+        read[dtype] = iter(flat[start:start + len(ts)])
+        start += len(ts)
+    return [{k: next(read[v.dtype]) if isinstance(v, torch.Tensor) else v for k, v in row.items()} for row in rows]
+
+
+_F32 = struct.Struct("f")
+
+
+def _mean_f32(total: float, k: int) -> float:
+    """``total / k`` as one float32 division, for a float32 ``total`` and an int ``k < 2**24``.
+
+    Both are exact in float64, so the float64 quotient rounded to float32 is the correctly
+    rounded float32 quotient: double rounding is innocuous for a division when the wider
+    format has at least 2 * 24 + 2 significand bits (Figueroa, 1995), and float64 has 53.
+    ``struct``'s "f" rounds to nearest even; inf and NaN pass through.
+    """
+    return _F32.unpack(_F32.pack(total / k))[0]
 
 
 class TraceWriter:

@@ -683,66 +683,17 @@ class DynamicLossScaler(GradScaler):
                 "The source state dict is empty, possibly because it was saved from a "
                 "disabled scaler."
             )
-        problems: list[str] = []
-        full = set(_TORCH_KEYS) | set(_EXTRA_KEYS)
         plain_torch = keys == set(_TORCH_KEYS)
         if not plain_torch:
-            missing = sorted(full - keys)
-            unknown = sorted(keys - full)
-            if missing:
-                problems.append(f"missing keys {missing}")
-            if unknown:
-                problems.append(f"unknown keys {unknown}")
-            if missing or unknown:
-                raise ValueError("invalid scaler state_dict: " + "; ".join(problems))
-
+            key_problems = _key_problems(keys)
+            if key_problems:
+                raise ValueError("invalid scaler state_dict: " + "; ".join(key_problems))
         sd = dict(state_dict)
-        if plain_torch:
-            policy = dataclasses.replace(
-                self._policy,
-                init_scale=sd["scale"],
-                growth_factor=sd["growth_factor"],
-                backoff_factor=sd["backoff_factor"],
-                growth_interval=sd["growth_interval"],
-            )
-            hyst_left: Any = policy.hysteresis
-        else:
-            policy = ResolvedScalerConfig(
-                preset=sd["preset"],
-                init_scale=sd["scale"],
-                growth_factor=sd["growth_factor"],
-                backoff_factor=sd["backoff_factor"],
-                growth_interval=sd["growth_interval"],
-                hysteresis=sd["hysteresis"],
-                min_scale=sd["min_scale"],
-                max_scale=sd["max_scale"],
-                raise_at_min_scale=sd["raise_at_min_scale"],
-                consecutive_hysteresis=sd["consecutive_hysteresis"],
-                enabled=self._policy.enabled,
-            )
-            hyst_left = sd["hysteresis_left"]
-        # init_scale is where the loaded scale lands, so the config rules check "scale".
-        problems.extend(
-            p.replace("init_scale", "scale") for p in _config_problems(policy)
-        )
+        policy, hyst_left = self._loaded_policy(sd, plain_torch)
         tracker = sd["_growth_tracker"]
-        interval = policy.growth_interval
-        if not _is_int(tracker) or tracker < 0:
-            problems.append(f"_growth_tracker must be an int >= 0, got {tracker!r}")
-        elif _is_int(interval) and interval >= 1:
-            limit = interval if policy.preset == "deepspeed" else interval - 1
-            if tracker > limit:
-                problems.append(
-                    f"_growth_tracker must be <= {limit} with growth_interval={interval} "
-                    f"and preset {policy.preset!r}, got {tracker!r}"
-                )
-        hysteresis = policy.hysteresis
-        if not _is_int(hyst_left) or hyst_left < 0:
-            problems.append(f"hysteresis_left must be an int >= 0, got {hyst_left!r}")
-        elif _is_int(hysteresis) and hyst_left > hysteresis:
-            problems.append(
-                f"hysteresis_left must be <= hysteresis ({hysteresis!r}), got {hyst_left!r}"
-            )
+        # init_scale is where the loaded scale lands, so the config rules check "scale".
+        problems = [p.replace("init_scale", "scale") for p in _config_problems(policy)]
+        problems += _counter_problems(policy, tracker, hyst_left)
         if problems:
             raise ValueError("invalid scaler state_dict: " + "; ".join(problems))
 
@@ -760,6 +711,24 @@ class DynamicLossScaler(GradScaler):
             self._growth_tracker.fill_(int(tracker))
             self._hysteresis_tracker.fill_(int(hyst_left))
 
+    def _loaded_policy(self, sd: dict[str, Any], plain_torch: bool) -> tuple[ResolvedScalerConfig, Any]:
+        """The policy and hysteresis left that ``sd`` describes (not validated yet). A plain
+        torch state keeps this scaler's extension settings and refills the hysteresis."""
+        if plain_torch:
+            policy = dataclasses.replace(
+                self._policy, init_scale=sd["scale"], growth_factor=sd["growth_factor"],
+                backoff_factor=sd["backoff_factor"], growth_interval=sd["growth_interval"],
+            )
+            return policy, policy.hysteresis
+        policy = ResolvedScalerConfig(
+            preset=sd["preset"], init_scale=sd["scale"], growth_factor=sd["growth_factor"],
+            backoff_factor=sd["backoff_factor"], growth_interval=sd["growth_interval"],
+            hysteresis=sd["hysteresis"], min_scale=sd["min_scale"], max_scale=sd["max_scale"],
+            raise_at_min_scale=sd["raise_at_min_scale"], consecutive_hysteresis=sd["consecutive_hysteresis"],
+            enabled=self._policy.enabled,
+        )
+        return policy, sd["hysteresis_left"]
+
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         if self._enabled:
@@ -767,6 +736,34 @@ class DynamicLossScaler(GradScaler):
             state["_hysteresis_tracker"] = None
         state["_last_applied"] = None
         return state
+
+
+def _key_problems(keys: set[str]) -> list[str]:
+    """What is wrong with the keys of a state that is not torch's plain five."""
+    full = set(_TORCH_KEYS) | set(_EXTRA_KEYS)
+    missing, unknown = sorted(full - keys), sorted(keys - full)
+    return ([f"missing keys {missing}"] if missing else []) + ([f"unknown keys {unknown}"] if unknown else [])
+
+
+def _counter_problems(policy: ResolvedScalerConfig, tracker: Any, hyst_left: Any) -> list[str]:
+    """What is wrong with a loaded growth tracker and hysteresis count under ``policy``."""
+    problems = []
+    interval = policy.growth_interval
+    if not _is_int(tracker) or tracker < 0:
+        problems.append(f"_growth_tracker must be an int >= 0, got {tracker!r}")
+    elif _is_int(interval) and interval >= 1:
+        limit = interval if policy.preset == "deepspeed" else interval - 1
+        if tracker > limit:
+            problems.append(
+                f"_growth_tracker must be <= {limit} with growth_interval={interval} "
+                f"and preset {policy.preset!r}, got {tracker!r}"
+            )
+    hysteresis = policy.hysteresis
+    if not _is_int(hyst_left) or hyst_left < 0:
+        problems.append(f"hysteresis_left must be an int >= 0, got {hyst_left!r}")
+    elif _is_int(hysteresis) and hyst_left > hysteresis:
+        problems.append(f"hysteresis_left must be <= hysteresis ({hysteresis!r}), got {hyst_left!r}")
+    return problems
 
 
 def make_grad_scaler(

@@ -1,0 +1,221 @@
+"""The run's state: its counters, the data cursor, and what a checkpoint holds.
+
+A checkpoint (format 1) holds everything that the rest of the run depends on, so that a run
+resumed from it is, on the CPU, bit for bit the run that never stopped:
+
+1. the model's state and its signature (parameter names and shapes), checked before loading;
+2. the optimizer's state and its kind (a different kind resumes with a warning: fused and
+   for-loop updates differ in the last bits);
+3. the schedule: its base rates and the count of applied steps;
+4. the loss scaler's state (``None`` without one);
+5. the counters (:class:`TrainState`);
+6. inside an accumulation window, the window's accumulated gradients and loss sum;
+7. every random generator's state, restored last;
+8. the data position (:class:`DataCursor`): the epoch, the batches of it consumed, and for a
+   source without ``iter_from`` the torch generator state its shuffle was drawn from;
+9. the configuration and the versions of torch and ampspec, for people.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+import torchimpl
+from torchimpl.checkpoint import CheckpointError, capture_rng_state, restore_rng_state
+
+__all__ = ["CHECKPOINT_FORMAT", "DataCursor", "RunState", "TrainState"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass
+class TrainState:
+    """Counters of a run; everything here is saved in a checkpoint."""
+
+    step: int = 0
+    """Optimizer steps attempted (applied or skipped)."""
+    applied_steps: int = 0
+    """Optimizer steps applied; drives the learning-rate schedule (read at log points in
+    the sync-free mode)."""
+    skipped_steps: int = 0
+    epoch: int = 0
+    batch_index: int = 0
+    """Batches of the current epoch consumed by finished microbatches."""
+    samples: int = 0
+    window_size: int = 0
+    """Microbatches in the current accumulation window (0 between steps)."""
+    window_done: int = 0
+    """Microbatches of the current window already backpropagated."""
+    best_val_loss: float | None = None
+    last_val_loss: float | None = None
+    last_train_loss: float | None = None
+
+
+class DataCursor:
+    """Where the run is in its training data: epochs of batches, windows that never cross an
+    epoch, and a position a checkpoint can restore.
+
+    A source with ``iter_from(epoch, index)`` is reopened there. Any other re-iterable source
+    (a list, a DataLoader) is reopened from its start and advanced; a DataLoader draws its
+    shuffle seed from torch's generator when iterated, so the cursor keeps the state it
+    started each epoch from and replays it on a resume.
+    """
+
+    def __init__(self, data: Any, state: TrainState):
+        self.data, self.state = data, state
+        self._it: Iterator[Any] | None = None
+        self._epoch_rng: torch.Tensor | None = None
+
+    def _open_epoch(self, index: int = 0) -> None:
+        data = self.data
+        if hasattr(data, "iter_from"):
+            self._epoch_rng = None
+            self._it = iter(data.iter_from(self.state.epoch, index))
+            return
+        self._epoch_rng = torch.get_rng_state()
+        for target in (data, getattr(data, "sampler", None), getattr(data, "batch_sampler", None)):
+            if hasattr(target, "set_epoch"):
+                target.set_epoch(self.state.epoch)
+        self._it = iter(data)
+        for _ in range(index):
+            next(self._it)
+
+    def fetch(self, n: int) -> list[Any]:
+        """Up to ``n`` batches; fewer at the end of an epoch."""
+        batches: list[Any] = []
+        while len(batches) < n:
+            if self._it is None:
+                self._open_epoch()
+            try:
+                batches.append(next(self._it))
+            except StopIteration:
+                if batches:
+                    break
+                if self.state.batch_index == 0:
+                    raise ValueError(
+                        f"train_data yielded no batches in epoch {self.state.epoch}; pass a re-iterable "
+                        "source (a list, a DataLoader), not a one-shot generator"
+                    ) from None
+                self._it = None
+                self.state.epoch += 1
+                self.state.batch_index = 0
+        return batches
+
+    def state_dict(self) -> dict[str, Any]:
+        st = self.state
+        return {"epoch": st.epoch, "index": st.batch_index, "epoch_rng": self._epoch_rng,
+                "started": self._it is not None}
+
+    def load_state_dict(self, data_state: dict[str, Any]) -> None:
+        self.state.epoch = int(data_state["epoch"])
+        index = int(data_state["index"])
+        if not data_state.get("started", True):
+            self._it = None
+            return
+        if hasattr(self.data, "iter_from"):
+            self._open_epoch(index)
+            return
+        saved = data_state.get("epoch_rng")
+        current = torch.get_rng_state()
+        if saved is not None:
+            torch.set_rng_state(saved)
+        self._open_epoch(index)
+        torch.set_rng_state(current)
+
+
+class RunState:
+    """Builds a checkpoint's contents from the live run and restores a run from one."""
+
+    def __init__(self, *, config: Any, model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_kind: str,
+                 engine: Any, cursor: DataCursor, plan_mode: str):
+        self.config, self.model, self.optimizer, self.optimizer_kind = config, model, optimizer, optimizer_kind
+        self.engine, self.cursor, self.plan_mode = engine, cursor, plan_mode
+
+    @property
+    def state(self) -> TrainState:
+        return self.cursor.state
+
+    def contents(self) -> dict[str, Any]:
+        engine, st = self.engine, self.state
+        applied, skipped = engine.skip.counters(st)
+        # The sync-free device count includes steps whose records are not flushed yet: saved,
+        # but the live counters are left to the flushes, which count every record once.
+        st = dataclasses.replace(st, applied_steps=applied, skipped_steps=skipped)
+        model_state = self.model.state_dict()
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "versions": {"torch": str(torch.__version__), "ampspec": ampspec_version()},
+            "config": self.config.to_dict(),
+            "model": model_state,
+            "model_signature": {k: list(v.shape) for k, v in model_state.items()},
+            "optimizer": self.optimizer.state_dict(),
+            "optimizer_kind": self.optimizer_kind,
+            "schedule": engine.skip.schedule_state(applied),
+            "scaler": engine.scaling.state_dict(),
+            "trainer": dataclasses.asdict(st),
+            "accumulation": {
+                "grads": [p.grad.detach().clone() if p.grad is not None else None for p in engine.params],
+                "loss": engine.loss_acc.detach().clone(),
+            } if st.window_size > 0 else None,
+            "rng": capture_rng_state(),
+            "data": self.cursor.state_dict(),
+        }
+
+    def restore(self, ckpt: dict[str, Any], path: Path) -> None:
+        """Rules 1-6 (the generators and the data position come later: :meth:`restore_rng_and_data`)."""
+        if ckpt.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"{path}: checkpoint format {ckpt.get('format')!r}, expected {CHECKPOINT_FORMAT}")
+        self._check_signature(ckpt["model_signature"], path)
+        self.model.load_state_dict(ckpt["model"])
+        try:
+            self.optimizer.load_state_dict(ckpt["optimizer"])
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{path}: optimizer state does not fit this optimizer: {exc}") from None
+        if ckpt.get("optimizer_kind") != self.optimizer_kind:
+            log.warning("%s was saved with a %s optimizer, resuming with %s: updates may differ in the last bits",
+                        path, ckpt.get("optimizer_kind"), self.optimizer_kind)
+        engine = self.engine
+        engine.skip.load_schedule(ckpt["schedule"], self.config.train.steps)
+        engine.scaling.load_state_dict(ckpt.get("scaler"), path, self.plan_mode)
+        names = {f.name for f in dataclasses.fields(TrainState)}
+        saved = TrainState(**{k: v for k, v in ckpt["trainer"].items() if k in names})
+        vars(self.state).update(vars(saved))  # in place: the engine and the cursor share it
+        acc = ckpt.get("accumulation")
+        if acc is not None:
+            for p, g in zip(engine.params, acc["grads"]):
+                p.grad = None if g is None else g.to(engine.device)
+            engine.loss_acc.copy_(acc["loss"])
+
+    def restore_rng_and_data(self, ckpt: dict[str, Any]) -> None:
+        """Rules 7-8, last, so that nothing in the set-up consumes the restored streams."""
+        restore_rng_state(ckpt["rng"])
+        self.cursor.load_state_dict(ckpt["data"])
+
+    def _check_signature(self, theirs: dict[str, list[int]], path: Path) -> None:
+        mine = {k: list(v.shape) for k, v in self.model.state_dict().items()}
+        if mine == theirs:
+            return
+        missing = sorted(set(mine) - set(theirs))
+        extra = sorted(set(theirs) - set(mine))
+        shapes = sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
+        parts = [f"missing {missing[:5]}" if missing else "", f"unexpected {extra[:5]}" if extra else "",
+                 f"different shapes for {shapes[:5]}" if shapes else ""]
+        raise CheckpointError(f"{path} was saved from a different model: " + "; ".join(p for p in parts if p))
+
+
+def ampspec_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("ampspec")
+    except Exception:  # not installed (running from a checkout)
+        return getattr(torchimpl, "__version__", "unknown")

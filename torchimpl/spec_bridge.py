@@ -1,0 +1,86 @@
+"""torchimpl's configuration as the specification's: the one place that translates it.
+
+This is the boundary between the two implementations, where the specification judges a
+recorded run (``ampspec replay``) and where the conformance suite builds the spec's step for a
+trainer's run. It is the only torchimpl module that uses ``reference``, imported inside its
+functions so that importing torchimpl never imports the specification; the training path never
+calls it. Only names and values cross here, never code: each side computes with its own.
+
+Translations:
+
+1. the scaler policy (``torchimpl.scaler.ResolvedScalerConfig``) becomes
+   ``reference.scaling.ScalerConfig``: the spec's preset of the same name with every shared
+   field taken from the policy (the spec-only fields, such as DeepSpeed's growth since the last
+   overflow, come with the preset);
+2. the optimizer (``torchimpl.optim.OptimizerConfig``) becomes ``reference.optim.SGDConfig`` or
+   ``AdamConfig`` (AdamW is Adam with decoupled weight decay);
+3. the schedule (``torchimpl.config.ScheduleConfig``) becomes ``reference.step.LRSchedule``,
+   whose cosine spans ``schedule.decay_steps`` or else ``train.steps``;
+4. ``optimizer.no_decay_bias_and_norm`` (rule 4 of ``torchimpl.optim``) becomes two
+   ``ParamGroup``: parameters of 2 or more dimensions, and the others with ``weight_decay=0``;
+5. everything else of the step (clip norm, optimizer kind, sync-free mode, whether a scaler
+   runs) is passed through as the trainer resolved it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+__all__ = ["optimizer_config", "param_groups", "scaler_config", "schedule", "step_config"]
+
+
+def scaler_config(policy: Any) -> Any:
+    """Rule 1: ``reference.scaling.ScalerConfig`` for a resolved scaler policy (the spec's
+    default configuration for ``None``: no scaler, whose scale the spec fixes at 1)."""
+    from reference.scaling import ScalerConfig
+
+    if policy is None:
+        return ScalerConfig()
+    shared = {f.name for f in dataclasses.fields(ScalerConfig)} & {f.name for f in dataclasses.fields(policy)}
+    return ScalerConfig.preset(policy.preset, **{n: getattr(policy, n) for n in sorted(shared - {"preset"})})
+
+
+def optimizer_config(o: Any) -> Any:
+    """Rule 2: the spec's optimizer configuration for a ``torchimpl.optim.OptimizerConfig``."""
+    from reference import optim
+
+    if o.name == "sgd":
+        return optim.SGDConfig(lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay)
+    return optim.AdamConfig(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                            decoupled_weight_decay=o.name == "adamw")
+
+
+def schedule(config: Any) -> Any:
+    """Rule 3: the spec's ``LRSchedule`` for a run's ``Config``."""
+    from reference.step import LRSchedule
+
+    s, o = config.schedule, config.optimizer
+    total = s.decay_steps if s.decay_steps is not None else config.train.steps
+    return LRSchedule(base_lr=o.lr, kind=s.name, warmup_steps=s.warmup_steps, total_steps=total,
+                      min_lr_ratio=s.min_lr_ratio)
+
+
+def param_groups(o: Any, param_ndims: Sequence[int]) -> Any:
+    """Rule 4: the spec's parameter groups for the trained parameters' numbers of dimensions
+    (in the trainer's parameter order); ``None`` for one group of all."""
+    from reference.step import ParamGroup
+
+    if not o.no_decay_bias_and_norm:
+        return None
+    decay = tuple(i for i, n in enumerate(param_ndims) if n >= 2)
+    no_decay = tuple(i for i, n in enumerate(param_ndims) if n < 2)
+    return ParamGroup(decay), ParamGroup(no_decay, {"weight_decay": 0.0})
+
+
+def step_config(config: Any, *, scaler_policy: Any, optimizer_kind: str, sync_free: bool,
+                param_ndims: Sequence[int], **extra: Any) -> Any:
+    """``reference.step.StepConfig`` for a run: its ``Config``, the policy of the scaler it runs
+    (``None`` without one), the optimizer kind and sync mode it resolved, and its trained
+    parameters' numbers of dimensions. ``extra`` goes to ``StepConfig`` as is (``sqrt``)."""
+    from reference.step import StepConfig
+
+    return StepConfig(optimizer=optimizer_config(config.optimizer), schedule=schedule(config),
+                      scaler=scaler_config(scaler_policy), use_scaler=scaler_policy is not None,
+                      clip_norm=config.train.clip_norm, optimizer_kind=optimizer_kind, sync_free=sync_free,
+                      param_groups=param_groups(config.optimizer, param_ndims), **extra)
