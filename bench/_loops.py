@@ -26,7 +26,13 @@ kept and read at the log point.
 from __future__ import annotations
 
 import copy
+import importlib
+import re
+import subprocess
+import sys
+import tempfile
 import warnings
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -107,10 +113,11 @@ def run_hand(w: Workload, steps: int, mark: Mark) -> None:
         mark("step_end")
 
 
-def trainer_config(w: Workload, steps: int, *, sync_free: bool = False):
-    from torchimpl.config import Config, ScheduleConfig, TrainConfig
-    from torchimpl.optim import OptimizerConfig
-    from torchimpl.precision import PrecisionConfig
+def trainer_config(w: Workload, steps: int, *, sync_free: bool = False, package: str = "torchimpl"):
+    config = importlib.import_module(f"{package}.config")
+    Config, ScheduleConfig, TrainConfig = config.Config, config.ScheduleConfig, config.TrainConfig
+    OptimizerConfig = importlib.import_module(f"{package}.optim").OptimizerConfig
+    PrecisionConfig = importlib.import_module(f"{package}.precision").PrecisionConfig
 
     cpu = torch.device(w.device).type == "cpu"
     if cpu and w.autocast_dtype != torch.bfloat16:
@@ -127,8 +134,9 @@ def trainer_config(w: Workload, steps: int, *, sync_free: bool = False):
     )
 
 
-def run_trainer(w: Workload, steps: int, mark: Mark, *, sync_free: bool = False) -> Any:
-    from torchimpl.trainer import Callback, Trainer
+def run_trainer(w: Workload, steps: int, mark: Mark, *, sync_free: bool = False, package: str = "torchimpl") -> Any:
+    trainer = importlib.import_module(f"{package}.trainer")
+    Callback, Trainer = trainer.Callback, trainer.Trainer
 
     class Marks(Callback):
         def on_after_backward(self, trainer, state):
@@ -138,7 +146,7 @@ def run_trainer(w: Workload, steps: int, mark: Mark, *, sync_free: bool = False)
             mark("step_end")
 
     model = copy.deepcopy(w.model)
-    cfg = trainer_config(w, steps, sync_free=sync_free)
+    cfg = trainer_config(w, steps, sync_free=sync_free, package=package)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return Trainer(cfg, callbacks=[Marks()]).fit(model, w.batches[: steps * w.k])
@@ -277,3 +285,27 @@ RUNNERS: dict[str, Callable[..., Any]] = {
     "accelerate": run_accelerate,
     "fabric": run_fabric,
 }
+
+
+def add_baseline(ref: str) -> str:
+    """Register the Trainer of git revision ``ref`` as a candidate beside today's; its name.
+
+    ``torchimpl`` at ``ref`` is extracted from this repository into a temporary folder as the
+    package ``torchimpl_at_<ref>`` (every ``torchimpl`` name in its source renamed), so that the
+    old and the new trainer run side by side in one process.
+    """
+    root = Path(__file__).resolve().parent.parent
+    package = "torchimpl_at_" + re.sub(r"\W", "_", ref)
+    dest = Path(tempfile.mkdtemp(prefix="ampspec-baseline-"))
+    try:
+        tar = subprocess.run(["git", "archive", ref, "torchimpl"], cwd=root, check=True, capture_output=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise SystemExit(f"--against {ref}: git archive failed ({exc}); give a revision of this repository")
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=tar, check=True)
+    (dest / "torchimpl").rename(dest / package)
+    for path in (dest / package).rglob("*.py"):
+        path.write_text(re.sub(r"\btorchimpl\b", package, path.read_text()))
+    sys.path.insert(0, str(dest))
+    name = f"ampspec@{ref}"
+    RUNNERS[name] = lambda w, steps, mark, **kw: run_trainer(w, steps, mark, package=package, **kw)
+    return name

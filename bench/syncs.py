@@ -14,6 +14,9 @@ directly, without dispatching; the script checks this and records it), ``.cpu()`
 waits for anything; on CUDA they can, so with ``--device cuda`` the script also runs
 ``torch.cuda.set_sync_debug_mode("warn")`` and counts the warnings, which cover them.
 
+Also counted: every aten op dispatched (``aten_ops_per_step``), the work a candidate adds
+around the same training.
+
 Per optimizer step, after warm-up, each count is split into the microbatch phase (from the
 previous step's end to the end of the last backward; for the Trainer this also holds its
 log-point flush every 10 steps, amortised) and the step phase (unscale, clip, optimizer step,
@@ -36,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness  # noqa: E402
-from _loops import RUNNERS, Unsupported, Workload, available, run_trainer  # noqa: E402
+from _loops import RUNNERS, Unsupported, Workload, add_baseline, available, run_trainer  # noqa: E402
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -73,10 +76,12 @@ class SyncCounter(TorchDispatchMode):
         super().__init__()
         self.syncs = 0
         self.other = 0
+        self.ops = 0
         self.cuda_warnings = 0
         self.origins: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
         if func is SYNC:
             self.syncs += 1
             self.origins[_origin()] += 1
@@ -99,11 +104,11 @@ def tolist_is_counted() -> dict[str, bool]:
 
 def count(runner, w: Workload, steps: int, warmup: int, on_cuda: bool) -> dict:
     counter = SyncCounter()
-    snapshots: list[tuple[str, int, int, int]] = []
+    snapshots: list[tuple[str, int, int, int, int]] = []
     caught: list[warnings.WarningMessage] = []
 
     def mark(event: str) -> None:
-        snapshots.append((event, counter.syncs, counter.other, len(caught)))
+        snapshots.append((event, counter.syncs, counter.other, len(caught), counter.ops))
 
     with warnings.catch_warnings(record=True) as caught_list:
         warnings.simplefilter("always")
@@ -120,7 +125,7 @@ def count(runner, w: Workload, steps: int, warmup: int, on_cuda: bool) -> dict:
     ends = [s for s in snapshots if s[0] == "step_end"]
     windows = [s for s in snapshots if s[0] == "window_end"]
     measured = range(warmup, len(ends))
-    micro, step, other, cw_micro, cw_step = [], [], [], [], []
+    micro, step, other, cw_micro, cw_step, ops = [], [], [], [], [], []
     for i in measured:
         prev = ends[i - 1]
         micro.append(windows[i][1] - prev[1])
@@ -128,6 +133,7 @@ def count(runner, w: Workload, steps: int, warmup: int, on_cuda: bool) -> dict:
         other.append(ends[i][2] - prev[2])
         cw_micro.append(windows[i][3] - prev[3])
         cw_step.append(ends[i][3] - windows[i][3])
+        ops.append(ends[i][4] - prev[4])
     n = max(len(measured), 1)
     out = {
         "steps_measured": len(measured),
@@ -135,6 +141,7 @@ def count(runner, w: Workload, steps: int, warmup: int, on_cuda: bool) -> dict:
         "in_microbatches_per_step": sum(micro) / n,
         "in_step_phase_per_step": sum(step) / n,
         "other_sync_ops_per_step": sum(other) / n,
+        "aten_ops_per_step": sum(ops) / n,
         "origins_total_all_steps": dict(counter.origins.most_common(8)),
     }
     if on_cuda:
@@ -151,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=24, help="optimizer steps per candidate (>= 2 log points)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--against", default=None, metavar="REV",
+                    help="also count the Trainer of this git revision (e.g. HEAD~1)")
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     args = ap.parse_args(argv)
     on_cuda = args.device == "cuda"
@@ -169,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         "accelerate": RUNNERS["accelerate"],
         "fabric": RUNNERS["fabric"],
     }
+    if args.against:
+        baseline = RUNNERS[add_baseline(args.against)]
+        candidates[f"ampspec@{args.against}"] = baseline
+        candidates[f"ampspec@{args.against} sync_free"] = lambda w, s, m: baseline(w, s, m, sync_free=True)
     modes = [("bf16", torch.bfloat16, False)]
     modes.append(("fp16+scaler", torch.float16, True) if on_cuda else ("bf16+scaler", torch.bfloat16, True))
     results: dict = {
@@ -190,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 if skipped_peers.get(peer):
                     cfg[name] = {"skipped": skipped_peers[peer]}
                     continue
-                if name == "ampspec sync_free" and not fused:
+                if name.endswith("sync_free") and not fused:
                     cfg[name] = {"skipped": "sync_free needs a fused optimizer"}
                     continue
                 try:
@@ -204,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                     parts.append(f"{name} -")
                 else:
                     extra = f"/{r['cuda_sync_warnings_per_step']:g}w" if on_cuda else ""
-                    parts.append(f"{name} {r['local_scalar_dense_per_step']:g}{extra}")
+                    parts.append(f"{name} {r['local_scalar_dense_per_step']:g}{extra} ({r['aten_ops_per_step']:.1f} ops)")
             lines.append(f"{label}: " + ", ".join(parts))
             print(lines[-1], flush=True)
     path = _harness.write_result("syncs" if not on_cuda else "syncs_cuda", results, args.out)

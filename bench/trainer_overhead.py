@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness  # noqa: E402  (puts the repository root on sys.path)
-from _loops import LOG_INTERVAL, RUNNERS, Unsupported, Workload, available  # noqa: E402
+from _loops import LOG_INTERVAL, RUNNERS, Unsupported, Workload, add_baseline, available  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="also cProfile one block of each candidate")
     ap.add_argument("--only", nargs="+", default=None, metavar="CONFIG",
                     help="run only these configurations (e.g. mlp/bf16+scaler)")
+    ap.add_argument("--against", default=None, metavar="REV",
+                    help="also run the Trainer of this git revision, paired with today's (e.g. HEAD~1)")
+    ap.add_argument("--no-peers", action="store_true", help="leave out Accelerate and Fabric")
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     args = ap.parse_args(argv)
     if args.warmup % LOG_INTERVAL or (args.steps - args.warmup) % LOG_INTERVAL or args.steps <= args.warmup:
@@ -102,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     skipped_peers = available()
+    if args.no_peers:
+        skipped_peers = {n: "left out (--no-peers)" for n in skipped_peers}
+    baseline = add_baseline(args.against) if args.against else None
     workloads = make_workloads(args.k, args.batch_size, args.steps * args.k)
     if args.only:
         unknown = sorted(set(args.only) - {w.name for w in workloads})
@@ -148,11 +154,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile:
             cfg["profiles"] = {n: profile_block(RUNNERS[n], w, args.steps) for n in names}
         results["configs"][w.name] = cfg
+        if baseline is not None:
+            cfg["new_vs_baseline"] = {
+                "by_median_step": _harness.paired_ratio(block_medians, "ampspec", baseline),
+                "by_mean_step": _harness.paired_ratio(block_means, "ampspec", baseline),
+            }
         line = ", ".join(f"{n} {cfg['candidates'][n]['ratio_vs_hand']['median']:.3f}x"
                          f" (mean {cfg['candidates'][n]['mean_ratio_vs_hand']['median']:.3f}x)"
                          for n in names if n != "hand")
         print(f"{w.name}: hand {cfg['candidates']['hand']['median_step_ms']:.2f} ms/step; vs hand: {line}"
               + (f"; skipped {sorted(skip)}" if skip else ""), flush=True)
+        if baseline is not None:
+            nb = cfg["new_vs_baseline"]
+            print(f"  ampspec / {baseline}: {nb['by_median_step']['median']:.3f} by median step time, "
+                  f"{nb['by_mean_step']['median']:.3f} by mean step time", flush=True)
         for n, why in skip.items():
             print(f"  skipped {n}: {why}", flush=True)
 

@@ -1,11 +1,13 @@
-"""ampspec's production PyTorch package. It never imports ``reference``.
+"""ampspec's production PyTorch package. It never imports ``reference`` (``spec_bridge``, the
+CLI's boundary with the specification, does so only when ``replay`` calls it).
 
 - device and precision: `resolve_device`, `PrecisionConfig`, `resolve_precision`,
   `autocast_context`, `configure_tf32`, `fp32_island`, `upcast`;
 - loss scaling: `ScalerConfig`, `DynamicLossScaler`, `make_grad_scaler`;
 - optimizers: `OptimizerConfig`, `build_optimizer`, `supports_fused_adamw`;
-- training: `Config`, `load_config`, `Trainer`, `Callback`, `RunSummary`, step records and
-  checkpoints;
+- training: `Config`, `load_config`, `Trainer` (the run's cadence; the step itself is
+  `torchimpl.step`'s engine, the checkpoint contents `torchimpl.run_state`), `Callback`,
+  `RunSummary`, step records and checkpoints;
 - diagnostics: `NonFiniteGuard`, `check_placement`, `diagnose_nonfinite`.
 """
 
