@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import random
 import signal
@@ -23,7 +25,7 @@ from torchimpl.checkpoint import (
 )
 from torchimpl.config import load_config
 from torchimpl.tasks import build_task
-from torchimpl.trainer import Trainer
+from torchimpl.trainer import Callback, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -184,3 +186,37 @@ def test_sigkill_while_saving_never_leaves_a_bad_newest_checkpoint(tmp_path):
         assert newest == list_checkpoints(tmp_path)[-1], "the newest named checkpoint did not verify"
         start = ck["i"] + 1
     assert latest_checkpoint(tmp_path) is not None, "no save completed in any run"
+
+
+_FORMAT1 = Path(__file__).parent / "data" / "format1-mlp-bf16-scaler-mid-window.ckpt"
+
+
+def test_a_format_1_checkpoint_from_the_previous_trainer_resumes(tmp_path):
+    """Written by the trainer before the step engine (inside step 3's window, bf16 with a forced
+    scaler, clip 0.5, AdamW, cosine): everything it saved is restored as saved."""
+    saved = load_checkpoint(_FORMAT1)
+    assert saved["format"] == 1
+    cfg = load_config(overrides=[
+        "device=cpu", "task.name=mlp", "task.size=tiny", "precision.mode=bf16", "optimizer.name=adamw",
+        "optimizer.lr=0.01", "schedule.name=cosine", "schedule.warmup_steps=2", "train.steps=6",
+        "train.microbatches=2", "train.batch_size=4", "train.clip_norm=0.5", "train.seed=3",
+        "train.force_scaler=true", "scaler.init_scale=1024", "scaler.growth_interval=2"])
+    task = build_task(cfg.task, seed=3, batch_size=4)
+    seen = {}
+
+    class Restored(Callback):
+        def on_fit_start(self, trainer):
+            seen["state"] = dataclasses.asdict(trainer.state)
+            seen["scaler"] = trainer.scaler.state_dict()
+            seen["grads"] = [None if p.grad is None else p.grad.clone() for p in trainer.params]
+            seen["model"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+    summary = Trainer(cfg, callbacks=[Restored()]).fit(task.model, task.train_data, loss_fn=task.loss_fn,
+                                                       resume=_FORMAT1)
+    assert seen["state"] == saved["trainer"]
+    assert seen["scaler"] == saved["scaler"]
+    for mine, theirs in zip(seen["grads"], saved["accumulation"]["grads"]):
+        assert torch.equal(mine, theirs), "the window's accumulated gradients were not restored as saved"
+    for name, value in saved["model"].items():
+        assert torch.equal(seen["model"][name], value), f"parameter {name} was not restored as saved"
+    assert summary.steps == 6 and summary.stopped is None and math.isfinite(summary.final_train_loss)

@@ -271,7 +271,8 @@ def choose_sync_free(requested: bool, optimizer_kind: str, config: Any) -> tuple
     if not requested:
         return False, None
     if optimizer_kind != "fused":
-        return False, f"train.sync_free needs a fused optimizer, got {optimizer_kind}; using one host sync per step"
+        return False, (f"train.sync_free needs a fused optimizer, got {optimizer_kind} (set optimizer.fused=true); "
+                       "using one host sync per step")
     if config.name == "sgd" and config.momentum > 0:
         # torch's fused SGD creates its momentum buffers with empty_like before the kernel reads
         # found_inf: a first step skipped inside the kernel would leave them uninitialised.

@@ -1,0 +1,178 @@
+"""torchimpl.step and torchimpl.run_state: the engine's parts, each on its own."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from torchimpl.clipping import group_by_device_and_dtype
+from torchimpl.config import load_config
+from torchimpl.records import FIELDS, PendingRecords
+from torchimpl.run_state import DataCursor, TrainState
+from torchimpl.scaler import DynamicLossScaler, ScalerConfig
+from torchimpl.schedule import AppliedStepSchedule
+from torchimpl.step import DynamicScaling, HostSkip, KernelSkip, UnitScaling, choose_sync_free
+
+
+def _params(*values):
+    params = [nn.Parameter(torch.zeros(3)) for _ in values]
+    for p, v in zip(params, values):
+        p.grad = torch.full((3,), v)
+    return params
+
+
+def _flags():
+    """The step's flags as the engine keeps them: found_inf and the loss sum in one complex64."""
+    flags = torch.zeros((), dtype=torch.complex64)
+    return (flags, *torch.view_as_real(flags).unbind())
+
+
+def test_unit_scaling_checks_without_changing_a_bit():
+    params = _params(0.1, 2.0**-140, -0.0)
+    before = [p.grad.clone() for p in params]
+    unit = UnitScaling(group_by_device_and_dtype(params), torch.ones(()))
+    found = torch.zeros(())
+    unit.unscale_(None, found)
+    assert found.item() == 0.0
+    for p, b in zip(params, before):
+        assert torch.equal(p.grad.view(torch.int32), b.view(torch.int32)), "the check at scale 1 changed a gradient"
+    params[1].grad[2] = math.nan
+    unit.unscale_(None, found)
+    assert found.item() == 1.0
+    assert unit.scale_before() == 1.0 and unit.update() == (1.0, 0) and unit.final_scale() is None
+    loss = torch.tensor(3.0)
+    assert unit.scale(loss) is loss
+
+
+def test_unit_scaling_warns_when_a_checkpoint_holds_a_scaler_state():
+    unit = UnitScaling([], torch.ones(()))
+    with pytest.warns(UserWarning, match="uses no scaler; the state was ignored"):
+        unit.load_state_dict({"scale": 1024.0}, Path("x.ckpt"), "bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        unit.load_state_dict(None, Path("x.ckpt"), "bf16")
+
+
+def test_dynamic_scaling_snapshots_do_not_follow_the_live_scale():
+    scaler = DynamicLossScaler("cpu", ScalerConfig(init_scale=8.0, growth_interval=1))
+    scaling = DynamicScaling(scaler)
+    scaling.materialise(torch.device("cpu"))
+    before = scaling.scale_before()
+    opt = torch.optim.SGD(_params(1.0), lr=0.1)
+    found = torch.zeros(())
+    scaling.unscale_(opt, found)
+    opt.step()
+    after, tracker = scaling.update()
+    assert float(before) == 8.0 and float(after) == 16.0 and int(tracker) == 0
+    with pytest.warns(UserWarning, match="holds no loss-scaler state"):
+        scaling.load_state_dict(None, Path("x.ckpt"), "fp16")
+
+
+def test_host_skip_steps_only_clean_steps_and_moves_the_schedule_only_then():
+    cfg = load_config(overrides=["schedule.name=cosine", "schedule.warmup_steps=2", "optimizer.lr=0.1"])
+    params = _params(1.0)
+    opt = torch.optim.SGD(params, lr=0.1)
+    skip = HostSkip(opt, AppliedStepSchedule(opt, cfg.schedule, 10), fused=False, stop_on_nonfinite=False,
+                    unit_scaling=False)
+    state = TrainState()
+    flags, found, loss = _flags()
+    found.fill_(1.0)
+    decision = skip.step(flags, found, loss)
+    assert decision.applied is False and torch.equal(params[0], torch.zeros(3)), "a found_inf step was applied"
+    skip.advance(decision, found, state)
+    assert (state.applied_steps, state.skipped_steps, skip.schedule.applied_steps) == (0, 1, 0)
+    found.zero_()
+    decision = skip.step(flags, found, loss)
+    skip.advance(decision, found, state)
+    assert decision.applied is True and (state.applied_steps, skip.schedule.applied_steps) == (1, 1)
+
+
+def test_host_skip_reports_a_nonfinite_loss_before_any_update():
+    cfg = load_config(overrides=["train.on_nonfinite=stop"])
+    params = _params(1.0)
+    opt = torch.optim.SGD(params, lr=0.1)
+    skip = HostSkip(opt, AppliedStepSchedule(opt, cfg.schedule, 10), fused=False, stop_on_nonfinite=True,
+                    unit_scaling=True)
+    flags, found, loss = _flags()
+    loss.fill_(math.inf)
+    assert skip.step(flags, found, loss).problem == "non-finite loss"
+    loss.zero_()
+    found.fill_(1.0)  # without a scaler nothing backs off: non-finite gradients stop the run too
+    assert skip.step(flags, found, loss).problem == "non-finite gradients"
+    assert torch.equal(params[0], torch.zeros(3))
+
+
+def test_kernel_skip_counts_at_the_flush_and_saves_the_device_count():
+    cfg = load_config(overrides=["schedule.name=constant", "optimizer.lr=0.5"])
+    params = _params(1.0)
+    opt = torch.optim.AdamW(params, lr=0.5, fused=True)
+    skip = KernelSkip(opt, AppliedStepSchedule(opt, cfg.schedule, 4), device=torch.device("cpu"),
+                      config=cfg.schedule, total_steps=4)
+    state = TrainState()
+    flags, found, loss = _flags()
+    found.fill_(1.0)
+    decision = skip.step(flags, found, loss)
+    assert decision.applied is None and torch.equal(params[0], torch.zeros(3)), "the kernel did not skip"
+    skip.advance(decision, found, state)
+    state.step = 1
+    assert skip.counters(state) == (0, 1) and (state.applied_steps, state.skipped_steps) == (0, 0)
+    pending = PendingRecords()
+    pending.add(decision.loss_sum, step=0, microbatches=1, scale_before=1.0, found_inf=decision.found,
+                applied=None, grad_norm=None, clip_coef=None, scale_after=1.0, growth_tracker=0, lr=decision.lr)
+    records, _ = pending.read()
+    skip.count(records, state)
+    assert records[0].applied is False and (state.applied_steps, state.skipped_steps) == (0, 1)
+
+
+def test_sync_free_refusals_name_the_fix():
+    cfg = load_config(overrides=["optimizer.name=sgd", "optimizer.momentum=0.9"])
+    assert choose_sync_free(False, "for-loop", cfg.optimizer) == (False, None)
+    ok, why = choose_sync_free(True, "for-loop", cfg.optimizer)
+    assert not ok and "optimizer.fused=true" in why
+    ok, why = choose_sync_free(True, "fused", cfg.optimizer)
+    assert not ok and "momentum" in why
+    assert choose_sync_free(True, "fused", load_config().optimizer) == (True, None)
+
+
+def test_pending_records_are_read_by_name_in_one_transfer():
+    pending = PendingRecords()
+    values = dict(step=4, microbatches=3, scale_before=torch.tensor(1024.0), found_inf=torch.tensor(0.0),
+                  applied=True, grad_norm=torch.tensor(2.5), clip_coef=torch.tensor(0.4),
+                  scale_after=torch.tensor(2048.0), growth_tracker=torch.tensor(0, dtype=torch.int32), lr=0.01)
+    pending.add(torch.tensor(3.0), **dict(reversed(list(values.items()))))  # any keyword order
+    records, losses = pending.read()
+    assert len(pending) == 0 and losses == [1.0]
+    rec = records[0]
+    assert [getattr(rec, f) for f in FIELDS] == [4, 3, 1024.0, False, True, 2.5, float(torch.tensor(0.4)), 2048.0, 0,
+                                                 0.01]
+    assert type(rec.found_inf) is bool and type(rec.growth_tracker) is int
+
+
+def test_data_cursor_resumes_a_plain_list_at_its_position():
+    data = [torch.tensor([i]) for i in range(5)]
+    state = TrainState()
+    cursor = DataCursor(data, state)
+    first = cursor.fetch(3) + cursor.fetch(3)  # the second window ends with the epoch
+    assert [int(b) for b in first] == [0, 1, 2, 3, 4]
+    state.batch_index = 5
+    assert [int(b) for b in cursor.fetch(2)] == [0, 1] and state.epoch == 1
+    state.batch_index = 2
+    saved = cursor.state_dict()
+    resumed_state = TrainState()
+    resumed = DataCursor(data, resumed_state)
+    resumed.load_state_dict(saved)
+    assert resumed_state.epoch == 1 and [int(b) for b in resumed.fetch(2)] == [2, 3]
+
+
+def test_data_cursor_refuses_a_one_shot_generator_on_its_second_epoch():
+    state = TrainState()
+    cursor = DataCursor((torch.tensor([i]) for i in range(2)), state)
+    assert len(cursor.fetch(2)) == 2
+    state.batch_index = 2
+    with pytest.raises(ValueError, match="yielded no batches in epoch 1.*one-shot generator"):
+        cursor.fetch(1)  # the epoch ended; the generator has nothing for the next one
