@@ -106,11 +106,14 @@ class PendingRecords:
         rows, self._rows = _read_all(self._rows), []
         records, losses = [], []
         for row in rows:
-            if row["applied"] is None:
-                row["applied"] = not row["found_inf"]
             # The mean loss of the window: its float32 sum over its size, one float32 division.
             losses.append(_mean_f32(row.pop("loss_sum"), row["microbatches"]))
-            records.append(StepRecord(**{name: _convert(name, row[name]) for name in FIELDS}))
+            # Device values arrive as floats (or ints): the two fields of other types, by name.
+            found = row["found_inf"] = bool(row["found_inf"])
+            row["growth_tracker"] = int(row["growth_tracker"])
+            if row["applied"] is None:
+                row["applied"] = not found
+            records.append(StepRecord(**row))
         return records, losses
 
 

@@ -154,7 +154,18 @@ class Decision(NamedTuple):
     problem: str | None = None
 
 
-class HostSkip:
+class _Skip:
+    """What both skip decisions share: the schedule's state for a checkpoint."""
+
+    schedule: AppliedStepSchedule
+
+    def schedule_state(self, applied_steps: int) -> dict[str, Any]:
+        out = self.schedule.state_dict()
+        out["applied_steps"] = applied_steps
+        return out
+
+
+class HostSkip(_Skip):
     """The host decides: one read of the step's flags, the optimizer called only on a clean
     step, the learning rate set on the host from the count of applied steps."""
 
@@ -195,16 +206,11 @@ class HostSkip:
     def counters(self, state: Any) -> tuple[int, int]:
         return state.applied_steps, state.skipped_steps
 
-    def schedule_state(self, applied_steps: int) -> dict[str, Any]:
-        out = self.schedule.state_dict()
-        out["applied_steps"] = applied_steps
-        return out
-
     def load_schedule(self, state: dict[str, Any], total_steps: int) -> None:
         self.schedule.load_state_dict(state)
 
 
-class KernelSkip:
+class KernelSkip(_Skip):
     """The sync-free mode: a fused optimizer called on every step skips inside its kernel on
     ``found_inf``; a float32 lr tensor per group, looked up in a host-computed table by a
     device counter of applied steps. The host learns what applied at the next log point."""
@@ -249,11 +255,6 @@ class KernelSkip:
         """Applied and skipped steps including those whose records are not read yet (a sync)."""
         applied = int(self._applied_t.item())
         return applied, state.step - applied
-
-    def schedule_state(self, applied_steps: int) -> dict[str, Any]:
-        out = self.schedule.state_dict()
-        out["applied_steps"] = applied_steps
-        return out
 
     def load_schedule(self, state: dict[str, Any], total_steps: int) -> None:
         self.schedule.base_lrs = [float(b) for b in state["base_lrs"]]
