@@ -112,7 +112,7 @@ def test_kernel_skip_counts_at_the_flush_and_saves_the_device_count():
     params = _params(1.0)
     opt = torch.optim.AdamW(params, lr=0.5, fused=True)
     skip = KernelSkip(opt, AppliedStepSchedule(opt, cfg.schedule, 4), device=torch.device("cpu"),
-                      config=cfg.schedule, total_steps=4)
+                      config=cfg.schedule, total_steps=4, stop_on_nonfinite=True)
     state = TrainState()
     flags, found, loss = _flags()
     found.fill_(1.0)
@@ -124,9 +124,10 @@ def test_kernel_skip_counts_at_the_flush_and_saves_the_device_count():
     pending = PendingRecords()
     pending.add(decision.loss_sum, step=0, microbatches=1, scale_before=1.0, found_inf=decision.found,
                 applied=None, grad_norm=None, clip_coef=None, scale_after=1.0, growth_tracker=0, lr=decision.lr)
-    records, _ = pending.read()
-    skip.count(records, state)
+    records, losses = pending.read()
+    assert skip.count(records, losses, state) is None
     assert records[0].applied is False and (state.applied_steps, state.skipped_steps) == (0, 1)
+    assert "non-finite loss" in skip.count(records, [math.nan], state)
 
 
 def test_sync_free_refusals_name_the_fix():

@@ -200,8 +200,9 @@ class HostSkip(_Skip):
         state.applied_steps += int(applied)
         state.skipped_steps += int(not applied)
 
-    def count(self, records: list[StepRecord], state: Any) -> None:
-        """Counted at each step already."""
+    def count(self, records: list[StepRecord], losses: list[float], state: Any) -> str | None:
+        """Counted at each step already (and a non-finite loss stopped the run there)."""
+        return None
 
     def counters(self, state: Any) -> tuple[int, int]:
         return state.applied_steps, state.skipped_steps
@@ -218,8 +219,8 @@ class KernelSkip(_Skip):
     sync_free = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, schedule: AppliedStepSchedule, *, device: torch.device,
-                 config: Any, total_steps: int):
-        self.optimizer, self.schedule = optimizer, schedule
+                 config: Any, total_steps: int, stop_on_nonfinite: bool):
+        self.optimizer, self.schedule, self._stop = optimizer, schedule, stop_on_nonfinite
         self._device, self._config, self._total = device, config, total_steps
         self._applied_t = torch.zeros((), dtype=torch.int64, device=device)
         for group in optimizer.param_groups:  # fused kernels read tensor lrs
@@ -245,11 +246,15 @@ class KernelSkip(_Skip):
         for group, table in zip(self.optimizer.param_groups, self._tables):
             group["lr"].copy_(lr_from_table(table, self._applied_t))
 
-    def count(self, records: list[StepRecord], state: Any) -> None:
-        """The flush counts every record once, when the host reads it."""
+    def count(self, records: list[StepRecord], losses: list[float], state: Any) -> str | None:
+        """The flush counts every record once, when the host reads it; the problem to stop on
+        when a loss was not finite (``train.on_nonfinite: stop``)."""
         applied = sum(r.applied for r in records)
         state.applied_steps += applied
         state.skipped_steps += len(records) - applied
+        if self._stop and any(not math.isfinite(x) for x in losses):
+            return "non-finite loss (seen at a log point in the sync-free mode)"
+        return None
 
     def counters(self, state: Any) -> tuple[int, int]:
         """Applied and skipped steps including those whose records are not read yet (a sync)."""
@@ -446,12 +451,13 @@ def build_step_engine(*, config: Any, sync_free: bool, model: nn.Module, forward
     one = torch.ones((), dtype=torch.float32, device=device)
     scaling = DynamicScaling(scaler) if scaler is not None else UnitScaling(groups, one)
     schedule = AppliedStepSchedule(optimizer, config.schedule, config.train.steps)
+    stop = config.train.on_nonfinite == "stop"
     if sync_free:
         skip: HostSkip | KernelSkip = KernelSkip(optimizer, schedule, device=device, config=config.schedule,
-                                                 total_steps=config.train.steps)
+                                                 total_steps=config.train.steps, stop_on_nonfinite=stop)
     else:
-        skip = HostSkip(optimizer, schedule, fused=optimizer_kind == "fused",
-                        stop_on_nonfinite=config.train.on_nonfinite == "stop", unit_scaling=scaling.is_unit)
+        skip = HostSkip(optimizer, schedule, fused=optimizer_kind == "fused", stop_on_nonfinite=stop,
+                        unit_scaling=scaling.is_unit)
     clip = None
     if config.train.clip_norm is not None:
         clip = functools.partial(clip_grad_norm_, groups, params, config.train.clip_norm, dist.total_norm, one)

@@ -417,10 +417,9 @@ class Trainer:
         for record, loss in zip(records, losses):
             self.loss_history.append((record.step, loss))
             self.scale_history.append((record.step, record.scale_after))
-        engine.skip.count(records, st)
-        if engine.skip.sync_free and self.config.train.on_nonfinite == "stop" \
-                and any(not math.isfinite(x) for x in losses):
-            self.request_stop("non-finite loss (seen at a log point in the sync-free mode)")
+        problem = engine.skip.count(records, losses, st)
+        if problem is not None:
+            self.request_stop(problem)
         st.last_train_loss = losses[-1]
         if writer is not None:
             writer.write(records)
