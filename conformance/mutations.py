@@ -48,9 +48,9 @@ class Mutant:
 
 
 _UNSCALE = """        self.scaling.unscale_(self.optimizer, found)
-        return self._clip(None)
+        return self._clip(found)  # the clip's multiply checks the unscaled gradients
 """
-_CLIP_FIRST = """        clipped = self._clip(None)
+_CLIP_FIRST = """        clipped = self._clip(found)
         self.scaling.unscale_(self.optimizer, found)
         return clipped
 """
@@ -87,6 +87,11 @@ MUTANTS = (
     Mutant("ddp_reduces_every_microbatch", "DDP all-reduces every microbatch instead of the window's local sum",
            DISTRIBUTED, "            return self._ddp.no_sync()\n", "            return contextlib.nullcontext()\n",
            DISTRIBUTED_TESTS),
+    Mutant("unscaled_overflow_applied", "check only the scaled gradients: apply the unscaled ones' inf/NaN", STEP,
+           "        self.scaling.check_unscaled(found)\n", "", TRAINER_TESTS),
+    Mutant("nonfinite_loss_applied", "apply a step whose loss is not finite (finite gradients)", STEP,
+           "        if loss_bad and not is_found:  # a non-finite loss is skipped like non-finite gradients\n",
+           "        if False:\n", TRAINER_TESTS),
     Mutant("bias_and_norm_decayed", "decay biases and norm weights despite no_decay_bias_and_norm", OPTIM,
            '{"params": no_decay, "weight_decay": 0.0}', '{"params": no_decay, "weight_decay": config.weight_decay}',
            TRAINER_TESTS),

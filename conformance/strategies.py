@@ -198,7 +198,7 @@ def trainer_case(draw) -> dict:
     ``clip_norm``, ``scaler`` (keyword arguments of ``torchimpl.scaler.ScalerConfig``),
     ``optimizer`` (of ``OptimizerConfig``: for-loop or fused, parameter groups with or without
     ``no_decay_bias_and_norm``), ``schedule`` (of ``ScheduleConfig``), ``faults`` (global microbatch
-    index -> ``("data" | "hook", value)``), ``resume`` (``None``, ``("step", r)`` to save after
+    index -> ``("data" | "hook" | "loss", value)``), ``resume`` (``None``, ``("step", r)`` to save after
     step r, or ``("microbatch", r, j)`` to save after the j-th microbatch of step r) and ``seed``.
     """
     task = draw(st.sampled_from(["mlp", "lm"]))
@@ -237,7 +237,8 @@ def trainer_case(draw) -> dict:
     )
     total_mb = steps * microbatches
     fault_at = draw(st.lists(st.integers(0, total_mb - 1), max_size=2, unique=True))
-    kinds = ["hook", "data"] if task == "mlp" else ["hook"]  # token ids cannot hold an inf
+    # "loss": a non-finite constant added to the loss (finite gradients)
+    kinds = ["hook", "data", "loss"] if task == "mlp" else ["hook", "loss"]  # token ids cannot hold an inf
     faults = {i: (draw(st.sampled_from(kinds)), draw(st.sampled_from([float("inf"), float("-inf"), float("nan")])))
               for i in fault_at}
     resume = draw(st.one_of(

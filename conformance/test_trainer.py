@@ -147,7 +147,12 @@ class Lockstep(Callback):
     def loss_fn(self, model, batch):
         self.current = len(self.microbatches)
         self.microbatches.append((torch.get_rng_state(), batch))
-        return default_loss_fn(model, batch)
+        return self._planted(self.current, default_loss_fn(model, batch))
+
+    def _planted(self, index: int, loss):
+        """A "loss" fault: a non-finite constant added to the loss, so its gradients stay finite."""
+        kind, value = self.case["faults"].get(index, (None, None))
+        return loss + value if kind == "loss" else loss
 
     def hook_for(self, value: float):
         faults = {i for i, (kind, _) in self.case["faults"].items() if kind == "hook"}
@@ -183,6 +188,8 @@ class Lockstep(Callback):
     # --- the step -------------------------------------------------------------------------
 
     def on_after_backward(self, trainer, st):
+        if self.collapsed_at is not None:
+            return  # the spec's run ended at the collapse; torchimpl's may run to its next log point
         k = st.window_size
         window = list(range(len(self.microbatches) - k, len(self.microbatches)))
         scaled = [to_numpy(p.grad) for p in trainer.params]
@@ -191,14 +198,20 @@ class Lockstep(Callback):
         scale = trainer.scaler._scale.detach().clone() if trainer.scaler is not None else None
         assert_equal(float(scale) if scale is not None else 1.0, float(self.ref_state.scaler.scale),
                      self.where(trainer, "scale used by backward"))
-        expected = ref_step.accumulate_gradients([self._microbatch_grads(trainer, i, k, scale) for i in window])
+        per_microbatch, losses = zip(*(self._microbatch_grads(trainer, i, k, scale) for i in window))
+        expected = ref_step.accumulate_gradients(per_microbatch)
         assert_same_list(scaled, expected, self.where(trainer, "accumulated scaled gradients"))
-
+        loss_sum = torch.zeros((), dtype=torch.float32)
+        for loss in losses:  # the trainer's float32 sum, in microbatch order
+            loss_sum.add_(loss)
         try:
-            self.result = ref_step.train_step(self.ref_state, scaled, self.config, microbatches=k)
+            self.result = ref_step.train_step(self.ref_state, scaled, self.config, microbatches=k,
+                                              loss_finite=bool(torch.isfinite(loss_sum)))
             self.expected[st.step] = self.result
         except scaling.ScaleAtMinimumError:
             self.expect_raise_at, self.result = st.step, None
+        except ref_step.ScaleCollapsedError:
+            self.collapsed_at, self.result = st.step, None
 
     def _microbatch_grads(self, trainer, index: int, k: int, scale):
         """Gradients of the spec's ``(loss / k) * scale`` for one recorded microbatch, by autograd."""
@@ -208,7 +221,7 @@ class Lockstep(Callback):
         self.current = index
         try:
             with autocast_context(trainer.plan, trainer.device):
-                loss = default_loss_fn(trainer.model, batch)
+                loss = self._planted(index, default_loss_fn(trainer.model, batch))
             target = loss / k
             if scale is not None:
                 target = target * scale
@@ -216,9 +229,11 @@ class Lockstep(Callback):
         finally:
             torch.set_rng_state(saved)
             self.current = -1
-        return [to_numpy(g) for g in grads]
+        return [to_numpy(g) for g in grads], loss.detach().float()
 
     def on_before_optimizer_step(self, trainer, st):
+        if self.collapsed_at is not None:
+            return
         if self.result is None:
             self.raised_at = st.step  # the spec raised ScaleAtMinimumError here: torchimpl must too
             return
@@ -227,6 +242,13 @@ class Lockstep(Callback):
 
     def on_step_end(self, trainer, st):
         step = st.step - 1
+        if self.collapsed_at is not None:
+            # After a collapse (only the sync-free mode steps on until its next log point)
+            # nothing may be applied: the unscaled gradients are NaN, the step is skipped.
+            assert trainer.sync_free, f"step {step}: torchimpl stepped after the scale collapsed\n{REPRO}"
+            assert_same_list([to_numpy(p) for p in trainer.params], list(self.ref_state.params),
+                             Where("trainer", step, "parameters after the collapse", REPRO))
+            return
         assert_same_list([to_numpy(p) for p in trainer.params], list(self.result.state.params),
                          Where("trainer", step, "parameters after the step", REPRO))
         self.ref_state = self.result.state
@@ -247,7 +269,11 @@ class Lockstep(Callback):
     def on_log(self, trainer, st, records, losses):
         if sys.exc_info()[0] is not None:
             return  # the trainer flushes while a failed check propagates: do not mask that failure
+        spec = None
         for rec in records:
+            if self.collapsed_at is not None and rec.step >= self.collapsed_at:
+                assert rec.found_inf and not rec.applied, f"step {rec.step}: applied after the collapse\n{REPRO}"
+                continue
             # Records are read at log points: several steps at once when log_interval > 1.
             assert rec.step in self.expected, f"step {rec.step}: a record the spec has no step for\n{REPRO}"
             spec = self.expected.pop(rec.step)
@@ -257,7 +283,7 @@ class Lockstep(Callback):
                 assert_equal(getattr(rec, name), getattr(expected, name), Where("trainer", rec.step, f"record.{name}", REPRO))
             self.steps_checked += 1
         # The counters a log point shows (kept on the device in the sync-free mode).
-        if records:
+        if spec is not None and spec.record.step == records[-1].step:
             where = Where("trainer", records[-1].step, "state.applied_steps at the log point", REPRO)
             assert_equal(st.applied_steps, spec.state.applied_steps, where)
             assert_equal(st.skipped_steps, spec.state.step - spec.state.applied_steps,
@@ -266,9 +292,10 @@ class Lockstep(Callback):
     resumed = False
     saved = False
     raised_at: int | None = None
+    collapsed_at: int | None = None
 
 
-def _config(case: dict, device: str) -> Config:
+def _config(case: dict, device: str, tmp: str) -> Config:
     return Config.from_dict(dict(
         device=device,
         task=dict(name=case["task"], size="tiny"),
@@ -277,6 +304,7 @@ def _config(case: dict, device: str) -> Config:
         scaler=case["scaler"],
         schedule=case["schedule"],
         train=dict(steps=case["steps"], microbatches=case["microbatches"], batch_size=4, clip_norm=case["clip_norm"],
+                   trace_file=str(Path(tmp) / "trace.jsonl"),
                    log_interval=case.get("log_interval", 1), seed=case["seed"], force_scaler=case["force_scaler"],
                    on_nonfinite="skip", sync_free=case.get("sync_free", False)),
     ))
@@ -293,13 +321,13 @@ def _fit(cfg: Config, case: dict, lock: Lockstep, resume: Path | None):
     trainer = Trainer(cfg, callbacks=[lock])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the CPU fp16 downgrade warns by design
-        trainer.fit(task.model, data, loss_fn=lock.loss_fn, resume=resume)
+        trainer.summary = trainer.fit(task.model, data, loss_fn=lock.loss_fn, resume=resume)
     return trainer
 
 
 def run_case(case: dict, device: str) -> None:
-    cfg = _config(case, device)
     with tempfile.TemporaryDirectory() as tmp:
+        cfg = _config(case, device, tmp)
         lock = Lockstep(case, Path(tmp) / "resume.ckpt")
         try:
             trainer = _fit(cfg, case, lock, None)
@@ -311,6 +339,17 @@ def run_case(case: dict, device: str) -> None:
             assert_equal(lock.raised_at, lock.expect_raise_at, Where("trainer", None, "ScaleAtMinimumError step", REPRO))
             return
         assert lock.expect_raise_at is None, f"the spec raised ScaleAtMinimumError at step {lock.expect_raise_at}, torchimpl did not"
+        if lock.collapsed_at is not None:
+            stopped = trainer.summary.stopped or ""
+            assert "loss scale collapsed" in stopped, \
+                f"the spec's scale collapsed at step {lock.collapsed_at}; torchimpl's run ended with {stopped!r}\n{REPRO}"
+            # The host mode stops at the step itself, the sync-free mode at its next log point.
+            last = lock.collapsed_at if not trainer.sync_free else lock.collapsed_at + case.get("log_interval", 1)
+            assert lock.collapsed_at <= trainer.state.step <= last, \
+                f"stopped at step {trainer.state.step}, the scale collapsed at step {lock.collapsed_at}\n{REPRO}"
+            event("the scale collapsed")
+            return
+        assert "collapsed" not in (trainer.summary.stopped or ""), f"{trainer.summary.stopped}\n{REPRO}"
         assert_equal(trainer.state.step, case["steps"], Where("trainer", None, "steps run", REPRO))
         assert_equal(lock.steps_checked, case["steps"], Where("trainer", None, "step records checked", REPRO))
     c = lock.config
@@ -378,6 +417,44 @@ _EXAMPLES = [
          optimizer=dict(name="adamw", lr=0.01, weight_decay=0.5, fused=True, no_decay_bias_and_norm=True),
          schedule=dict(name="cosine", warmup_steps=1, min_lr_ratio=0.1, decay_steps=None),
          faults={2: ("hook", float("inf"))}, resume=("step", 3), seed=2),
+    # a collapsed scale (its float32 inverse is inf): the unscaled gradients are NaN, so the step
+    # is skipped (torch's GradScaler would apply it), the backoff keeps it collapsed, and the run
+    # stops at that step
+    dict(task="mlp", precision="fp32", force_scaler=True, steps=3, microbatches=2, batches_per_epoch=5,
+         clip_norm=None, scaler=dict(preset="torch", init_scale=2.0**-140, growth_factor=2.0, backoff_factor=0.5,
+                                     growth_interval=2),
+         optimizer=dict(name="sgd", lr=0.1, weight_decay=0.0, momentum=0.0, nesterov=False,
+                        no_decay_bias_and_norm=False),
+         schedule=dict(name="constant", warmup_steps=0, min_lr_ratio=0.1, decay_steps=None),
+         faults={}, resume=None, seed=0),
+    # the same in the sync-free mode with clipping: nothing is applied until the log point
+    # (step 3) where the host reads the collapse and stops
+    dict(task="mlp", precision="fp16", force_scaler=True, steps=5, microbatches=1, batches_per_epoch=5,
+         sync_free=True, log_interval=3, clip_norm=1.0,
+         scaler=dict(preset="torch", init_scale=2.0**-140, growth_factor=2.0, backoff_factor=0.5, growth_interval=1),
+         optimizer=dict(name="adamw", lr=0.01, weight_decay=0.0, fused=True, no_decay_bias_and_norm=False),
+         schedule=dict(name="constant", warmup_steps=0, min_lr_ratio=0.1, decay_steps=None),
+         faults={}, resume=None, seed=1),
+    # a scale below 1 whose inverse unscales a finite gradient to inf: skipped, backed off
+    dict(task="mlp", precision="fp32", force_scaler=True, steps=3, microbatches=1, batches_per_epoch=5,
+         clip_norm=None, scaler=dict(preset="torch", init_scale=2.0**-120, growth_factor=2.0, backoff_factor=0.5,
+                                     growth_interval=5),
+         optimizer=dict(name="adamw", lr=0.01, weight_decay=0.0, no_decay_bias_and_norm=False),
+         schedule=dict(name="constant", warmup_steps=0, min_lr_ratio=0.1, decay_steps=None),
+         faults={0: ("hook", 3.0e38)}, resume=None, seed=2),
+    # a non-finite loss with finite gradients: skipped like non-finite gradients, the scale backs off
+    dict(task="mlp", precision="bf16", force_scaler=True, steps=3, microbatches=2, batches_per_epoch=5,
+         clip_norm=1.0, scaler=dict(preset="torch", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+                                    growth_interval=1),
+         optimizer=dict(name="adamw", lr=0.01, weight_decay=0.0, no_decay_bias_and_norm=False),
+         schedule=dict(name="constant", warmup_steps=0, min_lr_ratio=0.1, decay_steps=None),
+         faults={1: ("loss", float("inf"))}, resume=None, seed=3),
+    dict(task="lm", precision="bf16", force_scaler=False, steps=3, microbatches=1, batches_per_epoch=5,
+         sync_free=True, log_interval=2, clip_norm=None,
+         scaler=dict(preset="torch", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=1),
+         optimizer=dict(name="adamw", lr=0.01, weight_decay=0.0, fused=True, no_decay_bias_and_norm=False),
+         schedule=dict(name="constant", warmup_steps=0, min_lr_ratio=0.1, decay_steps=None),
+         faults={1: ("loss", float("nan"))}, resume=None, seed=0),
 ]
 
 

@@ -9,13 +9,20 @@ re-implemented here. Everything downstream of it is, in this order and no other:
    last window divides by its real size, not by the configured k.
 2. Unscale once and record ``found_inf`` (`reference.scaling.unscale_gradients`). Without a
    loss scaler the scale is fixed at 1 and ``found_inf`` is the plain inf/NaN check.
+   ``found_inf`` is also set when an **unscaled** gradient holds inf or NaN (`found_inf_after_unscale`)
+   and when the window's loss is not finite: a step never applies non-finite values. torch's
+   GradScaler checks only the scaled gradients, so it applies the overflow of a finite scaled
+   gradient unscaled by the inverse of a scale below 1, and the NaN of ``0 * inf`` under a
+   collapsed scale; this is where the step contract is stricter than torch.
 3. Clip the **unscaled** gradients at the unchanged threshold (never ``max_norm * scale``).
 4. Run the optimizer step only if ``found_inf`` is false. Each parameter group (`ParamGroup`)
    steps its parameters with its own hyperparameters. A fused optimizer that skips inside its
    kernel (``StepConfig.unscale == "kernel"``, ``StepConfig.sync_free``) is called on every
    step with the ``found_inf`` flag instead, and leaves parameters and moments unchanged when
    it is set (`reference.optim` rule 8).
-5. Update the scale (`reference.scaling.update_scale`).
+5. Update the scale (`reference.scaling.update_scale`). A scale that the update leaves
+   collapsed (`scale_collapsed`: its float32 inverse is not finite, so no later step can unscale)
+   ends the run: the step raises `ScaleCollapsedError`.
 6. Advance the learning-rate schedule and the applied-step counter only if the step was applied:
    the schedule is a function of the number of *applied* steps, so a skipped step never moves it.
    The rate is a float64 value, or float32 in the sync-free mode (`StepConfig.lr_at`).
@@ -36,6 +43,7 @@ import numpy as np
 from reference import clipping, optim, scaling
 
 __all__ = [
+    "ScaleCollapsedError",
     "LRSchedule",
     "ParamGroup",
     "StepConfig",
@@ -44,6 +52,8 @@ __all__ = [
     "StepResult",
     "ReplayResult",
     "accumulate_gradients",
+    "found_inf_after_unscale",
+    "scale_collapsed",
     "scaled_microbatch_loss",
     "init_train_state",
     "optimizer_step",
@@ -361,17 +371,46 @@ def accumulate_gradients(microbatch_grads: Sequence[Sequence[np.ndarray]]) -> li
     return total
 
 
+class ScaleCollapsedError(RuntimeError):
+    """The loss scale collapsed (rule 5): its float32 inverse is not finite."""
+
+    def __init__(self, step: int, scale: float):
+        super().__init__(f"step {step}: the loss scale collapsed to {scale!r} (its float32 inverse is not "
+                         "finite, so no gradient can be unscaled); the run cannot continue")
+        self.step, self.scale = step, scale
+
+
+def scale_collapsed(scale: float | np.floating) -> bool:
+    """Rule 5: a scale is collapsed when it is not a positive number, or when ``f32(1 / f64(scale))``
+    is not finite (0, NaN, or below about ``2**-128``): unscaling would multiply every gradient by
+    inf."""
+    if not scale > 0:
+        return True
+    with np.errstate(over="ignore"):
+        return not bool(np.isfinite(np.float32(np.float64(1.0) / np.float64(scale))))
+
+
+def found_inf_after_unscale(found_on_scaled: bool, unscaled: Sequence[np.ndarray], loss_finite: bool = True) -> bool:
+    """Rule 2's ``found_inf``: the scaled gradients' check, or a non-finite unscaled gradient,
+    or a non-finite window loss."""
+    return bool(found_on_scaled) or not loss_finite or scaling.has_inf_or_nan(list(unscaled))
+
+
 def train_step(
     state: TrainState,
     scaled_grads: Sequence[np.ndarray],
     config: StepConfig,
     microbatches: int = 1,
+    *,
+    loss_finite: bool = True,
 ) -> StepResult:
     """One optimizer step from the accumulated scaled gradients (rules 2-6 of the module).
 
     ``scaled_grads`` are the gradients after the last backward of the window, one per
-    parameter, at ``state.scaler.scale``. Returns the new state, the step's record and the
-    gradients the optimizer saw. The inputs are not modified.
+    parameter, at ``state.scaler.scale``; ``loss_finite`` whether the window's float32 loss sum
+    is finite. Returns the new state, the step's record and the gradients the optimizer saw.
+    The inputs are not modified. Raises `ScaleCollapsedError` when the update collapses the
+    scale (rule 5).
     """
     if len(scaled_grads) != len(state.params):
         raise ValueError(f"got {len(scaled_grads)} gradients for {len(state.params)} parameters")
@@ -382,7 +421,7 @@ def train_step(
     grad_norm = clip_coef = None
     if config.unscale == "kernel":
         # The fused kernel checks, divides by the scale (true division) and skips by itself.
-        found_inf = scaling.has_inf_or_nan(list(scaled_grads))
+        found_inf = scaling.has_inf_or_nan(list(scaled_grads)) or not loss_finite
         grads = list(scaled_grads)
     else:
         if config.use_scaler:
@@ -390,6 +429,7 @@ def train_step(
         else:
             grads = [np.array(g, copy=True) for g in scaled_grads]
             found_inf = scaling.has_inf_or_nan(grads)
+        found_inf = found_inf_after_unscale(found_inf, grads, loss_finite)
         if config.clip_norm is not None:
             clipped = clipping.clip_grad_norm_(grads, config.clip_norm, config.norm_type, order=config.clip_order)
             grads, grad_norm, clip_coef = list(clipped.grads), float(clipped.total_norm), float(clipped.clip_coef)
@@ -401,6 +441,8 @@ def train_step(
         )
 
     new_scaler = scaling.update_scale(state.scaler, found_inf, config.scaler) if config.use_scaler else state.scaler
+    if scale_collapsed(new_scaler.scale):
+        raise ScaleCollapsedError(state.step, float(new_scaler.scale))
     applied = not found_inf
     record = StepRecord(
         step=state.step,

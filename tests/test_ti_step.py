@@ -44,7 +44,8 @@ def test_unit_scaling_checks_without_changing_a_bit():
     params[1].grad[2] = math.nan
     unit.unscale_(None, found)
     assert found.item() == 1.0
-    assert unit.scale_before() == 1.0 and unit.update() == (1.0, 0) and unit.final_scale() is None
+    assert unit.scale_before() == 1.0 and unit.update(found) == (1.0, 0) and unit.final_scale() is None
+    assert unit.collapsed() is None
     loss = torch.tensor(3.0)
     assert unit.scale(loss) is loss
 
@@ -60,15 +61,17 @@ def test_unit_scaling_warns_when_a_checkpoint_holds_a_scaler_state():
 
 def test_dynamic_scaling_snapshots_do_not_follow_the_live_scale():
     scaler = DynamicLossScaler("cpu", ScalerConfig(init_scale=8.0, growth_interval=1))
-    scaling = DynamicScaling(scaler)
+    params = _params(1.0)
+    scaling = DynamicScaling(scaler, group_by_device_and_dtype(params), torch.ones(()))
     scaling.materialise(torch.device("cpu"))
     before = scaling.scale_before()
-    opt = torch.optim.SGD(_params(1.0), lr=0.1)
+    opt = torch.optim.SGD(params, lr=0.1)
     found = torch.zeros(())
     scaling.unscale_(opt, found)
     opt.step()
-    after, tracker = scaling.update()
+    after, tracker = scaling.update(found)
     assert float(before) == 8.0 and float(after) == 16.0 and int(tracker) == 0
+    assert scaling.collapsed() is None
     with pytest.warns(UserWarning, match="holds no loss-scaler state"):
         scaling.load_state_dict(None, Path("x.ckpt"), "fp16")
 
@@ -177,3 +180,28 @@ def test_data_cursor_refuses_a_one_shot_generator_on_its_second_epoch():
     state.batch_index = 2
     with pytest.raises(ValueError, match="yielded no batches in epoch 1.*one-shot generator"):
         cursor.fetch(1)  # the epoch ended; the generator has nothing for the next one
+
+
+def test_dynamic_scaling_checks_the_unscaled_gradients_and_backs_off_on_them():
+    """A finite scaled gradient that unscaling overflows: found, so the update backs off
+    (torch's GradScaler checks only the scaled values and would apply the inf)."""
+    params = _params(3.0e38)
+    scaler = DynamicLossScaler("cpu", ScalerConfig(init_scale=2.0**-4, growth_interval=100))
+    scaling = DynamicScaling(scaler, group_by_device_and_dtype(params), torch.ones(()))
+    scaling.materialise(torch.device("cpu"))
+    opt = torch.optim.SGD(params, lr=0.1)
+    found = torch.zeros(())
+    scaling.unscale_(opt, found)
+    assert found.item() == 0.0 and torch.isinf(params[0].grad).all(), "the scaled check saw the overflow"
+    scaling.check_unscaled(found)
+    assert found.item() == 1.0
+    after, _ = scaling.update(found)
+    assert float(after) == 2.0**-5
+
+
+def test_scale_collapse_is_the_float32_inverse_overflowing():
+    from torchimpl.step import scale_collapsed
+
+    scales = torch.tensor([0.0, 2.0**-149, 2.0**-128, 2.0**-127.5, 2.0**-127, 1.0, 2.0**127, math.nan])
+    torch_says = ~torch.isfinite(scales.double().reciprocal().float())  # what unscale_ would multiply by
+    assert [scale_collapsed(float(s)) for s in scales] == torch_says.tolist()

@@ -8,10 +8,13 @@ mode) by :func:`build_step_engine`; then, for every optimizer step over ``k`` mi
    a window cut short by the end of an epoch divides by its own length), scale, backward.
    Gradients accumulate at one constant scale; the window's float32 loss sum stays on the
    device.
-2. ``finish_step`` unscales once and records ``found_inf`` (checked on the scaled gradients);
+2. ``finish_step`` unscales once and records ``found_inf``: set when a scaled gradient holds
+   inf or NaN (torch's check), when an unscaled one does, or when the window's loss is not
+   finite, so that a step never applies a non-finite value;
 3. clips the unscaled gradients at the configured threshold, unchanged by the scale;
 4. steps the optimizer unless ``found_inf``;
-5. updates the scale;
+5. updates the scale, and stops the run when a backoff has collapsed it (its float32 inverse
+   is not finite: no later step could unscale);
 6. advances the learning-rate schedule and the applied-step counter only if the step applied,
    and keeps the step's record (see ``torchimpl.records``) on the device until a log point.
 
@@ -82,8 +85,14 @@ class UnitScaling:
     def unscale_(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
         check_nonfinite_(self._groups, found, self._one)
 
-    def update(self) -> tuple[float, int]:
+    def check_unscaled(self, found: torch.Tensor) -> None:
+        """The gradients were never scaled: ``unscale_`` checked them."""
+
+    def update(self, found: torch.Tensor) -> tuple[float, int]:
         return 1.0, 0
+
+    def collapsed(self) -> float | None:
+        return None
 
     def materialise(self, device: torch.device) -> None: ...
 
@@ -104,8 +113,8 @@ class DynamicScaling:
 
     is_unit = False
 
-    def __init__(self, scaler: DynamicLossScaler):
-        self.scaler = scaler
+    def __init__(self, scaler: DynamicLossScaler, groups: list, one: torch.Tensor):
+        self.scaler, self._groups, self._one = scaler, groups, one
 
     def scale_before(self) -> torch.Tensor:
         return self.scaler.state_tensors()[0].clone()  # update() changes the live tensor in place
@@ -116,10 +125,25 @@ class DynamicScaling:
     def unscale_(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
         self.scaler.unscale_(optimizer, found)
 
-    def update(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def check_unscaled(self, found: torch.Tensor) -> None:
+        """The check again, on the unscaled gradients: unscaling a finite gradient by the
+        inverse of a scale below 1 can overflow, and a collapsed scale gives ``0 * inf``."""
+        check_nonfinite_(self._groups, found, self._one)
+
+    def update(self, found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scale's update from ``found`` (the step's whole check), then its snapshots."""
+        for state in self.scaler._per_optimizer_states.values():
+            for record in state["found_inf_per_device"].values():
+                if record is not found:  # torch's own path kept a copy of the scaled check
+                    record.copy_(found.to(record.device))
         self.scaler.update()
         scale, tracker = self.scaler.state_tensors()
         return scale.clone(), tracker.clone()
+
+    def collapsed(self) -> float | None:
+        """The scale when it has collapsed (rule 5 of ``reference/step.py``), else None; a sync."""
+        scale = float(self.scaler.state_tensors()[0])
+        return scale if scale_collapsed(scale) else None
 
     def materialise(self, device: torch.device) -> None:
         """Create the (possibly restored) scale on the device now, so that the step records
@@ -138,6 +162,25 @@ class DynamicScaling:
                           f"starts fresh at init_scale={self.scaler.policy.init_scale}", stacklevel=3)
             return
         self.scaler.load_state_dict(state)
+
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def scale_collapsed(scale: float) -> bool:
+    """A loss scale has collapsed when ``f32(1 / f64(scale))``, the factor that unscales, is
+    not finite: 0, NaN, or a scale below about ``2**-128``."""
+    if not scale > 0:
+        return True
+    inv = 1.0 / scale  # float64, as the unscale computes it
+    # Rounded to float32, inv overflows from the midpoint between float32's max and 2**128 on.
+    return not inv < _F32_MAX + 2.0**103
+
+
+def collapse_problem(step: int, scale: float) -> str:
+    return (f"loss scale collapsed to {scale!r} at step {step}: its float32 inverse is not finite, so no "
+            "gradient can be unscaled any more (every recent step overflowed; see the diagnosis). Resume "
+            "from the last checkpoint after fixing the overflow's cause, or with a larger scaler.init_scale")
 
 
 # ----------------------------------------------------------------------------- skip decision
@@ -186,6 +229,9 @@ class HostSkip(_Skip):
         # Without a scaler nothing backs off, so non-finite gradients are a fault to stop on.
         if self._stop and (loss_bad or (is_found and self._unit)):
             return Decision(found_value, loss_sum, lr, None, "non-finite loss" if loss_bad else "non-finite gradients")
+        if loss_bad and not is_found:  # a non-finite loss is skipped like non-finite gradients
+            found.fill_(1.0)
+            found_value, is_found = 1.0, True
         applied = not is_found
         if applied:
             if self._fused:
@@ -233,6 +279,8 @@ class KernelSkip(_Skip):
                         for base in self.schedule.base_lrs]
 
     def step(self, flags: torch.Tensor, found: torch.Tensor, loss_acc: torch.Tensor) -> Decision:
+        # A non-finite loss is skipped like non-finite gradients, decided on the device.
+        found.copy_(torch.where(torch.isfinite(loss_acc), found, 1.0))
         # Snapshots for the record: the next window zeroes both.
         found_value, loss_sum = found.clone(), loss_acc.clone()
         lr = self.optimizer.param_groups[0]["lr"].detach().clone()
@@ -252,6 +300,9 @@ class KernelSkip(_Skip):
         applied = sum(r.applied for r in records)
         state.applied_steps += applied
         state.skipped_steps += len(records) - applied
+        for r in records:  # the host learns of a collapse here: every step since has been skipped
+            if scale_collapsed(r.scale_after):
+                return collapse_problem(r.step, r.scale_after)
         if self._stop and any(not math.isfinite(x) for x in losses):
             return "non-finite loss (seen at a log point in the sync-free mode)"
         return None
@@ -401,11 +452,12 @@ class StepEngine:
 
     def _unscale_only(self, found: torch.Tensor) -> tuple[None, None]:
         self.scaling.unscale_(self.optimizer, found)
+        self.scaling.check_unscaled(found)
         return None, None
 
     def _unscale_then_clip(self, found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.scaling.unscale_(self.optimizer, found)
-        return self._clip(None)
+        return self._clip(found)  # the clip's multiply checks the unscaled gradients
 
     def finish_step(self, k: int) -> str | None:
         """Rules 2-6 after the window's last backward; the problem when the run must stop on a
@@ -424,7 +476,11 @@ class StepEngine:
         decision = self.skip.step(self._flags, found, self.loss_acc)
         if decision.problem is not None:
             return decision.problem
-        scale_after, tracker = self.scaling.update()
+        scale_after, tracker = self.scaling.update(found)
+        if decision.applied is False:  # only a backoff can collapse the scale
+            collapsed = self.scaling.collapsed()
+            if collapsed is not None:
+                return collapse_problem(st.step, collapsed)
         self.skip.advance(decision, found, st)
         # The record's values stay as they are (device tensors or host numbers) until the next
         # log point, where the flush reads all pending ones in one transfer.
@@ -449,7 +505,7 @@ def build_step_engine(*, config: Any, sync_free: bool, model: nn.Module, forward
     params = [p for p in model.parameters() if p.requires_grad]
     groups = group_by_device_and_dtype(params)
     one = torch.ones((), dtype=torch.float32, device=device)
-    scaling = DynamicScaling(scaler) if scaler is not None else UnitScaling(groups, one)
+    scaling = DynamicScaling(scaler, groups, one) if scaler is not None else UnitScaling(groups, one)
     schedule = AppliedStepSchedule(optimizer, config.schedule, config.train.steps)
     stop = config.train.on_nonfinite == "stop"
     if sync_free:
