@@ -77,3 +77,11 @@ def test_guard_is_refused_in_distributed_runs(engine):
         load_config(overrides=["train.guard=true", f"train.distributed={engine}"])
     assert [p for p, _ in info.value.errors] == ["train.guard"]
     assert "distributed=none" in str(info.value)
+
+
+def test_an_override_into_a_section_that_is_not_a_mapping_is_an_error():
+    with pytest.raises(ConfigError, match=r"task: must be a mapping of keys to values, got 'mlp'"):
+        load_config(data={"task": "mlp"}, overrides=["task.size=tiny"])
+    with pytest.raises(ConfigError, match=r"task: must be a mapping"):
+        load_config(data={"task": "mlp"})
+    assert load_config(data={"task": {"name": "mlp"}}, overrides=["task.size=tiny"]).task.name == "mlp"

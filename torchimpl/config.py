@@ -357,11 +357,12 @@ def _coerce(tp: Any, value: Any) -> Any:
 
 
 def _build(cls: type, data: Any, prefix: str, errors: list[tuple[str, str]]) -> Any:
-    where = prefix or "configuration"
+    where = "configuration"
     if isinstance(data, cls):
         return data
     if not isinstance(data, Mapping):
-        errors.append((prefix, f"{where} must be a mapping of keys to values, got {data!r}"))
+        errors.append((prefix, f"must be a mapping of keys to values, got {data!r}") if prefix else
+                      ("", f"{where} must be a mapping of keys to values, got {data!r}"))
         return None
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -429,13 +430,18 @@ def _strip_name(message: str, name: str) -> str:
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``tree[a][b]... = value`` for ``dotted`` ``"a.b..."``; a section on the way that holds
+    a value other than a mapping is an error (never silently replaced)."""
     parts = dotted.split(".")
     node = tree
-    for part in parts[:-1]:
+    for depth, part in enumerate(parts[:-1]):
         child = node.get(part)
-        if not isinstance(child, dict):
-            child = {}
-            node[part] = child
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            section = ".".join(parts[:depth + 1])
+            raise ConfigError([(section, f"must be a mapping of keys to values, got {child!r} "
+                                         f"(write {section}: {{{parts[depth + 1]}: ...}})")])
         node = child
     node[parts[-1]] = value
 
@@ -455,7 +461,10 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
         except yaml.YAMLError as exc:
             bad.append((key, f"value {raw!r} is not valid YAML ({exc.__class__.__name__})"))
             continue
-        _set_dotted(tree, key, value)
+        try:
+            _set_dotted(tree, key, value)
+        except ConfigError as exc:
+            bad.extend(exc.errors)
     if bad:
         raise ConfigError(bad)
     return tree
