@@ -60,6 +60,7 @@ def _run_case(rank: int, case: dict) -> dict:
         def __init__(self):
             self.steps = []
             self.shards = []
+            self.losses = []
 
         def on_after_backward(self, trainer, state):
             for where, r, i, flat, value in case["after"]:
@@ -69,6 +70,7 @@ def _run_case(rank: int, case: dict) -> dict:
                     if local.numel():
                         local.view(-1)[flat % local.numel()] = value
             self.shards.append([_local(p.grad).numpy().copy() for p in trainer.params])
+            self.losses.append(float(trainer.engine.loss_acc))  # this rank's float32 window sum
 
         def on_step_end(self, trainer, state):
             sc = trainer.scaler
@@ -95,7 +97,7 @@ def _run_case(rank: int, case: dict) -> dict:
             for m in range(k) for r in range(WORLD)]
     probe = Probe()
     Trainer(cfg, [probe]).fit(Planted(case["init"]), data, loss_fn=lambda m, b: m(b))
-    return {"steps": probe.steps, "shards": probe.shards}
+    return {"steps": probe.steps, "shards": probe.shards, "losses": probe.losses}
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +175,8 @@ def _check(case: dict, results: list[dict]) -> None:
         # scale, has the gradient f32(G * f32(scale / k)) (the boundary: autograd is not modelled).
         per_mb = np.float32(state.scaler.scale / np.float32(k))
         with np.errstate(over="ignore", invalid="ignore"):
+            # The ranks' window loss sums (recorded by each rank) all-reduced in float32.
+            loss_finite = bool(np.isfinite(np.float32(results[0]["losses"][s]) + np.float32(results[1]["losses"][s])))
             scaled = [[[(g * per_mb).astype(np.float32) for g in mb] for mb in mbs] for mbs in per_rank]
             # Rule 9: each rank sums its window locally; DDP reduces the sum once.
             local = [step.accumulate_gradients(mbs) for mbs in scaled]
@@ -190,10 +194,10 @@ def _check(case: dict, results: list[dict]) -> None:
                     assert _bits_equal(a, b), (
                         f"step {s} rank {r} gradient {i} after DDP's reduction: {a.ravel()} != spec {b.ravel()}")
                 held[r] = want
-            res = ddp_step(state, local, cfg, after_reduction=held, microbatches=k)
+            res = ddp_step(state, local, cfg, after_reduction=held, microbatches=k, loss_finite=loss_finite)
         else:
             shards = [results[r]["shards"][s] for r in range(WORLD)]
-            res = fsdp_step(state, shards, cfg, microbatches=k)
+            res = fsdp_step(state, shards, cfg, microbatches=k, loss_finite=loss_finite)
         state = res.state
         for r in range(WORLD):
             got = results[r]["steps"][s]

@@ -12,9 +12,11 @@ after FSDP2's reduce-scatter. Rules:
    An inf or NaN on any rank reaches every rank through the sum.
 2. Gradients can still change on one rank after the reduction (a hook, a callback, a bug). The
    spec takes each rank's post-reduction gradients as given and never assumes the replicas agree.
-3. ``found_inf`` is checked by every rank on its own scaled gradients (or shards), by
-   `reference.scaling.has_inf_or_nan`, and combined by logical OR over the ranks, once per step,
-   before the step decision. Every rank skips, or none does.
+3. ``found_inf`` is checked by every rank on its own scaled gradients (or shards), and on them
+   unscaled (`reference.step` rule 2), by `reference.scaling.has_inf_or_nan`, and combined by
+   logical OR over the ranks, once per step, before the step decision; it is also set when the
+   window's loss averaged over the ranks is not finite (``loss_finite``). Every rank skips, or none
+   does. A scale the update collapses ends the run (`reference.step` rule 5).
 4. Global norm, DDP: every rank takes `reference.clipping.total_norm` of its unscaled gradients.
    They are the reduced, replicated gradients, so the norm is the one-device norm of the average,
    the same on every rank whenever the step is applied (rule 2 changes only skipped steps).
@@ -52,7 +54,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from reference import clipping, scaling
-from reference.step import StepConfig, StepRecord, TrainState, accumulate_gradients, optimizer_step
+from reference.step import (
+    ScaleCollapsedError,
+    StepConfig,
+    StepRecord,
+    TrainState,
+    accumulate_gradients,
+    optimizer_step,
+    scale_collapsed,
+)
 
 __all__ = [
     "DistributedStepResult",
@@ -192,6 +202,8 @@ def _finish(
     if not found:
         params, _, opt_state = optimizer_step(params, full_grads, opt_state, config, lr)
     new_scaler = scaling.update_scale(state.scaler, found, config.scaler) if config.use_scaler else state.scaler
+    if scale_collapsed(new_scaler.scale):
+        raise ScaleCollapsedError(state.step, float(new_scaler.scale))
     record = StepRecord(
         step=state.step, microbatches=microbatches, scale_before=float(state.scaler.scale), found_inf=found,
         applied=not found, grad_norm=grad_norm, clip_coef=clip_coef, scale_after=float(new_scaler.scale),
@@ -216,6 +228,7 @@ def ddp_step(
     *,
     after_reduction: Sequence[Sequence[np.ndarray] | None] | None = None,
     microbatches: int = 1,
+    loss_finite: bool = True,
 ) -> DistributedStepResult:
     """One DDP step (rules 1-4, 7-9) from each rank's own scaled float32 gradients.
 
@@ -245,6 +258,7 @@ def ddp_step(
         for r in range(1, len(held)):
             if any(a.tobytes() != b.tobytes() for a, b in zip(held[0], held[r])):
                 raise ValueError(f"rank {r}'s finite gradients differ from rank 0's after the reduction")
+    found = found or not loss_finite or found_inf_across_ranks(unscaled)  # rule 3
     grad_norm = clip_coef = None
     if config.clip_norm is not None:
         results = [clipping.clip_grad_norm(g, config.clip_norm, 2.0, order=config.clip_order) for g in unscaled]
@@ -259,6 +273,7 @@ def fsdp_step(
     config: StepConfig,
     *,
     microbatches: int = 1,
+    loss_finite: bool = True,
 ) -> DistributedStepResult:
     """One FSDP2 step (rules 3, 5-8) from each rank's reduced, scaled float32 gradient shards.
 
@@ -278,6 +293,7 @@ def fsdp_step(
     found = found_inf_across_ranks(ranks)
     unscaled = [_unscale([np.asarray(g, dtype=np.float32) for g in shards], state.scaler, config.use_scaler)
                 for shards in ranks]
+    found = found or not loss_finite or found_inf_across_ranks(unscaled)  # rule 3
     grad_norm = clip_coef = None
     if config.clip_norm is not None:
         total = sharded_total_norm(unscaled)

@@ -234,7 +234,9 @@ def test_sync_free_counters_at_log_points_survive_a_checkpoint_between_them(tmp_
             "checkpoint.interval=2")
     s = Trainer(c, [Counters()]).fit(Poisoned(), batches(12, poison={1}))
     assert s.sync_free
-    assert seen == [(3, 2, 1), (6, 5, 1)], seen
+    # Log points at steps 3 and 6, and before each checkpoint (steps 2, 4 and 6, where the end's
+    # flush already happened): each step counted once.
+    assert seen == [(2, 1, 1), (3, 2, 1), (4, 3, 1), (6, 5, 1)], seen
 
 
 def test_stop_on_nonfinite_loss_writes_a_diagnosis(tmp_path):

@@ -43,6 +43,7 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "prune_checkpoints",
+    "remove_stale_temporaries",
     "restore_rng_state",
     "save_checkpoint",
 ]
@@ -170,10 +171,29 @@ def latest_checkpoint(folder: str | Path) -> Path | None:
     return None
 
 
+def remove_stale_temporaries(folder: str | Path) -> list[Path]:
+    """Delete what a write that never finished left in ``folder`` (rule 1's temporary files and
+    rule 5's temporary folders, named ``.tmp-step-...``). Call only while no write is under way
+    there: at the start of a run, or after this run's own write has been renamed."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    stale = [p for p in folder.iterdir() if p.name.startswith(".tmp-step-")]
+    for p in stale:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    if stale:
+        log.info("removed %d temporary file(s) left by interrupted checkpoint writes in %s", len(stale), folder)
+    return stale
+
+
 def prune_checkpoints(folder: str | Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` checkpoints (and stale temporary files)."""
+    """Delete all but the newest ``keep_last`` checkpoints, and stale temporary files."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    remove_stale_temporaries(folder)
     paths = list_checkpoints(folder)
     removed = paths[:-keep_last]
     for p in removed:

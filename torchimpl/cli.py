@@ -1,7 +1,11 @@
 """The ``ampspec`` command: ``compare``, ``train``, ``doctor``, ``replay``.
 
-User mistakes (a bad configuration, a missing file, an unavailable device) print one line to
-stderr and exit with status 2; nothing else is caught.
+User mistakes (a bad configuration, a missing file, an unavailable device, a refused resume)
+print one line to stderr and exit with status 2. ``train`` exits 0 when the run completed (or a
+callback stopped it), 1 when a fault stopped it (a non-finite loss or gradient under
+``on_nonfinite: stop``, a collapsed loss scale), 3 when it applied no step or ended with a
+non-finite loss, and 130 or 143 when SIGINT or SIGTERM stopped it (after a checkpoint); every
+code but 0 comes with a line on stderr.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 from torchimpl.distributed import launch_rank
+from torchimpl.lifecycle import EXIT_CODES
 
 __all__ = ["main"]
 
@@ -51,8 +56,27 @@ def _train(args: argparse.Namespace) -> int:
     # Under torchrun rank 0 alone prints; every rank's exit status still reports a stop (the
     # stop decision is the same on every rank).
     if launch_rank() == 0:
-        print(json.dumps(summary.to_dict(), indent=2))
-    return 0 if summary.stopped is None else 1
+        print(json.dumps(summary.to_dict(), indent=2, allow_nan=False))
+        problem = _outcome_message(summary)
+        if problem:
+            print(f"ampspec train: {problem}", file=sys.stderr)
+    return EXIT_CODES[summary.outcome]
+
+
+def _outcome_message(summary) -> str | None:
+    """What stderr says about a run that did not complete (None when it did)."""
+    where = f"; last checkpoint {summary.last_checkpoint}" if summary.last_checkpoint else ""
+    if summary.outcome == "failed":
+        report = f"; diagnosis in {summary.diagnosis_report}" if summary.diagnosis_report else ""
+        return f"the run failed: {summary.stopped}{report}{where}"
+    if summary.outcome == "no_progress":
+        if summary.steps_applied == 0:
+            return (f"no step was applied: all {summary.steps} steps were skipped for non-finite values "
+                    "(see the trace, or rerun with train.on_nonfinite=stop for a diagnosis)")
+        return f"the run ended with a non-finite training loss ({summary.final_train_loss}){where}"
+    if summary.outcome.startswith("interrupted"):
+        return f"{summary.stopped}{where}; continue with --resume"
+    return None
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -156,6 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format=prefix + "%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
+    except KeyboardInterrupt as exc:  # a second Ctrl-C: abort without a traceback
+        print(f"{prefix}ampspec {args.command}: {exc or 'interrupted'}", file=sys.stderr)
+        return 130
     except (ValueError, RuntimeError, OSError, ImportError) as exc:
         msg = str(exc).splitlines()
         print(f"{prefix}ampspec {args.command}: error: {' '.join(m.strip() for m in msg)}", file=sys.stderr)

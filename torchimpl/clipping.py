@@ -58,9 +58,15 @@ def check_nonfinite_(groups: list[ParamGroup], found: torch.Tensor, one: torch.T
     """Rule 4: ``found`` becomes 1.0 when a gradient holds inf or NaN; ``one`` is a 0-d float32
     1.0 on ``found``'s device, so every gradient keeps its bits."""
     for _, params, _ in groups:
-        grads = [p.grad for p in params if p.grad is not None]
+        # A sharded (DTensor) gradient is checked on this rank's shard; the ranks then agree.
+        grads = [_local(p.grad) for p in params if p.grad is not None]
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if callable(to_local) and type(grad) is not torch.Tensor else grad
 
 
 def clip_grad_norm_(groups: list[ParamGroup], params: list[nn.Parameter], max_norm: float,

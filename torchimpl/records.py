@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -155,12 +156,22 @@ def _mean_f32(total: float, k: int) -> float:
 
 
 class TraceWriter:
-    """Appends records to a JSON Lines file, one line per record, flushed after each write."""
+    """Appends records to a JSON Lines file, one line per record, flushed after each write.
 
-    def __init__(self, path: str | Path, *, append: bool = False):
+    ``resume_at``: continue a trace whose run resumes before step ``resume_at``. The file keeps
+    its records of steps ``0 .. resume_at - 1`` and loses any later ones (written after the
+    checkpoint by a run that was then killed), so that the trace of a resumed run equals the
+    uninterrupted run's; a torn last line (a kill inside a write) goes too. The file is
+    rewritten atomically. Without ``resume_at`` the file starts empty.
+    """
+
+    def __init__(self, path: str | Path, *, resume_at: int | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = open(self.path, "a" if append else "w", encoding="utf-8")
+        self.kept = 0
+        if resume_at is not None:
+            self.kept = _truncate_trace(self.path, resume_at)
+        self._file: IO[str] | None = open(self.path, "a" if resume_at is not None else "w", encoding="utf-8")
 
     def write(self, records: Iterable[StepRecord]) -> None:
         if self._file is None:
@@ -179,6 +190,26 @@ class TraceWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _truncate_trace(path: Path, resume_at: int) -> int:
+    """Keep the leading records of ``path`` with ``step < resume_at``; how many were kept."""
+    if not path.exists():
+        return 0
+    kept: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                break  # a torn line: nothing after it was written by a finished flush
+            if not isinstance(step, int) or step >= resume_at or step != len(kept):
+                break
+            kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return len(kept)
 
 
 def write_trace(path: str | Path, records: Iterable[StepRecord]) -> None:

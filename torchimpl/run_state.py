@@ -13,13 +13,36 @@ resumed from it is, on the CPU, bit for bit the run that never stopped:
 7. every random generator's state, restored last;
 8. the data position (:class:`DataCursor`): the epoch, the batches of it consumed, and for a
    source without ``iter_from`` the torch generator state its shuffle was drawn from;
-9. the configuration and the versions of torch and ampspec, for people.
+9. the configuration and the versions of torch and ampspec.
+
+Resuming (the lifecycle contract). For any sequence of runs, kills at any instant, resumes and
+allowed configuration changes, the final model, optimizer, scaler, counters and trace equal the
+uninterrupted run's bit for bit on the CPU; anything else is refused before it trains, naming
+the fix; a checkpoint that verified is never lost or overwritten by a refused run:
+
+10. ``resume="latest"`` takes the newest checkpoint in the folder that verifies and holds every
+    field above (:func:`check_contents`); a damaged or malformed newer one is named in a warning
+    and passed over. When the folder holds checkpoints and none can be used, the run is refused
+    (``CheckpointError`` naming each file and why), and nothing in the folder is touched. An
+    empty folder starts a fresh run, with a warning.
+11. Configuration changes between the saving run and the resuming one (:func:`config_changes`):
+    the cadence of the run (``train.steps``, the log, evaluation and checkpoint intervals and
+    folder, the trace file, the guard, ``compile``, ``on_nonfinite``, timeouts) may change freely;
+    hyperparameters (the optimizer's ``lr``, ``betas``, ``eps``, ``weight_decay``, ``momentum``,
+    ``nesterov``, the schedule, ``train.clip_norm``, the scaler's growth and backoff factors and
+    interval, the microbatches per step, the device) take the configuration's value from the
+    resumed step on, each change named in a warning with both values; what defines the run
+    (the task, the precision, the optimizer's name, kind and parameter groups, the scaler's
+    preset and its bounds, the distributed mode, and the microbatches of a checkpoint inside a
+    window) is refused with a ``ResumeError`` listing every difference. The model must match
+    the checkpoint's parameter names, shapes and dtypes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -30,11 +53,75 @@ from torch import nn
 import torchimpl
 from torchimpl.checkpoint import CheckpointError, capture_rng_state, restore_rng_state
 
-__all__ = ["CHECKPOINT_FORMAT", "DataCursor", "RunState", "TrainState"]
+__all__ = ["CHECKPOINT_FORMAT", "DataCursor", "ResumeError", "RunState", "TrainState", "check_contents",
+           "config_changes"]
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = 1
+
+
+class ResumeError(ValueError):
+    """A resume refused because the configuration or the model differs from the checkpoint's in
+    what defines the run (rule 11)."""
+
+
+# Rule 10: what a checkpoint must hold, and of which type.
+_REQUIRED: dict[str, type | tuple[type, ...]] = {
+    "format": int, "config": dict, "model": dict, "model_signature": dict, "optimizer": dict, "schedule": dict,
+    "trainer": dict, "rng": dict, "data": dict, "scaler": (dict, type(None)), "accumulation": (dict, type(None)),
+}
+
+
+def check_contents(ckpt: Any, path: Path) -> None:
+    """Rule 10: ``CheckpointError`` naming what is missing or malformed in ``ckpt``."""
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"{path} does not hold a checkpoint mapping")
+    problems = [f"{key!r} is missing" if key not in ckpt else
+                f"{key!r} is a {type(ckpt[key]).__name__}" for key, kind in _REQUIRED.items()
+                if key not in ckpt or not isinstance(ckpt[key], kind)]
+    if not problems:
+        missing = [k for k in ("step", "applied_steps", "window_size", "window_done") if k not in ckpt["trainer"]]
+        problems += [f"'trainer' lacks {missing}"] if missing else []
+    if problems:
+        raise CheckpointError(f"{path} is malformed: {'; '.join(problems)}")
+
+
+# Rule 11, by dotted configuration key (a section name covers its keys).
+_FREE = ("train.steps", "train.log_interval", "train.eval_interval", "train.trace_file", "train.guard",
+         "train.compile", "train.on_nonfinite", "train.distributed_timeout_s", "checkpoint")
+_REFUSED = ("task", "precision", "optimizer.name", "optimizer.fused", "optimizer.foreach",
+            "optimizer.no_decay_bias_and_norm", "scaler.preset", "scaler.hysteresis", "scaler.min_scale",
+            "scaler.max_scale", "scaler.raise_at_min_scale", "scaler.consecutive_hysteresis", "train.distributed")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _covered(key: str, names: tuple[str, ...]) -> bool:
+    return any(key == n or key.startswith(n + ".") for n in names)
+
+
+def config_changes(saved: dict[str, Any], now: dict[str, Any], *, mid_window: bool) -> tuple[list[str], list[str]]:
+    """Rule 11: the refused differences and the applied ones, each as ``"key: old -> new"``."""
+    old, new = _flatten(saved), _flatten(now)
+    refused, applied = [], []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if a == b or _covered(key, _FREE):
+            continue
+        line = f"{key}: {a!r} (checkpoint) -> {b!r} (now)"
+        if _covered(key, _REFUSED) or (mid_window and key == "train.microbatches"):
+            refused.append(line)
+        else:
+            applied.append(line)
+    return refused, applied
 
 
 @dataclass
@@ -174,18 +261,28 @@ class RunState:
         """Rules 1-6 (the generators and the data position come later: :meth:`restore_rng_and_data`)."""
         if ckpt.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(f"{path}: checkpoint format {ckpt.get('format')!r}, expected {CHECKPOINT_FORMAT}")
-        self._check_signature(ckpt["model_signature"], path)
+        self._check_signature(ckpt["model_signature"], ckpt["model"], path)
+        applied = self._check_config(ckpt, path)
+        fresh = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
+                 for g in self.optimizer.param_groups]
         self.model.load_state_dict(ckpt["model"])
         try:
             self.optimizer.load_state_dict(ckpt["optimizer"])
         except (ValueError, KeyError) as exc:
             raise CheckpointError(f"{path}: optimizer state does not fit this optimizer: {exc}") from None
-        if ckpt.get("optimizer_kind") != self.optimizer_kind:
-            log.warning("%s was saved with a %s optimizer, resuming with %s: updates may differ in the last bits",
-                        path, ckpt.get("optimizer_kind"), self.optimizer_kind)
+        for group, values in zip(self.optimizer.param_groups, fresh):
+            group.update(values)  # rule 11: the configuration's hyperparameters, not the saved ones
         engine = self.engine
         engine.skip.load_schedule(ckpt["schedule"], self.config.train.steps)
+        if any(line.startswith("optimizer.lr:") for line in applied):
+            engine.skip.rebase([float(self.config.optimizer.lr)] * len(self.optimizer.param_groups),
+                               self.config.train.steps)
         engine.scaling.load_state_dict(ckpt.get("scaler"), path, self.plan_mode)
+        if engine.scaling.scaler is not None:
+            s = self.config.scaler.resolved()  # rule 11: the configuration's factors
+            engine.scaling.scaler.set_growth_factor(s.growth_factor)
+            engine.scaling.scaler.set_backoff_factor(s.backoff_factor)
+            engine.scaling.scaler.set_growth_interval(s.growth_interval)
         names = {f.name for f in dataclasses.fields(TrainState)}
         saved = TrainState(**{k: v for k, v in ckpt["trainer"].items() if k in names})
         vars(self.state).update(vars(saved))  # in place: the engine and the cursor share it
@@ -200,16 +297,38 @@ class RunState:
         restore_rng_state(ckpt["rng"])
         self.cursor.load_state_dict(ckpt["data"])
 
-    def _check_signature(self, theirs: dict[str, list[int]], path: Path) -> None:
-        mine = {k: list(v.shape) for k, v in self.model.state_dict().items()}
-        if mine == theirs:
+    def _check_signature(self, theirs: dict[str, list[int]], saved: dict[str, Any], path: Path) -> None:
+        """Rule 1: the same parameter and buffer names and shapes, and the same dtypes."""
+        model_state = self.model.state_dict()
+        mine = {k: list(v.shape) for k, v in model_state.items()}
+        dtypes = sorted(f"{k} ({saved[k].dtype} saved, {v.dtype} now)" for k, v in model_state.items()
+                        if isinstance(saved.get(k), torch.Tensor) and saved[k].dtype != v.dtype)
+        if mine == theirs and not dtypes:
             return
         missing = sorted(set(mine) - set(theirs))
         extra = sorted(set(theirs) - set(mine))
         shapes = sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
         parts = [f"missing {missing[:5]}" if missing else "", f"unexpected {extra[:5]}" if extra else "",
-                 f"different shapes for {shapes[:5]}" if shapes else ""]
+                 f"different shapes for {shapes[:5]}" if shapes else "", f"different dtypes for {dtypes[:5]}" if dtypes else ""]
         raise CheckpointError(f"{path} was saved from a different model: " + "; ".join(p for p in parts if p))
+
+    def _check_config(self, ckpt: dict[str, Any], path: Path) -> list[str]:
+        """Rule 11: refuse what defines the run; warn of each applied change; return those."""
+        mid_window = int(ckpt["trainer"].get("window_size", 0)) > 0
+        refused, applied = config_changes(ckpt["config"], self.config.to_dict(), mid_window=mid_window)
+        if ckpt.get("optimizer_kind") != self.optimizer_kind:
+            refused.append(f"the optimizer kind: {ckpt.get('optimizer_kind')!r} (checkpoint) -> "
+                           f"{self.optimizer_kind!r} (now)")
+        if refused:
+            raise ResumeError(
+                f"cannot resume from {path}: the configuration differs from the checkpoint's in what defines the "
+                f"run: {'; '.join(refused)}. Resume with the checkpoint's values, or start a new run in another "
+                "checkpoint.folder")
+        step = ckpt["trainer"]["step"]
+        for line in applied:
+            warnings.warn(f"resume from {path.name} at step {step}: {line}; the new value is used from here on",
+                          stacklevel=5)
+        return applied
 
 
 def ampspec_version() -> str:

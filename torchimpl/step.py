@@ -256,6 +256,11 @@ class HostSkip(_Skip):
     def load_schedule(self, state: dict[str, Any], total_steps: int) -> None:
         self.schedule.load_state_dict(state)
 
+    def rebase(self, base_lrs: list[float], total_steps: int) -> None:
+        """New base rates (a resume whose configuration changed ``optimizer.lr``)."""
+        self.schedule.base_lrs = list(base_lrs)
+        self.schedule.apply()
+
 
 class KernelSkip(_Skip):
     """The sync-free mode: a fused optimizer called on every step skips inside its kernel on
@@ -317,7 +322,15 @@ class KernelSkip(_Skip):
         applied = int(state["applied_steps"])
         self._applied_t.fill_(applied)
         # A run saved with more steps than this one's train.steps still finds its rate.
-        self._build_tables(max(total_steps, applied))
+        self._set_rates(max(total_steps, applied))
+
+    def rebase(self, base_lrs: list[float], total_steps: int) -> None:
+        """New base rates (a resume whose configuration changed ``optimizer.lr``)."""
+        self.schedule.base_lrs = list(base_lrs)
+        self._set_rates(self._tables[0].numel() - 1 if self._tables else total_steps)
+
+    def _set_rates(self, last: int) -> None:
+        self._build_tables(last)
         for group, table in zip(self.optimizer.param_groups, self._tables):
             # A new tensor: load_state_dict put the saved group's lr (any type) there.
             group["lr"] = lr_from_table(table, self._applied_t)
@@ -385,6 +398,7 @@ class StepEngine:
         self.grad_norm: torch.Tensor | None = None
         self.window: list[Any] | None = None
         self.scale_before: Any = None
+        self.save_refused: str | None = None  # why a checkpoint cannot be taken now
 
     # --- rule 1 ------------------------------------------------------------------------
 
@@ -410,6 +424,8 @@ class StepEngine:
             else:
                 with accumulate(st.window_done + 1 == k), autocast:
                     loss = loss_fn(model, batch)
+            if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
+                raise ValueError(_bad_loss(loss))
             # Outside autocast from here: the accumulation, the division, the scaling and backward.
             loss_acc.add_(loss.detach().float())
             scaled = loss / k
@@ -471,8 +487,12 @@ class StepEngine:
         if agreed is not found:  # several processes: the all-reduced flag
             found.copy_(agreed)
         self.found_inf, self.grad_norm = found, grad_norm
+        self.save_refused = ("from on_before_optimizer_step: the gradients are unscaled and clipped but the step "
+                             "is not taken, so a resume would unscale and clip them again; save from "
+                             "on_after_backward or on_step_end")
         for hook in hooks.before_optimizer_step:
             hook(st)
+        self.save_refused = None
         decision = self.skip.step(self._flags, found, self.loss_acc)
         if decision.problem is not None:
             return decision.problem
@@ -492,6 +512,15 @@ class StepEngine:
         for hook in hooks.step_end:
             hook(st)
         return None
+
+
+def _bad_loss(loss: Any) -> str:
+    if isinstance(loss, torch.Tensor):
+        got = f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
+    else:
+        got = f"a {type(loss).__name__} ({loss!r})"[:200]
+    return (f"the loss must be a 0-d floating tensor, got {got}: return the batch's mean loss as a tensor "
+            "from loss_fn (or from model(inputs, targets)), e.g. loss.mean()")
 
 
 def build_step_engine(*, config: Any, sync_free: bool, model: nn.Module, forward_model: nn.Module,

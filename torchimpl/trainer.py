@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import math
 import random
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -36,15 +35,23 @@ import torch
 from torch import nn
 
 from torchimpl.batches import to_device
-from torchimpl.checkpoint import checkpoint_name, latest_checkpoint, prune_checkpoints
+from torchimpl.checkpoint import (
+    CheckpointError,
+    checkpoint_name,
+    list_checkpoints,
+    prune_checkpoints,
+    remove_stale_temporaries,
+)
 from torchimpl.config import Config
 from torchimpl.device import resolve_device
 from torchimpl.diagnostics import NonFiniteError, report_nonfinite
 from torchimpl.distributed import init_distributed
 from torchimpl.optim import build_optimizer
 from torchimpl.precision import autocast_context, resolve_precision
+from torchimpl.lifecycle import Interrupts, outcome, preflight
 from torchimpl.records import StepRecord, TraceWriter
-from torchimpl.run_state import DataCursor, RunState, TrainState
+from torchimpl.reporting import Reporter
+from torchimpl.run_state import DataCursor, RunState, TrainState, check_contents
 from torchimpl.scaler import make_grad_scaler
 from torchimpl.step import StepEngine, bind_hooks, build_step_engine, choose_sync_free
 
@@ -115,9 +122,14 @@ class RunSummary:
     stopped: str | None = None
     last_checkpoint: str | None = None
     diagnosis_report: str | None = None
+    outcome: str = "completed"
+    """How the run ended (``torchimpl.lifecycle``): completed, stopped, failed, no_progress,
+    interrupted:SIGINT or interrupted:SIGTERM."""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain values, valid JSON: a non-finite number becomes None."""
+        return {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                for k, v in dataclasses.asdict(self).items()}
 
 
 class Trainer:
@@ -136,42 +148,38 @@ class Trainer:
             raise ValueError(f"config must be a torchimpl.config.Config, got {type(config).__name__}")
         self.config = config
         self.callbacks = list(callbacks)
-        self.loss_history: list[tuple[int, float]] = []
-        self.scale_history: list[tuple[int, float]] = []
         self._stop_requested: str | None = None
+        self._reporter: Reporter | None = None
 
     # ------------------------------------------------------------------ public helpers
 
-    @property
-    def found_inf(self) -> torch.Tensor | None:
-        return self.engine.found_inf
-
-    @property
-    def grad_norm(self) -> torch.Tensor | None:
-        return self.engine.grad_norm
-
-    @property
-    def sync_free(self) -> bool:
-        return self.engine.skip.sync_free
-
-    @property
-    def schedule(self) -> Any:
-        return self.engine.skip.schedule
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return self.engine.params
+    found_inf = property(lambda self: self.engine.found_inf)
+    grad_norm = property(lambda self: self.engine.grad_norm)
+    sync_free = property(lambda self: self.engine.skip.sync_free)
+    schedule = property(lambda self: self.engine.skip.schedule)
+    params = property(lambda self: self.engine.params)
+    loss_history = property(lambda self: self._reporter.loss_history if self._reporter else [])
+    scale_history = property(lambda self: self._reporter.scale_history if self._reporter else [])
 
     def request_stop(self, reason: str = "requested") -> None:
         """End ``fit`` after the current hook returns (callable from any callback)."""
         self._stop_requested = reason
 
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
-        """Save now (between steps or inside an accumulation window, e.g. from a callback)."""
+        """Save now: between steps, inside an accumulation window, or after its last backward
+        (from ``on_microbatch_end``, ``on_after_backward``, ``on_step_end``, ``on_log``,
+        ``on_fit_end``); every such checkpoint resumes bit for bit. The records pending on the
+        device are flushed first, so that the trace holds every step before the checkpoint's."""
+        refused = self._save_refused or self.engine.save_refused
+        if refused is not None:
+            raise RuntimeError(f"save_checkpoint() cannot be called {refused}")
         folder = self.config.checkpoint.folder
+        if path is None and folder is None:
+            raise ValueError("no path given and checkpoint.folder is not set")
+        self._log_point()
+        if self._fault is not None:
+            raise RuntimeError(f"save_checkpoint(): not saved, the run is stopping on a fault: {self._fault}")
         if path is None:
-            if folder is None:
-                raise ValueError("no path given and checkpoint.folder is not set")
             path = Path(folder) / checkpoint_name(self.state.step, self.state.window_done)
         written = self._dist.save_checkpoint(self._run.contents(), Path(path))
         self._last_checkpoint = str(written)
@@ -204,22 +212,26 @@ class Trainer:
             resume: str | Path | None = None) -> RunSummary:
         """Train for ``train.steps`` optimizer steps (counting skipped ones) and summarise.
 
-        ``resume``: a checkpoint path, or ``"latest"`` for the newest good checkpoint in
-        ``checkpoint.folder`` (starting fresh when there is none).
+        ``resume``: a checkpoint path, or ``"latest"`` for the newest usable checkpoint in
+        ``checkpoint.folder`` (see ``torchimpl.run_state`` for what may change on a resume).
+        SIGINT and SIGTERM stop the run at the next step boundary (see ``torchimpl.lifecycle``).
         """
         cfg = self.config
-        self._stop_requested = self._last_checkpoint = self._diagnosis = None
+        self._stop_requested = self._last_checkpoint = self._diagnosis = self._fault = None
+        self._save_refused: str | None = "before fit has set the run up"
         self.loss_fn = loss_fn or default_loss_fn
         self.device = resolve_device(cfg.device)
         # Multi-process hooks (torchimpl.distributed); identities with train.distributed=none.
         self._dist = init_distributed(cfg.train.distributed, device=self.device,
                                       timeout_s=cfg.train.distributed_timeout_s)
         try:
+            preflight(cfg, val_data, is_main=self._dist.is_main)
             self._set_up(model, train_data)
             self._seed()
             resumed = self._resume(resume)
-            guard, writer = self._open(resumed)
-            stopped, elapsed = self._loop(val_data, guard, writer)
+            guard = self._open(resumed)
+            with Interrupts() as self._interrupts:
+                stopped, elapsed = self._loop(val_data, guard)
             return self._summarise(stopped, elapsed)
         finally:
             self._dist.close()
@@ -255,10 +267,11 @@ class Trainer:
             optimizer=self.optimizer, optimizer_kind=built.kind, scaler=self.scaler, dist=self._dist,
             loss_fn=self.loss_fn, autocast=autocast_context(self.plan, self.device), device=self.device,
             state=self.state, hooks=bind_hooks((), self, Callback), stop_requested=lambda: self._stop_requested)
-        cursor = DataCursor(self.train_data, self.state)
         self._run = RunState(config=cfg, model=self.model, optimizer=self.optimizer, optimizer_kind=built.kind,
-                             engine=self.engine, cursor=cursor, plan_mode=self.plan.mode)
-        self.loss_history, self.scale_history = [], []
+                             engine=self.engine, cursor=DataCursor(self.train_data, self.state),
+                             plan_mode=self.plan.mode)
+        if cfg.checkpoint.folder is not None and self._dist.is_main:
+            remove_stale_temporaries(cfg.checkpoint.folder)
 
     def _seed(self) -> None:
         """Every generator from ``train.seed`` (a resume overwrites them with the saved states)."""
@@ -269,26 +282,41 @@ class Trainer:
         self._dist.seed(seed)
 
     def _resume(self, resume: str | Path | None) -> dict[str, Any] | None:
-        """The checkpoint's contents restored into the run (generators and data come later)."""
+        """The checkpoint's contents restored into the run (generators and data come later):
+        rule 10 of ``torchimpl.run_state``."""
         if resume is None:
             return None
         folder = self.config.checkpoint.folder
-        path = resume
-        if str(resume) == "latest":
-            if folder is None:
-                raise ValueError("resume='latest' needs checkpoint.folder")
-            path = latest_checkpoint(folder)
-            if path is None:
-                log.info("no checkpoint in %s; starting fresh", folder)
+        if str(resume) != "latest":
+            paths = [Path(resume)]
+        elif folder is None:
+            raise ValueError("resume='latest' needs checkpoint.folder")
+        else:
+            paths = list_checkpoints(folder)[::-1]
+            if not paths:
+                log.warning("no checkpoint in %s to resume from; starting a fresh run", folder)
                 return None
-        contents = self._dist.load_checkpoint(Path(path))
-        self._run.restore(contents, Path(path))
-        log.info("resumed from %s at step %d", path, self.state.step)
-        return contents
+        rejected = []
+        for path in paths:
+            try:
+                contents = self._dist.load_checkpoint(path)
+                check_contents(contents, path)
+            except CheckpointError as exc:
+                if len(paths) == 1 and str(resume) != "latest":
+                    raise
+                rejected.append(str(exc))
+                log.warning("cannot resume from %s: %s", path.name, exc)
+                continue
+            self._run.restore(contents, path)
+            log.info("resumed from %s at step %d", path, self.state.step)
+            return contents
+        raise CheckpointError(f"none of the {len(paths)} checkpoints in {folder} can be resumed from, so the run is "
+                              f"refused and nothing in the folder was changed: {'; '.join(rejected)}. Move the "
+                              "damaged files away to start afresh, or resume from a good copy")
 
-    def _open(self, resumed: dict[str, Any] | None) -> tuple[Any, TraceWriter | None]:
+    def _open(self, resumed: dict[str, Any] | None) -> Any:
         """The guard, the trace, ``on_fit_start``, then the restored generators and data."""
-        cfg = self.config
+        cfg, st = self.config, self.state
         self.engine.scaling.materialise(self.device)
         guard = None
         if cfg.train.guard:
@@ -297,20 +325,28 @@ class Trainer:
             guard = NonFiniteGuard(self.model)
         writer = None
         if cfg.train.trace_file and self._dist.is_main:
-            writer = TraceWriter(cfg.train.trace_file, append=resumed is not None)
+            writer = TraceWriter(cfg.train.trace_file, resume_at=st.step if resumed is not None else None)
+            if resumed is not None and writer.kept < st.step:
+                log.warning("trace %s holds %d of the %d steps before the resumed step %d (it was not written by "
+                            "the runs before); it continues from step %d", cfg.train.trace_file, writer.kept,
+                            st.step, st.step, st.step)
+        self._reporter = Reporter(self, writer, show_bar=self._dist.is_main)
+        self._save_refused = None if resumed is None else (
+            "from on_fit_start of a resumed run: its data position and random streams are restored only after "
+            "on_fit_start; save from on_step_end or later")
         for cb in self.callbacks:
             cb.on_fit_start(self)
+        self._save_refused = None
         # The step hooks that do something, bound once (Callback's own are no-ops).
         self.engine.hooks = bind_hooks(self.callbacks, self, Callback)
         if resumed is not None:
             self._run.restore_rng_and_data(resumed)
-        return guard, writer
+        return guard
 
-    def _loop(self, val_data: Iterable[Any] | None, guard: Any, writer: TraceWriter | None) -> tuple[str | None, float]:
+    def _loop(self, val_data: Iterable[Any] | None, guard: Any) -> tuple[str | None, float]:
         """Steps until done or stopped, with log points, evaluations and checkpoints at their
         intervals; the stop reason and the step time (evaluation and saving left out)."""
         cfg, st = self.config, self.state
-        bar = self._progress_bar() if self._dist.is_main else None
         self._start = (st.step, st.samples)
         t0, excluded, stopped = time.perf_counter(), 0.0, None
         if self.device.type == "cuda":
@@ -326,31 +362,38 @@ class Trainer:
                 except NonFiniteError as err:  # raised by the guard's hooks (train.guard)
                     self._guard_hit(err)
                 step, last = st.step, st.step >= steps
-                if step % log_interval == 0 or last or self._stop_requested:
-                    self._flush(writer, bar)
+                interrupted = self._interrupts.received
+                if step % log_interval == 0 or last or self._stop_requested or interrupted:
+                    self._log_point()
                 eval_due = ei is not None and ((ei and step % ei == 0) or last)
-                save_due = ci is not None and ((ci and step % ci == 0) or last)
-                if eval_due or save_due:
+                save_due = ci is not None and ((ci and step % ci == 0) or last or interrupted)
+                if (eval_due or save_due) and self._fault is None:
                     te = time.perf_counter()
                     if eval_due:
                         self._evaluate(val_data, guard)
                     if save_due:
                         self.save_checkpoint()
                     excluded += time.perf_counter() - te
+                if interrupted:
+                    stopped = f"interrupted by {interrupted} at step {step}"
+                    break
                 if self._stop_requested:
                     stopped = self._stop_requested
                     break
         except StopTraining as exc:
             stopped = str(exc) or "StopTraining"
         finally:
-            self._flush(writer, bar)
-            if writer is not None:
-                writer.close()
+            self._log_point()
+            self._reporter.close()
             if guard is not None:
                 guard.remove()
-            if bar is not None:
-                bar.close()
         return stopped, time.perf_counter() - t0 - excluded
+
+    def _log_point(self) -> None:
+        problem = self._reporter.flush()
+        if problem is not None:
+            self._fault = problem
+            self.request_stop(problem)
 
     def _one_step(self) -> None:
         st, engine = self.state, self.engine
@@ -384,7 +427,7 @@ class Trainer:
         self._handle(self.engine.skip_window(rest), rest)
 
     def _stop_on_nonfinite(self, window: list[Any], what: str) -> None:
-        """Write the diagnosis of ``window``'s first batch and request a stop."""
+        """A fault: write the diagnosis of ``window``'s first batch and stop, saving nothing."""
         cfg = self.config
         folder = Path(cfg.checkpoint.folder or (Path(cfg.train.trace_file).parent if cfg.train.trace_file else "."))
         self._diagnosis = report_nonfinite(
@@ -392,7 +435,8 @@ class Trainer:
             model=self.model, batch=to_device(window[0], self.device), loss_fn=self.loss_fn, plan=self.plan,
             optimizer=self.optimizer, scaler=self.scaler, dist=self._dist)
         self.state.window_size = self.state.window_done = 0
-        self.request_stop(f"{what} at step {self.state.step}")
+        self._fault = f"{what} at step {self.state.step}"
+        self.request_stop(self._fault)
 
     def _evaluate(self, val_data: Iterable[Any], guard: Any) -> None:
         # The guard watches training steps; a non-finite validation loss is recorded as is.
@@ -407,38 +451,6 @@ class Trainer:
         st.last_val_loss = value
         if math.isfinite(value) and (st.best_val_loss is None or value < st.best_val_loss):
             st.best_val_loss = value
-
-    def _flush(self, writer: TraceWriter | None, bar: Any) -> None:
-        """Read pending records from the device in one transfer; log, write, call ``on_log``."""
-        engine, st = self.engine, self.state
-        if not engine.pending:
-            return
-        records, losses = engine.pending.read()
-        for record, loss in zip(records, losses):
-            self.loss_history.append((record.step, loss))
-            self.scale_history.append((record.step, record.scale_after))
-        problem = engine.skip.count(records, losses, st)
-        if problem is not None:
-            self.request_stop(problem)
-        st.last_train_loss = losses[-1]
-        if writer is not None:
-            writer.write(records)
-        last = records[-1]
-        log.info("step %d loss %.5g scale %g lr %.3g skipped %d", last.step, losses[-1], last.scale_after,
-                 last.lr, st.skipped_steps)
-        if bar is not None:
-            bar.set_postfix(loss=f"{losses[-1]:.4g}", scale=f"{last.scale_after:g}", skipped=st.skipped_steps,
-                            refresh=False)
-            bar.update(last.step + 1 - bar.n)
-        for cb in self.callbacks:
-            cb.on_log(self, st, records, losses)
-
-    def _progress_bar(self) -> Any:
-        if not sys.stderr.isatty():
-            return None
-        from tqdm.auto import tqdm
-
-        return tqdm(total=self.config.train.steps, initial=self.state.step, unit="step", dynamic_ncols=True)
 
     def _summarise(self, stopped: str | None, elapsed: float) -> RunSummary:
         st, plan = self.state, self.plan
@@ -456,6 +468,8 @@ class Trainer:
             peak_memory_bytes=int(torch.cuda.max_memory_allocated(self.device)) if self.device.type == "cuda" else None,
             final_train_loss=st.last_train_loss, final_val_loss=st.last_val_loss, best_val_loss=st.best_val_loss,
             stopped=stopped, last_checkpoint=self._last_checkpoint, diagnosis_report=self._diagnosis,
+            outcome=outcome(stopped=stopped, fault=self._fault is not None, interrupted=self._interrupts.received,
+                            steps_applied=st.applied_steps, final_loss=st.last_train_loss),
         )
         for cb in self.callbacks:
             cb.on_fit_end(self, summary)

@@ -1,0 +1,115 @@
+"""The run around its steps: what is checked before step 1, interrupts, and how a run ends.
+
+1. **Before step 1** (:func:`preflight`): everything that would otherwise fail only after
+   training: the checkpoint folder is created and written to, the trace file opened, the
+   validation data checked for batches. A problem raises ``ValueError`` naming the field and
+   the fix, before any work.
+2. **Interrupts** (:class:`Interrupts`): the first SIGINT (Ctrl-C) or SIGTERM asks the run to
+   stop at the next step boundary; the trainer then flushes the records, saves a checkpoint
+   when ``checkpoint.folder`` is set and returns its summary. A second signal aborts at once
+   (``KeyboardInterrupt``). Installed only in the main thread; the previous handlers come
+   back when the run ends.
+3. **How a run ends** (:func:`outcome`): ``completed``, ``stopped`` (a callback asked),
+   ``interrupted`` (a signal), ``failed`` (a fault: a non-finite loss or gradient with
+   ``on_nonfinite: stop``, a collapsed loss scale), or ``no_progress`` (it trained to the end
+   but applied no step, or its last loss is not finite). The command line's exit status
+   follows it (:data:`EXIT_CODES`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import tempfile
+import threading
+from pathlib import Path
+from collections.abc import Iterator
+from typing import Any, Iterable
+
+__all__ = ["EXIT_CODES", "Interrupts", "outcome", "preflight"]
+
+EXIT_CODES = {"completed": 0, "stopped": 0, "failed": 1, "no_progress": 3,
+              "interrupted:SIGINT": 130, "interrupted:SIGTERM": 143}
+"""Exit status of ``ampspec train`` by outcome (2 is a usage error: a bad configuration, a file
+that cannot be read, a refused resume)."""
+
+
+def preflight(config: Any, val_data: Iterable[Any] | None, *, is_main: bool) -> None:
+    """Rule 1."""
+    folder = config.checkpoint.folder
+    if folder is not None and is_main:
+        _check_writable_folder(Path(folder), "checkpoint.folder")
+    trace = config.train.trace_file
+    if trace is not None and is_main:
+        path = Path(trace)
+        if path.is_dir():
+            raise ValueError(f"train.trace_file: {trace} is a folder; give a file path such as {path / 'trace.jsonl'}")
+        _check_writable_folder(path.parent if str(path.parent) else Path("."), "train.trace_file's folder")
+    if val_data is not None:
+        if isinstance(val_data, Iterator):
+            raise ValueError("val_data is a one-shot iterator (it would be empty at the second evaluation); "
+                             "pass a re-iterable source such as a list or a DataLoader")
+        if hasattr(val_data, "__len__") and len(val_data) == 0:
+            raise ValueError("val_data holds no batches; pass validation batches or None to skip evaluation")
+
+
+def _check_writable_folder(folder: Path, field: str) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{field}: cannot create {folder}: {exc.strerror or exc}; choose a writable folder") from None
+    if not folder.is_dir():
+        raise ValueError(f"{field}: {folder} exists and is not a folder; choose another path")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"{field}: cannot write in {folder}: {exc.strerror or exc}; choose a writable folder") from None
+
+
+class Interrupts:
+    """Rule 2, as a context manager; ``received`` is the first signal's name, or None."""
+
+    _SIGNALS = ("SIGINT", "SIGTERM")
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            for name in self._SIGNALS:
+                sig = getattr(signal, name, None)
+                if sig is not None:
+                    self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:  # the second one: abort now
+            self._restore()
+            raise KeyboardInterrupt(f"{signal.Signals(signum).name} received twice: aborted")
+        self.received = signal.Signals(signum).name
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+
+def outcome(*, stopped: str | None, fault: bool, interrupted: str | None, steps_applied: int,
+            final_loss: float | None) -> str:
+    """Rule 3."""
+    if interrupted is not None:
+        return f"interrupted:{interrupted}"
+    if fault:
+        return "failed"
+    if stopped is not None:
+        return "stopped"
+    if steps_applied == 0 or (final_loss is not None and not math.isfinite(final_loss)):
+        return "no_progress"
+    return "completed"
