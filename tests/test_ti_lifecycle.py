@@ -357,3 +357,15 @@ def test_an_infinite_loss_with_finite_gradients_is_skipped(tmp_path):
 def test_a_loss_that_is_not_a_0d_float_tensor_is_named(loss, what):
     with pytest.raises(ValueError, match=r"the loss must be a 0-d floating tensor, got .*" + re.escape(what)):
         Trainer(cfg("train.steps=1")).fit(Factor(), batches(1), loss_fn=loss)
+
+
+def test_ten_sigkills_at_random_instants_leave_the_uninterrupted_run(tmp_path):
+    """The kill campaign of ``bench/kill_campaign.py``, 10 kills (run 100 with the script)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import kill_campaign
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    f = kill_campaign.campaign(kills=10, steps=80, seed=1, work=tmp_path)
+    assert f["kills"] >= 5 and not f["failures"] and f["equal"], f
+    assert f["resume_failures"] == f["bad_checkpoints"] == f["leftovers"] == 0, f
