@@ -161,10 +161,12 @@ def adam_config(draw) -> dict:
 
 
 @st.composite
-def optimizer_trajectory(draw, plant_nonfinite: bool = False) -> dict:
+def optimizer_trajectory(draw, plant_nonfinite: bool = False, zero_d: bool = False) -> dict:
     """Initial float32 parameters and the gradients recorded for each step (None: no gradient
-    that step). With ``plant_nonfinite`` some steps carry inf/NaN, as loss-scaled gradients do."""
-    shapes = draw(st.lists(st.lists(st.integers(0, 33), min_size=1, max_size=2).map(tuple), min_size=1, max_size=3))
+    that step). With ``plant_nonfinite`` some steps carry inf/NaN, as loss-scaled gradients do;
+    with ``zero_d`` parameters may be 0-d (where 0-d tensor hyperparameters promote)."""
+    dims = st.lists(st.integers(0, 33), min_size=0 if zero_d else 1, max_size=2).map(tuple)
+    shapes = draw(st.lists(st.one_of(st.just(()), dims) if zero_d else dims, min_size=1, max_size=3))
     param_magnitude = draw(st.sampled_from([1e-3, 1.0, 10.0]))
     grad_magnitude = draw(st.sampled_from([1e-6, 1e-2, 1.0, 1e2]))
     params = [draw(gradient(np.dtype(np.float32), s, param_magnitude, plant_prob=0.0)) for s in shapes]

@@ -155,10 +155,17 @@ def _spec_state(kind: str, opt, p, spec_cfg):
     )
 
 
-def run_optimizer_case(kind: str, impl: str, config: dict, trajectory: dict, scale: float, device: str) -> None:
+def run_optimizer_case(kind: str, impl: str, config: dict, trajectory: dict, scale: float, device: str,
+                       lr_dtype: np.dtype | None = None) -> None:
+    """``lr_dtype``: give torch the learning rate as a 0-d tensor of that dtype (a tensor lr) and
+    the spec the same value as a 0-d array (reference.optim rule 11)."""
     spec_cfg = _spec_config(kind, config)
     exact = expectations.exact_kernels(device)
     params = [torch.nn.Parameter(to_torch(p, device)) for p in trajectory["params"]]
+    spec_lr = None
+    if lr_dtype is not None:
+        spec_lr = np.asarray(config["lr"], dtype=lr_dtype)
+        config = dict(config, lr=to_torch(spec_lr, device))
     opt = _torch_optimizer(kind, impl, params, config)
     scaled = kind != "SGD" and impl == "fused"
     scaler = torch.amp.GradScaler(device, init_scale=scale, growth_interval=2) if scaled else None
@@ -171,7 +178,7 @@ def run_optimizer_case(kind: str, impl: str, config: dict, trajectory: dict, sca
             p.grad = None if g is None else to_torch(g, device)
         skipped = False
         if kind == "SGD":
-            spec_params, spec_state = optim.sgd_step(before, grads, state, spec_cfg)
+            spec_params, spec_state = optim.sgd_step(before, grads, state, spec_cfg, lr=spec_lr)
             spec_grads = grads
             if impl == "fused" and _late_first_gradient(spec_cfg, grads, state) and \
                     expectations.fused_sgd_fails_on_late_first_gradient(device):
@@ -186,11 +193,12 @@ def run_optimizer_case(kind: str, impl: str, config: dict, trajectory: dict, sca
             with np.errstate(invalid="ignore"):
                 skipped = any(g is not None and not np.isfinite(g).all() for g in grads)
             spec_params, spec_grads, spec_state = optim.fused_adam_step(
-                before, grads, state, spec_cfg, grad_scale=scale_now, found_inf=1.0 if skipped else 0.0)
+                before, grads, state, spec_cfg, grad_scale=scale_now, found_inf=1.0 if skipped else 0.0, lr=spec_lr)
             scaler.step(opt)
             scaler.update()
         else:
-            spec_params, spec_state = optim.adam_step(before, grads, state, spec_cfg, sqrt=_torch_sqrt(impl, device))
+            spec_params, spec_state = optim.adam_step(before, grads, state, spec_cfg, sqrt=_torch_sqrt(impl, device),
+                                                      lr=spec_lr)
             spec_grads = grads
             opt.step()
 
@@ -248,3 +256,21 @@ def test_fused_sgd_skipped_first_step_is_the_keyed_expectation(device):
     assert optim.init_state([np.ones(4, np.float32)], cfg)[0].momentum_buffer is None
     with pytest.raises(ValueError, match="SGD with momentum"):
         ref_step.StepConfig(optimizer=cfg, optimizer_kind="fused", sync_free=True)
+
+
+@pytest.mark.parametrize("impl", ["for-loop", "fused"])
+@pytest.mark.parametrize("kind", KINDS)
+@given(data=st.data())
+def test_tensor_lrs_and_zero_d_parameters_match_the_spec(kind, impl, device, data):
+    """reference.optim rule 11: a learning rate given as a float32 or float64 tensor (or a
+    Python float), with 0-d parameters among the others: the for-loop Adam(W) computes its
+    step size (and AdamW its decay factor) in the tensor's dtype, and a 0-d parameter meets a
+    wider decay factor promoted; SGD and the fused kernels read the tensor's value."""
+    config = data.draw(strategies.sgd_config() if kind == "SGD" else strategies.adam_config(), label="config")
+    scaled = kind != "SGD" and impl == "fused"
+    trajectory = data.draw(strategies.optimizer_trajectory(plant_nonfinite=scaled, zero_d=True), label="trajectory")
+    lr_dtype = data.draw(st.sampled_from([np.dtype(np.float32), np.dtype(np.float64), None]), label="lr dtype")
+    # Rates whose float32 and float64 quotients by the bias corrections part (not powers of two).
+    config["lr"] = data.draw(st.one_of(st.sampled_from([0.37, 3e-4, 0.1, 0.013]), st.floats(1e-4, 0.5)), label="lr")
+    scale = data.draw(st.sampled_from(SCALES), label="init_scale") if scaled else 1.0
+    run_optimizer_case(kind, impl, config, trajectory, scale, device, lr_dtype=lr_dtype)

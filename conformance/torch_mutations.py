@@ -639,6 +639,10 @@ MUTANTS: tuple[TorchMutant, ...] = (
                 edits=(Edit("torch.optim.adam", "_single_tensor_adam",
                             "denom = (max_exp_avg_sqs[i].sqrt() / bias_correction2_sqrt).add_(eps)",
                             "denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)"),)),
+    TorchMutant("adam_tensor_lr_read_as_float", "the for-loop Adam reads a tensor lr as a Python float (its step "
+                "size then divides in float64, not in the tensor's dtype)", OPTIM,
+                edits=(Edit("torch.optim.adam", "_single_tensor_adam", "        lr = _to_scalar(lr)\n",
+                            "        lr = _to_scalar(lr)\n        lr = lr.item() if isinstance(lr, Tensor) else lr\n"),)),
     TorchMutant("adamw_decay_without_lr", "AdamW decays the parameter by weight_decay, not lr * weight_decay",
                 OPTIM, edits=(Edit("torch.optim.adam", "_single_tensor_adam", "param.mul_(1 - lr * weight_decay)",
                                    "param.mul_(1 - weight_decay)"),)),
