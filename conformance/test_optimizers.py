@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 from conformance import expectations, strategies
 from conformance.assertions import Where, assert_equal, assert_same
 from conformance.bridge import to_numpy, to_torch
-from reference import optim
+from reference import optim, scaling
 from reference import step as ref_step
 
 KINDS = ["SGD", "Adam", "AdamW"]
@@ -156,9 +156,11 @@ def _spec_state(kind: str, opt, p, spec_cfg):
 
 
 def run_optimizer_case(kind: str, impl: str, config: dict, trajectory: dict, scale: float, device: str,
-                       lr_dtype: np.dtype | None = None) -> None:
+                       lr_dtype: np.dtype | None = None, separate_unscale: bool = False) -> None:
     """``lr_dtype``: give torch the learning rate as a 0-d tensor of that dtype (a tensor lr) and
-    the spec the same value as a 0-d array (reference.optim rule 11)."""
+    the spec the same value as a 0-d array (reference.optim rule 11). ``separate_unscale``: a
+    fused optimizer's gradients are unscaled by ``scaler.unscale_`` before ``scaler.step``, so
+    the kernel must not unscale them again (``grad_scale=None`` in the spec)."""
     spec_cfg = _spec_config(kind, config)
     exact = expectations.exact_kernels(device)
     params = [torch.nn.Parameter(to_torch(p, device)) for p in trajectory["params"]]
@@ -192,8 +194,14 @@ def run_optimizer_case(kind: str, impl: str, config: dict, trajectory: dict, sca
             scale_now = float(scaler.get_scale())
             with np.errstate(invalid="ignore"):
                 skipped = any(g is not None and not np.isfinite(g).all() for g in grads)
+            grad_scale = scale_now
+            if separate_unscale:
+                scaler.unscale_(opt)
+                present = [g for g in grads if g is not None]
+                unscaled = iter(scaling.unscale_gradients(present, scaling.ScalerState(scale_now, 0, 1))[0])
+                grads, grad_scale = [None if g is None else next(unscaled) for g in grads], None
             spec_params, spec_grads, spec_state = optim.fused_adam_step(
-                before, grads, state, spec_cfg, grad_scale=scale_now, found_inf=1.0 if skipped else 0.0, lr=spec_lr)
+                before, grads, state, spec_cfg, grad_scale=grad_scale, found_inf=1.0 if skipped else 0.0, lr=spec_lr)
             scaler.step(opt)
             scaler.update()
         else:
@@ -239,7 +247,8 @@ def test_optimizer_steps_match_the_spec(kind, impl, device, data):
     scaled = kind != "SGD" and impl == "fused"
     trajectory = data.draw(strategies.optimizer_trajectory(plant_nonfinite=scaled), label="trajectory")
     scale = data.draw(st.sampled_from(SCALES), label="init_scale") if scaled else 1.0
-    run_optimizer_case(kind, impl, config, trajectory, scale, device)
+    separate = scaled and data.draw(st.booleans(), label="separate unscale_")
+    run_optimizer_case(kind, impl, config, trajectory, scale, device, separate_unscale=separate)
 
 
 def test_fused_sgd_skipped_first_step_is_the_keyed_expectation(device):
