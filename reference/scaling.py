@@ -3,11 +3,15 @@
 The scale S is a float32 number, the growth tracker an int32 counter. Rules:
 
 1. Scaling the loss multiplies it by S: a float32 loss gives f32(loss * S); the full dtype
-   table (float16/bfloat16/float64 losses) is in `scale_loss`.
+   table (float16/bfloat16/float64 losses) is in `scale_loss`. A 0-d loss promotes with the 0-d
+   scale: a 0-d float16/bfloat16 loss gives a float32 product. torch's GradScaler.scale refuses
+   a Python number (ValueError); the spec reads one as a float32 0-d loss for its own step.
 2. The inverse scale is inv = f32(1 / f64(S)), one correctly rounded float32 reciprocal.
 3. found_inf is decided on the *scaled* gradients, before unscaling: any +inf, -inf or NaN in any
    gradient (16-bit gradients are first widened exactly to float32). Subnormals and +-0 are finite.
    An overflow caused by the unscale multiply itself (possible when S < 1) is not detected.
+   torch's kernel writes 1.0 into its float32 flag on a find and otherwise leaves it as it was:
+   it never adds to it and never clears it, so several checks sharing a flag OR together.
 4. Unscaling multiplies by inv, never divides by S: float32 gives f32(g * inv), float64 gives
    g * f64(inv), float16/bfloat16 give low(f32(g) * inv). When inv == 1 the gradients come back
    bit for bit, NaN payloads included. Every gradient is unscaled, even when found_inf is set.
