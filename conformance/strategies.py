@@ -161,10 +161,12 @@ def adam_config(draw) -> dict:
 
 
 @st.composite
-def optimizer_trajectory(draw, plant_nonfinite: bool = False) -> dict:
+def optimizer_trajectory(draw, plant_nonfinite: bool = False, zero_d: bool = False) -> dict:
     """Initial float32 parameters and the gradients recorded for each step (None: no gradient
-    that step). With ``plant_nonfinite`` some steps carry inf/NaN, as loss-scaled gradients do."""
-    shapes = draw(st.lists(st.lists(st.integers(0, 33), min_size=1, max_size=2).map(tuple), min_size=1, max_size=3))
+    that step). With ``plant_nonfinite`` some steps carry inf/NaN, as loss-scaled gradients do;
+    with ``zero_d`` parameters may be 0-d (where 0-d tensor hyperparameters promote)."""
+    dims = st.lists(st.integers(0, 33), min_size=0 if zero_d else 1, max_size=2).map(tuple)
+    shapes = draw(st.lists(st.one_of(st.just(()), dims) if zero_d else dims, min_size=1, max_size=3))
     param_magnitude = draw(st.sampled_from([1e-3, 1.0, 10.0]))
     grad_magnitude = draw(st.sampled_from([1e-6, 1e-2, 1.0, 1e2]))
     params = [draw(gradient(np.dtype(np.float32), s, param_magnitude, plant_prob=0.0)) for s in shapes]
@@ -254,3 +256,167 @@ def trainer_case(draw) -> dict:
         scaler=scaler, optimizer=optimizer, schedule=schedule, faults=faults, resume=resume,
         seed=draw(st.integers(0, 3)),
     )
+
+
+# --- Reaching the rounding: scales, thresholds, 0-d tensors, lifecycles (issue 18) ---------------
+
+# Every gradient/loss dtype, for the properties that drive torch's kernels directly (the unscale
+# kernel accepts float16, which only GradScaler.unscale_ refuses).
+ALL_FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
+
+# found_inf values the update kernel may meet: torch's own flags (0, 1, and sums of several
+# optimizers' flags) and the values its rule still decides (NaN counts as found, so do negatives).
+FOUND_INF_VALUES = (0.0, -0.0, 1.0, 2.0, 3.0, 0.5, -1.0, float("nan"), float("inf"))
+
+
+def growth_factors() -> st.SearchStrategy[float]:
+    """Growth factors where f32(f64(S) * g) and f32(S) * f32(g) part: most that are not a power
+    of two, whose float64 value is not a float32 one."""
+    return st.one_of(st.just(2.0), st.floats(min_value=1.0 + 2.0**-20, max_value=8.0), st.sampled_from([1.1, 3.0, 2.0**64]))
+
+
+def backoff_factors() -> st.SearchStrategy[float]:
+    """Backoff factors, powers of two and others (0.1 is not a float32 value)."""
+    return st.one_of(st.just(0.5), st.floats(min_value=2.0**-20, max_value=1.0 - 2.0**-20), st.sampled_from([0.1, 0.7]))
+
+
+def unrounded_scales() -> st.SearchStrategy[float]:
+    """Initial scales as a user gives them: often not float32 values (torch keeps them unrounded
+    until the first scale()), but positive and finite in float32."""
+    return st.one_of(scales(), st.floats(min_value=2.0**-126, max_value=3e38), st.sampled_from([0.1, 1e-3, 65535.5, 1e38]))
+
+
+def float32_bits_scalar() -> st.SearchStrategy[np.float32]:
+    """Any float32: every NaN, inf, zero, subnormal and normal, as bits."""
+    return st.integers(0, 2**32 - 1).map(lambda b: np.array([b], np.uint32).view(np.float32)[0])
+
+
+@st.composite
+def loss_case(draw) -> dict:
+    """A loss of any dtype, 0-d or not, as bits, and a loss scale (often not a power of two)."""
+    dtype = np.dtype(draw(st.sampled_from(ALL_FLOAT_DTYPES)))
+    shape = draw(st.sampled_from([(), (1,), (3,)]))
+    return dict(loss=draw(bit_patterns(dtype, shape)), scale=float(np.float32(draw(scales()))))
+
+
+@st.composite
+def update_kernel_case(draw) -> dict:
+    """Arguments of torch._amp_update_scale_: any float32 scale, trackers below, at and past the
+    interval, every found_inf value, factors where the rounding order matters."""
+    interval = draw(st.integers(1, 4))
+    return dict(scale=draw(st.one_of(float32_bits_scalar(), st.sampled_from([np.float32(FLT_MAX), np.float32(3e38),
+                                                                            np.float32(2.0**-149), np.float32(1.0)]))),
+                tracker=draw(st.integers(0, interval + 2)), found_inf=draw(st.sampled_from(FOUND_INF_VALUES)),
+                growth_factor=draw(growth_factors()), backoff_factor=draw(backoff_factors()), growth_interval=interval)
+
+
+@st.composite
+def unscale_kernel_case(draw) -> dict:
+    """Arguments of torch._amp_foreach_non_finite_check_and_unscale_: gradients of every dtype
+    (near float32's maximum too, so that an inverse above 1 overflows), some inf/NaN, scales
+    below 1 included, and a flag that may already be set."""
+    count = draw(st.integers(0, 4))
+    magnitude = draw(st.sampled_from([1e-30, 1e-3, 1.0, 1e4, 1e30, 3e38]))
+    grads = []
+    for _ in range(count):
+        dtype = np.dtype(draw(st.sampled_from(ALL_FLOAT_DTYPES)))
+        shape = draw(st.sampled_from([(), (1,), (5,), (0,), (2, 3)]))
+        with np.errstate(over="ignore"):
+            grads.append(draw(gradient(dtype, shape, magnitude, plant_prob=0.3)))
+    return dict(grads=grads, scale=float(np.float32(draw(scales()))), found_inf=draw(st.sampled_from([0.0, 1.0, 5.0])))
+
+
+@st.composite
+def rounding_scaler_params(draw) -> dict:
+    """Scaler settings that reach the rounding: unrounded initial scales, factors that are not
+    powers of two, intervals short enough that the scale really grows in a few steps."""
+    return dict(init_scale=draw(unrounded_scales()), growth_factor=draw(growth_factors()),
+                backoff_factor=draw(backoff_factors()), growth_interval=draw(st.integers(1, 3)))
+
+
+# Events of a scaler's life: a clean or overflowing iteration, or something done to it between
+# iterations (save and compare, load into a fresh or a used scaler, pickle, set a new scale).
+LIFECYCLE_EVENTS = ("clean", "clean", "clean", "overflow", "overflow", "save", "load_fresh", "load_used",
+                    "pickle", "new_scale")
+
+
+@st.composite
+def lifecycle(draw, max_events: int = 14, tamper: bool = True) -> list[tuple]:
+    """A scaler's history: each event with what it needs. ``tamper``: loads may replace the
+    saved scale by an unrounded one and the tracker by any count up to two past the interval."""
+    events = []
+    for _ in range(draw(st.integers(1, max_events))):
+        kind = draw(st.sampled_from(LIFECYCLE_EVENTS))
+        if kind in ("load_fresh", "load_used") and tamper and draw(st.booleans()):
+            events.append((kind, draw(st.one_of(st.none(), unrounded_scales())), draw(st.integers(0, 5))))
+        elif kind in ("load_fresh", "load_used"):
+            events.append((kind, None, None))
+        elif kind == "new_scale":
+            events.append((kind, draw(unrounded_scales()), draw(st.booleans())))
+        else:
+            events.append((kind,))
+    return events
+
+
+# One optimizer's gradients for an iteration of the call-sequence property.
+GRAD_PATTERNS = ("finite", "finite", "inf", "none", "fp16")
+CALLS = ("scale", "unscale_", "step", "step", "step_closure", "update", "update", "update_new_scale", "grads")
+
+
+@st.composite
+def call_sequence(draw, optimizers: int = 2) -> list[tuple]:
+    """Calls on a scaler shared by ``optimizers`` optimizers, in any order, valid or not."""
+    calls = []
+    for _ in range(draw(st.integers(1, 16))):
+        name = draw(st.sampled_from(CALLS))
+        if name in ("unscale_", "step", "step_closure"):
+            calls.append((name, draw(st.integers(0, optimizers - 1))))
+        elif name == "grads":
+            calls.append((name, draw(st.integers(0, optimizers - 1)), draw(st.sampled_from(GRAD_PATTERNS))))
+        elif name == "update_new_scale":
+            calls.append((name, draw(unrounded_scales())))
+        else:
+            calls.append((name,))
+    return calls
+
+
+@st.composite
+def float64_gradient(draw, shape: tuple[int, ...], magnitude: float) -> np.ndarray:
+    """A float64 gradient with float64 values (``gradient`` goes through float32, which would
+    turn magnitudes past 3e38 into inf)."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return (rng.standard_normal(int(np.prod(shape))) * magnitude).reshape(shape)
+
+
+@st.composite
+def zero_d_clip_case(draw) -> dict:
+    """clip_grad_norm_ with 0-d gradients of every dtype beside float64 ones (a float64 total and
+    coefficient), magnitudes up to where the coefficient is subnormal or zero in float32, and
+    thresholds that clip."""
+    grads = []
+    for _ in range(draw(st.integers(1, 4))):
+        dtype = np.dtype(draw(st.sampled_from(CLIP_DTYPES)))
+        with np.errstate(over="ignore"):
+            grads.append(draw(gradient(dtype, (), draw(st.sampled_from([1e-3, 1.0, 1e3, 1e30])), plant_prob=0.05)))
+    for _ in range(draw(st.integers(0, 3))):
+        shape = draw(st.sampled_from([(), (1,), (4,), (9,)]))
+        magnitude = draw(st.sampled_from([1.0, 1e10, 1e40, 1e100, 1e300]))
+        grads.append(draw(float64_gradient(shape, magnitude)))
+    order = draw(st.permutations(range(len(grads))))
+    max_norm = draw(st.one_of(st.sampled_from([1e-6, 1.0, 0.3]), st.floats(min_value=1e-8, max_value=10.0)))
+    return dict(grads=[grads[i] for i in order], norm_type=draw(st.sampled_from([2.0, float("inf")])), max_norm=max_norm)
+
+
+@st.composite
+def clipping_clip_case(draw) -> dict:
+    """clip_case with a threshold that clips: max_norm a fraction (not a power of two) of the
+    gradients' own total norm, so the coefficient's rounding reaches every gradient."""
+    from reference import clipping
+
+    case = draw(clip_case())
+    if case["grads"] and not any(g.size == 0 for g in case["grads"]):
+        with np.errstate(all="ignore"):
+            total = float(clipping.total_norm(case["grads"], case["norm_type"]))
+        if np.isfinite(total) and total > 0:
+            case["max_norm"] = total * draw(st.floats(min_value=0.01, max_value=0.99))
+    return case

@@ -37,7 +37,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from conformance import expectations, strategies
-from conformance.assertions import Where, assert_same, assert_same_list
+from conformance.assertions import Where, assert_equal, assert_same, assert_same_list
 from conformance.bridge import to_numpy, to_torch
 from reference import clipping
 
@@ -295,3 +295,43 @@ def test_clip_one_element_norm_is_the_keyed_expectation(device):
     assert probed == expected, (
         f"torch {torch.__version__} on {device}: get_total_norm of [1e30] is |x|={probed}, the suite "
         f"expects {expected}; update conformance/expectations.py after checking the change")
+
+
+@given(data=st.data())
+def test_zero_d_gradients_clip_as_specified(device, data):
+    """Rule 10: a 0-d gradient of any dtype beside float64 gradients (a float64 coefficient) is
+    multiplied in float64 and rounded once; stage by stage as the other cases, so on every
+    kernel the clipped gradients from the spec's total must match bit for bit."""
+    run_clip_case(data.draw(strategies.zero_d_clip_case(), label="case"), device)
+
+
+@given(data=st.data())
+def test_clipping_that_triggers_matches_the_spec(device, data):
+    """Thresholds below the gradients' norm, by a fraction that is not a power of two, so that
+    the coefficient's rounding (a reciprocal then a multiply, rule 4) reaches every gradient."""
+    run_clip_case(data.draw(strategies.clipping_clip_case(), label="case"), device)
+
+
+@given(data=st.data())
+def test_error_if_nonfinite_raises_as_specified(device, data):
+    """Rule 6's error_if_nonfinite=True: torch raises RuntimeError with the spec's message
+    exactly when the spec's total norm is NaN or inf, and then leaves every gradient alone."""
+    case = data.draw(strategies.clip_case(), label="case")
+    grads, p, max_norm = case["grads"], case["norm_type"], case["max_norm"]
+    if p == math.inf and any(g.size == 0 for g in grads):
+        return  # refused for another reason (test_clip_grad_norm_matches_the_spec)
+    where = Where(f"clip_grad_norm_[error_if_nonfinite, norm_type={p}]", repro=REPRO)
+    params = _params(grads, device)
+    try:
+        clipping.clip_grad_norm(grads, max_norm, p, error_if_nonfinite=True, num_threads=torch.get_num_threads())
+        spec_error = None
+    except RuntimeError as e:
+        spec_error = str(e)
+    try:
+        torch.nn.utils.clip_grad_norm_(params, max_norm, p, error_if_nonfinite=True)
+        torch_error = None
+    except RuntimeError as e:
+        torch_error = str(e)
+    assert_equal(torch_error, spec_error, where.at("error"))
+    if spec_error is not None:
+        assert_same_list([to_numpy(q.grad) for q in params], grads, where.at("grads after the refusal"))

@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 from conformance import expectations, strategies
 from conformance.assertions import Where, assert_equal, assert_same
 from conformance.bridge import to_numpy, to_torch
-from reference import optim
+from reference import optim, scaling
 from reference import step as ref_step
 
 KINDS = ["SGD", "Adam", "AdamW"]
@@ -155,10 +155,19 @@ def _spec_state(kind: str, opt, p, spec_cfg):
     )
 
 
-def run_optimizer_case(kind: str, impl: str, config: dict, trajectory: dict, scale: float, device: str) -> None:
+def run_optimizer_case(kind: str, impl: str, config: dict, trajectory: dict, scale: float, device: str,
+                       lr_dtype: np.dtype | None = None, separate_unscale: bool = False) -> None:
+    """``lr_dtype``: give torch the learning rate as a 0-d tensor of that dtype (a tensor lr) and
+    the spec the same value as a 0-d array (reference.optim rule 11). ``separate_unscale``: a
+    fused optimizer's gradients are unscaled by ``scaler.unscale_`` before ``scaler.step``, so
+    the kernel must not unscale them again (``grad_scale=None`` in the spec)."""
     spec_cfg = _spec_config(kind, config)
     exact = expectations.exact_kernels(device)
     params = [torch.nn.Parameter(to_torch(p, device)) for p in trajectory["params"]]
+    spec_lr = None
+    if lr_dtype is not None:
+        spec_lr = np.asarray(config["lr"], dtype=lr_dtype)
+        config = dict(config, lr=to_torch(spec_lr, device))
     opt = _torch_optimizer(kind, impl, params, config)
     scaled = kind != "SGD" and impl == "fused"
     scaler = torch.amp.GradScaler(device, init_scale=scale, growth_interval=2) if scaled else None
@@ -171,7 +180,7 @@ def run_optimizer_case(kind: str, impl: str, config: dict, trajectory: dict, sca
             p.grad = None if g is None else to_torch(g, device)
         skipped = False
         if kind == "SGD":
-            spec_params, spec_state = optim.sgd_step(before, grads, state, spec_cfg)
+            spec_params, spec_state = optim.sgd_step(before, grads, state, spec_cfg, lr=spec_lr)
             spec_grads = grads
             if impl == "fused" and _late_first_gradient(spec_cfg, grads, state) and \
                     expectations.fused_sgd_fails_on_late_first_gradient(device):
@@ -185,12 +194,19 @@ def run_optimizer_case(kind: str, impl: str, config: dict, trajectory: dict, sca
             scale_now = float(scaler.get_scale())
             with np.errstate(invalid="ignore"):
                 skipped = any(g is not None and not np.isfinite(g).all() for g in grads)
+            grad_scale = scale_now
+            if separate_unscale:
+                scaler.unscale_(opt)
+                present = [g for g in grads if g is not None]
+                unscaled = iter(scaling.unscale_gradients(present, scaling.ScalerState(scale_now, 0, 1))[0])
+                grads, grad_scale = [None if g is None else next(unscaled) for g in grads], None
             spec_params, spec_grads, spec_state = optim.fused_adam_step(
-                before, grads, state, spec_cfg, grad_scale=scale_now, found_inf=1.0 if skipped else 0.0)
+                before, grads, state, spec_cfg, grad_scale=grad_scale, found_inf=1.0 if skipped else 0.0, lr=spec_lr)
             scaler.step(opt)
             scaler.update()
         else:
-            spec_params, spec_state = optim.adam_step(before, grads, state, spec_cfg, sqrt=_torch_sqrt(impl, device))
+            spec_params, spec_state = optim.adam_step(before, grads, state, spec_cfg, sqrt=_torch_sqrt(impl, device),
+                                                      lr=spec_lr)
             spec_grads = grads
             opt.step()
 
@@ -231,7 +247,8 @@ def test_optimizer_steps_match_the_spec(kind, impl, device, data):
     scaled = kind != "SGD" and impl == "fused"
     trajectory = data.draw(strategies.optimizer_trajectory(plant_nonfinite=scaled), label="trajectory")
     scale = data.draw(st.sampled_from(SCALES), label="init_scale") if scaled else 1.0
-    run_optimizer_case(kind, impl, config, trajectory, scale, device)
+    separate = scaled and data.draw(st.booleans(), label="separate unscale_")
+    run_optimizer_case(kind, impl, config, trajectory, scale, device, separate_unscale=separate)
 
 
 def test_fused_sgd_skipped_first_step_is_the_keyed_expectation(device):
@@ -248,3 +265,21 @@ def test_fused_sgd_skipped_first_step_is_the_keyed_expectation(device):
     assert optim.init_state([np.ones(4, np.float32)], cfg)[0].momentum_buffer is None
     with pytest.raises(ValueError, match="SGD with momentum"):
         ref_step.StepConfig(optimizer=cfg, optimizer_kind="fused", sync_free=True)
+
+
+@pytest.mark.parametrize("impl", ["for-loop", "fused"])
+@pytest.mark.parametrize("kind", KINDS)
+@given(data=st.data())
+def test_tensor_lrs_and_zero_d_parameters_match_the_spec(kind, impl, device, data):
+    """reference.optim rule 11: a learning rate given as a float32 or float64 tensor (or a
+    Python float), with 0-d parameters among the others: the for-loop Adam(W) computes its
+    step size (and AdamW its decay factor) in the tensor's dtype, and a 0-d parameter meets a
+    wider decay factor promoted; SGD and the fused kernels read the tensor's value."""
+    config = data.draw(strategies.sgd_config() if kind == "SGD" else strategies.adam_config(), label="config")
+    scaled = kind != "SGD" and impl == "fused"
+    trajectory = data.draw(strategies.optimizer_trajectory(plant_nonfinite=scaled, zero_d=True), label="trajectory")
+    lr_dtype = data.draw(st.sampled_from([np.dtype(np.float32), np.dtype(np.float64), None]), label="lr dtype")
+    # Rates whose float32 and float64 quotients by the bias corrections part (not powers of two).
+    config["lr"] = data.draw(st.one_of(st.sampled_from([0.37, 3e-4, 0.1, 0.013]), st.floats(1e-4, 0.5)), label="lr")
+    scale = data.draw(st.sampled_from(SCALES), label="init_scale") if scaled else 1.0
+    run_optimizer_case(kind, impl, config, trajectory, scale, device, lr_dtype=lr_dtype)

@@ -65,6 +65,17 @@ floats, i.e. float64):
    10 for parameters, 3 for moments); compare with a tolerance, or generate goldens in the
    default mode.
 
+11. A tensor learning rate (``lr`` passed as a 0-d float32 or float64 array, torch's 1-element
+   ``lr`` tensor). SGD (every path) and fused Adam(W) read it as the number it holds: the same
+   bits as a Python float of that value. The for-loop Adam(W) computes with it as a tensor, in
+   its own dtype ``L``: ``step_size = L(lr / L(bc1))`` (so a float32 lr gives a float32
+   step size where a Python float gives a float64 one), and AdamW's decay factor is
+   ``L(1 - L(lr * L(wd)))``, which multiplies a parameter with dimensions after conversion to
+   its dtype but a 0-d parameter (two 0-d tensors promote) in the wider of the two, rounded
+   once: ``f(f64(p) * factor)`` for a float32 0-d parameter and a float64 lr. Python-float
+   hyperparameters never promote a 0-d parameter (they are wrapped numbers). foreach Adam
+   refuses a tensor lr.
+
 Parameters and gradients are float32 or float64 arrays of any shape (same shape and dtype per
 pair). Inputs are never modified; parameters come back as new arrays and states hold read-only
 copies.
@@ -104,6 +115,15 @@ def _check_lr(lr: float) -> float:
     value = float(lr)
     _require(value >= 0.0, f"lr must be >= 0, got {lr!r}")
     return value
+
+
+def _check_lr_or_tensor(lr: Any) -> float | np.ndarray:
+    """A Python-float lr, or a tensor lr (rule 11): a 0-d float32/float64 array, kept as it is."""
+    if isinstance(lr, np.ndarray):
+        _require(lr.ndim == 0 and lr.dtype in _DTYPES, f"a tensor lr must be a 0-d float32/float64 array, got {lr!r}")
+        _check_lr(lr[()])
+        return lr
+    return _check_lr(lr)
 
 
 @dataclass(frozen=True)
@@ -288,7 +308,7 @@ def sgd_step(
     Returns the new parameters and the new per-parameter states.
     """
     arrays = _check_inputs(params, grads, state, config, SGDConfig, SGDParamState)
-    step_lr = config.lr if lr is None else _check_lr(lr)
+    step_lr = config.lr if lr is None else float(_check_lr_or_tensor(lr))  # rule 11: its value
 
     def update(p: np.ndarray, g: np.ndarray, s: SGDParamState) -> tuple[np.ndarray, SGDParamState, np.ndarray]:
         f = p.dtype.type
@@ -347,8 +367,18 @@ def _adam_update(
     """Rules 3-6 for one parameter, given the (maximize-applied) gradient and the new step."""
     f = p.dtype.type
     beta1, beta2 = config.betas
+    tensor_lr = lr if isinstance(lr, np.ndarray) else None  # rule 11
+    if tensor_lr is not None:
+        lr = tensor_lr.dtype.type(tensor_lr[()])
     if config.weight_decay != 0:
-        if config.decoupled_weight_decay:
+        if config.decoupled_weight_decay and tensor_lr is not None:
+            L = tensor_lr.dtype.type
+            factor = L(L(1) - L(lr * L(config.weight_decay)))
+            if p.ndim == 0 and np.dtype(L).itemsize > p.dtype.itemsize:
+                p = np.asarray(p.astype(np.dtype(L)) * factor).astype(p.dtype)  # two 0-d tensors promote
+            else:
+                p = p * f(factor)
+        elif config.decoupled_weight_decay:
             p = p * f(1 - lr * config.weight_decay)
         else:
             d = d + f(config.weight_decay) * p
@@ -363,7 +393,8 @@ def _adam_update(
     t = float(step)
     bias_correction1 = 1 - beta1**t
     bias_correction2 = 1 - beta2**t
-    step_size = lr / bias_correction1
+    # A tensor lr divides in its own dtype (rule 11); a Python float in float64.
+    step_size = float(lr / type(lr)(bias_correction1)) if tensor_lr is not None else lr / bias_correction1
     # The for-loop path takes bc2 ** 0.5 (libm pow), the fused kernel std::sqrt.
     bias_correction2_sqrt = math.sqrt(bias_correction2) if fused else bias_correction2**0.5
     vmax = s.max_exp_avg_sq
@@ -393,13 +424,13 @@ def adam_step(
 ) -> tuple[list[np.ndarray], tuple[AdamParamState, ...]]:
     """One step of torch's for-loop Adam or AdamW (rules 1, 3-7, 9).
 
-    ``lr=None`` uses ``config.lr``; passing ``lr`` lets a schedule drive it (must be >= 0).
-    ``sqrt``: the elementwise square root of rule 6, returning the input's dtype; ``None``
+    ``lr=None`` uses ``config.lr``; passing ``lr`` lets a schedule drive it (must be >= 0); a 0-d
+    float32/float64 array is a tensor lr (rule 11). ``sqrt``: the elementwise square root of rule 6, returning the input's dtype; ``None``
     means the correctly rounded ``np.sqrt`` (rule 9 says when torch differs).
     Returns the new parameters and the new per-parameter states.
     """
     arrays = _check_inputs(params, grads, state, config, AdamConfig, AdamParamState)
-    step_lr = config.lr if lr is None else _check_lr(lr)
+    step_lr = config.lr if lr is None else _check_lr_or_tensor(lr)
     root = np.sqrt if sqrt is None else sqrt
 
     def update(p: np.ndarray, g: np.ndarray, s: AdamParamState) -> tuple[np.ndarray, AdamParamState, np.ndarray]:
@@ -438,7 +469,7 @@ def fused_adam_step(
     rounding difference.
     """
     arrays = _check_inputs(params, grads, state, config, AdamConfig, AdamParamState)
-    step_lr = config.lr if lr is None else _check_lr(lr)
+    step_lr = config.lr if lr is None else float(_check_lr_or_tensor(lr))  # rule 11: its value
     inf_flag = np.float32(found_inf)
     skip = float(found_inf) == 1.0
 

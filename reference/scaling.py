@@ -3,11 +3,15 @@
 The scale S is a float32 number, the growth tracker an int32 counter. Rules:
 
 1. Scaling the loss multiplies it by S: a float32 loss gives f32(loss * S); the full dtype
-   table (float16/bfloat16/float64 losses) is in `scale_loss`.
+   table (float16/bfloat16/float64 losses) is in `scale_loss`. A 0-d loss promotes with the 0-d
+   scale: a 0-d float16/bfloat16 loss gives a float32 product. torch's GradScaler.scale refuses
+   a Python number (ValueError); the spec reads one as a float32 0-d loss for its own step.
 2. The inverse scale is inv = f32(1 / f64(S)), one correctly rounded float32 reciprocal.
 3. found_inf is decided on the *scaled* gradients, before unscaling: any +inf, -inf or NaN in any
    gradient (16-bit gradients are first widened exactly to float32). Subnormals and +-0 are finite.
    An overflow caused by the unscale multiply itself (possible when S < 1) is not detected.
+   torch's kernel writes 1.0 into its float32 flag on a find and otherwise leaves it as it was:
+   it never adds to it and never clears it, so several checks sharing a flag OR together.
 4. Unscaling multiplies by inv, never divides by S: float32 gives f32(g * inv), float64 gives
    g * f64(inv), float16/bfloat16 give low(f32(g) * inv). When inv == 1 the gradients come back
    bit for bit, NaN payloads included. Every gradient is unscaled, even when found_inf is set.
@@ -30,12 +34,57 @@ The scale S is a float32 number, the growth tracker an int32 counter. Rules:
 10. Several optimizers sharing one scaler back off once per update: the found_inf of the update is
     the OR of theirs (`update_scale_multi`).
 
-The defaults of ScalerConfig reproduce torch exactly; `ScalerConfig.preset` gives the Megatron-LM
-and DeepSpeed policies. Arithmetic for every preset is torch's (factors applied in float64, one
+11. A static loss scale (``dynamic=False``) never grows and never backs off; the tracker stays
+    where it is. Whether an overflowing step is skipped is ``skip_on_overflow`` (`step_applies`):
+    every dynamic policy skips; DeepSpeed's and Megatron's static scales skip too, apex's static
+    scale does not (its ``update_scale`` skips only when dynamic), jmp leaves the choice to the
+    caller's ``select_tree``. torch has no static scale (``enabled=False`` means no scaling).
+12. The call sequence (`unscale_stage`, `step_stage`, `check_update`), as torch.amp.GradScaler
+    checks it, with its exception types and messages: each optimizer goes READY -> UNSCALED ->
+    STEPPED between two updates. unscale_, step and update before the first scale() raise
+    AssertionError; a second unscale_, or one after step, raises RuntimeError, as does a second
+    step and step(closure=...) (checked before anything else); unscale_ refuses float16
+    gradients (ValueError, before any gradient is touched); step of an optimizer with no
+    gradient unscales (the stage becomes UNSCALED) and then raises AssertionError; update
+    without any recorded inf check raises AssertionError. update(), with or without new_scale,
+    sends every optimizer back to READY.
+13. Saving and loading (`state_dict`, `load_state_dict`): torch saves five entries, the scale
+    as a Python float, the factors, the interval and the tracker. Before the first scale() the
+    scale is kept as given, unrounded (``pending_scale``); the first scale() rounds it to
+    float32. load_state_dict assigns every entry without validation: the tracker is taken as
+    it is, even at or past growth_interval, after which the scale never grows (rule 7's
+    equality) and the tracker keeps counting. Pickling a scaler between iterations saves the
+    same state (and refuses while an optimizer is UNSCALED or STEPPED).
+14. update(new_scale) (`set_scale`) sets S = f32(new_scale) and leaves the tracker and the
+    hysteresis alone.
+
+The defaults of ScalerConfig reproduce torch exactly; `ScalerConfig.preset` gives the peers'
+policies (`PRESETS`). Arithmetic for every preset is torch's (factors applied in float64, one
 rounding to float32); for the peers' factors (2 and 0.5) and scales >= 1 their own arithmetic
-gives the same numbers. Known peer quirks the spec does not copy: Megatron grows without a
-finiteness check (the two differ only once S reaches 2**127); Megatron lets its hysteresis counter
-go negative and DeepSpeed holds it at 1 where this spec holds it at 0 (same backoff decisions).
+gives the same numbers. What each preset is, and where the peer differs:
+
+- ``megatron``: Megatron-LM's DynamicGradScaler (fp16). It grows without a finiteness check (the
+  two differ only once S reaches 2**127) and lets its hysteresis counter go negative where this
+  spec holds it at 0 (same backoff decisions).
+- ``deepspeed``: DeepSpeed's ``DynamicLossScaler``, the one its ZeRO optimizers (stages 1-3)
+  use: hysteresis 2, floor 1 with a raise at the floor, the since-overflow growth count of rule
+  8. It holds its hysteresis at 1 where the spec holds 0 (same decisions), and its scale is a
+  Python float: it keeps growing past float32's range (2**128 and beyond) where the spec, like
+  torch, refuses a growth to inf and stays at 2**127.
+- ``deepspeed_fp16``: DeepSpeed's non-ZeRO fp16 optimizers (``FP16_Optimizer``), whose own
+  ``_update_scale`` has no hysteresis and no raise at the floor: the ``deepspeed`` policy with
+  ``hysteresis=1, raise_at_min_scale=False`` (initial scale 2**16 and window 1000 as its fp16
+  config block gives them). Its checkpoint keeps the scale and the iteration counters, no
+  hysteresis.
+- ``apex``: NVIDIA apex amp's ``LossScaler`` (its last release): torch's policy with a window of
+  2000, factor 2, no floor by default (``min_loss_scale=None``) and a ceiling of 2**24
+  (``max_loss_scale``).
+- ``jmp``: jmp's ``DynamicLossScale``: period 2000, factor 2, a floor of 1.0 by default
+  (``min_loss_scale``: a backoff is ``max(min, S / factor)``, never a raise), growth kept only if
+  finite in the scale's dtype; the counter restarts after each growth, as torch's tracker does.
+  The spec's initial scale is jmp's documented 2**15 (jmp itself takes the caller's).
+- ``static``: a fixed scale (rule 11), skipping overflowing steps as DeepSpeed and Megatron do;
+  ``skip_on_overflow=False`` is apex's static scale.
 """
 
 from __future__ import annotations
@@ -52,6 +101,19 @@ import numpy as np
 
 __all__ = [
     "PRESETS",
+    "READY",
+    "STATE_DICT_KEYS",
+    "STEPPED",
+    "UNSCALED",
+    "NoInfChecksError",
+    "OptimizerStage",
+    "check_update",
+    "load_state_dict",
+    "set_scale",
+    "state_dict",
+    "step_applies",
+    "step_stage",
+    "unscale_stage",
     "RULES",
     "ScaleAtMinimumError",
     "ScalerConfig",
@@ -110,6 +172,21 @@ PRESETS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(
                 "growth_since_overflow": True,
             }
         ),
+        # DeepSpeed's non-ZeRO FP16_Optimizer._update_scale: no hysteresis, no raise at the floor.
+        "deepspeed_fp16": types.MappingProxyType(
+            {
+                "init_scale": 2.0**16,
+                "growth_interval": 1000,
+                "min_scale": 1.0,
+                "growth_since_overflow": True,
+            }
+        ),
+        # apex.amp.scaler.LossScaler: window 2000, no floor, ceiling 2**24.
+        "apex": types.MappingProxyType({"init_scale": 2.0**16, "growth_interval": 2000, "max_scale": 2.0**24}),
+        # jmp.DynamicLossScale: period 2000, factor 2, min_loss_scale 1.0; README's 2**15 start.
+        "jmp": types.MappingProxyType({"init_scale": 2.0**15, "growth_interval": 2000, "min_scale": 1.0}),
+        # A fixed scale that skips overflowing steps (DeepSpeed's and Megatron's static scales).
+        "static": types.MappingProxyType({"dynamic": False}),
     }
 )
 
@@ -131,7 +208,8 @@ class ScalerConfig:
     and > 1; backoff_factor strictly between 0 and 1; growth_interval and hysteresis ints >= 1;
     min_scale and max_scale None or positive, finite and nonzero in float32, min <= max, and
     init_scale inside the bounds that are set. raise_at_min_scale needs a min_scale.
-    growth_since_overflow selects DeepSpeed's growth count (rule 8).
+    growth_since_overflow selects DeepSpeed's growth count (rule 8); dynamic=False is a static
+    scale and skip_on_overflow whether an overflowing step is skipped (rule 11).
     """
 
     init_scale: float = 2.0**16
@@ -144,6 +222,8 @@ class ScalerConfig:
     raise_at_min_scale: bool = False
     consecutive_hysteresis: bool = False
     growth_since_overflow: bool = False
+    dynamic: bool = True
+    skip_on_overflow: bool = True
 
     def __post_init__(self) -> None:
         def positive_f32(name: str, value: object) -> None:
@@ -173,7 +253,8 @@ class ScalerConfig:
             raise ValueError(f"init_scale must be >= min_scale={self.min_scale!r}, got {self.init_scale!r}")
         if self.max_scale is not None and self.init_scale > self.max_scale:
             raise ValueError(f"init_scale must be <= max_scale={self.max_scale!r}, got {self.init_scale!r}")
-        for name in ("raise_at_min_scale", "consecutive_hysteresis", "growth_since_overflow"):
+        for name in ("raise_at_min_scale", "consecutive_hysteresis", "growth_since_overflow", "dynamic",
+                     "skip_on_overflow"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.raise_at_min_scale and self.min_scale is None:
@@ -181,7 +262,7 @@ class ScalerConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ScalerConfig:
-        """The named policy (`torch`, `megatron`, `deepspeed`), with fields overridden by keyword."""
+        """The named policy (one of `PRESETS`), with fields overridden by keyword."""
         if name not in PRESETS:
             raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -424,8 +505,11 @@ def update_scale(state: ScalerState, found_inf: Any, config: ScalerConfig) -> Sc
     Clean: count = tracker + 1; if should_grow(count): grow, tracker_after_growth, hysteresis
     refilled; otherwise tracker = count and hysteresis_after_clean. The tracker is int32: an
     increment past 2**31 - 1 (undefined in torch, unreachable unless growth never triggers)
-    raises OverflowError. Raises ScaleAtMinimumError from back_off.
+    raises OverflowError. Raises ScaleAtMinimumError from back_off. A static scale (rule 11)
+    comes back unchanged.
     """
+    if not config.dynamic:
+        return state
     if is_found(found_inf):
         left = hysteresis_after_overflow(state.hysteresis_left)
         scale = back_off(state.scale, config) if left == 0 else state.scale
@@ -449,6 +533,137 @@ def update_scale_multi(state: ScalerState, found_infs: Sequence[Any], config: Sc
     return update_scale(state, any(is_found(f) for f in flags), config)
 
 
+# ----------------------------------------------------------------------------- skipping, the call sequence
+
+
+def step_applies(found_inf: Any, config: ScalerConfig) -> bool:
+    """An overflowing step is skipped unless the policy says otherwise (rule 11).
+
+    Every dynamic policy skips; ``skip_on_overflow=False`` (apex's static scale) applies the
+    step whatever the gradients hold.
+    """
+    return not is_found(found_inf) or not config.skip_on_overflow
+
+
+READY, UNSCALED, STEPPED = "ready", "unscaled", "stepped"
+"""The stages of one optimizer between two updates (torch's ``OptState``)."""
+
+_NOT_SCALED = ("Attempted {} but _scale is None.  This may indicate your script did not use "
+               "scaler.scale(loss or outputs) earlier in the iteration.")
+
+
+@dataclass(frozen=True)
+class OptimizerStage:
+    """One optimizer's place in the call sequence: its stage and whether its unscale recorded an
+    inf check (it records none when the optimizer has no gradient)."""
+
+    stage: str = READY
+    inf_checks: bool = False
+
+
+def unscale_stage(stage: OptimizerStage, *, scaled: bool, grad_dtypes: Sequence[Any]) -> OptimizerStage:
+    """``unscale_`` in the call sequence (rule 12): the stage after it, or torch's exception.
+
+    ``scaled``: scale() was called since the scaler was made (or loaded); ``grad_dtypes``: the
+    dtypes of the optimizer's gradients that are not None. Checked in torch's order: not scaled
+    (AssertionError), already UNSCALED or STEPPED (RuntimeError), a float16 gradient
+    (ValueError, nothing unscaled).
+    """
+    if not scaled:
+        raise AssertionError(_NOT_SCALED.format("unscale_"))
+    if stage.stage == UNSCALED:
+        raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+    if stage.stage == STEPPED:
+        raise RuntimeError("unscale_() is being called after step().")
+    if any(np.dtype(d) == np.float16 for d in grad_dtypes):
+        raise ValueError("Attempting to unscale FP16 gradients.")
+    return OptimizerStage(UNSCALED, bool(len(grad_dtypes)))
+
+
+def step_stage(stage: OptimizerStage, *, scaled: bool, grad_dtypes: Sequence[Any], closure: bool = False
+               ) -> tuple[OptimizerStage, OptimizerStage]:
+    """``step`` of a plain (not fused) optimizer in the call sequence (rule 12).
+
+    Returns ``(after_unscale, after_step)``: the stage once step's own unscale (from READY) is
+    done, and the stage after the step. Raises torch's exception instead, in torch's order:
+    ``closure`` (RuntimeError), not scaled (AssertionError), already STEPPED (RuntimeError),
+    unscale_'s own checks, then no inf check recorded (AssertionError; the stage is then
+    ``after_unscale``, as torch leaves it).
+    """
+    if closure:
+        raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+    if not scaled:
+        raise AssertionError(_NOT_SCALED.format("step"))
+    if stage.stage == STEPPED:
+        raise RuntimeError("step() has already been called since the last update().")
+    unscaled = unscale_stage(stage, scaled=True, grad_dtypes=grad_dtypes) if stage.stage == READY else stage
+    if not unscaled.inf_checks:
+        raise NoInfChecksError(unscaled)
+    return unscaled, OptimizerStage(STEPPED, True)
+
+
+class NoInfChecksError(AssertionError):
+    """step() of an optimizer that recorded no inf check; ``stage`` is where torch leaves it."""
+
+    def __init__(self, stage: OptimizerStage) -> None:
+        super().__init__("No inf checks were recorded for this optimizer.")
+        self.stage = stage
+
+
+def check_update(stages: Sequence[OptimizerStage], *, scaled: bool, new_scale: bool = False) -> None:
+    """``update`` in the call sequence (rule 12): torch's exception, or None when it may run.
+
+    Not scaled: AssertionError. Without ``new_scale``, at least one optimizer must have recorded
+    an inf check since the last update (AssertionError). Afterwards every optimizer is READY.
+    """
+    if not scaled:
+        raise AssertionError(_NOT_SCALED.format("update"))
+    if not new_scale and not any(s.inf_checks for s in stages):
+        raise AssertionError("No inf checks were recorded prior to update.")
+
+
+# ----------------------------------------------------------------------------- saving, loading, new_scale
+
+STATE_DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+"""The entries of torch's GradScaler.state_dict, in its order."""
+
+
+def state_dict(state: ScalerState, config: ScalerConfig, *, pending_scale: float | None = None) -> dict[str, Any]:
+    """What torch's ``state_dict`` saves (rule 13): the scale as a Python float, the factors,
+    the interval and the tracker as an int.
+
+    ``pending_scale``: before the first scale() torch holds the scale as it was given or loaded,
+    unrounded, and saves that value instead of ``state.scale``.
+    """
+    scale = float(pending_scale) if pending_scale is not None else float(state.scale)
+    return {"scale": scale, "growth_factor": config.growth_factor, "backoff_factor": config.backoff_factor,
+            "growth_interval": config.growth_interval, "_growth_tracker": int(state.growth_tracker)}
+
+
+def load_state_dict(saved: Mapping[str, Any], config: ScalerConfig) -> tuple[ScalerConfig, ScalerState, float]:
+    """``load_state_dict`` (rule 13): the configuration with the saved factors and interval, the
+    state (scale rounded to float32, as the first scale() will round it; the tracker as saved,
+    even at or past growth_interval; the full hysteresis), and the pending unrounded scale.
+
+    The factors are validated as ``ScalerConfig`` validates them (torch accepts anything).
+    """
+    missing = [k for k in STATE_DICT_KEYS if k not in saved]
+    if missing:
+        raise KeyError(f"saved scaler state lacks {missing}")
+    loaded = dataclasses.replace(config, growth_factor=saved["growth_factor"], backoff_factor=saved["backoff_factor"],
+                                 growth_interval=saved["growth_interval"])
+    with np.errstate(over="ignore"):
+        state = ScalerState(np.float32(saved["scale"]), np.int32(int(saved["_growth_tracker"])), loaded.hysteresis)
+    return loaded, state, float(saved["scale"])
+
+
+def set_scale(state: ScalerState, new_scale: Any) -> ScalerState:
+    """``update(new_scale)`` (rule 14): S = f32(new_scale); tracker and hysteresis unchanged."""
+    with np.errstate(over="ignore"):
+        return ScalerState(np.float32(np.asarray(new_scale, dtype=np.float64).reshape(())), state.growth_tracker,
+                           state.hysteresis_left)
+
+
 RULES = (
     scale_loss,
     inverse_scale,
@@ -463,5 +678,12 @@ RULES = (
     tracker_after_growth,
     hysteresis_after_clean,
     update_scale_multi,
+    step_applies,
+    unscale_stage,
+    step_stage,
+    check_update,
+    state_dict,
+    load_state_dict,
+    set_scale,
 )
 """The rule functions in the order a training step meets them (each docstring opens with its rule)."""

@@ -448,3 +448,22 @@ def test_cuda_rule_rounds_the_coefficient_to_a_16_bit_gradient_dtype():
     inplace = [bf.copy(), f32.copy()]
     clipping.clip_grad_norm_(inplace, 1.0, coef_in_grad_dtype=True)
     assert inplace[0].tobytes() == cuda.grads[0].tobytes()
+
+
+def test_rule_10_a_zero_d_gradient_promotes_with_a_float64_coefficient():
+    # total ~ 1e60 (float64), coefficient ~ 1e-60: zero in float32, normal in float64, so the
+    # promoted product 1e30 * 1e-60 = 1e-30 survives where f32(coef) would give 0.
+    g0 = np.asarray(np.float32(1e30))
+    g1 = np.array([1e60], np.float64)
+    res = clipping.clip_grad_norm([g0, g1], 1.0)
+    coef = res.clip_coef
+    assert res.grads[0].dtype == np.float32 and res.grads[0].shape == ()
+    assert res.grads[0] == np.float32(np.float64(g0) * coef) and res.grads[0] > 0
+    # The same value with one dimension does not promote: the coefficient is rounded first.
+    res1 = clipping.clip_grad_norm([g0.reshape(1), g1], 1.0)
+    assert res1.grads[0][0] == np.float32(0.0)
+    # Where the promoted dtype is the gradient's own op math, the rules agree.
+    b = np.asarray(np.float32(3.0)).astype(ml_dtypes.bfloat16)
+    r0 = clipping.clip_grad_norm([b, np.array([7.0], np.float32)], 1.0)
+    r1 = clipping.clip_grad_norm([b.reshape(1), np.array([7.0], np.float32)], 1.0)
+    assert r0.grads[0].tobytes() == r1.grads[0].tobytes()

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from reference import __main__ as cli
+from reference import scaling
 from reference.scaling import (
     PRESETS,
     RULES,
@@ -84,8 +85,17 @@ def test_presets_hold_the_peer_defaults():
     assert (d.init_scale, d.growth_interval, d.hysteresis, d.min_scale) == (2.0**16, 1000, 2, 1.0)
     assert d.raise_at_min_scale and d.growth_since_overflow and not d.consecutive_hysteresis
     assert d.max_scale is None and m.max_scale is None
-    assert set(PRESETS) == {"torch", "megatron", "deepspeed"}
+    assert set(PRESETS) == {"torch", "megatron", "deepspeed", "deepspeed_fp16", "apex", "jmp", "static"}
     assert ScalerConfig.preset("megatron", growth_interval=5).growth_interval == 5
+    f = ScalerConfig.preset("deepspeed_fp16")
+    assert (f.init_scale, f.growth_interval, f.hysteresis, f.min_scale, f.raise_at_min_scale) == (2.0**16, 1000, 1, 1.0, False)
+    assert f.growth_since_overflow
+    a = ScalerConfig.preset("apex")
+    assert (a.init_scale, a.growth_interval, a.min_scale, a.max_scale) == (2.0**16, 2000, None, 2.0**24)
+    j = ScalerConfig.preset("jmp")
+    assert (j.init_scale, j.growth_interval, j.min_scale, j.max_scale) == (2.0**15, 2000, 1.0, None)
+    s = ScalerConfig.preset("static")
+    assert not s.dynamic and s.skip_on_overflow
 
 
 # ----------------------------------------------------------------------------- torch's update rule
@@ -472,8 +482,8 @@ def test_numpy_numbers_are_accepted():
 
 
 def test_unknown_preset_and_override_and_bad_flags():
-    with pytest.raises(ValueError, match="preset.*deepspeed.*megatron.*torch"):
-        ScalerConfig.preset("apex")
+    with pytest.raises(ValueError, match="preset.*apex.*deepspeed.*megatron.*torch"):
+        ScalerConfig.preset("fairseq")
     with pytest.raises(ValueError, match="growth_intervall"):
         ScalerConfig.preset("torch", growth_intervall=3)
     with pytest.raises(ValueError, match="found_inf"):
@@ -539,3 +549,97 @@ def test_unscale_in_place_refuses_what_it_cannot_overwrite():
         unscale_gradients_([frozen], state)
     with pytest.raises(ValueError, match=r"grads\[0\] must be a writeable NumPy array"):
         unscale_gradients_([[1.0, 2.0]], state)
+
+
+# --- rule 11: static scales and skipping ----------------------------------------------------
+
+
+def test_a_static_scale_never_moves_and_skips_as_configured():
+    c = ScalerConfig.preset("static", init_scale=3.0, growth_interval=1)
+    s = initial_state(c)
+    for found in (True, False, False, True, float("nan")):
+        assert update_scale(s, found, c) == s
+    assert not scaling.step_applies(1.0, c) and scaling.step_applies(0.0, c)
+    apex_static = ScalerConfig.preset("static", skip_on_overflow=False)
+    assert scaling.step_applies(1.0, apex_static) and scaling.step_applies(float("nan"), apex_static)
+    assert not scaling.step_applies(2.0, ScalerConfig())
+    with pytest.raises(ValueError, match="dynamic must be a bool"):
+        ScalerConfig(dynamic=1)
+
+
+def test_peer_presets_follow_their_rules():
+    # apex: the ceiling stops the growth at 2**24; no floor.
+    a = ScalerConfig.preset("apex", init_scale=2.0**23, growth_interval=1)
+    s = update_scale(update_scale(initial_state(a), False, a), False, a)
+    assert float(s.scale) == 2.0**24
+    s = initial_state(ScalerConfig.preset("apex", init_scale=2.0**-140))
+    assert float(update_scale(s, True, ScalerConfig.preset("apex")).scale) == 2.0**-141
+    # jmp: floor 1.0, clamped, never raising.
+    j = ScalerConfig.preset("jmp", init_scale=1.5)
+    assert float(update_scale(initial_state(j), True, j).scale) == 1.0
+    # deepspeed_fp16: no hysteresis, growth on the (interval + 1)-th clean step, no raise at 1.
+    f = ScalerConfig.preset("deepspeed_fp16", init_scale=1.0, growth_interval=2)
+    s = initial_state(f)
+    assert float(update_scale(s, True, f).scale) == 1.0
+    for _ in range(2):
+        s = update_scale(s, False, f)
+    assert float(s.scale) == 1.0
+    assert float(update_scale(s, False, f).scale) == 2.0
+
+
+# --- rule 12: the call sequence ---------------------------------------------------------------
+
+
+def test_the_call_sequence_raises_as_torch_does():
+    ready = scaling.OptimizerStage()
+    f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
+    with pytest.raises(AssertionError, match="Attempted unscale_ but _scale is None"):
+        scaling.unscale_stage(ready, scaled=False, grad_dtypes=[f32])
+    unscaled = scaling.unscale_stage(ready, scaled=True, grad_dtypes=[f32])
+    assert unscaled == scaling.OptimizerStage(scaling.UNSCALED, True)
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaling.unscale_stage(unscaled, scaled=True, grad_dtypes=[f32])
+    with pytest.raises(ValueError, match="FP16"):
+        scaling.unscale_stage(ready, scaled=True, grad_dtypes=[f32, f16])
+    after_unscale, stepped = scaling.step_stage(unscaled, scaled=True, grad_dtypes=[f32])
+    assert after_unscale == unscaled and stepped.stage == scaling.STEPPED
+    with pytest.raises(RuntimeError, match="after step"):
+        scaling.unscale_stage(stepped, scaled=True, grad_dtypes=[f32])
+    with pytest.raises(RuntimeError, match="step\\(\\) has already been called"):
+        scaling.step_stage(stepped, scaled=True, grad_dtypes=[f32])
+    with pytest.raises(RuntimeError, match="Closure"):
+        scaling.step_stage(stepped, scaled=False, grad_dtypes=[f32], closure=True)
+    with pytest.raises(scaling.NoInfChecksError) as no_grads:
+        scaling.step_stage(ready, scaled=True, grad_dtypes=[])
+    assert no_grads.value.stage == scaling.OptimizerStage(scaling.UNSCALED, False)
+    with pytest.raises(AssertionError, match="prior to update"):
+        scaling.check_update([no_grads.value.stage], scaled=True)
+    scaling.check_update([no_grads.value.stage], scaled=True, new_scale=True)
+    with pytest.raises(AssertionError, match="Attempted update"):
+        scaling.check_update([unscaled], scaled=False)
+
+
+# --- rules 13, 14: saving, loading, new_scale -------------------------------------------------
+
+
+def test_state_dict_round_trip_and_pending_scale():
+    c = ScalerConfig(init_scale=0.1, growth_factor=3.0, growth_interval=4)
+    s = initial_state(c)
+    assert scaling.state_dict(s, c, pending_scale=0.1)["scale"] == 0.1
+    saved = scaling.state_dict(s, c)
+    assert saved == {"scale": float(np.float32(0.1)), "growth_factor": 3.0, "backoff_factor": 0.5,
+                     "growth_interval": 4, "_growth_tracker": 0}
+    loaded, state, pending = scaling.load_state_dict({**saved, "_growth_tracker": 9, "scale": 0.3}, ScalerConfig())
+    assert (loaded.growth_factor, loaded.growth_interval, int(state.growth_tracker)) == (3.0, 4, 9)
+    assert state.scale == np.float32(0.3) and pending == 0.3
+    # A tracker past the interval never grows again and keeps counting (rule 7's equality).
+    assert update_scale(state, False, loaded) == ScalerState(state.scale, 10, 1)
+    with pytest.raises(KeyError, match="_growth_tracker"):
+        scaling.load_state_dict({"scale": 1.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 1},
+                                ScalerConfig())
+
+
+def test_set_scale_rounds_to_float32_and_keeps_the_counters():
+    s = ScalerState(np.float32(8.0), 3, 2)
+    assert scaling.set_scale(s, 0.1) == ScalerState(np.float32(0.1), 3, 2)
+    assert float(scaling.set_scale(s, 1e39).scale) == float("inf")

@@ -84,7 +84,15 @@ def test_presets_resolve_to_their_documented_values():
     ds = ScalerConfig(preset="deepspeed").resolved()
     assert (ds.init_scale, ds.growth_interval, ds.hysteresis) == (2.0**16, 1000, 2)
     assert (ds.min_scale, ds.raise_at_min_scale, ds.consecutive_hysteresis) == (1.0, True, False)
-    assert set(PRESETS) == {"torch", "megatron", "deepspeed"}
+    assert set(PRESETS) == {"torch", "megatron", "deepspeed", "deepspeed_fp16", "apex", "jmp", "static"}
+    f = ScalerConfig(preset="deepspeed_fp16").resolved()
+    assert (f.hysteresis, f.min_scale, f.raise_at_min_scale, f.growth_since_overflow) == (1, 1.0, False, True)
+    a = ScalerConfig(preset="apex").resolved()
+    assert (a.growth_interval, a.min_scale, a.max_scale) == (2000, None, 2.0**24)
+    j = ScalerConfig(preset="jmp").resolved()
+    assert (j.init_scale, j.growth_interval, j.min_scale) == (2.0**15, 2000, 1.0)
+    st = ScalerConfig(preset="static").resolved()
+    assert not st.dynamic and st.skip_on_overflow and not st.is_plain_torch
 
 
 def test_explicit_values_override_the_preset():
@@ -115,7 +123,7 @@ def test_explicit_values_override_the_preset():
         ({"max_scale": 2.0**10}, "init_scale must be <= max_scale"),
         ({"min_scale": 2.0**20}, "init_scale must be >= min_scale"),
         ({"raise_at_min_scale": True}, "needs a min_scale"),
-        ({"preset": "apex"}, "preset"),
+        ({"preset": "fairseq"}, "preset"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_field(kwargs, field):
@@ -641,7 +649,7 @@ def _bad_states():
     case("tracker-past-interval", "_growth_tracker", _growth_tracker=10)
     case("tracker-bool", "_growth_tracker", _growth_tracker=True)
     case("hysteresis-left", "hysteresis_left", hysteresis_left=3)
-    case("preset", "preset", preset="apex")
+    case("preset", "preset", preset="fairseq")
     case("min-over-max", "min_scale must be <= max_scale", min_scale=2.0, max_scale=1.5)
     case("raise-str", "raise_at_min_scale", raise_at_min_scale="yes")
     case("empty", "empty", **{k: _DROP for k in good})
@@ -808,3 +816,45 @@ def test_make_grad_scaler_disabled_means_no_scaler():
         assert make_grad_scaler(_plan("fp16", True, "cuda"), off) is None
     with pytest.warns(UserWarning, match="2\\*\\*-24"):
         assert make_grad_scaler(_plan("fp32", False, "cpu"), off, force=True) is None
+
+
+# --- static scales ------------------------------------------------------------------------------
+
+
+def _overflowing_step(scaler: DynamicLossScaler, value: float) -> tuple[torch.Tensor, bool]:
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler.scale(torch.ones(()))
+    p.grad = torch.tensor([value, 1.0])
+    applied = scaler.step(opt)
+    scaler.update()
+    return p.detach(), bool(applied)
+
+
+def test_a_static_scale_never_moves_and_skips_overflowing_steps():
+    s = _scaler(preset="static", init_scale=8.0, growth_interval=1)
+    for value in (float("inf"), 1.0, 1.0, float("nan")):
+        param, applied = _overflowing_step(s, value)
+        assert applied == math.isfinite(value)
+        assert s.get_scale() == 8.0 and s._get_growth_tracker() == 0
+    assert s.state_dict()["dynamic"] is False and "skip_on_overflow" not in s.state_dict()
+
+
+def test_a_static_scale_that_does_not_skip_steps_with_non_finite_gradients():
+    s = _scaler(preset="static", init_scale=4.0, skip_on_overflow=False)
+    param, applied = _overflowing_step(s, float("inf"))
+    assert applied and math.isinf(param[0].item()) and param[1].item() == 1.0 - 0.25
+    fused = torch.optim.Adam([torch.nn.Parameter(torch.ones(1))], fused=True)
+    fused.param_groups[0]["params"][0].grad = torch.ones(1)
+    s.scale(torch.ones(()))
+    with pytest.raises(ValueError, match="skip_on_overflow=False needs an optimizer"):
+        s.step(fused)
+
+
+def test_states_saved_before_static_scales_existed_still_load():
+    s = _scaler(preset="megatron", init_scale=8.0)
+    sd = s.state_dict()
+    assert "dynamic" not in sd and "skip_on_overflow" not in sd
+    t = _scaler()
+    t.load_state_dict(sd)
+    assert t.policy.preset == "megatron" and t.policy.dynamic and t.policy.skip_on_overflow

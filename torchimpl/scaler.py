@@ -1,6 +1,6 @@
 """Dynamic loss scaling on top of ``torch.amp.GradScaler``.
 
-``DynamicLossScaler`` is a ``torch.amp.GradScaler`` with three presets:
+``DynamicLossScaler`` is a ``torch.amp.GradScaler`` with seven presets:
 
 1. ``torch``: exactly ``torch.amp.GradScaler``. The update is torch's own kernel
    (``torch._amp_update_scale_``): on an overflow ``scale = f32(f64(scale) * backoff_factor)``
@@ -18,8 +18,28 @@
    overflow, then every ``growth_interval`` clean steps. Hysteresis is refilled at growth, or
    at every clean step with ``consecutive_hysteresis``.
 
+4. ``deepspeed_fp16`` (DeepSpeed's non-ZeRO ``FP16_Optimizer``, whose ``_update_scale`` has no
+   hysteresis and no raise at the floor): ``deepspeed`` with ``hysteresis=1`` and
+   ``raise_at_min_scale=False``. (``deepspeed`` is the ``DynamicLossScaler`` of ZeRO stages 1-3.)
+5. ``apex`` (NVIDIA apex amp's ``LossScaler``): torch's policy with a window of 2000, no floor
+   and a ceiling of 2**24.
+6. ``jmp`` (jmp's ``DynamicLossScale``): initial scale 2**15 (its README's), period 2000,
+   factor 2, a floor of 1.0 that clamps (``max(min_loss_scale, scale / factor)``), growth kept
+   only if finite.
+7. ``static``: a fixed scale (``dynamic=False``): no growth, no backoff, the tracker stays.
+   Overflowing steps are skipped (``skip_on_overflow=True``), as DeepSpeed's and Megatron's
+   static scales do; ``skip_on_overflow=False`` is apex's static scale, which steps anyway
+   (then ``step`` needs a non-fused optimizer). jmp leaves skipping to the caller; torch has no
+   static scale.
+
+Where the peers themselves differ from these presets (their arithmetic is Python or float64
+where ampspec's is torch's float32 state): DeepSpeed's scale is a Python float that grows past
+float32's range (2**128 and beyond) where ampspec refuses a growth to inf and stays at 2**127;
+Megatron grows without a finiteness check; the hysteresis counters of Megatron (negative) and
+DeepSpeed (held at 1) bottom out differently from ampspec's 0, with the same decisions.
+
 Every preset value can be overridden; any configuration other than plain ``torch`` (a floor,
-a ceiling, hysteresis > 1, raising) uses the tensor implementation of the same arithmetic:
+a ceiling, hysteresis > 1, raising, a static scale) uses the tensor implementation of the same arithmetic:
 products in float64 on the device, one rounding to float32; a backoff is clamped up to
 ``min_scale``, a growth clamped down to ``max_scale`` and then kept only if finite (so without a
 ceiling a growth past float32's range is refused, with one it lands on the ceiling).
@@ -106,6 +126,8 @@ class ResolvedScalerConfig:
     raise_at_min_scale: bool
     consecutive_hysteresis: bool
     enabled: bool = True
+    dynamic: bool = True
+    skip_on_overflow: bool = True
 
     @property
     def is_plain_torch(self) -> bool:
@@ -116,7 +138,14 @@ class ResolvedScalerConfig:
             and self.min_scale is None
             and self.max_scale is None
             and not self.raise_at_min_scale
+            and self.dynamic
+            and self.skip_on_overflow
         )
+
+    @property
+    def growth_since_overflow(self) -> bool:
+        """DeepSpeed's growth count (clean steps since the last overflow), for its presets."""
+        return self.preset in _SINCE_OVERFLOW_PRESETS
 
 
 PRESETS: Mapping[str, ResolvedScalerConfig] = MappingProxyType(
@@ -157,8 +186,60 @@ PRESETS: Mapping[str, ResolvedScalerConfig] = MappingProxyType(
             raise_at_min_scale=True,
             consecutive_hysteresis=False,
         ),
+        "deepspeed_fp16": ResolvedScalerConfig(
+            preset="deepspeed_fp16",
+            init_scale=2.0**16,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=1000,
+            hysteresis=1,
+            min_scale=1.0,
+            max_scale=None,
+            raise_at_min_scale=False,
+            consecutive_hysteresis=False,
+        ),
+        "apex": ResolvedScalerConfig(
+            preset="apex",
+            init_scale=2.0**16,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=2000,
+            hysteresis=1,
+            min_scale=None,
+            max_scale=2.0**24,
+            raise_at_min_scale=False,
+            consecutive_hysteresis=False,
+        ),
+        "jmp": ResolvedScalerConfig(
+            preset="jmp",
+            init_scale=2.0**15,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=2000,
+            hysteresis=1,
+            min_scale=1.0,
+            max_scale=None,
+            raise_at_min_scale=False,
+            consecutive_hysteresis=False,
+        ),
+        "static": ResolvedScalerConfig(
+            preset="static",
+            init_scale=2.0**16,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=2000,
+            hysteresis=1,
+            min_scale=None,
+            max_scale=None,
+            raise_at_min_scale=False,
+            consecutive_hysteresis=False,
+            dynamic=False,
+        ),
     }
 )
+
+# Presets that count growth as DeepSpeed does (clean steps since the last overflow).
+_SINCE_OVERFLOW_PRESETS = ("deepspeed", "deepspeed_fp16")
 
 
 def _is_real(x: object) -> bool:
@@ -247,8 +328,9 @@ def _config_problems(c: ResolvedScalerConfig) -> list[str]:
         problems.append(
             f"consecutive_hysteresis must be a bool, got {c.consecutive_hysteresis!r}"
         )
-    if not isinstance(c.enabled, bool):
-        problems.append(f"enabled must be a bool, got {c.enabled!r}")
+    for name in ("enabled", "dynamic", "skip_on_overflow"):
+        if not isinstance(getattr(c, name), bool):
+            problems.append(f"{name} must be a bool, got {getattr(c, name)!r}")
     return problems
 
 
@@ -272,6 +354,8 @@ class ScalerConfig:
     raise_at_min_scale: bool | None = None
     enabled: bool = True
     consecutive_hysteresis: bool | None = None
+    dynamic: bool | None = None
+    skip_on_overflow: bool | None = None
 
     def __post_init__(self) -> None:
         problems = _config_problems(self._resolve())
@@ -305,6 +389,8 @@ _EXTRA_KEYS = (
     "raise_at_min_scale",
     "consecutive_hysteresis",
 )
+# Extension keys added later: a state saved without them loads with these values.
+_OPTIONAL_KEYS = MappingProxyType({"dynamic": True, "skip_on_overflow": True})
 
 
 class DynamicLossScaler(GradScaler):
@@ -490,6 +576,9 @@ class DynamicLossScaler(GradScaler):
         if not self._enabled:
             optimizer.step(*args, **kwargs)
             applied = torch.ones((), dtype=torch.bool)
+        elif not self._policy.skip_on_overflow:
+            self._step_whatever_the_gradients(optimizer, *args, **kwargs)
+            applied = torch.ones((), dtype=torch.bool, device=self._check_scale_growth_tracker("step")[0].device)
         else:
             super().step(optimizer, *args, **kwargs)
             scale = self._scale
@@ -509,6 +598,25 @@ class DynamicLossScaler(GradScaler):
                 applied = torch.ones((), dtype=torch.bool, device=scale.device)
         self._last_applied = applied
         return applied
+
+    def _step_whatever_the_gradients(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        """``skip_on_overflow=False`` (apex's static scale): unscale as torch's step would, with
+        torch's checks in torch's order, then step even when a gradient is inf or NaN."""
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            raise ValueError("skip_on_overflow=False needs an optimizer that does not skip inside its own kernel "
+                             f"({type(optimizer).__name__} with fused=True does); use fused=False")
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        if not state["found_inf_per_device"]:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        optimizer.step(*args, **kwargs)
+        state["stage"] = OptState.STEPPED
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale from this iteration's found_inf (see the module docstring).
@@ -569,6 +677,8 @@ class DynamicLossScaler(GradScaler):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """New (scale, tracker, hysteresis) and the raise-at-floor flag, all on the device."""
         p = self._policy
+        if not p.dynamic:
+            return scale, tracker, hyst, None  # a static scale: nothing moves
         # NaN != 0 is true: a NaN found_inf counts as an overflow, as in torch's kernel.
         found = found_inf != 0
         if scale.device.type == "mps":
@@ -586,7 +696,7 @@ class DynamicLossScaler(GradScaler):
 
         hyst_dec = (hyst - 1).clamp(min=0)
         backoff_now = found & (hyst_dec == 0)
-        if p.preset == "deepspeed":
+        if p.growth_since_overflow:
             # The tracker counts clean steps since the last overflow, kept in 1..interval
             # once positive: DeepSpeed grows when that count is a positive multiple of the
             # interval, i.e. on the clean step after it.
@@ -618,7 +728,8 @@ class DynamicLossScaler(GradScaler):
         torch's five keys (``scale``, ``growth_factor``, ``backoff_factor``,
         ``growth_interval``, ``_growth_tracker``) plus ``preset``, ``hysteresis``,
         ``hysteresis_left``, ``min_scale``, ``max_scale``, ``raise_at_min_scale``,
-        ``consecutive_hysteresis``. One host sync. A disabled scaler returns ``{}``.
+        ``consecutive_hysteresis``, and ``dynamic`` / ``skip_on_overflow`` when they are not
+        True. One host sync. A disabled scaler returns ``{}``.
 
         ``_growth_tracker`` counts consecutive clean steps as in torch; with the ``deepspeed``
         preset it counts clean steps since the last overflow, kept in 1..growth_interval
@@ -656,6 +767,9 @@ class DynamicLossScaler(GradScaler):
             "max_scale": p.max_scale,
             "raise_at_min_scale": p.raise_at_min_scale,
             "consecutive_hysteresis": p.consecutive_hysteresis,
+            # Saved only when they are not the default, so that states saved before static
+            # scales existed and states saved now compare equal.
+            **{k: getattr(p, k) for k, default in _OPTIONAL_KEYS.items() if getattr(p, k) != default},
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -726,6 +840,7 @@ class DynamicLossScaler(GradScaler):
             hysteresis=sd["hysteresis"], min_scale=sd["min_scale"], max_scale=sd["max_scale"],
             raise_at_min_scale=sd["raise_at_min_scale"], consecutive_hysteresis=sd["consecutive_hysteresis"],
             enabled=self._policy.enabled,
+            **{k: sd.get(k, default) for k, default in _OPTIONAL_KEYS.items()},
         )
         return policy, sd["hysteresis_left"]
 
@@ -741,7 +856,7 @@ class DynamicLossScaler(GradScaler):
 def _key_problems(keys: set[str]) -> list[str]:
     """What is wrong with the keys of a state that is not torch's plain five."""
     full = set(_TORCH_KEYS) | set(_EXTRA_KEYS)
-    missing, unknown = sorted(full - keys), sorted(keys - full)
+    missing, unknown = sorted(full - keys), sorted(keys - full - set(_OPTIONAL_KEYS))
     return ([f"missing keys {missing}"] if missing else []) + ([f"unknown keys {unknown}"] if unknown else [])
 
 
@@ -752,7 +867,7 @@ def _counter_problems(policy: ResolvedScalerConfig, tracker: Any, hyst_left: Any
     if not _is_int(tracker) or tracker < 0:
         problems.append(f"_growth_tracker must be an int >= 0, got {tracker!r}")
     elif _is_int(interval) and interval >= 1:
-        limit = interval if policy.preset == "deepspeed" else interval - 1
+        limit = interval if policy.growth_since_overflow else interval - 1
         if tracker > limit:
             problems.append(
                 f"_growth_tracker must be <= {limit} with growth_interval={interval} "
