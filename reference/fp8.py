@@ -13,7 +13,9 @@ block quantization. A scale ``s`` multiplies a high-precision value into float8 
    (axiswise). It is exact in the input's dtype; a NaN anywhere in the reduced set makes it NaN.
 3. The scale is s = f32(fp8_max / max(f64(amax), 1e-12)): the clamp and the division in float64,
    one rounding to float32. amax below 1e-12 (zeros, subnormals) gives fp8_max * 1e12
-   (4.48e14 for e4m3fn); amax = inf gives 0; NaN gives NaN.
+   (4.48e14 for e4m3fn); amax = inf gives 0; NaN gives NaN. For a float32 or bfloat16 amax the
+   float64 quotient rounds to the float32 quotient (53 >= 2 * 24 + 2: double rounding is then
+   innocuous, Figueroa 1995); it matters for float64 inputs, whose amax is not rounded first.
 4. The power-of-two option (default of the rowwise recipes) is s = exp2(floor(log2(s))) with
    log2 taken in float32. That is not an exact floor: for s a few ULPs below 2^k, float32 log2
    rounds up to k and s becomes 2^k, twice the exact floor 2^(k-1); then amax * s can exceed
@@ -104,6 +106,7 @@ __all__ = [
     "delayed_initial_state",
     "delayed_update",
     "exact_power_of_2_floor",
+    "exact_sums",
     "fp8_max",
     "gemm_exact",
     "linear_backward",
@@ -269,16 +272,15 @@ def prescale(q: Quantized) -> np.ndarray:
 # ----------------------------------------------------------------------------- rule 7
 
 
-def gemm_exact(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The spec's float32 GEMM: each element the exact sum of its K products, rounded to float32.
+def exact_sums(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The exact sums of a float32 GEMM's products, each rounded once to float64: (M, N) float64.
 
-    Each product of two float32 values is exact in float64 and ``math.fsum`` rounds the exact sum
-    once to float64; the float64 -> float32 step can round differently from one correct rounding
-    only when the float64 sum lands exactly on a float32 tie. NaN and inf follow IEEE rules.
+    Each product of two float32 values is exact in float64 and ``math.fsum`` rounds their exact
+    sum once. Non-finite terms follow IEEE rules (inf + -inf is NaN).
     """
     a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if a64.ndim != 2 or b64.ndim != 2 or a64.shape[1] != b64.shape[0]:
-        raise ValueError(f"gemm_exact takes (M, K) and (K, N), got {a64.shape} and {b64.shape}")
+        raise ValueError(f"a GEMM takes (M, K) and (K, N), got {a64.shape} and {b64.shape}")
     with np.errstate(invalid="ignore", over="ignore"):
         prods = a64[:, :, None] * b64[None, :, :]  # (M, K, N), exact
         out = np.empty((a64.shape[0], b64.shape[1]), np.float64)
@@ -286,29 +288,40 @@ def gemm_exact(a: np.ndarray, b: np.ndarray) -> np.ndarray:
             for j in range(out.shape[1]):
                 terms = prods[i, :, j]
                 out[i, j] = math.fsum(terms) if np.isfinite(terms).all() else terms.sum()
-        return out.astype(np.float32)
+    return out
+
+
+def gemm_exact(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The spec's float32 GEMM: each element the exact sum of its K products, rounded to float32
+    (through float64: that step can differ from one correct rounding only when the float64 sum
+    lands exactly on a float32 tie)."""
+    with np.errstate(over="ignore"):
+        return exact_sums(a, b).astype(np.float32)
 
 
 def accumulation_bound(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Rule 7's bound (float64): how far any float32 summation order may be from the exact sum.
+    """Rule 7's bound (float64, (M, N)): how far a float32 GEMM of ``a`` and ``b`` in any
+    summation order may be from ``exact_sums(a, b)``.
 
-    gamma_K * sum_k |a_ik| |b_kj| + K * 2^-149, with gamma_K = K u / (1 - K u), u = 2^-24.
-    Derivation: a float32 dot product of K terms in any order (pairwise, blocked, with or without
-    fused multiply-adds) has at most K roundings on any path from a product to the result, each
-    a factor (1 + d), |d| <= u, so it is within gamma_K * sum |a_k b_k| of the exact sum (Higham,
-    Accuracy and Stability of Numerical Algorithms, sec. 3.1); a product that underflows adds an
-    absolute error below 2^-150 (sums of subnormals are exact), hence the K * 2^-149 term. The
-    sum of magnitudes is computed here in float64 (relative error below K * 2^-53) and enlarged
-    to cover that.
+    (gamma_K + 2^-53) * sum_k |a_ik| |b_kj| + K * 2^-149, gamma_K = K u / (1 - K u), u = 2^-24,
+    widened by a relative 2^-48 for the float64 arithmetic of this check. Derivation: a float32
+    dot product of K terms in any order (sequential, pairwise, blocked, with or without fused
+    multiply-adds) has at most K roundings on the path from any product to the result, each a
+    factor (1 + d) with |d| <= u, so it lies within gamma_K * sum |a_k b_k| of the exact sum S
+    (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., sec. 3.1). A product that
+    underflows adds an absolute error below 2^-150 instead (additions of subnormals are exact),
+    at most K of them: the K * 2^-149 term. The reference point is S rounded to float64, within
+    2^-53 |S| <= 2^-53 sum |a_k b_k| of S. The sum of magnitudes is computed in float64 (relative
+    error below K * 2^-53, covered by the widening for K < 2^20).
     """
     a64, b64 = np.abs(np.asarray(a, np.float64)), np.abs(np.asarray(b, np.float64))
     k = a64.shape[1]
-    if k * _U >= 1:
-        raise ValueError(f"K = {k} is too long for a float32 accumulation bound (needs K * 2^-24 < 1)")
+    if not 0 < k < 2**20:
+        raise ValueError(f"the accumulation bound needs 0 < K < 2^20, got K = {k}")
     gamma = k * _U / (1 - k * _U)
     with np.errstate(invalid="ignore", over="ignore"):
         total = a64 @ b64
-    return gamma * total * (1 + 4 * k * 2.0**-53) + k * 2.0**-149
+    return ((gamma + 2.0**-53) * total + k * 2.0**-149) * (1 + 2.0**-48)
 
 
 def _out_cast(c: np.ndarray, dtype: np.dtype) -> np.ndarray:

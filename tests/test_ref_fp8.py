@@ -156,8 +156,9 @@ def test_accumulation_bound_covers_every_summation_order_and_is_tight():
     # Not vacuous: recursive sums come within a fraction of it.
     assert 0.01 < worst < 1
     total = np.abs(f32([[1.0, 1.0]])) @ np.abs(f32([[1.0], [1.0]]))
+    gamma = 2 * 2.0**-24 / (1 - 2 * 2.0**-24)
     assert fp8.accumulation_bound(f32([[1.0, 1.0]]), f32([[1.0], [1.0]]))[0, 0] == pytest.approx(
-        2 * 2.0**-24 / (1 - 2 * 2.0**-24) * total[0, 0], rel=1e-12, abs=2 * 2.0**-149)
+        (gamma + 2.0**-53) * float(total[0, 0]), rel=1e-12, abs=2 * 2.0**-149)
 
 
 def test_scaled_mm_tensorwise_equals_the_matmul_of_prescaled_operands():
