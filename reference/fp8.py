@@ -111,6 +111,7 @@ __all__ = [
     "gemm_exact",
     "linear_backward",
     "linear_forward",
+    "linear_operands",
     "mx_dequantize",
     "prescale",
     "quantize",
@@ -132,7 +133,9 @@ _FLT_MAX = np.float32(np.finfo(np.float32).max)
 _U = 2.0**-24
 
 Gemm = Callable[[np.ndarray, np.ndarray], np.ndarray]
-"""A float32 GEMM: (M, K) and (K, N) float32 arrays to an (M, N) float32 array."""
+"""A GEMM: (M, K) and (K, N) arrays of one dtype to (M, N). The spec calls it with float32
+pre-scaled operands, and with rule 10's high-precision operands in their own dtype (float32, or
+bfloat16 under autocast); its result is then rounded to the matmul's output dtype."""
 
 
 def _fp8_format(fmt: str | formats.Format) -> formats.Format:
@@ -179,8 +182,8 @@ def amax_to_scale(a: np.ndarray, fmt: str | formats.Format, power_of_2: bool = F
     amax 0 or below 1e-12 gives fp8_max * 1e12 rounded to float32; inf gives 0; NaN gives NaN
     (the clamp lets NaN through). Returns float32 of amax's shape.
     """
-    m = np.asarray(a, dtype=np.float64)
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore"):  # a signalling NaN warns when widened
+        m = np.asarray(a, dtype=np.float64)
         s = (np.float64(fp8_max(fmt)) / np.maximum(m, AMAX_EPS)).astype(np.float32)
     return round_scale_down_to_power_of_2(s) if power_of_2 else s
 
@@ -228,8 +231,8 @@ def cast_to_fp8(x: np.ndarray, s: np.ndarray, fmt: str | formats.Format) -> np.n
     and infinities NaN. Returns an array of the format's dtype.
     """
     f = _fp8_format(fmt)
-    wide = _float_array(x).astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
+        wide = _float_array(x).astype(np.float32)  # float64 overflows to inf, as in torch
         scaled = (wide * np.asarray(s, dtype=np.float32)).astype(np.float32)
     return formats.cast(scaled, f, saturate=True)
 
@@ -244,7 +247,8 @@ class Quantized:
 
     @property
     def T(self) -> "Quantized":
-        """The transpose of a 2-d operand, its scale transposed with it."""
+        """The transpose of a 2-d operand, its scale transposed with it (``.T`` of a NumPy
+        array, so that an operand of either kind transposes the same way)."""
         return Quantized(self.data.T, self.scale.T if self.scale.ndim == 2 else self.scale)
 
 
@@ -421,19 +425,21 @@ RECIPES: Mapping[str, Float8Recipe] = types.MappingProxyType({
 })
 
 
-def _operand(x: np.ndarray, cast: Cast, axis: int, power_of_2: bool) -> Quantized | np.ndarray:
+def _operand(x: np.ndarray, cast: Cast, axis: int, power_of_2: bool) -> "Operand":
     if cast.granularity == "disabled":
         return x
     return quantize(x, cast.fmt, cast.granularity, axis, power_of_2)
 
 
-def _matmul(a: Quantized | np.ndarray, b: Quantized | np.ndarray, out_dtype, fast_accum: bool, gemm: Gemm) -> np.ndarray:
+def _matmul(a: "Operand", b: "Operand", out_dtype, fast_accum: bool, gemm: Gemm) -> np.ndarray:
     if isinstance(a, Quantized) != isinstance(b, Quantized):
         raise ValueError("a matmul takes two float8 operands or two high-precision ones")
     if isinstance(a, Quantized):
         return scaled_mm(a, b, out_dtype, fast_accum=fast_accum, gemm=gemm)
-    # High precision (rule 10's grad_weight): the same float32 GEMM, rounded to the dtype.
-    return _out_cast(gemm(a.astype(np.float32), b.astype(np.float32)), out_dtype)
+    # High precision (rule 10's grad_weight): the GEMM of the operands' own dtype.
+    if a.dtype != b.dtype:
+        raise ValueError(f"a high-precision matmul takes operands of one dtype, got {a.dtype} and {b.dtype}")
+    return _out_cast(np.asarray(gemm(a, b)).astype(np.float32), out_dtype)
 
 
 def _recipe(recipe: str | Float8Recipe) -> Float8Recipe:
@@ -444,24 +450,50 @@ def _recipe(recipe: str | Float8Recipe) -> Float8Recipe:
     return RECIPES[recipe]
 
 
-def linear_forward(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, recipe: str | Float8Recipe, *,
-                   gemm: Gemm = gemm_exact) -> np.ndarray:
-    """Rules 8-10, forward: y = x @ weight.T (+ bias) of a Float8Linear, in x's dtype.
+Operand = Quantized | np.ndarray
+"""A matmul operand: float8 with its scale, or a high-precision array (a ``disabled`` cast)."""
 
-    ``x`` is (..., K) and ``weight`` (N, K); the input is cast along its last axis (one scale
-    per row), the weight per output feature. The bias is cast to the output dtype and added
-    after the matmul, in that dtype.
+
+def linear_operands(x: np.ndarray, weight: np.ndarray, grad_output: np.ndarray | None,
+                    recipe: str | Float8Recipe) -> dict[str, tuple[Operand, Operand]]:
+    """Rules 8-10: the two operands of each matmul of a Float8Linear, cast as the recipe says.
+
+    ``output`` = x @ weight.T: the input cast along its last axis (one scale per row), the weight
+    per output feature. ``grad_input`` = grad_output @ weight: grad_output per row, the weight
+    per column (input feature). ``grad_weight`` = grad_output.T @ x: grad_output per column, the
+    input per column. ``x`` is (..., K), ``weight`` (N, K), ``grad_output`` (..., N) or None
+    (then only ``output``).
     """
     r = _recipe(recipe)
     x, w = _float_array(x), _float_array(weight, "weight")
     x2 = x.reshape(-1, x.shape[-1])
-    a = _operand(x2, r.input, -1, r.power_of_2)
-    b = _operand(w.T, r.weight, 0, r.power_of_2)
+    out = {"output": (_operand(x2, r.input, -1, r.power_of_2), _operand(w.T, r.weight, 0, r.power_of_2))}
+    if grad_output is None:
+        return out
+    go = _float_array(grad_output, "grad_output")
+    go2 = go.reshape(-1, go.shape[-1])
+    out["grad_input"] = (_operand(go2, r.grad_output, -1, r.power_of_2),
+                         _operand(w.T, r.weight_for_grad_input, -1, r.power_of_2).T)
+    out["grad_weight"] = (_operand(go2, r.grad_output_for_grad_weight, 0, r.power_of_2).T,
+                          _operand(x2, r.input_for_grad_weight, 0, r.power_of_2))
+    return out
+
+
+def linear_forward(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, recipe: str | Float8Recipe, *,
+                   gemm: Gemm = gemm_exact) -> np.ndarray:
+    """Rules 8-10, forward: y = x @ weight.T (+ bias) of a Float8Linear, in x's dtype.
+
+    The operands as ``linear_operands`` casts them; the bias is cast to the output dtype and
+    added after the matmul, in that dtype.
+    """
+    r = _recipe(recipe)
+    x = _float_array(x)
+    a, b = linear_operands(x, weight, None, r)["output"]
     y = _matmul(a, b, x.dtype, r.fast_accum_output, gemm)
     if bias is not None:
         with np.errstate(over="ignore"):
             y = _out_cast(y.astype(np.float32) + _out_cast(bias, x.dtype).astype(np.float32), x.dtype)
-    return y.reshape(*x.shape[:-1], w.shape[0])
+    return y.reshape(*x.shape[:-1], np.asarray(weight).shape[0])
 
 
 @dataclass(frozen=True)
@@ -476,22 +508,15 @@ class LinearGrads:
 
 def linear_backward(x: np.ndarray, weight: np.ndarray, grad_output: np.ndarray, recipe: str | Float8Recipe, *,
                     gemm: Gemm = gemm_exact) -> LinearGrads:
-    """Rules 8-10, backward: grad_input = grad_output @ weight and grad_weight = grad_output.T @ x.
-
-    grad_output is cast per row for grad_input and per column for grad_weight; the weight per
-    column (input feature) for grad_input; the input per column for grad_weight. Both matmuls
-    run in grad_output's dtype without fast accumulation.
-    """
+    """Rules 8-10, backward: grad_input = grad_output @ weight and grad_weight = grad_output.T @ x,
+    both in grad_output's dtype without fast accumulation, the operands as ``linear_operands``
+    casts them."""
     r = _recipe(recipe)
-    x, w, go = _float_array(x), _float_array(weight, "weight"), _float_array(grad_output, "grad_output")
-    x2, go2 = x.reshape(-1, x.shape[-1]), go.reshape(-1, go.shape[-1])
-    go_rows = _operand(go2, r.grad_output, -1, r.power_of_2)
-    w_cols = _operand(w.T, r.weight_for_grad_input, -1, r.power_of_2).T
-    grad_input = _matmul(go_rows, w_cols, go.dtype, r.fast_accum_grad_input, gemm)
-    go_cols = _operand(go2, r.grad_output_for_grad_weight, 0, r.power_of_2).T
-    x_cols = _operand(x2, r.input_for_grad_weight, 0, r.power_of_2)
-    grad_weight = _matmul(go_cols, x_cols, go.dtype, r.fast_accum_grad_weight, gemm)
-    return LinearGrads(grad_input.reshape(*go.shape[:-1], w.shape[1]), grad_weight)
+    go = _float_array(grad_output, "grad_output")
+    ops = linear_operands(x, weight, go, r)
+    grad_input = _matmul(*ops["grad_input"], go.dtype, r.fast_accum_grad_input, gemm)
+    grad_weight = _matmul(*ops["grad_weight"], go.dtype, r.fast_accum_grad_weight, gemm)
+    return LinearGrads(grad_input.reshape(*go.shape[:-1], np.asarray(weight).shape[1]), grad_weight)
 
 
 # ----------------------------------------------------------------------------- rules 11-12
