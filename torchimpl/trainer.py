@@ -115,6 +115,9 @@ class RunSummary:
     stopped: str | None = None
     last_checkpoint: str | None = None
     diagnosis_report: str | None = None
+    fp8: dict[str, Any] | None = None
+    """With ``precision.mode: fp8``: the recipe, what runs where, the converted layers and those
+    kept in high precision with the reason for each."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -234,7 +237,16 @@ class Trainer:
         self._downgrades = [self.plan.reason] if self.plan.reason else []
         if self.plan.reason:
             warnings.warn(f"precision: {self.plan.reason}", stacklevel=3)
-        self.model, forward_model = self._dist.wrap_model(model.to(self.device), self.plan)
+        model = model.to(self.device)
+        self.fp8_report = None
+        if self.plan.mode == "fp8":  # torchao swaps the linear layers: keep the module it returns
+            from torchimpl.fp8 import convert_to_fp8
+
+            model, self.fp8_report = convert_to_fp8(model, self.plan.fp8_recipe, self.device,
+                                                    skip_first_last=self.plan.fp8_skip_first_last)
+            for line in self.fp8_report.lines():
+                log.info("precision: %s", line)
+        self.model, forward_model = self._dist.wrap_model(model, self.plan)
         self.model.train()
         # The optimizer is built after the move so the fused probe sees the real parameters.
         built = build_optimizer(self.model, cfg.optimizer, self.device)
@@ -456,6 +468,7 @@ class Trainer:
             peak_memory_bytes=int(torch.cuda.max_memory_allocated(self.device)) if self.device.type == "cuda" else None,
             final_train_loss=st.last_train_loss, final_val_loss=st.last_val_loss, best_val_loss=st.best_val_loss,
             stopped=stopped, last_checkpoint=self._last_checkpoint, diagnosis_report=self._diagnosis,
+            fp8=self.fp8_report.to_dict() if self.fp8_report is not None else None,
         )
         for cb in self.callbacks:
             cb.on_fit_end(self, summary)
