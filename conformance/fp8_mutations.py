@@ -53,7 +53,7 @@ MUTANTS = (
            "        y = (y + np.asarray(bias, np.float32)).astype(np.float32)\n    y = _out_cast(y, x.dtype)\n", TESTS),
     Mutant("weight_rows_for_grad_input", "cast the weight per output feature for grad_input too", SPEC,
            "                         _operand(w.T, r.weight_for_grad_input, -1, r.power_of_2).T)\n",
-           "                         _operand(w, r.weight_for_grad_input, 0, r.power_of_2))\n", TESTS),
+           "                         _operand(w.T, r.weight_for_grad_input, 0, r.power_of_2).T)\n", TESTS),
     Mutant("mx_ceil_always", "MX ceil adds one even when the mantissa is zero", SPEC,
            "        e = e + ((u & 0x7FFFFF) > 0)\n", "        e = e + 1\n", TESTS),
     Mutant("mx_rceil_no_special_zero", "MX rceil multiplies by 2^127 at the bottom of the e8m0 range", SPEC,

@@ -55,14 +55,15 @@ def quantize_input(draw, dtype: np.dtype, fmt: str) -> tuple[np.ndarray, str]:
     Regimes: any bit pattern (NaN and inf included); a window of exponents anywhere in the
     range; subnormals only; magnitudes below 1e-12 (amax clamped); huge magnitudes near the
     dtype's max; signed zeros; and an amax planted a few ULPs above fp8_max * 2^-k, where the
-    scale lies just below a power of two and rule 4's float32 log2 decides. Sometimes with
+    scale lies just below a power of two and rule 4's float32 log2 decides; for float64, values
+    beyond float32's max (inf once rounded, while the scale stays nonzero). Sometimes with
     planted zeros, infinities, NaN and subnormals.
     """
     dtype = np.dtype(dtype)
     _, mant, one = _LAYOUT[dtype]
     emax = 2 * one
     shape = (draw(st.integers(1, 8)), draw(st.integers(1, 16)))
-    regime = draw(st.sampled_from(REGIMES))
+    regime = draw(st.sampled_from(REGIMES + (("beyond float32",) if dtype == np.float64 else ())))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     if regime == "any bits":
         x = patterns(rng, dtype, shape)
@@ -76,6 +77,10 @@ def quantize_input(draw, dtype: np.dtype, fmt: str) -> tuple[np.ndarray, str]:
         x = patterns(rng, dtype, shape, (max(e12 - 1 - draw(st.integers(0, 60)), 0), e12 - 1))
     elif regime == "huge":
         x = patterns(rng, dtype, shape, (emax - draw(st.integers(0, 4)), emax))
+    elif regime == "beyond float32":
+        # float64 amax above float32's max with a float32 scale that is still nonzero: the
+        # elements become inf in float32 and only the saturating cast makes them fp8_max.
+        x = patterns(rng, dtype, shape, (one + 120, one + 150))
     elif regime == "zeros":
         x = (np.where(rng.integers(0, 2, shape) == 1, -0.0, 0.0)).astype(dtype)
     else:
@@ -154,12 +159,17 @@ def exact_matmul_case(draw, k_one: bool) -> dict:
     fp8 values' exponent fields lie in windows of width 4 (each value 4 significant bits), so
     each product has 8 significant bits within 8 binades and every partial sum of up to 64 of
     them fits in 8 + 8 + 6 = 22 <= 24 bits; the scales are powers of two, so the pre-scaling is
-    exact too (the windows keep everything normal in float32). Tensorwise or rowwise scales.
+    exact too (the windows keep everything normal in float32). Tensorwise or rowwise scales;
+    ``fast_accum`` drawn too. A rowwise matmul without fast accumulation multiplies unit-scaled
+    operands, so there its scales may be any float32 values and the sum stays exact: the
+    bfloat16 post-scale (rule 9) then rounds twice, which a single rounding cannot imitate.
     """
     m, n = draw(st.integers(1, 16)), draw(st.integers(1, 16))
     k = 1 if k_one else draw(st.integers(2, 64))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     rowwise = draw(st.booleans())
+    fast_accum = draw(st.booleans())
+    any_scale = k_one or (rowwise and not fast_accum)
     if k_one:
         qa = rng.integers(0, 256, (m, k)).astype(np.uint8).view(ml_dtypes.float8_e4m3fn)
         qb = rng.integers(0, 256, (k, n)).astype(np.uint8).view(ml_dtypes.float8_e4m3fn)
@@ -169,10 +179,10 @@ def exact_matmul_case(draw, k_one: bool) -> dict:
         qb = _fp8_window(rng, (k, n), lb, lb + 3, 0.1)
 
     def scales(shape: tuple[int, ...]) -> np.ndarray:
-        if k_one:
+        if any_scale:
             return np.exp2(rng.uniform(-40, 40, shape)).astype(np.float32)  # any float32 scale
         return np.exp2(rng.integers(-30, 31, shape).astype(np.float64)).astype(np.float32)
 
     sa = scales((m, 1) if rowwise else ())
     sb = scales((1, n) if rowwise else ())
-    return {"qa": qa, "qb": qb, "sa": sa, "sb": sb, "rowwise": rowwise}
+    return {"qa": qa, "qb": qb, "sa": sa, "sb": sb, "rowwise": rowwise, "fast_accum": fast_accum}
