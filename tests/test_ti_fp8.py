@@ -223,3 +223,14 @@ def test_compare_leaves_fp8_out_without_torchao(tmp_path, monkeypatch):
     monkeypatch.setattr(tfp8, "torchao_available", lambda: False)
     res = run_compare(steps=2, device="cpu", out=tmp_path, task="mlp", window=2)
     assert [r["precision"] for r in res.rows] == ["fp32", "bf16"]
+
+
+@needs_torchao
+def test_a_root_linear_is_replaced_and_the_trainer_keeps_torchaos_module():
+    torch.manual_seed(0)
+    model = nn.Linear(32, 32)
+    data = [(torch.randn(8, 32), torch.randn(8, 32)) for _ in range(4)]
+    trainer = Trainer(fp8_cfg("precision.fp8_skip_first_last=false", "train.steps=2"))
+    summary = trainer.fit(model, data, loss_fn=lambda m, b: ((m(b[0]).float() - b[1]) ** 2).mean())
+    assert type(trainer.model).__name__ == "Float8Linear" and summary.fp8["converted"] == [""]
+    assert trainer.model.weight is model.weight  # the same parameter, trained

@@ -127,8 +127,12 @@ class Fp8Report:
 
     def lines(self) -> list[str]:
         """Human-readable lines for the log and the run summary."""
-        out = [self.kernel, f"float8 ({self.recipe}): {len(self.converted)} layers: {', '.join(self.converted)}"]
-        out += [f"high precision: {name} ({why})" for name, why in self.kept]
+        def show(name: str) -> str:
+            return name or "the model (a root nn.Linear)"
+
+        out = [self.kernel, f"float8 ({self.recipe}): {len(self.converted)} layers: "
+                            f"{', '.join(map(show, self.converted))}"]
+        out += [f"high precision: {show(name)} ({why})" for name, why in self.kept]
         return out
 
     def to_dict(self) -> dict[str, Any]:
