@@ -7,9 +7,12 @@ Part 1, per model width (multiples of 8, and 513, which is not, to test the old 
 sizes should be), the same small stack of pre-norm transformer blocks learns to imitate a
 fixed random teacher (MSE), from the same initial weights and the same batches, in five modes:
 ``fp32``, ``fp16+scaler`` (torchimpl's DynamicLossScaler), ``bf16``, ``bf16+compile``
-(``torch.compile``, default mode) and ``float8`` (torchao ``convert_to_float8_training``,
-eager, bf16 autocast around it; skipped with the reason when torchao is missing, the GPU is
-older than sm_89, or the width is not a multiple of 16). Every mode: unscale (when scaling),
+(``torch.compile``, default mode) and ``float8`` (the production path,
+``torchimpl.fp8.convert_to_fp8`` with the tensorwise recipe: torchao's
+``convert_to_float8_training`` under its module filter, first and last linear layers and
+ineligible widths kept in high precision and listed in the JSON; eager, bf16 autocast around
+it; skipped with the reason when torchao is missing, the GPU is older than sm_89, or no layer
+is eligible). Every mode: unscale (when scaling),
 clip at 1.0, fused AdamW. Between modes the caches, peak-memory counters and every RNG are
 reset. Per mode: cold time (first step, which includes compilation), warm time per step
 (median of CUDA-event timings after warm-up), peak allocated and reserved memory, steps
@@ -120,17 +123,12 @@ class Clock:
 
 
 def float8_skip_reason(d: int, device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return "float8 training needs a CUDA GPU of sm_89 or newer"
-    if torch.cuda.get_device_capability(device) < (8, 9):
-        return f"GPU capability {torch.cuda.get_device_capability(device)} < (8, 9): no float8 matmul"
-    if d % 16:
-        return f"width {d} is not a multiple of 16 (float8 matmuls need it)"
-    try:
-        import torchao.float8  # noqa: F401
-    except Exception as exc:
-        return f"torchao.float8 does not import: {exc!r}"
-    return None
+    from torchimpl.fp8 import fp8_kernel, torchao_available
+
+    if not torchao_available():
+        return "torchao is not installed (pip install '.[fp8]')"
+    why_not, _ = fp8_kernel("tensorwise", device)
+    return why_not
 
 
 def run_mode(mode: str, d: int, args, data, val, teacher_out, device: torch.device) -> dict:
@@ -147,11 +145,14 @@ def run_mode(mode: str, d: int, args, data, val, teacher_out, device: torch.devi
     torch._dynamo.reset()
     seed_all(args.seed)
     model = Model(d, args.layers).to(device)
+    fp8_report = None
     if mode == "float8":
-        from torchao.float8 import convert_to_float8_training
+        from torchimpl.fp8 import convert_to_fp8
 
-        convert_to_float8_training(model, module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear)
-                                   and m.in_features % 16 == 0 and m.out_features % 16 == 0)
+        try:
+            model, fp8_report = convert_to_fp8(model, "tensorwise", device)
+        except ValueError as exc:  # no eligible layer at this width
+            return {"skipped": str(exc)}
     forward = torch.compile(model) if mode == "bf16+compile" else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda")
     dtype = {"fp16+scaler": torch.float16, "fp32": None}.get(mode, torch.bfloat16)
@@ -209,6 +210,8 @@ def run_mode(mode: str, d: int, args, data, val, teacher_out, device: torch.devi
         "final_scale": float(scaler.get_scale()) if scaler is not None else None,
         "tf32": tf32_state(),
     }
+    if fp8_report is not None:
+        out["fp8"] = fp8_report.to_dict()
     if device.type == "cuda":
         out["peak_allocated_MiB"] = torch.cuda.max_memory_allocated(device) / 2**20
         out["peak_reserved_MiB"] = torch.cuda.max_memory_reserved(device) / 2**20

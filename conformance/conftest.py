@@ -89,12 +89,15 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     import numpy
     import torch
 
+    from conformance import expectations
+
     capability = torch.backends.cpu.get_cpu_capability()
     return [
         f"ampspec conformance: torch {torch.__version__}, numpy {numpy.__version__}, ml_dtypes {ml_dtypes.__version__}",
         f"CPU capability {capability} (ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')}), "
         f"torch threads {torch.get_num_threads()}, devices {_devices(config)}",
         f"hypothesis profile: {settings._current_profile}",
+        f"float8: {expectations.torchao_provenance()}",
     ]
 
 

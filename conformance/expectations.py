@@ -230,3 +230,81 @@ def probe_fused_sgd_skipped_first_step_stores_a_buffer(device: str) -> bool:
     opt.grad_scale, opt.found_inf = None, torch.ones((), device=device)
     opt.step()
     return opt.state.get(p, {}).get("momentum_buffer") is not None
+
+
+# --- Scaled float8 training through torchao --------------------------------------------------
+# reference.fp8 states torchao's float8 recipes rule by rule. Some of what it states are torchao
+# internals that change between releases (the amax epsilon, the float64 scale division, the
+# float32-log2 power of two, the bfloat16 output of rowwise matmuls, which autocast its
+# Float8Linear follows). They were measured on the versions keyed here; test_fp8 probes them
+# on the installed torchao and reports any other version or any difference, never trusting it.
+TORCHAO_KEYED: dict[str, dict[str, object]] = {
+    "0.18.0": {
+        "amax_eps": 1e-12,
+        "scale_division": "float64",
+        "power_of_2": "float32 log2",
+        "rowwise_float32_output": "via bfloat16",
+        # Float8Linear.forward casts its input only under CUDA autocast (torch.is_autocast_enabled()
+        # with no device type): under CPU autocast rowwise_with_gw_hp's high-precision grad_weight
+        # multiplies a bfloat16 grad_output by the float32 saved input and raises.
+        "casts_input_under_cpu_autocast": False,
+    },
+}
+
+
+def torchao_version() -> str | None:
+    """The installed torchao's version, or None when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torchao")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def torchao_provenance() -> str:
+    """One line for failure messages and the report header: which torchao, and is it keyed."""
+    version = torchao_version()
+    if version is None:
+        return "torchao not installed"
+    keyed = "keyed" if version in TORCHAO_KEYED else f"NOT keyed (keyed: {', '.join(TORCHAO_KEYED)})"
+    return f"torchao {version}, {keyed} in conformance/expectations.py"
+
+
+# amax just above 448 / 2^8 (float32 0x3fe00001): its scale is 2 ULPs below 2^8, where float32
+# log2 rounds to 8; and a float64 amax whose float32 rounding changes the float32 quotient.
+_POW2_AMAX = float.fromhex("0x1.c00002p+0")
+_F64_AMAX = float.fromhex("0x1.d0327a782cde5p+0")
+
+
+def probe_torchao_internals() -> dict[str, object]:
+    """What the installed torchao does, for each keyed internal (CPU, float32 unless noted)."""
+    import torchao.float8.float8_ops as ops
+    import torchao.float8.float8_utils as utils
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    e4 = torch.float8_e4m3fn
+    f64_scale = utils.tensor_to_scale(torch.tensor([_F64_AMAX], dtype=torch.float64), e4).item()
+    pow2 = utils.amax_to_scale(torch.tensor(_POW2_AMAX), e4, round_scales_to_power_of_2=True).item()
+    # 1 + 2^-9 survives float32 and rounds to 1 in bfloat16.
+    a = torch.tensor([[1.0, 0.125]]).to(e4)
+    b = torch.tensor([[1.0], [2.0**-6]]).to(e4).t().contiguous().t()
+    one = torch.ones(1, 1)
+    rowwise = ops.addmm_float8_unwrapped(a, one, b, one, torch.float32, use_fast_accum=True).item()
+    layer = convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(16, 16)),
+                                       config=Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp"))
+    x = torch.randn(16, 16, requires_grad=True)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().sum().backward()
+        casts = True
+    except RuntimeError:
+        casts = False
+    return {
+        "amax_eps": utils.EPS,
+        "scale_division": "float64" if f64_scale == float(torch.tensor(448 / _F64_AMAX, dtype=torch.float32)) else "float32",
+        "power_of_2": {256.0: "float32 log2", 128.0: "exact floor"}.get(pow2, f"other ({pow2})"),
+        "rowwise_float32_output": "via bfloat16" if rowwise == 1.0 else "float32",
+        "casts_input_under_cpu_autocast": casts,
+    }

@@ -12,6 +12,10 @@ the dtypes it takes and its edge cases.
   calls), its record, and the replay of a recorded trace.
 - `reference.precision`: which precision a device and a request resolve to.
 - `reference.autocast`: which dtype autocast gives each operation, per device type.
+- `reference.fp8`: scaled float8 training: amax, scales, saturating casts and scaled matmuls of
+  torchao's tensorwise, rowwise and rowwise_with_gw_hp recipes, MX block scaling, and Transformer
+  Engine's delayed and current scaling and DeepSeek-V3's block quantization as state machines.
 
-``python -m reference`` prints the rules of a dynamic loss-scale schedule with a worked example.
+``python -m reference`` prints the rules of a dynamic loss-scale schedule with a worked example;
+``python -m reference --fp8`` those of scaled float8 training.
 """

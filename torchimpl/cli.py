@@ -107,8 +107,21 @@ def _doctor(args: argparse.Namespace) -> int:
             extra = f" ({plan.reason})" if plan.reason else ""
             print(f"  {mode:5} -> {plan.mode}, scaler={'yes' if plan.use_scaler else 'no'}, "
                   f"autocast={'yes' if plan.autocast_enabled else 'no'}{extra}")
+        print(f"  fp8   -> {_fp8_line(dev)}")
         print(f"  fused AdamW: {'yes' if supports_fused_adamw(dev) else 'no'}")
     return 0
+
+
+def _fp8_line(dev: str) -> str:
+    from torchimpl.precision import PrecisionConfig, resolve_precision
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = resolve_precision(PrecisionConfig(mode="fp8"), dev)
+    except RuntimeError as exc:  # torchao missing
+        return str(exc)
+    return plan.note or f"{plan.mode} ({plan.reason})"
 
 
 def _cpu_flags() -> set[str] | None:

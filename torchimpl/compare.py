@@ -1,4 +1,6 @@
-"""``ampspec compare``: the same model, seed and data in fp32, bf16 and (on CUDA) fp16.
+"""``ampspec compare``: the same model, seed and data in fp32, bf16, (on CUDA) fp16 and, when
+torchao is installed, fp8 (torchao's tensorwise float8 recipe; emulated on a CPU, so its ms/step
+there is the emulation's cost, not float8's speed).
 
 Agreement rule (stated in the report): the curves are smoothed with a moving average over
 ``window`` steps; a precision agrees with fp32 when every smoothed point lies within
@@ -59,7 +61,9 @@ def run_compare(*, steps: int = 200, device: str = "auto", out: str | Path = "am
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dev = resolve_device(device)
-    modes = ["fp32", "bf16"] + (["fp16"] if dev.type == "cuda" else [])
+    from torchimpl.fp8 import torchao_available
+
+    modes = ["fp32", "bf16"] + (["fp16"] if dev.type == "cuda" else []) + (["fp8"] if torchao_available() else [])
     rows, curves, scales = [], {}, {}
     for mode in modes:
         cfg = load_config(overrides=[

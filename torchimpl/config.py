@@ -238,7 +238,8 @@ class Config:
     """Model and data."""
 
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    """Precision request (``mode``: auto, fp32, bf16, fp16; ``dtype`` for auto)."""
+    """Precision request (``mode``: auto, fp32, bf16, fp16, fp8; ``dtype`` for auto;
+    ``fp8_recipe`` and ``fp8_skip_first_last`` for fp8, which needs ``pip install 'ampspec[fp8]'``)."""
 
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer (``name``, ``lr``, ``weight_decay``, ``betas``, ``fused``: null probes)."""

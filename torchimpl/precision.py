@@ -16,6 +16,9 @@ Rules:
    CPU       fp16                             fp32   no      no
    CPU       bf16                             bf16   no      yes
    MPS       auto, any mixed mode, fp32       fp32   no      no
+   CPU       fp8                              fp8    no      yes (bf16, float8 emulated)
+   CUDA      fp8, capability >= 8.9           fp8    no      yes (bf16)
+   CUDA      fp8, capability < 8.9            bf16 (fp16 without bf16), downgraded
    ========  ===============================  =====  ======  ========
 
    Mode ``auto`` consults ``PrecisionConfig.dtype`` (the preferred mixed dtype; ``auto`` with
@@ -35,6 +38,11 @@ Rules:
 6. An fp32 island turns autocast off *and* needs its inputs upcast: with autocast off, an op on
    an fp16 tensor still runs in fp16 (``1 / (var + 1e-8)`` on an fp16 zero variance is inf, since
    1e-8 rounds to 0 in fp16).
+7. ``fp8`` (``precision.fp8_recipe``: tensorwise, rowwise, rowwise_with_gw_hp, mxfp8) runs the
+   eligible linear layers in float8 through torchao (``torchimpl.fp8``) and the rest under bf16
+   autocast, with no loss scaler. It needs torchao: without it resolution raises, naming the
+   fix. The plan's ``note`` says what runs where (on a CPU: torch's float8 emulation, a
+   correctness run, never a speed-up); mxfp8 below CUDA capability 10.0 is emulated too.
 """
 
 from __future__ import annotations
@@ -64,9 +72,11 @@ __all__ = [
     "upcast",
 ]
 
-MODES = ("auto", "fp32", "bf16", "fp16")
+MODES = ("auto", "fp32", "bf16", "fp16", "fp8")
 DTYPES = ("bf16", "fp16")
-_TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
+# fp8: the layers outside float8 run under bf16 autocast.
+_TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 class PrecisionDowngradeWarning(UserWarning):
@@ -75,11 +85,16 @@ class PrecisionDowngradeWarning(UserWarning):
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """What the user asks for: ``mode`` in auto|fp32|bf16|fp16; ``dtype`` in bf16|fp16 is the
-    preferred mixed dtype, consulted only when ``mode`` is ``auto``."""
+    """What the user asks for: ``mode`` in auto|fp32|bf16|fp16|fp8; ``dtype`` in bf16|fp16 is
+    the preferred mixed dtype, consulted only when ``mode`` is ``auto``; ``fp8_recipe`` and
+    ``fp8_skip_first_last`` apply to ``mode: fp8`` only."""
 
     mode: str = "auto"
     dtype: str = "bf16"
+    fp8_recipe: str = "tensorwise"
+    """torchao's float8 recipe: tensorwise, rowwise, rowwise_with_gw_hp, or mxfp8 (MX blocks)."""
+    fp8_skip_first_last: bool = True
+    """Keep the model's first and last linear layers in high precision under ``mode: fp8``."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -88,13 +103,18 @@ class PrecisionConfig:
             raise ValueError(
                 f"precision dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
             )
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
+        if not isinstance(self.fp8_skip_first_last, bool):
+            raise ValueError(f"fp8_skip_first_last must be true or false, got {self.fp8_skip_first_last!r}")
 
 
 @dataclass(frozen=True)
 class PrecisionPlan:
-    """The resolved precision: ``mode`` in fp32|bf16|fp16, its torch ``dtype``, whether a loss
-    scaler and autocast are used, the device type it was resolved for, and ``reason`` (the
-    downgrade message, or None when the request was honoured)."""
+    """The resolved precision: ``mode`` in fp32|bf16|fp16|fp8, its torch ``dtype`` (autocast's;
+    bf16 for fp8), whether a loss scaler and autocast are used, the device type it was resolved
+    for, and ``reason`` (the downgrade message, or None when the request was honoured). fp8
+    plans also carry ``fp8_recipe``, ``fp8_skip_first_last`` and ``note`` (what runs where)."""
 
     mode: str
     dtype: torch.dtype
@@ -102,11 +122,14 @@ class PrecisionPlan:
     autocast_enabled: bool
     device_type: str
     reason: str | None = None
+    fp8_recipe: str | None = None
+    fp8_skip_first_last: bool = True
+    note: str | None = None
 
     @property
     def is_mixed_precision(self) -> bool:
-        """True for bf16 and fp16 plans."""
-        return self.mode in ("bf16", "fp16")
+        """True for bf16, fp16 and fp8 plans."""
+        return self.mode in ("bf16", "fp16", "fp8")
 
 
 def cuda_bf16_supported() -> bool:
@@ -146,6 +169,8 @@ def resolve_precision(config: PrecisionConfig, device: str | torch.device) -> Pr
     mode = config.mode
     if mode == "fp32":
         return _plan("fp32", device_type)
+    if mode == "fp8":
+        return _resolve_fp8(config, torch.device(device))
     if device_type == "cuda":
         if mode == "fp16" or (mode == "auto" and config.dtype == "fp16"):
             return _plan("fp16", device_type)
@@ -177,6 +202,24 @@ def resolve_precision(config: PrecisionConfig, device: str | torch.device) -> Pr
         f"precision mode {mode!r} was requested on {device_type}, where mixed precision is not "
         "supported by this package: running in fp32; use mode 'fp32' to silence this warning",
     )
+
+
+def _resolve_fp8(config: PrecisionConfig, device: torch.device) -> PrecisionPlan:
+    """Rule 7: fp8 where float8 can run, else the table's downgrade for mixed precision."""
+    from torchimpl.fp8 import fp8_kernel, require_torchao
+
+    require_torchao()
+    why_not, note = fp8_kernel(config.fp8_recipe, device)
+    if why_not is None:
+        return PrecisionPlan("fp8", torch.bfloat16, False, True, device.type, None, config.fp8_recipe,
+                             config.fp8_skip_first_last, note)
+    if device.type == "cuda":
+        fallback = "bf16" if cuda_bf16_supported() else "fp16"
+        reason = f"precision mode 'fp8' was requested, but {why_not}: running in {fallback}"
+        warnings.warn(reason, PrecisionDowngradeWarning, stacklevel=3)
+        return _plan(fallback, device.type, reason)
+    return _downgrade(device.type, f"precision mode 'fp8' was requested, but {why_not}: running in fp32; "
+                                   "use mode 'fp32' to silence this warning")
 
 
 def autocast_context(

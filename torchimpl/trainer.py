@@ -125,6 +125,9 @@ class RunSummary:
     outcome: str = "completed"
     """How the run ended (``torchimpl.lifecycle``): completed, stopped, failed, no_progress,
     interrupted:SIGINT or interrupted:SIGTERM."""
+    fp8: dict[str, Any] | None = None
+    """With ``precision.mode: fp8``: the recipe, what runs where, the converted layers and those
+    kept in high precision with the reason for each."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, valid JSON: a non-finite number becomes None."""
@@ -246,7 +249,16 @@ class Trainer:
         self._downgrades = [self.plan.reason] if self.plan.reason else []
         if self.plan.reason:
             warnings.warn(f"precision: {self.plan.reason}", stacklevel=3)
-        self.model, forward_model = self._dist.wrap_model(model.to(self.device), self.plan)
+        model = model.to(self.device)
+        self.fp8_report = None
+        if self.plan.mode == "fp8":  # torchao swaps the linear layers: keep the module it returns
+            from torchimpl.fp8 import convert_to_fp8
+
+            model, self.fp8_report = convert_to_fp8(model, self.plan.fp8_recipe, self.device,
+                                                    skip_first_last=self.plan.fp8_skip_first_last)
+            for line in self.fp8_report.lines():
+                log.info("precision: %s", line)
+        self.model, forward_model = self._dist.wrap_model(model, self.plan)
         self.model.train()
         # The optimizer is built after the move so the fused probe sees the real parameters.
         built = build_optimizer(self.model, cfg.optimizer, self.device)
@@ -470,6 +482,7 @@ class Trainer:
             stopped=stopped, last_checkpoint=self._last_checkpoint, diagnosis_report=self._diagnosis,
             outcome=outcome(stopped=stopped, fault=self._fault is not None, interrupted=self._interrupts.received,
                             steps_applied=st.applied_steps, final_loss=st.last_train_loss),
+            fp8=self.fp8_report.to_dict() if self.fp8_report is not None else None,
         )
         for cb in self.callbacks:
             cb.on_fit_end(self, summary)

@@ -1,0 +1,294 @@
+"""Property 9: scaled float8 training, torchao against `reference.fp8`.
+
+Exactness, per property (inputs drawn as bit patterns, `conformance.fp8_strategies`):
+
+- quantize (amax, scale, fp8 bits) for every float8 format, tensorwise and axiswise (both axes
+  torchao uses), power-of-two scales on and off, float32, bfloat16 and float64 inputs, with
+  zeros, amax below the 1e-12 epsilon, subnormal and huge amax, and amax planted where rule 4's
+  float32 log2 decides: bit for bit (NaN as a class);
+- MX block scaling (e8m0 scale bytes and fp8 elements), floor, ceil and rceil: bit for bit;
+- the recipes' three matmuls (output with bias, grad_input, grad_weight) through a real
+  Float8Linear, every recipe, float32 and bfloat16 activations: bit for bit when the spec is
+  handed the GEMM torch uses (rule 7 leaves its summation order open; every cast, scale,
+  dtype, post-scale and bias step is the spec's own), all dimensions >= 2 (MKL's order depends
+  on strides, which a size-1 dimension leaves free);
+- scaled matmuls whose sum is exact in any order (K = 1; fp8 values in narrow exponent windows
+  with power-of-two scales): bit for bit against the spec's exact GEMM, signed zeros compared by
+  value (a GEMM may start its accumulator at +0);
+- tensorwise matmuls with general inputs: every element within rule 7's bound of the exact sum,
+  (gamma_K + 2^-53) * sum_k |A'_ik| |B'_kj| + K * 2^-149 (derived in
+  `reference.fp8.accumulation_bound`); bfloat16 results within the bfloat16 roundings of the
+  interval's ends (rounding is monotonic). The fraction bit-equal to the correctly rounded sum
+  and the share of the bound used are reported as Hypothesis statistics and targets;
+- compiled equals eager bit for bit (one example; ``slow``: a cold compile takes about a minute).
+
+The matmul properties run on the CPU with mkldnn off (AMX machines route `_scaled_mm` through
+oneDNN, another summation path) and compare within one process, never across machines. torchao
+internals that change between releases are keyed by version in `conformance.expectations`.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")  # its CUDA extensions: noise on CPU
+
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import event, given, settings, target  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from conformance import expectations  # noqa: E402
+from conformance import fp8_strategies as fs  # noqa: E402
+from conformance.assertions import Where, assert_equal, assert_same  # noqa: E402
+from conformance.bridge import to_numpy, to_torch, torch_dtype  # noqa: E402
+from reference import formats, fp8  # noqa: E402
+
+pytest.importorskip("torchao.float8", reason="torchao is not installed: pip install '.[fp8]' (torchao==0.18.0)")
+
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
+from torchao.float8.config import ScalingGranularity  # noqa: E402
+from torchao.float8.float8_ops import addmm_float8_unwrapped  # noqa: E402
+from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic  # noqa: E402
+from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig  # noqa: E402
+from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
+from torchao.prototype.mx_formats.mx_tensor import to_mx  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+REPRO = f"rerun this test with the @reproduce_failure blob printed above ({expectations.torchao_provenance()})"
+# Properties that are not parametrized get twice the profile's examples: at least 2,000 in thorough.
+TWICE = settings(max_examples=2 * settings.default.max_examples)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _mkldnn_off():
+    """The reference CPU path of `_scaled_mm` and `mm`; restored afterwards."""
+    before = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    yield
+    torch.backends.mkldnn.enabled = before
+
+
+def _strided(x: np.ndarray) -> torch.Tensor:
+    # Keeps the array's strides: MKL's summation order depends on the layout (rule 7).
+    if x.dtype == BF16:
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
+
+
+def torch_gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """torch's GEMM of the operands' dtype on the spec's operands, in the layouts handed over."""
+    return to_numpy(torch.mm(_strided(a), _strided(b)))
+
+
+def _zeros_by_value(x: np.ndarray) -> np.ndarray:
+    return np.where(x.astype(np.float32) == 0, np.zeros((), x.dtype), x).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- quantize
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, np.dtype(np.float64)], ids=["float32", "bfloat16", "float64"])
+@pytest.mark.parametrize("fmt", fp8.FP8_FORMATS)
+@given(data=st.data())
+def test_quantize_matches_torchao(fmt, dtype, device, data):
+    x, regime = data.draw(fs.quantize_input(dtype, fmt))
+    granularity = data.draw(st.sampled_from(["tensorwise", "axiswise"]))
+    axis = data.draw(st.sampled_from([-1, 0]))
+    power_of_2 = data.draw(st.booleans())
+    event(f"regime: {regime}")
+    if power_of_2:
+        plain = fp8.amax_to_scale(fp8.amax(x, None if granularity == "tensorwise" else axis), fmt)
+        if (fp8.round_scale_down_to_power_of_2(plain) != fp8.exact_power_of_2_floor(plain)).any():
+            event("power of two: float32 log2 above the exact floor")
+    t = hp_tensor_to_float8_dynamic(
+        to_torch(x, device), torch_dtype(formats.get_format(fmt).dtype), LinearMMConfig(),
+        gemm_input_role=GemmInputRole.INPUT,
+        scaling_granularity=ScalingGranularity.AXISWISE if granularity == "axiswise" else ScalingGranularity.TENSORWISE,
+        axiswise_dim=axis if granularity == "axiswise" else None, round_scales_to_power_of_2=power_of_2)
+    spec = fp8.quantize(x, fmt, granularity, axis, power_of_2)
+    where = Where("fp8 quantize", field=f"{fmt} {granularity} axis={axis} power_of_2={power_of_2} {dtype}",
+                  repro=REPRO)
+    assert_same(to_numpy(t._scale).reshape(spec.scale.shape), spec.scale, where.at(where.field + " scale"))
+    assert_same(to_numpy(t._data), spec.data, where.at(where.field + " data"))
+
+
+def test_power_of_two_rule_is_torchaos_float32_log2(device):
+    """The crafted case of rule 4 on its own, so that a change of rule names itself."""
+    from reference.__main__ import FP8_POW2_AMAX
+
+    x = np.array([[FP8_POW2_AMAX, 1.0]], np.float32)
+    t = hp_tensor_to_float8_dynamic(to_torch(x, device), torch.float8_e4m3fn, LinearMMConfig(),
+                                    round_scales_to_power_of_2=True)
+    where = Where("fp8 power of two", field="scale at amax 0x3fe00001", repro="pytest conformance/test_fp8.py -k power_of_two")
+    assert_equal(float(t._scale.item()), 256.0, where)
+    assert float(fp8.exact_power_of_2_floor(fp8.amax_to_scale(np.float32(x.max()), "float8_e4m3fn"))) == 128.0
+
+
+# ----------------------------------------------------------------------------- MX
+
+
+@pytest.mark.parametrize("mode", ["floor", "ceil", "rceil"])
+@pytest.mark.parametrize("elem", ["float8_e4m3fn", "float8_e5m2"])
+@given(data=st.data())
+def test_mx_scales_and_elements_match_torchao(elem, mode, device, data):
+    dtype = data.draw(st.sampled_from([F32, BF16]))
+    x = data.draw(fs.mx_input(dtype))
+    scale, q = to_mx(to_torch(x, device), torch_dtype(formats.get_format(elem).dtype), 32,
+                     ScaleCalculationMode(mode))
+    spec = fp8.to_mx(x, elem, 32, mode)
+    where = Where("fp8 MX", field=f"{elem} {mode} {dtype}", repro=REPRO)
+    torch_bytes = scale.view(torch.uint8).cpu().numpy().reshape(spec.scale.shape)
+    # Compared as e8m0 values: bit for bit, and 0xff (its one NaN) as a class of one.
+    assert_same(torch_bytes.view(spec.scale.dtype), spec.scale, where.at(where.field + " scale"))
+    assert_same(to_numpy(q), spec.data, where.at(where.field + " data"))
+
+
+# ----------------------------------------------------------------------------- recipes
+
+
+def _float8_linear(case: dict, recipe: str, bias: bool) -> torch.nn.Module:
+    w = case["weight"]
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(to_torch(w))
+        if bias:
+            lin.bias.copy_(to_torch(case["bias"]))
+    return convert_to_float8_training(torch.nn.Sequential(lin), config=Float8LinearConfig.from_recipe_name(recipe))
+
+
+def _run_linear(case: dict, recipe: str, bias: bool) -> dict[str, np.ndarray]:
+    model = _float8_linear(case, recipe, bias)
+    x = to_torch(case["x"]).requires_grad_()
+    y = model(x)
+    y.backward(to_torch(case["grad_output"]))
+    return {"output": to_numpy(y), "grad_input": to_numpy(x.grad), "weight.grad": to_numpy(model[0].weight.grad)}
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("recipe", RECIPES)
+@given(data=st.data())
+def test_recipe_matmuls_match_torchao_given_torchs_gemm(recipe, dtype, data):
+    # Every dimension >= 2: a size-1 dimension leaves its stride free, torch keeps whatever its
+    # views produced there, and MKL picks its kernel (so its summation order) by the strides.
+    # Size-1 dimensions are covered by the exact-sum and the accumulation-bound properties.
+    case = data.draw(fs.linear_case(dtype, min_dim=2))
+    got = _run_linear(case, recipe, bias=True)
+    y = fp8.linear_forward(case["x"], case["weight"], case["bias"], recipe, gemm=torch_gemm)
+    g = fp8.linear_backward(case["x"], case["weight"], case["grad_output"], recipe, gemm=torch_gemm)
+    where = Where("fp8 recipe", field=f"{recipe} {dtype}", repro=REPRO)
+    assert_same(got["output"], y, where.at(where.field + " output"))
+    assert_same(got["grad_input"], g.grad_input, where.at(where.field + " grad_input"))
+    # autograd casts the matmul's grad_weight to the weight's float32 (exact from bfloat16).
+    assert_same(got["weight.grad"], g.grad_weight.astype(np.float32), where.at(where.field + " grad_weight"))
+
+
+@pytest.mark.parametrize("out", [F32, BF16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("k_one", [True, False], ids=["K=1", "exactly summable"])
+@given(data=st.data())
+def test_exact_matmuls_match_bit_for_bit(k_one, out, data):
+    case = data.draw(fs.exact_matmul_case(k_one))
+    fast_accum = case["fast_accum"]
+    a, b = fp8.Quantized(case["qa"], case["sa"]), fp8.Quantized(case["qb"], case["sb"])
+    spec = fp8.scaled_mm(a, b, out, fast_accum=fast_accum)
+    got = addmm_float8_unwrapped(to_torch(case["qa"]), to_torch(case["sa"]), to_torch(case["qb"]).t().contiguous().t(),
+                                 to_torch(case["sb"]), torch_dtype(out), use_fast_accum=fast_accum)
+    event(f"{'rowwise' if case['rowwise'] else 'tensorwise'}, fast_accum={fast_accum}")
+    where = Where("fp8 exact matmul", field=f"{'K=1' if k_one else 'summable'} rowwise={case['rowwise']} "
+                  f"fast_accum={fast_accum} -> {out}", repro=REPRO)
+    assert_same(_zeros_by_value(to_numpy(got)), _zeros_by_value(spec), where)
+
+
+def _within_bound(got: np.ndarray, a_pre: np.ndarray, b_pre: np.ndarray, where: Where) -> tuple[bool, float]:
+    """Every element of ``got`` within rule 7's bound of the exact sums; returns (bit-equal to
+    the correctly rounded sum everywhere, the largest share of gamma_K * sum |a||b| used)."""
+    exact = fp8.exact_sums(a_pre, b_pre)
+    bound = fp8.accumulation_bound(a_pre, b_pre)
+    with np.errstate(over="ignore", invalid="ignore"):
+        rounded = exact.astype(np.float32).astype(got.dtype)
+        finite = np.isfinite(exact) & np.isfinite(rounded.astype(np.float64))
+        assert_same(np.where(finite, rounded, got), rounded, where.at(where.field + " (non-finite sums)"))
+        c = got.astype(np.float64)
+        if got.dtype == F32:
+            ok = np.abs(c - exact) <= bound
+        else:  # the float32 interval's ends rounded as torch rounds: the result lies between them
+            lo = (exact - bound).astype(np.float32).astype(got.dtype).astype(np.float64)
+            hi = (exact + bound).astype(np.float32).astype(got.dtype).astype(np.float64)
+            ok = (lo <= c) & (c <= hi)
+        ok |= ~finite
+        if not ok.all():
+            i = tuple(int(v) for v in np.argwhere(~ok)[0])
+            raise AssertionError(
+                f"{where.header()}: {int((~ok).sum())} of {ok.size} elements outside the accumulation bound; "
+                f"index {i}: torch {c[i]!r}, exact sum {exact[i]!r}, bound {bound[i]!r}\n{where.footer()}")
+        k = a_pre.shape[1]
+        gamma_t = (k * 2.0**-24 / (1 - k * 2.0**-24)) * (np.abs(a_pre.astype(np.float64)) @ np.abs(b_pre.astype(np.float64)))
+        share = np.where(finite & (gamma_t > 0), np.abs(c - exact) / np.where(gamma_t > 0, gamma_t, 1), 0)
+    return bool((got[finite] == rounded[finite]).all()), float(share.max()) if share.size else 0.0
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["float32", "bfloat16"])
+@given(data=st.data())
+def test_tensorwise_matmuls_are_within_the_accumulation_bound(dtype, data):
+    case = data.draw(fs.linear_case(dtype, max_dim=32, specials=False))
+    got = _run_linear(case, "tensorwise", bias=False)
+    ops = fp8.linear_operands(case["x"], case["weight"], case["grad_output"], "tensorwise")
+    got["grad_weight"] = got.pop("weight.grad").astype(dtype)  # exact: computed in grad_output's dtype
+    where = Where("fp8 tensorwise bound", field=f"{dtype}", repro=REPRO)
+    worst = 0.0
+    for name, (a, b) in ops.items():
+        exact, share = _within_bound(got[name], fp8.prescale(a), fp8.prescale(b), where.at(f"{dtype} {name}"))
+        event(f"{name}: {'bit-equal' if exact else 'not bit-equal'} to the correctly rounded sum")
+        worst = max(worst, share)
+    if dtype == F32:  # a bfloat16 result's own rounding dwarfs the float32 accumulation error
+        target(worst, label="largest share of gamma_K * sum |a'||b'| used (float32)")
+
+
+def test_the_bound_check_fails_outside_the_bound():
+    """The bound test's own check: one float32 ULP beyond the bound of a long sum is refused."""
+    a = np.full((1, 64), 1.0 + 2.0**-3, np.float32)
+    b = np.full((64, 1), 1.0 + 2.0**-3, np.float32)
+    exact = fp8.exact_sums(a, b)
+    too_far = np.nextafter(np.float32(exact + fp8.accumulation_bound(a, b)), np.float32(np.inf)).reshape(1, 1)
+    with pytest.raises(AssertionError, match="outside the accumulation bound"):
+        _within_bound(too_far.astype(np.float32), a, b, Where("meta", field="bound"))
+    _within_bound(exact.astype(np.float32), a, b, Where("meta", field="bound"))
+
+
+# ----------------------------------------------------------------------------- compile, versions
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise"])
+def test_compiled_equals_eager(recipe):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 32)).astype(np.float32)
+    w = rng.standard_normal((32, 32)).astype(np.float32) * 0.1
+    eager = _float8_linear({"weight": w, "bias": np.zeros(32, np.float32)}, recipe, bias=True)
+    compiled_model = _float8_linear({"weight": w, "bias": np.zeros(32, np.float32)}, recipe, bias=True)
+    compiled = torch.compile(compiled_model)
+    out = {}
+    for name, model, params in (("eager", eager, eager), ("compiled", compiled, compiled_model)):
+        xt = torch.from_numpy(x).requires_grad_()
+        y = model(xt)
+        y.pow(2).sum().backward()
+        out[name] = [to_numpy(y), to_numpy(xt.grad), to_numpy(params[0].weight.grad)]
+    where = Where("fp8 compile", field=recipe, repro="pytest conformance/test_fp8.py -k compiled --runslow")
+    for i, field in enumerate(("output", "grad_input", "weight.grad")):
+        assert_same(out["compiled"][i], out["eager"][i], where.at(f"{recipe} {field}"))
+
+
+def test_torchao_internals_are_the_keyed_ones():
+    version = expectations.torchao_version()
+    probed = expectations.probe_torchao_internals()
+    keyed = expectations.TORCHAO_KEYED.get(version)
+    assert keyed is not None, (
+        f"torchao {version} is not keyed in conformance/expectations.py (keyed: {list(expectations.TORCHAO_KEYED)}); "
+        f"it probes as {probed}. If the fp8 properties pass with it, key it there; reference.fp8 states "
+        f"{sorted(expectations.TORCHAO_KEYED)[-1]}'s internals")
+    differ = {k: (probed[k], keyed[k]) for k in keyed if probed.get(k) != keyed[k]}
+    assert not differ, f"torchao {version} differs from its keyed internals (probed, keyed): {differ}"
