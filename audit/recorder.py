@@ -122,14 +122,20 @@ def call_site() -> str:
     return fallback or "<unknown>"
 
 
+_shown: dict[str, str] = {}
+
+
 def _fmt(f: Any) -> str:
     name = f.f_code.co_filename
-    try:
-        rel = os.path.relpath(name)
-        name = rel if not rel.startswith("..") else name
-    except ValueError:
-        pass
-    return f"{name}:{f.f_lineno}"
+    shown = _shown.get(name)
+    if shown is None:
+        try:
+            rel = os.path.relpath(name)
+            shown = rel if not rel.startswith("..") else name
+        except ValueError:
+            shown = name
+        _shown[name] = shown
+    return f"{shown}:{f.f_lineno}"
 
 
 # ---------------------------------------------------------------------------------- records

@@ -94,8 +94,12 @@ class AuditReport:
             if len(fs) > _LINES_PER_RULE:
                 rest = [f.step for f in fs[_LINES_PER_RULE:]]
                 lines.append(f"  ... and {len(rest)} more, steps {rest[0]}-{rest[-1]} (all in the JSON report)")
-        if not self.findings:
-            lines.append("no findings: every audited step follows the step contract")
+        if not self.steps:
+            lines.append("nothing was audited: no optimizer step ran in this process" +
+                         (" before the failure" if self.error is not None else ""))
+        elif not self.findings:
+            lines.append("no findings: every audited step follows the step contract" +
+                         (" (up to the failure)" if self.error is not None else ""))
         if self.error is not None and not include_error:
             lines.append("")
             lines.append("the audited program failed (its traceback follows on stderr)")
