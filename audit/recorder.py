@@ -534,9 +534,10 @@ class Recorder:
         for o, _, rec in s.pending:
             rec.scale_after = float(after[0])
             rec.growth_tracker = after[1]
+        pending = list(s.pending)
+        self._flush_pending(s)  # the steps first: a divergence is reported in the contract's order
         if self.replayer is not None and s.update_before is not None:
-            self.replayer.update(s, s.pending, s.update_before, after, new_scale, self)
-        self._flush_pending(s)
+            self.replayer.update(s, pending, s.update_before, after, new_scale, self)
 
     def _flush_pending(self, s: ScalerTrack) -> None:
         pending, s.pending = s.pending, []
