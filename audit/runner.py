@@ -12,7 +12,7 @@ import os
 import runpy
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from audit import Audit
 from audit.report import EXIT_FAILED, AuditReport
@@ -56,17 +56,26 @@ def run_script(script: str | os.PathLike, args: Sequence[str] = (), *, steps: in
 
 
 def _trim(error: BaseException | None) -> BaseException | None:
-    """The traceback from the script's own first frame on (runpy's and the runner's frames are noise)."""
+    """The traceback as the script would show it: from its own first frame on, without runpy's
+    frames or the audit's wrappers around torch's functions."""
     if error is None:
         return None
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+    def noise(tb: Any) -> bool:
+        name = tb.tb_frame.f_code.co_filename
+        return name.startswith(here) or name == runpy.__file__ or "<frozen runpy>" in name
+
+    frames = []
     tb = error.__traceback__
-    here = os.path.dirname(os.path.abspath(__file__))
-    while tb is not None and (tb.tb_frame.f_code.co_filename.startswith(here) or
-                              tb.tb_frame.f_code.co_filename == runpy.__file__ or
-                              "<frozen runpy>" in tb.tb_frame.f_code.co_filename):
+    while tb is not None:
+        if not noise(tb):
+            frames.append(tb)
         tb = tb.tb_next
-    if tb is not None:
-        error.__traceback__ = tb
+    if frames:
+        for a, b in zip(frames, frames[1:] + [None]):
+            a.tb_next = b
+        error.__traceback__ = frames[0]
     return error
 
 
