@@ -213,7 +213,7 @@ class StepData:
     torch_found_inf: float | None = None
     kernel_unscale: bool = False  # an amp-aware (fused) optimizer received scaled gradients
     amp_aware: bool = False
-    not_replayable: str | None = None
+    on_cpu: bool = True
 
 
 @dataclass
@@ -287,16 +287,25 @@ def to_numpy(t: torch.Tensor) -> Any:
     return t.cpu().numpy().copy()
 
 
-def _grads(params: list[Any]) -> list[Any]:
-    return [None if p.grad is None else to_numpy(p.grad) for p in params]
+class Snapshots:
+    """Bit-exact NumPy copies of tensors, taken when the recorder needs them.
 
+    Every copy is a new one: torch's in-place version counter cannot tell whether a tensor
+    changed since an earlier copy (the scaler's unscale kernel, for one, leaves it as it was).
+    """
 
-def _state(opt: Any, params: list[Any]) -> list[dict[str, Any]]:
-    out = []
-    for p in params:
-        s = opt.state.get(p, {})
-        out.append({k: (to_numpy(v) if isinstance(v, torch.Tensor) else v) for k, v in s.items()})
-    return out
+    def __call__(self, t: torch.Tensor) -> Any:
+        return to_numpy(t)
+
+    def grads(self, params: list[Any]) -> list[Any]:
+        return [None if p.grad is None else self(p.grad) for p in params]
+
+    def state(self, opt: Any, params: list[Any]) -> list[dict[str, Any]]:
+        out = []
+        for p in params:
+            s = opt.state.get(p, {})
+            out.append({k: (self(v) if isinstance(v, torch.Tensor) else v) for k, v in s.items()})
+        return out
 
 
 # ---------------------------------------------------------------------------------- the recorder
@@ -331,6 +340,7 @@ class Recorder:
         self._saves: list[tuple[str, bool, bool, int | None]] = []
         self._names: dict[str, int] = {}
         self.stopped_at_limit = False
+        self.snap = Snapshots()
 
     # ------------------------------------------------------------------ helpers
 
@@ -379,7 +389,7 @@ class Recorder:
             return
         d = StepData(first_stage=stage)
         params = o.params()
-        d.scaled = _grads(params)
+        d.scaled = self.snap.grads(params)
         if scaler is not None and scaler.enabled and scaler.used:
             d.scale = _f32(scaler.obj.get_scale())
         w.data = d
@@ -552,7 +562,8 @@ class Recorder:
         s = self._scaler(scaler)
         if not s.used:
             s.loaded = True
-        s.expected_after = None  # a restored scale: the history starts again from it
+        if self.replayer is not None:
+            self.replayer.resync(s)  # a restored scale: the history starts again from it
 
     # ------------------------------------------------------------------ optimizers
 
@@ -585,9 +596,10 @@ class Recorder:
         d = w.data
         if d is not None:
             params = o.params()
-            d.step_grads = _grads(params)
-            d.params_before = [to_numpy(p) for p in params]
-            d.state_before = _state(o.obj, params)
+            d.step_grads = self.snap.grads(params)
+            d.params_before = [self.snap(p) for p in params]
+            d.on_cpu = all(p.device.type == "cpu" for p in params)
+            d.state_before = self.snap.state(o.obj, params)
             d.groups = [{k: v for k, v in g.items() if k != "params"} for g in o.obj.param_groups]
             d.group_of = [gi for gi, g in enumerate(o.obj.param_groups) for _ in g["params"]]
 
@@ -596,8 +608,8 @@ class Recorder:
         d = o.window.data
         if d is not None:
             params = o.params()
-            d.params_after = [to_numpy(p) for p in params]
-            d.state_after = _state(o.obj, params)
+            d.params_after = [self.snap(p) for p in params]
+            d.state_after = self.snap.state(o.obj, params)
         inside = self._in_scaler_step is not None and self._in_scaler_step[1] is o
         if not inside:
             s = o.window.scaler
@@ -667,7 +679,7 @@ class Recorder:
                 idx = [pos[id(t)] for t in tensors if id(t) in pos]
                 stage = ClipStage(kind, idx, {k: v for k, v in arguments.items() if k != "parameters"}, where)
                 params = o.params()
-                stage.grads_in = [None if params[i].grad is None else to_numpy(params[i].grad) for i in idx]
+                stage.grads_in = [None if params[i].grad is None else self.snap(params[i].grad) for i in idx]
                 w.data.clips.append(stage)
                 self._clip_current.append(stage)
             if kind == "clip_grad_norm_":
@@ -697,7 +709,7 @@ class Recorder:
         self.in_clip = False
         stages, self._clip_current = getattr(self, "_clip_current", []), []
         if ok and isinstance(result, torch.Tensor):
-            value = to_numpy(result)
+            value = to_numpy(result)  # a fresh 0-d tensor: no cache
             for stage in stages:
                 stage.total_norm = value
             for o in self.optimizers.values():

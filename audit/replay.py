@@ -45,7 +45,10 @@ unscaled by its own kernel. The scaler and skip stages of such a step are still 
 
 from __future__ import annotations
 
+import functools
 import math
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +57,7 @@ import numpy as np
 import torch
 
 from audit.rules import Finding
-from reference import clipping, formats, optim, scaling
+from reference import clipping, optim, scaling
 
 __all__ = ["Replayer", "Divergence", "NORM_ULP", "CLIP_ULP", "SGD_BUFFER_ULP", "SGD_PARAM_ULP",
            "ADAM_MOMENT_ULP", "ADAM_PARAM_ULP"]
@@ -89,76 +92,112 @@ class Divergence:
     where: str
 
 
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_SINT = {2: np.int16, 4: np.int32, 8: np.int64}
+
+
 def _bits_hex(x: Any) -> str:
     a = np.asarray(x)
-    view = {2: np.uint16, 4: np.uint32, 8: np.uint64}.get(a.dtype.itemsize)
+    view = _UINT.get(a.dtype.itemsize)
     return f"{int(a.view(view)):#0{2 + 2 * a.dtype.itemsize}x}" if view is not None else "?"
 
 
-def _ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """ULP distance elementwise for same-dtype float arrays (float64 by its own ordinal)."""
-    if a.dtype == np.float64:
-        def ordinal(x: np.ndarray) -> np.ndarray:
-            i = x.view(np.int64).astype(object)
-            return np.where(i < 0, -(i & 0x7FFFFFFFFFFFFFFF), i)
-        with np.errstate(invalid="ignore"):
-            d = np.abs(ordinal(a) - ordinal(b)).astype(np.float64)
-        return d
-    return formats.ulp_distance(a, b, a.dtype.name).astype(np.float64)
+def _ordinals(x: np.ndarray) -> np.ndarray:
+    """Each float's position on the number line (adjacent floats 1 apart, +0 and -0 both 0), as float64."""
+    s = x.view(_SINT[x.dtype.itemsize]).astype(np.int64)
+    mag = s & np.int64((1 << (8 * x.dtype.itemsize - 1)) - 1)
+    return np.where(s < 0, -mag, mag).astype(np.float64)
 
 
-def _compare(got: np.ndarray, expected: np.ndarray, bound: int, x_abs: np.ndarray | None = None) -> tuple[str | None, float]:
-    """None when ``got`` matches ``expected`` (bits, or within ``bound`` ULPs of the values, or of
-    ``x_abs`` when given); else a description of the first mismatch. Also the largest distance."""
+@dataclass
+class Comparison:
+    """``problem`` None when the arrays agree at the bound; else the first mismatch described, with
+    its two values. ``worst``: the largest distance among the elements that agree (ULPs)."""
+
+    problem: str | None
+    worst: float = 0.0
+    expected: Any = None
+    got: Any = None
+
+
+def _compare(got: np.ndarray, expected: np.ndarray, bound: int, x_abs: Any = None) -> Comparison:
+    """``got`` against ``expected``: bit for bit (``bound`` 0), else within ``bound`` ULPs of the
+    value, or of ``x_abs`` when given (an array, or a function of flat indices returning the
+    magnitudes there). NaN compares as a class.
+
+    Work goes only where it is needed: the bits first; then the ULP distance of the values that
+    differ; ``x_abs`` only for those more than ``bound // 2`` ULPs apart. That is safe because
+    ``x_abs`` is at least the result's magnitude (the triangle inequality: the formula on
+    magnitudes bounds the formula's value), so one ULP of ``x_abs`` is at least half an ULP of
+    either value, and ``bound // 2`` ULPs of the values are within ``bound`` ULPs of ``x_abs``.
+    """
     got = np.asarray(got)
     expected = np.asarray(expected)
     if got.shape != expected.shape or got.dtype != expected.dtype:
-        return f"shape/dtype {got.shape} {got.dtype} against the spec's {expected.shape} {expected.dtype}", math.inf
-    if got.size == 0:
-        return None, 0.0
-    wide_g = got.astype(np.float64)
-    wide_e = expected.astype(np.float64)
-    g_nan, e_nan = np.isnan(wide_g), np.isnan(wide_e)
-    finite = np.isfinite(wide_g) & np.isfinite(wide_e)
+        return Comparison(f"shape/dtype {got.shape} {got.dtype} against the spec's {expected.shape} "
+                          f"{expected.dtype}", math.inf)
+    gflat, eflat = got.reshape(-1), expected.reshape(-1)
+    gi, ei = gflat.view(_SINT[got.dtype.itemsize]), eflat.view(_SINT[got.dtype.itemsize])
     if bound == 0:
-        view = {2: np.uint16, 4: np.uint32, 8: np.uint64}[got.dtype.itemsize]
-        differ = np.where(g_nan | e_nan, g_nan != e_nan, got.view(view) != expected.view(view))
-        dist = differ.astype(np.float64)
-    elif x_abs is not None:
-        with np.errstate(invalid="ignore", over="ignore"):
-            unit = np.maximum(np.spacing(np.abs(np.asarray(x_abs, np.float64)).astype(got.dtype)).astype(np.float64),
-                              float(np.finfo(got.dtype).smallest_subnormal))
-            dist = np.where(finite, np.abs(wide_g - wide_e) / unit, 0.0)
-        differ = np.where(g_nan | e_nan, g_nan != e_nan, np.where(finite, dist > bound, wide_g != wide_e))
+        idx = np.flatnonzero(gi != ei)
     else:
-        dist = np.where(finite, _ulps(np.where(finite, got, 0).astype(got.dtype),
-                                      np.where(finite, expected, 0).astype(got.dtype)), 0.0)
-        differ = np.where(g_nan | e_nan, g_nan != e_nan, np.where(finite, dist > bound, wide_g != wide_e))
-    worst = float(np.max(np.where(differ, 0.0, dist))) if dist.size else 0.0
-    if not differ.any():
-        return None, worst
-    i = tuple(int(k) for k in np.argwhere(differ)[0])
-    gv, ev = got[i], expected[i]
-    unit = "" if bound == 0 else (f", {dist[i]:.1f} ULP{' of x_abs' if x_abs is not None else ''} apart (bound {bound})")
-    n = int(differ.sum())
-    return (f"{n} of {got.size} elements differ; first at index {list(i)}: torch {float(gv)!r} ({_bits_hex(gv)}), "
-            f"spec {float(ev)!r} ({_bits_hex(ev)}){unit}"), math.inf
-
-
-def _first(got: np.ndarray, expected: np.ndarray, index: str) -> tuple[Any, Any]:
-    g, e = np.asarray(got).reshape(-1), np.asarray(expected).reshape(-1)
-    wide_g, wide_e = g.astype(np.float64), e.astype(np.float64)
-    same = (wide_g == wide_e) | (np.isnan(wide_g) & np.isnan(wide_e))
-    if same.all() or g.size == 0:
-        return None, None
-    k = int(np.argmin(same))
-    return float(e[k]), float(g[k])
+        # Whole-array pass for the common case, finite values of one sign a few ULPs apart: there
+        # the distance is the difference of the bit patterns (it cannot wrap for one sign).
+        d = np.abs(gi - ei)
+        near = d <= bound // 2
+        near &= (gi ^ ei) >= 0
+        near &= np.isfinite(gflat)
+        near &= np.isfinite(eflat)
+        idx = np.flatnonzero(~near)
+    fast_worst = 0.0 if bound == 0 else float(np.max(d, where=near, initial=0))
+    if idx.size == 0:
+        return Comparison(None, fast_worst)
+    g, e = gflat[idx], eflat[idx]
+    g_nan, e_nan = np.isnan(g), np.isnan(e)
+    with np.errstate(invalid="ignore", over="ignore"):
+        finite = np.isfinite(g) & np.isfinite(e)
+        if bound == 0:
+            dist = np.where(g_nan & e_nan, 0.0, math.inf)
+        else:
+            dist = np.where(finite, np.abs(_ordinals(g) - _ordinals(e)), 0.0)
+            far = finite & (dist > bound // 2) if x_abs is not None else None
+            if far is not None and far.any():
+                sub = idx[far]
+                xa = np.abs(x_abs(sub) if callable(x_abs) else np.asarray(x_abs, np.float64).reshape(-1)[sub])
+                unit = np.maximum(np.spacing(xa.astype(got.dtype)).astype(np.float64),
+                                  float(np.finfo(got.dtype).smallest_subnormal))
+                dist[far] = np.abs(g[far].astype(np.float64) - e[far].astype(np.float64)) / unit
+    bad = np.where(g_nan | e_nan, g_nan != e_nan, np.where(finite, dist > bound, g != e))
+    good = dist[~bad]
+    worst = max(fast_worst, float(good.max()) if good.size else 0.0)
+    if not bad.any():
+        return Comparison(None, worst)
+    k = int(np.argmax(bad))
+    i = [int(v) for v in np.unravel_index(idx[k], got.shape)] if got.ndim else []
+    unit_text = "" if bound == 0 else (f", {dist[k]:.1f} ULP{' of x_abs' if x_abs is not None else ''} apart "
+                                       f"(bound {bound})")
+    return Comparison(f"{int(bad.sum())} of {got.size} elements differ; first at index {i}: torch {float(g[k])!r} "
+                      f"({_bits_hex(g[k])}), spec {float(e[k])!r} ({_bits_hex(e[k])}){unit_text}",
+                      math.inf, float(e[k]), float(g[k]))
 
 
 class Replayer:
-    """Replays steps as the recorder hands them over; turns divergences into findings at the end."""
+    """Replays steps as the recorder hands them over; turns divergences into findings at the end.
 
-    def __init__(self) -> None:
+    ``threaded``: replay on a worker thread, in the order the steps came, while the program
+    trains on (NumPy releases the interpreter lock in its array loops, so on a spare core the
+    replay costs the training little). The recorder hands over copies only, so the worker never
+    touches a live tensor; at most ``_QUEUE`` steps wait, which bounds the memory the copies take
+    (the training waits when the replay falls behind). ``finish`` waits for the worker; an error
+    of the replay itself is raised there.
+    """
+
+    _QUEUE = 4
+
+    def __init__(self, threaded: bool = True) -> None:
+        self._queue: queue.Queue | None = queue.Queue(maxsize=self._QUEUE) if threaded else None
+        self._worker: threading.Thread | None = None
+        self._error: BaseException | None = None
         self.capability = torch.backends.cpu.get_cpu_capability()
         self.exact = self.capability == "DEFAULT"
         self.divergences: list[Divergence] = []
@@ -186,7 +225,34 @@ class Replayer:
 
     # ------------------------------------------------------------------ steps
 
+    def _submit(self, fn: Any, *args: Any) -> None:
+        if self._queue is None:
+            fn(*args)
+            return
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="ampspec-audit-replay", daemon=True)
+            self._worker.start()
+        self._queue.put((fn, args))
+
+    def _work(self) -> None:
+        assert self._queue is not None
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._error is None:
+                    item[0](*item[1])
+            except BaseException as exc:  # kept for finish(): the replay's own failure is not the program's
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
     def step(self, o: Any, d: Any, rec: Any, recorder: Any) -> None:
+        """Replay one step (on the worker when threaded)."""
+        self._submit(self._step, o, d, rec, recorder)
+
+    def _step(self, o: Any, d: Any, rec: Any, recorder: Any) -> None:
         if d is None or d.scaled is None:
             rec.replay = "not replayed: no gradients reached a step-phase call"
             self._note(rec.replay[len("not replayed: "):])
@@ -211,13 +277,12 @@ class Replayer:
         self.divergences.append(Divergence(rec.step, o.label, fld, expected, got, detail, where))
 
     def _check(self, o: Any, rec: Any, fld: str, got: np.ndarray, expected: np.ndarray, bound: int, where: str,
-               x_abs: np.ndarray | None = None) -> bool:
-        problem, worst = _compare(got, expected, bound, x_abs)
-        if problem is None:
-            self._max_seen = max(self._max_seen, worst)
+               x_abs: Any = None) -> bool:
+        c = _compare(got, expected, bound, x_abs)
+        if c.problem is None:
+            self._max_seen = max(self._max_seen, c.worst)
             return True
-        e, g = _first(got, expected, "")
-        self._diverge(o, rec, fld, g, e, problem, where)
+        self._diverge(o, rec, fld, c.got, c.expected, c.problem, where)
         return False
 
     def _replay_step(self, o: Any, d: Any, rec: Any, recorder: Any) -> None:
@@ -246,7 +311,7 @@ class Replayer:
             unscaled, _ = scaling.unscale_gradients(scaled, state)
             g_spec = dict(zip(present, unscaled))
         else:
-            g_spec = {i: g.copy() for i, g in zip(present, scaled)}
+            g_spec = dict(zip(present, scaled))  # read-only arrays, never written
         bound = 0
         after_unscale = state is not None and not kernel
         for c in d.clips:
@@ -300,29 +365,27 @@ class Replayer:
             e = spec.get(i)
             if g is None or e is None:
                 continue
-            problem, worst = _compare(g, e, bound)
-            if problem is None:
-                self._max_seen = max(self._max_seen, worst)
+            c = _compare(g, e, bound)
+            if c.problem is None:
+                self._max_seen = max(self._max_seen, c.worst)
                 continue
             if unscale_state is not None and self._is_second_unscale(g, e, unscale_state):
                 recorder._find("unscale-twice", rec.step, where,
-                               f"the gradients entering {fld.split(' at ')[0].replace('gradients entering ', '')} at "
-                               f"{where} are the unscaled gradients divided by the scale "
-                               f"{float(unscale_state.scale)!r} once more (parameter {i}: {problem})",
-                               expected=_first(g, e, "")[0], got=_first(g, e, "")[1])
-            ev, gv = _first(g, e, "")
-            self._diverge(o, rec, fld, gv, ev, f"parameter {i}: {problem}", where)
+                               f"the {fld} are the unscaled gradients divided by the scale "
+                               f"{float(unscale_state.scale)!r} once more (parameter {i}: {c.problem})",
+                               expected=c.expected, got=c.got)
+            self._diverge(o, rec, fld, c.got, c.expected, f"parameter {i}: {c.problem}", where)
             return
 
     @staticmethod
     def _is_second_unscale(got: np.ndarray, once: np.ndarray, state: Any) -> bool:
         twice, _ = scaling.unscale_gradients([once], state)
-        if _compare(got, twice[0], 0)[0] is None:
+        if _compare(got, twice[0], 0).problem is None:
             return True
         with np.errstate(all="ignore"):
             wide = once.astype(np.float64) / np.float64(state.scale) if once.dtype == np.float64 else \
                 (once.astype(np.float32) / np.float32(state.scale)).astype(once.dtype)
-        return _compare(got, np.asarray(wide, once.dtype), 0)[0] is None
+        return _compare(got, np.asarray(wide, once.dtype), 0).problem is None
 
     # ------------------------------------------------------------------ the optimizer stage
 
@@ -331,7 +394,7 @@ class Replayer:
         for p_np in d.params_before:
             if p_np.dtype not in (np.float32, np.float64):
                 raise _NotReplayable(f"{p_np.dtype} parameters (the specification's optimizers take float32 and float64)")
-        if any(p.device.type != "cpu" for p in o.params()):
+        if not d.on_cpu:
             raise _NotReplayable("parameters on a device other than the CPU")
         for gi, group in enumerate(d.groups):
             idx = [i for i, g in enumerate(d.group_of) if g == gi]
@@ -367,30 +430,44 @@ class Replayer:
                     continue
                 torch_state = d.state_after[i]
                 if kind == "sgd":
-                    buf_abs, p_abs = _sgd_magnitudes(cfg, params[j], g, states[j].momentum_buffer)
+                    mag = functools.partial(_sgd_magnitudes, cfg, params[j], g, states[j].momentum_buffer)
                     spec_buf = new_states[j].momentum_buffer
                     if spec_buf is not None and torch_state.get("momentum_buffer") is not None:
                         self._check(o, rec, f"momentum_buffer of {name}", torch_state["momentum_buffer"], spec_buf,
-                                    0 if exact_here else SGD_BUFFER_ULP, where, None if exact_here else buf_abs)
+                                    0 if exact_here else SGD_BUFFER_ULP, where,
+                                    None if exact_here else (lambda ix, mag=mag: mag(ix)[0]))
                     self._check(o, rec, name, d.params_after[i], new_params[j], 0 if exact_here else SGD_PARAM_ULP,
-                                where, None if exact_here else p_abs)
+                                where, None if exact_here else (lambda ix, mag=mag: mag(ix)[1]))
                 else:
                     new = new_states[j]
                     if "step" in torch_state:
                         self._check(o, rec, f"step counter of {name}",
                                     np.float32(np.asarray(torch_state["step"]).reshape(())), np.float32(new.step), 0, where)
-                    mags = {} if exact_here else _adam_magnitudes(cfg, params[j], g, states[j], new)
+                    mag = functools.partial(_adam_magnitudes, cfg, params[j], g, states[j], new)
                     for fld in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if cfg.amsgrad else ()):
                         if fld in torch_state:
                             self._check(o, rec, f"{fld} of {name}", torch_state[fld], getattr(new, fld),
-                                        0 if exact_here else ADAM_MOMENT_ULP, where, mags.get(fld))
+                                        0 if exact_here else ADAM_MOMENT_ULP, where,
+                                        None if exact_here else (lambda ix, mag=mag, fld=fld: mag(ix)[fld]))
                     self._check(o, rec, name, d.params_after[i], new_params[j], 0 if exact_here else ADAM_PARAM_ULP,
-                                where, mags.get("param"))
+                                where, None if exact_here else (lambda ix, mag=mag: mag(ix)["param"]))
 
     # ------------------------------------------------------------------ update
 
     def update(self, s: Any, pending: list[Any], before: tuple[Any, int], after: tuple[Any, int], new_scale: Any,
                recorder: Any) -> None:
+        """Check one ``scaler.update`` (after the steps it closes)."""
+        scaler = s.obj
+        factors = (float(scaler.get_growth_factor()), float(scaler.get_backoff_factor()),
+                   int(scaler.get_growth_interval()))
+        self._submit(self._update, s, list(pending), before, after, new_scale, factors)
+
+    def resync(self, s: Any) -> None:
+        """A scaler's state was loaded: its next update starts from what it holds then (in order)."""
+        self._submit(setattr, s, "expected_after", None)
+
+    def _update(self, s: Any, pending: list[Any], before: tuple[Any, int], after: tuple[Any, int], new_scale: Any,
+                factors: tuple[float, float, int]) -> None:
         if not pending:
             return
         o, _, rec = pending[0]
@@ -408,13 +485,11 @@ class Replayer:
                 flags.append(scaling.has_inf_or_nan([g for g in data.scaled if g is not None]))
             else:
                 flags.append(bool(r.found_inf))
-        scaler = s.obj
         try:
             cfg = scaling.ScalerConfig(init_scale=float(before[0]) if float(before[0]) > 0 and
                                        math.isfinite(float(before[0])) else 1.0,
-                                       growth_factor=float(scaler.get_growth_factor()),
-                                       backoff_factor=float(scaler.get_backoff_factor()),
-                                       growth_interval=int(scaler.get_growth_interval()))
+                                       growth_factor=factors[0], backoff_factor=factors[1],
+                                       growth_interval=factors[2])
         except ValueError as exc:
             self._note(f"a scaler configuration outside the specification ({exc})")
             s.expected_after = None
@@ -432,9 +507,16 @@ class Replayer:
     # ------------------------------------------------------------------ the end
 
     def finish(self, recorder: Any) -> None:
-        """Each divergence at the step of a finding that changes the numbers is that finding's
+        """Wait for the worker; then: each divergence at the step of a finding that changes the numbers is that finding's
         consequence (its numbers fill the finding's expected/got); the first other one becomes a
         ``replay-divergence`` finding naming both values and how many steps diverged."""
+        if self._queue is not None and self._worker is not None:
+            self._queue.put(None)
+            self._worker.join()
+            self._worker = None
+        if self._error is not None:
+            raise RuntimeError(f"the audit's replay failed: {self._error!r}") from self._error
+        recorder.findings.sort(key=lambda f: -1 if f.step is None else f.step)  # the worker adds some late
         explained_steps = {f.step for f in recorder.findings if f.rule in EXPLAINING_RULES}
         by_step = {}
         for f in recorder.findings:
@@ -512,32 +594,38 @@ def _torch_sqrt(impl: str) -> Any:
     return lambda a: torch.sqrt(torch.from_numpy(np.ascontiguousarray(a))).numpy()
 
 
-def _sgd_magnitudes(cfg: Any, p: np.ndarray, g: np.ndarray, old_buf: np.ndarray | None) -> tuple[Any, Any]:
-    """x_abs of the momentum buffer and of the parameter: ``reference.optim`` rule 2 on magnitudes."""
-    d = np.abs(g.astype(np.float64)) + cfg.weight_decay * np.abs(p.astype(np.float64))
+def _flat(a: np.ndarray, ix: np.ndarray) -> np.ndarray:
+    return np.asarray(a).reshape(-1)[ix].astype(np.float64)
+
+
+def _sgd_magnitudes(cfg: Any, p: np.ndarray, g: np.ndarray, old_buf: np.ndarray | None,
+                    ix: np.ndarray) -> tuple[Any, Any]:
+    """x_abs of the momentum buffer and of the parameter at flat indices ``ix``: ``reference.optim``
+    rule 2 on magnitudes."""
+    d = np.abs(_flat(g, ix)) + cfg.weight_decay * np.abs(_flat(p, ix))
     buf = None
     if cfg.momentum != 0:
-        buf = d if old_buf is None else cfg.momentum * np.abs(old_buf.astype(np.float64)) + abs(1 - cfg.dampening) * d
+        buf = d if old_buf is None else cfg.momentum * np.abs(_flat(old_buf, ix)) + abs(1 - cfg.dampening) * d
         d = d + cfg.momentum * buf if cfg.nesterov else buf
-    return buf, np.abs(p.astype(np.float64)) + cfg.lr * d
+    return buf, np.abs(_flat(p, ix)) + cfg.lr * d
 
 
-def _adam_magnitudes(cfg: Any, p: np.ndarray, g: np.ndarray, old: Any, new: Any) -> dict[str, Any]:
-    """x_abs of each Adam field: ``reference.optim`` rules 3-6 on magnitudes (the denominator is
-    positive, taken from the spec's new second moment)."""
+def _adam_magnitudes(cfg: Any, p: np.ndarray, g: np.ndarray, old: Any, new: Any, ix: np.ndarray) -> dict[str, Any]:
+    """x_abs of each Adam field at flat indices ``ix``: ``reference.optim`` rules 3-6 on magnitudes
+    (the denominator is positive, taken from the spec's new second moment)."""
     beta1, beta2 = cfg.betas
-    p64 = np.abs(p.astype(np.float64))
-    d = np.abs(g.astype(np.float64)) + (0.0 if cfg.decoupled_weight_decay else cfg.weight_decay * p64)
-    m = beta1 * np.abs(old.exp_avg.astype(np.float64)) + (1 - beta1) * d
-    v = beta2 * old.exp_avg_sq.astype(np.float64) + (1 - beta2) * d * d
+    p64 = np.abs(_flat(p, ix))
+    d = np.abs(_flat(g, ix)) + (0.0 if cfg.decoupled_weight_decay else cfg.weight_decay * p64)
+    m = beta1 * np.abs(_flat(old.exp_avg, ix)) + (1 - beta1) * d
+    v = beta2 * _flat(old.exp_avg_sq, ix) + (1 - beta2) * d * d
     out = {"exp_avg": m, "exp_avg_sq": v}
-    root_of = new.exp_avg_sq
+    root_of = _flat(new.exp_avg_sq, ix)
     if cfg.amsgrad:
-        out["max_exp_avg_sq"] = np.maximum(old.max_exp_avg_sq.astype(np.float64), v)
-        root_of = new.max_exp_avg_sq
+        out["max_exp_avg_sq"] = np.maximum(_flat(old.max_exp_avg_sq, ix), v)
+        root_of = _flat(new.max_exp_avg_sq, ix)
     t = float(new.step)
     step_size = cfg.lr / (1 - beta1**t)
-    denom = np.sqrt(root_of.astype(np.float64)) / math.sqrt(1 - beta2**t) + cfg.eps
+    denom = np.sqrt(root_of) / math.sqrt(1 - beta2**t) + cfg.eps
     with np.errstate(divide="ignore", invalid="ignore"):
         update = np.where(denom > 0, step_size * m / denom, np.inf)
     decay = 1 - cfg.lr * cfg.weight_decay if cfg.decoupled_weight_decay else 1.0
