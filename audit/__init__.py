@@ -94,8 +94,7 @@ class Audit:
         }
         self._report = AuditReport(findings=list(rec.findings), steps=list(rec.records), replay=replay,
                                    target=self.target, argv=list(self.argv), error=text,
-                                   stopped=f"stopped after {self.steps} steps as asked" if limited else None,
-                                   notes=list(rec.notes))
+                                   stopped=f"stopped after {self.steps} steps as asked" if limited else None)
         return self._report
 
     @property

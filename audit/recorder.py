@@ -264,8 +264,8 @@ class OptTrack:
         self.moved_flagged = False
         self.threshold: tuple[float, float, int] | None = None  # (max_norm / scale, scale, first step)
         self.threshold_flagged = False
-        self.in_step = False
         self.hook_fired = False
+        self.scaler_step_where: str | None = None
 
     def params(self) -> list[Any]:
         return [p for g in self.obj.param_groups for p in g["params"]]
@@ -324,7 +324,6 @@ class Recorder:
         self.steps_limit = steps
         self.findings: list[Finding] = []
         self.records: list[StepRecord] = []
-        self.notes: list[str] = []
         self.scalers: dict[int, ScalerTrack] = {}
         self.optimizers: dict[int, OptTrack] = {}
         self.primary: OptTrack | None = None
@@ -333,6 +332,7 @@ class Recorder:
         self._bw_depth = 0
         self._bw_signature: dict[int, list[tuple[Any, int]]] | None = None
         self._bw_pending: Backward | None = None
+        self._bw_autocast: str | None = None
         self._sched_depth = 0
         self._in_scaler_step: tuple[ScalerTrack, OptTrack] | None = None
         self._scaled: dict[int, tuple[Any, ScalerTrack, Any]] = {}
@@ -487,7 +487,7 @@ class Recorder:
                        f"scaler.step({o.label}) at {s_where(o)} was not followed by scaler.update(); torch raises "
                        f"at the next scaler.step at {where}", expected="scaler.update() after scaler.step",
                        got="no scaler.update()")
-        o.window.stepped_where = where  # type: ignore[attr-defined]
+        o.scaler_step_where = where
         self._start_data(o, "scaler.step", o.window.scaler or s)
 
     def on_scaler_step_end(self, scaler: Any, optimizer: Any, ok: bool) -> None:
@@ -588,7 +588,6 @@ class Recorder:
         if not inside:
             where = call_site()
             w.calls.append(f"optimizer.step@{where}")
-            w.direct_where = where  # type: ignore[attr-defined]
             s = w.scaler
             if s is not None and s.enabled and s.stage.get(id(o.obj)) != "stepped":
                 s.bypass[id(o.obj)] = (o, where)
@@ -797,10 +796,7 @@ class Recorder:
         self._bw_pending = Backward(where, factor, scaler)
         if len(self.optimizers) > 1:
             self._bw_signature = {id(o): _signature(o) for o in self.optimizers.values()}
-        if self._autocast_active() is not None:
-            self._bw_autocast = self._autocast_active()
-        else:
-            self._bw_autocast = None
+        self._bw_autocast = self._autocast_active()
 
     def on_backward_end(self, ok: bool) -> None:
         self._bw_depth -= 1
@@ -922,8 +918,8 @@ class Recorder:
 
 
 def s_where(o: OptTrack) -> str:
-    return getattr(o.window, "stepped_where", None) or (o.last_record.calls[-1].split("@", 1)[-1]
-                                                         if o.last_record is not None and o.last_record.calls else "?")
+    """Where the optimizer's latest scaler.step was called."""
+    return o.scaler_step_where or "?"
 
 
 def _unwrap_optimizer(obj: Any) -> Any:

@@ -33,7 +33,6 @@ class AuditReport:
     argv: list[str] = field(default_factory=list)
     error: str | None = None
     stopped: str | None = None
-    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -77,8 +76,6 @@ class AuditReport:
                          f"updates replayed, {r['steps_bit_exact']} steps bit for bit; compared at: {r['exactness']}")
             for reason, count in r["not_replayed"].items():
                 lines.append(f"  not replayed ({count}x): {reason}")
-        for note in self.notes:
-            lines.append(f"note: {note}")
         for rule, fs in self.by_rule().items():
             spec = RULES[rule]
             lines.append("")
@@ -119,7 +116,6 @@ class AuditReport:
             "exit_status": self.exit_status,
             "stopped": self.stopped,
             "replay": self.replay,
-            "notes": list(self.notes),
             "findings": [f.to_dict() for f in self.findings],
             "steps": [s.to_dict() for s in self.steps],
             "error": self.error,

@@ -328,3 +328,34 @@ def test_the_pytest_fixture_fails_a_test_whose_loop_breaks_a_rule(tmp_path):
                        cwd=tmp_path)
     assert "1 failed, 2 passed" in r.stdout, r.stdout + r.stderr
     assert "FAILED test_user.py::test_bad" in r.stdout and "clip-before-unscale (error)" in r.stdout
+
+
+# ----------------------------------------------------------------------------- the replay's worker
+
+
+def test_the_replay_on_its_worker_thread_finds_what_it_finds_inline(monkeypatch):
+    import audit.replay as replay
+
+    def run() -> tuple[list, list]:
+        report = run_script(LOOPS / "scaler_loop.py", ["--bug", "unscale-twice", "--steps", "6", "--inf-at", "2"])
+        return [(f.rule, f.step, f.message) for f in report.findings], [r.to_dict() for r in report.steps]
+
+    threaded = run()
+    init = replay.Replayer.__init__
+    monkeypatch.setattr(replay.Replayer, "__init__", lambda self, threaded=True: init(self, threaded=False))
+    assert run() == threaded
+
+
+def test_a_failure_of_the_replay_itself_is_raised_not_hidden(monkeypatch):
+    import audit.replay as replay
+
+    def broken(self, *args):
+        raise ValueError("a bug in the replay")
+
+    monkeypatch.setattr(replay.Replayer, "_replay_step", broken)
+    before = _patched_objects()
+    session = audit().start()
+    _loop(steps=2)
+    with pytest.raises(RuntimeError, match="the audit's replay failed: ValueError"):
+        session.stop()
+    assert all(a is b for a, b in zip(_patched_objects(), before))

@@ -133,6 +133,12 @@ def test_the_call_site_is_the_line_of_the_mistake():
     # With the replay, the finding carries the numbers: spec (unscaled) against torch (scaled).
     f = report.findings[0]
     assert isinstance(f.expected, float) and isinstance(f.got, float) and f.got == pytest.approx(f.expected * 65536)
+    # A forgotten update is reported where the step it follows was taken.
+    report = run_script(LOOPS / "scaler_loop.py", ["--bug", "step-without-update", "--steps", "3"])
+    lines = (LOOPS / "scaler_loop.py").read_text().splitlines()
+    at = next(i for i, text in enumerate(lines, 1) if 'bug == "step-without-update"' in text and "elif" in text) + 1
+    assert lines[at - 1].strip() == "scaler.step(opt)"
+    assert report.findings[0].where.endswith(f"scaler_loop.py:{at}")
 
 
 def test_order_rules_alone_find_the_same_mistakes_without_the_replay(tmp_path):
