@@ -73,7 +73,8 @@ class AuditReport:
         else:
             r = self.replay
             lines.append(f"numeric replay: {r['steps_replayed']} of {n_steps} steps and {r['updates_checked']} scaler "
-                         f"updates replayed, {r['steps_bit_exact']} steps bit for bit; compared at: {r['exactness']}")
+                         f"updates replayed, {r['steps_bit_exact']} of the steps bit for bit; compared at: "
+                         f"{r['exactness']}")
             for reason, count in r["not_replayed"].items():
                 lines.append(f"  not replayed ({count}x): {reason}")
         for rule, fs in self.by_rule().items():

@@ -130,7 +130,7 @@ def main(script: str, rest: Sequence[str], *, report: str | None = None, steps: 
     sys.stdout.flush()
     print(result.text(include_error=False))
     if result.error is not None:
-        print("the audited program failed:\n" + result.error.rstrip(), file=sys.stderr)
+        print(result.error.rstrip(), file=sys.stderr)
     if report:
         path = result.write_json(report)
         print(f"report: {path}")
