@@ -1,4 +1,4 @@
-"""The ``ampspec`` command: ``compare``, ``train``, ``doctor``, ``replay``.
+"""The ``ampspec`` command: ``compare``, ``train``, ``doctor``, ``replay``, ``audit``.
 
 User mistakes (a bad configuration, a missing file, an unavailable device, a refused resume)
 print one line to stderr and exit with status 2. ``train`` exits 0 when the run completed (or a
@@ -159,6 +159,14 @@ def _replay(args: argparse.Namespace) -> int:
     return 1
 
 
+def _audit(args: argparse.Namespace) -> int:
+    # The audit compares torch with the specification, so it lives in its own package, which
+    # imports both; imported here, lazily, like replay's spec_bridge.
+    from audit.runner import main as audit_main
+
+    return audit_main(args.script, args.args, report=args.report, steps=args.steps, no_replay=args.no_replay)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ampspec", description="Mixed-precision training that explains itself.")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
@@ -181,6 +189,18 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--config", help="the run's configuration (for the scaler settings)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     r.set_defaults(func=_replay)
+    a = sub.add_parser("audit", help="run your own training script and check it against the specification",
+                       description="Run SCRIPT.py in this process under instrumentation of torch's AMP calls; "
+                                   "report order-rule findings and numeric divergences from the specification. "
+                                   "The audit's options may also follow the script's arguments; after '--' "
+                                   "everything goes to the script. Exit status: 0 no findings, 1 findings, "
+                                   "2 the script failed.")
+    a.add_argument("--report", metavar="FILE.json", help="also write the report as JSON")
+    a.add_argument("--steps", type=int, metavar="N", help="stop the script after N optimizer steps")
+    a.add_argument("--no-replay", action="store_true", help="order rules only: copy no numbers, replay nothing")
+    a.add_argument("script", metavar="SCRIPT.py")
+    a.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
+    a.set_defaults(func=_audit)
     return p
 
 

@@ -1,0 +1,122 @@
+"""``ampspec audit``: check anyone's own AMP training loop against the specification.
+
+The audit instruments torch's public AMP surface in the user's own process (`audit.instrument`),
+records each optimizer step's calls and numbers (`audit.recorder`), checks the order rules of
+the step contract (`audit.rules`) and replays the numbers through ``reference``
+(`audit.replay`). Three entries:
+
+- the command ``ampspec audit SCRIPT.py [ARGS...] [--report FILE.json] [--steps N] [--no-replay]``
+  (`audit.runner`);
+- the context manager: ``with audit.audit() as session: train()``, then ``session.report``;
+- the pytest fixture ``ampspec_audit`` (`audit.pytest_plugin`), which fails a test whose loop
+  breaks a rule.
+
+Why a package of its own: the audit compares torch's behaviour with the specification's, so it
+must import both. ``reference`` may never import torch, and ``torchimpl`` imports ``reference``
+only at the command-line boundary (``torchimpl/spec_bridge.py`` for ``replay``); the audit is
+neither of them (it instruments user code, not ampspec's trainer), so it sits beside them,
+like the conformance suite, and the ``ampspec`` command imports it lazily in its ``audit``
+subcommand. Inside it, only `audit.replay` imports ``reference``: an audit without replay never
+loads the specification.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+from audit.report import EXIT_FAILED, EXIT_FINDINGS, EXIT_OK, AuditReport
+from audit.rules import RULES, Finding
+
+__all__ = ["Audit", "AuditReport", "Finding", "RULES", "audit", "EXIT_OK", "EXIT_FINDINGS", "EXIT_FAILED"]
+
+
+class Audit:
+    """One audit session: instrumentation installed by `start`, removed by `stop`.
+
+    ``replay``: replay every step through ``reference`` (copies gradients, parameters and state
+    each step); False checks the order rules only. ``steps``: stop the audited code at the first
+    backward pass after this many optimizer steps (it raises ``StepLimitReached``, a
+    BaseException, which the context manager absorbs). ``target``: how the report names what
+    was audited.
+    """
+
+    def __init__(self, replay: bool = True, steps: int | None = None, target: str = "the audited code") -> None:
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"steps must be None or an int >= 1, got {steps!r}")
+        self.replay = replay
+        self.steps = steps
+        self.target = target
+        self.argv: list[str] = []
+        self._recorder: Any = None
+        self._instr: Any = None
+        self._report: AuditReport | None = None
+
+    def start(self) -> "Audit":
+        from audit.instrument import Instrumentation
+        from audit.recorder import Recorder
+
+        if self._recorder is not None:
+            raise RuntimeError("this audit session was already started")
+        replayer = None
+        if self.replay:
+            from audit.replay import Replayer
+
+            replayer = Replayer()
+        self._recorder = Recorder(replay=replayer, steps=self.steps)
+        self._instr = Instrumentation(self._recorder)
+        self._instr.install()
+        return self
+
+    def stop(self, error: BaseException | None = None) -> AuditReport:
+        """Remove the instrumentation and build the report. ``error``: the audited code's failure."""
+        if self._report is not None:
+            return self._report
+        if self._recorder is None:
+            raise RuntimeError("this audit session was never started")
+        from audit.recorder import StepLimitReached
+
+        self._instr.uninstall()
+        rec = self._recorder
+        limited = isinstance(error, StepLimitReached) or rec.stopped_at_limit
+        failed = error is not None and not isinstance(error, StepLimitReached)
+        rec.finish(completed=not failed)
+        text = None
+        if failed:
+            text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        r = rec.replayer
+        replay = None if r is None else {
+            "exactness": r.exactness(),
+            "steps_replayed": r.steps_replayed,
+            "steps_bit_exact": r.steps_bit_exact,
+            "updates_checked": r.updates_checked,
+            "not_replayed": dict(r.not_replayed),
+        }
+        self._report = AuditReport(findings=list(rec.findings), steps=list(rec.records), replay=replay,
+                                   target=self.target, argv=list(self.argv), error=text,
+                                   stopped=f"stopped after {self.steps} steps as asked" if limited else None)
+        return self._report
+
+    @property
+    def report(self) -> AuditReport:
+        if self._report is None:
+            raise RuntimeError("the report exists once the audit has stopped (leave the with block, or call stop())")
+        return self._report
+
+    def __enter__(self) -> "Audit":
+        return self.start()
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        from audit.recorder import StepLimitReached
+
+        self.stop(exc)
+        return isinstance(exc, StepLimitReached)
+
+
+def audit(replay: bool = True, steps: int | None = None) -> Audit:
+    """The context manager: ``with audit() as session: train()``; then ``session.report``.
+
+    The code inside runs unmodified; on leaving, torch is restored and ``session.report`` holds
+    the findings (``report.ok``, ``report.text()``, ``report.to_dict()``).
+    """
+    return Audit(replay=replay, steps=steps)

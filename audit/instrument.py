@@ -1,0 +1,331 @@
+"""Instrumentation of torch's public AMP surface, installed for the length of an audit and removed after.
+
+What is wrapped (each wrapper calls the original unchanged and reports to a `Recorder`):
+
+- ``torch.amp.GradScaler``: ``__init__``, ``scale``, ``unscale_``, ``step``, ``update``,
+  ``state_dict``, ``load_state_dict`` (class attributes: every scaler, whenever it was built);
+- ``torch.nn.utils.clip_grad_norm_``, ``clip_grad_value_``, ``clip_grads_with_norm_``: these are
+  module functions that a loop may have bound by name before the audit began (``from
+  torch.nn.utils import clip_grad_norm_``). Each public function is a thin ``torch.no_grad``
+  wrapper around its implementation held in a closure cell; the audit swaps that cell, so every
+  reference to the public object is seen. Where a torch version lays the function out
+  otherwise, the module attributes are replaced instead;
+- optimizer steps through torch's global step hooks (``register_optimizer_step_pre_hook`` and
+  ``..._post_hook``), ``Optimizer.zero_grad``, ``Optimizer.add_param_group`` (where an optimizer
+  is built, and what device and dtype its parameters had), ``nn.Module.zero_grad``;
+- ``LRScheduler.step`` and every torch scheduler that overrides it;
+- ``torch.autocast`` entry and exit;
+- ``Tensor.backward`` and ``torch.autograd.backward``;
+- ``torch.save``.
+
+Nothing else of the user's program is touched. ``uninstall`` restores every original object.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from typing import Any, Callable
+
+import torch
+import torch.nn.utils.clip_grad as _clip_mod
+import torch.optim.lr_scheduler as _sched_mod
+from torch.optim import optimizer as _optim_mod
+
+__all__ = ["Instrumentation"]
+
+_CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")
+
+
+class Instrumentation:
+    """Installs the wrappers that feed ``recorder``; one at a time per process."""
+
+    _active: "Instrumentation | None" = None
+
+    def __init__(self, recorder: Any) -> None:
+        self.rec = recorder
+        self._patches: list[tuple[Any, str, Any]] = []
+        self._cells: list[tuple[Any, Any]] = []
+        self._handles: list[Any] = []
+
+    # ------------------------------------------------------------------ install / uninstall
+
+    def install(self) -> None:
+        if Instrumentation._active is not None:
+            raise RuntimeError("an audit is already active in this process: audits do not nest")
+        Instrumentation._active = self
+        try:
+            self._install_scaler()
+            self._install_clipping()
+            self._install_optimizers()
+            self._install_schedulers()
+            self._install_autocast()
+            self._install_backward()
+            self._install_save()
+        except BaseException:
+            self.uninstall()
+            raise
+
+    def uninstall(self) -> None:
+        for handle in reversed(self._handles):
+            handle.remove()
+        for cell, original in reversed(self._cells):
+            cell.cell_contents = original
+        for owner, name, original in reversed(self._patches):
+            setattr(owner, name, original)
+        self._handles.clear()
+        self._cells.clear()
+        self._patches.clear()
+        if Instrumentation._active is self:
+            Instrumentation._active = None
+
+    def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        wrapper = make(original)
+        if callable(original) and callable(wrapper) and not isinstance(original, (staticmethod, classmethod)):
+            functools.update_wrapper(wrapper, original)
+        setattr(owner, name, wrapper)
+        self._patches.append((owner, name, original))
+
+    # ------------------------------------------------------------------ the wrappers
+
+    def _install_scaler(self) -> None:
+        rec = self.rec
+        cls = torch.amp.GradScaler
+
+        def init(orig):
+            def wrapper(self, *args, **kwargs):
+                orig(self, *args, **kwargs)
+                rec.on_scaler_created(self)
+            return wrapper
+
+        def scale(orig):
+            def wrapper(self, outputs):
+                out = orig(self, outputs)
+                rec.on_scale(self, outputs, out)
+                return out
+            return wrapper
+
+        def unscale(orig):
+            def wrapper(self, optimizer):
+                rec.on_unscale_begin(self, optimizer)
+                ok = False
+                try:
+                    out = orig(self, optimizer)
+                    ok = True
+                    return out
+                finally:
+                    rec.on_unscale_end(self, optimizer, ok)
+            return wrapper
+
+        def step(orig):
+            def wrapper(self, optimizer, *args, **kwargs):
+                rec.on_scaler_step_begin(self, optimizer)
+                ok = False
+                try:
+                    out = orig(self, optimizer, *args, **kwargs)
+                    ok = True
+                    return out
+                finally:
+                    rec.on_scaler_step_end(self, optimizer, ok)
+            return wrapper
+
+        def update(orig):
+            def wrapper(self, new_scale=None):
+                rec.on_update_begin(self, new_scale)
+                ok = False
+                try:
+                    out = orig(self, new_scale)
+                    ok = True
+                    return out
+                finally:
+                    rec.on_update_end(self, new_scale, ok)
+            return wrapper
+
+        def state_dict(orig):
+            def wrapper(self):
+                out = orig(self)
+                rec.on_scaler_state_dict(self)
+                return out
+            return wrapper
+
+        def load_state_dict(orig):
+            def wrapper(self, state_dict):
+                out = orig(self, state_dict)
+                rec.on_scaler_loaded(self)
+                return out
+            return wrapper
+
+        for name, make in (("__init__", init), ("scale", scale), ("unscale_", unscale), ("step", step),
+                           ("update", update), ("state_dict", state_dict), ("load_state_dict", load_state_dict)):
+            self._patch(cls, name, make)
+
+    def _install_clipping(self) -> None:
+        rec = self.rec
+        for name in _CLIP_FUNCTIONS:
+            public = getattr(torch.nn.utils, name, None)
+            if public is None:
+                continue  # a torch without this function
+            kind = name
+            cell = _impl_cell(public)
+            impl = cell.cell_contents if cell is not None else public
+            signature = inspect.signature(impl)
+
+            def make(impl, kind=kind, signature=signature):
+                def wrapper(*args, **kwargs):
+                    if rec.in_clip:
+                        return impl(*args, **kwargs)
+                    bound = signature.bind(*args, **kwargs)
+                    bound.apply_defaults()
+                    arguments = dict(bound.arguments)
+                    parameters = arguments["parameters"]
+                    if isinstance(parameters, torch.Tensor):
+                        tensors = [parameters]
+                    else:
+                        tensors = list(parameters)
+                        # A fresh generator keeps torch's own "empty generator" warning intact.
+                        parameters = (t for t in tensors) if isinstance(parameters, types.GeneratorType) else tensors
+                        arguments["parameters"] = parameters
+                    rec.on_clip_begin(kind, tensors, arguments)
+                    ok = False
+                    result = None
+                    try:
+                        result = impl(**arguments)
+                        ok = True
+                        return result
+                    finally:
+                        rec.on_clip_end(kind, result, ok)
+                return wrapper
+
+            wrapped = make(impl)
+            functools.update_wrapper(wrapped, impl)
+            if cell is not None:
+                self._cells.append((cell, impl))
+                cell.cell_contents = wrapped
+            else:
+                for owner in (torch.nn.utils, _clip_mod):
+                    if getattr(owner, name, None) is public:
+                        setattr(owner, name, wrapped)
+                        self._patches.append((owner, name, public))
+
+    def _install_optimizers(self) -> None:
+        rec = self.rec
+        self._handles.append(_optim_mod.register_optimizer_step_pre_hook(
+            lambda opt, args, kwargs: rec.on_optimizer_step_begin(opt)))
+        self._handles.append(_optim_mod.register_optimizer_step_post_hook(
+            lambda opt, args, kwargs: rec.on_optimizer_step_end(opt)))
+
+        def zero_grad(orig):
+            def wrapper(self, *args, **kwargs):
+                rec.on_zero_grad(self)
+                return orig(self, *args, **kwargs)
+            return wrapper
+
+        def add_param_group(orig):
+            def wrapper(self, param_group):
+                out = orig(self, param_group)
+                rec.on_params_added(self)
+                return out
+            return wrapper
+
+        self._patch(torch.optim.Optimizer, "zero_grad", zero_grad)
+        self._patch(torch.optim.Optimizer, "add_param_group", add_param_group)
+        self._patch(torch.nn.Module, "zero_grad", zero_grad)
+
+    def _install_schedulers(self) -> None:
+        rec = self.rec
+        classes = [c for c in vars(_sched_mod).values()
+                   if isinstance(c, type) and issubclass(c, _sched_mod.LRScheduler) and "step" in c.__dict__]
+
+        def step(orig):
+            def wrapper(self, *args, **kwargs):
+                # The constructor's own first step runs with _step_count == 0: not the user's call.
+                initial = getattr(self, "_step_count", None) == 0
+                rec.on_scheduler_step_begin(self, initial)
+                try:
+                    return orig(self, *args, **kwargs)
+                finally:
+                    rec.on_scheduler_step_end(self)
+            return wrapper
+
+        for c in classes:
+            self._patch(c, "step", step)
+
+    def _install_autocast(self) -> None:
+        rec = self.rec
+        cls = torch.amp.autocast_mode.autocast
+
+        def enter(orig):
+            def wrapper(self):
+                out = orig(self)
+                rec.on_autocast_enter(self)
+                return out
+            return wrapper
+
+        def exit_(orig):
+            def wrapper(self, *exc):
+                rec.on_autocast_exit(self)
+                return orig(self, *exc)
+            return wrapper
+
+        self._patch(cls, "__enter__", enter)
+        self._patch(cls, "__exit__", exit_)
+
+    def _install_backward(self) -> None:
+        rec = self.rec
+
+        def tensor_backward(orig):
+            def wrapper(self, *args, **kwargs):
+                rec.on_backward_begin(self)
+                ok = False
+                try:
+                    out = orig(self, *args, **kwargs)
+                    ok = True
+                    return out
+                finally:
+                    rec.on_backward_end(ok)
+            return wrapper
+
+        def autograd_backward(orig):
+            def wrapper(tensors, *args, **kwargs):
+                rec.on_backward_begin(tensors)
+                ok = False
+                try:
+                    out = orig(tensors, *args, **kwargs)
+                    ok = True
+                    return out
+                finally:
+                    rec.on_backward_end(ok)
+            return wrapper
+
+        self._patch(torch.Tensor, "backward", tensor_backward)
+        self._patch(torch.autograd, "backward", autograd_backward)
+
+    def _install_save(self) -> None:
+        rec = self.rec
+        original = torch.save
+
+        def save(orig):
+            def wrapper(obj, *args, **kwargs):
+                rec.on_save(obj)
+                return orig(obj, *args, **kwargs)
+            return wrapper
+
+        wrapped = save(original)
+        functools.update_wrapper(wrapped, original)
+        for owner in (torch, torch.serialization):
+            if getattr(owner, "save", None) is original:
+                setattr(owner, "save", wrapped)
+                self._patches.append((owner, "save", original))
+
+
+def _impl_cell(public: Any) -> Any:
+    """The closure cell holding a clipping function's implementation, or None when the public
+    function is not laid out as torch 2.x's ``_no_grad`` wrapper (one free variable ``func``)."""
+    code = getattr(public, "__code__", None)
+    closure = getattr(public, "__closure__", None)
+    if code is None or not closure or code.co_freevars != ("func",):
+        return None
+    cell = closure[0]
+    return cell if callable(cell.cell_contents) else None

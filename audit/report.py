@@ -1,0 +1,130 @@
+"""The audit's report: text (one line a finding, grouped by rule, the first in full) and JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from audit.rules import ERROR, RULES, Finding
+
+__all__ = ["AuditReport", "EXIT_OK", "EXIT_FINDINGS", "EXIT_FAILED"]
+
+EXIT_OK = 0
+EXIT_FINDINGS = 1
+EXIT_FAILED = 2
+
+_LINES_PER_RULE = 10
+
+
+@dataclass
+class AuditReport:
+    """What an audit found. ``error`` is the audited program's failure (its traceback), if any.
+
+    ``exit_status``: 2 when the program failed, else 1 with any finding (warnings included),
+    else 0.
+    """
+
+    findings: list[Finding]
+    steps: list[Any]
+    replay: dict[str, Any] | None
+    target: str = "the audited code"
+    argv: list[str] = field(default_factory=list)
+    error: str | None = None
+    stopped: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.findings
+
+    @property
+    def exit_status(self) -> int:
+        if self.error is not None:
+            return EXIT_FAILED
+        return EXIT_FINDINGS if self.findings else EXIT_OK
+
+    def rules(self) -> list[str]:
+        """The rules found, in order of first occurrence."""
+        return list(dict.fromkeys(f.rule for f in self.findings))
+
+    def by_rule(self) -> dict[str, list[Finding]]:
+        out: dict[str, list[Finding]] = {}
+        for f in sorted(self.findings, key=lambda f: (f.step if f.step is not None else -1)):
+            out.setdefault(f.rule, []).append(f)
+        return {r: out[r] for r in sorted(out, key=lambda r: min((f.step or 0) for f in out[r]))}
+
+    # ------------------------------------------------------------------ text
+
+    def text(self, include_error: bool = True) -> str:
+        """The text report; ``include_error``: end with the audited program's traceback."""
+        n_steps = len(self.steps)
+        errors = sum(f.severity == ERROR for f in self.findings)
+        warnings = len(self.findings) - errors
+        head = f"ampspec audit of {self.target}: {n_steps} optimizer step{'s' if n_steps != 1 else ''}"
+        if self.stopped:
+            head += f" ({self.stopped})"
+        head += f", {len(self.findings)} finding{'s' if len(self.findings) != 1 else ''}"
+        if self.findings:
+            head += f" ({errors} error{'s' if errors != 1 else ''}, {warnings} warning{'s' if warnings != 1 else ''})"
+        lines = [head]
+        if self.replay is None:
+            lines.append("numeric replay: off (order rules only)")
+        else:
+            r = self.replay
+            lines.append(f"numeric replay: {r['steps_replayed']} of {n_steps} steps and {r['updates_checked']} scaler "
+                         f"updates replayed, {r['steps_bit_exact']} of the steps bit for bit; compared at: "
+                         f"{r['exactness']}")
+            for reason, count in r["not_replayed"].items():
+                lines.append(f"  not replayed ({count}x): {reason}")
+        for rule, fs in self.by_rule().items():
+            spec = RULES[rule]
+            lines.append("")
+            lines.append(f"{rule} ({spec.severity}): {spec.summary}; {len(fs)} finding{'s' if len(fs) != 1 else ''}")
+            first = fs[0]
+            lines.append(f"  step {first.step}, {first.where}: {first.message}")
+            if first.expected is not None or first.got is not None:
+                lines.append(f"    expected: {first.expected!r}")
+                lines.append(f"    got:      {first.got!r}")
+            lines.append(f"    fix: {spec.fix}")
+            for f in fs[1:_LINES_PER_RULE]:
+                lines.append(f"  step {f.step}, {f.where}")
+            if len(fs) > _LINES_PER_RULE:
+                rest = [f.step for f in fs[_LINES_PER_RULE:]]
+                lines.append(f"  ... and {len(rest)} more, steps {rest[0]}-{rest[-1]} (all in the JSON report)")
+        if not self.steps:
+            lines.append("nothing was audited: no optimizer step ran in this process" +
+                         (" before the failure" if self.error is not None else ""))
+        elif not self.findings:
+            lines.append("no findings: every audited step follows the step contract" +
+                         (" (up to the failure)" if self.error is not None else ""))
+        if self.error is not None and not include_error:
+            lines.append("")
+            lines.append("the audited program failed (its traceback follows on stderr)")
+        elif self.error is not None:
+            lines.append("")
+            lines.append("the audited program failed:")
+            lines.append(self.error.rstrip())
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "argv": list(self.argv),
+            "status": ("failed" if self.error is not None else "findings" if self.findings else "ok"),
+            "exit_status": self.exit_status,
+            "stopped": self.stopped,
+            "replay": self.replay,
+            "findings": [f.to_dict() for f in self.findings],
+            "steps": [s.to_dict() for s in self.steps],
+            "error": self.error,
+        }
+
+    def write_json(self, path: str | Path) -> Path:
+        p = Path(path)
+        if p.parent and not p.parent.exists():
+            p.parent.mkdir(parents=True)
+        p.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return p

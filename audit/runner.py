@@ -1,0 +1,137 @@
+"""Run a user's script in-process under the audit: ``ampspec audit SCRIPT.py [ARGS...]``.
+
+The script runs as ``__main__`` (``runpy``), with ``sys.argv`` set to ``[SCRIPT, *ARGS]`` and its
+folder first on ``sys.path``, exactly as ``python SCRIPT.py ARGS`` would run it; both are
+restored afterwards. Exit status: 0 no findings, 1 findings, 2 the script failed (an exception,
+or ``sys.exit`` with a non-zero status; its traceback is printed) or could not be run.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from audit import Audit
+from audit.report import EXIT_FAILED, AuditReport
+
+__all__ = ["run_script", "split_audit_options", "main"]
+
+_OWN = ("--report", "--steps")
+_FLAGS = ("--no-replay",)
+
+
+class ScriptExit(Exception):
+    """The script called ``sys.exit`` with a non-zero status."""
+
+
+def run_script(script: str | os.PathLike, args: Sequence[str] = (), *, steps: int | None = None,
+               replay: bool = True) -> AuditReport:
+    """Audit one run of ``script`` with ``args``; raises FileNotFoundError when it does not exist."""
+    path = Path(script)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such script: {script}")
+    session = Audit(replay=replay, steps=steps, target=str(script))
+    session.argv = [str(script), *args]
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, str(path.resolve().parent))
+    error: BaseException | None = None
+    session.start()
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            error = ScriptExit(f"the script exited with status {exc.code!r}")
+            error.__traceback__ = exc.__traceback__
+    except BaseException as exc:  # the script's failure, or the step limit: both end the run
+        error = exc
+    finally:
+        report = session.stop(_trim(error))
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+    return report
+
+
+def _trim(error: BaseException | None) -> BaseException | None:
+    """The traceback as the script would show it: from its own first frame on, without runpy's
+    frames or the audit's wrappers around torch's functions."""
+    if error is None:
+        return None
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+    def noise(tb: Any) -> bool:
+        name = tb.tb_frame.f_code.co_filename
+        return name.startswith(here) or name == runpy.__file__ or "<frozen runpy>" in name
+
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        if not noise(tb):
+            frames.append(tb)
+        tb = tb.tb_next
+    if frames:
+        for a, b in zip(frames, frames[1:] + [None]):
+            a.tb_next = b
+        error.__traceback__ = frames[0]
+    return error
+
+
+def split_audit_options(rest: Sequence[str]) -> tuple[list[str], dict[str, str | bool]]:
+    """The script's arguments and the audit's own options found among them.
+
+    ``--report FILE``, ``--steps N`` (also ``--report=FILE``) and ``--no-replay`` are the audit's
+    wherever they appear after the script, until a ``--``; everything after ``--`` goes to the
+    script verbatim (for a script with options of the same names).
+    """
+    script_args: list[str] = []
+    own: dict[str, str | bool] = {}
+    i = 0
+    rest = list(rest)
+    while i < len(rest):
+        a = rest[i]
+        if a == "--":
+            script_args.extend(rest[i + 1:])
+            break
+        name, eq, value = a.partition("=")
+        if name in _OWN:
+            if not eq:
+                if i + 1 >= len(rest):
+                    raise ValueError(f"{name} needs a value")
+                value = rest[i + 1]
+                i += 1
+            own[name[2:]] = value
+        elif a in _FLAGS:
+            own[a[2:].replace("-", "_")] = True
+        else:
+            script_args.append(a)
+        i += 1
+    return script_args, own
+
+
+def main(script: str, rest: Sequence[str], *, report: str | None = None, steps: int | None = None,
+         no_replay: bool = False) -> int:
+    """The ``ampspec audit`` subcommand: run, print the text report, write the JSON one."""
+    args, own = split_audit_options(rest)
+    report = own.get("report", report)  # type: ignore[assignment]
+    if "steps" in own:
+        try:
+            steps = int(own["steps"])  # type: ignore[arg-type]
+        except ValueError:
+            raise ValueError(f"--steps needs an integer, got {own['steps']!r}") from None
+    if steps is not None and steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {steps}")
+    no_replay = bool(own.get("no_replay", no_replay))
+    if not Path(script).is_file():
+        raise FileNotFoundError(f"no such script: {script}")
+    result = run_script(script, args, steps=steps, replay=not no_replay)
+    sys.stdout.flush()
+    print(result.text(include_error=False))
+    if result.error is not None:
+        print(result.error.rstrip(), file=sys.stderr)
+    if report:
+        path = result.write_json(report)
+        print(f"report: {path}")
+    return result.exit_status if result.error is None else EXIT_FAILED

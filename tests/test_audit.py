@@ -1,0 +1,361 @@
+"""Unit tests of the audit: instrumentation and its removal, the pieces of the rules, the replay's
+stages failing when torch does something else, the reports, the command and the fixture."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import torchimpl.cli as cli
+from audit import RULES, Audit, Finding, audit
+from audit.recorder import _classify, _loss_factor, call_site
+from audit.runner import run_script, split_audit_options
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOPS = ROOT / "tests" / "audit_loops"
+
+
+def _loop(bug: str = "none", steps: int = 4, clip: float = 1.0, inf_at: int = -1) -> list[float]:
+    """A small GradScaler loop written inline; returns its losses."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=2)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(steps):
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        if step == inf_at:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        if bug == "clip-before-unscale":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.unscale_(opt)
+        if bug != "clip-before-unscale":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(opt)
+        scaler.update()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _patched_objects() -> list[object]:
+    """Every object the instrumentation replaces (read without going through any of them)."""
+    from torch.nn.utils import clip_grad
+    from torch.optim import lr_scheduler
+
+    out: list[object] = [torch.save, torch.serialization.save, torch.autograd.backward,
+                         torch.Tensor.__dict__["backward"], torch.optim.Optimizer.__dict__["zero_grad"],
+                         torch.optim.Optimizer.__dict__["add_param_group"], torch.nn.Module.__dict__["zero_grad"],
+                         torch.amp.autocast_mode.autocast.__dict__["__enter__"],
+                         torch.amp.autocast_mode.autocast.__dict__["__exit__"]]
+    out += [torch.amp.GradScaler.__dict__[n] for n in ("__init__", "scale", "unscale_", "step", "update",
+                                                          "state_dict", "load_state_dict")]
+    out += [c.__dict__["step"] for c in vars(lr_scheduler).values()
+            if isinstance(c, type) and issubclass(c, lr_scheduler.LRScheduler) and "step" in c.__dict__]
+    for name in ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_"):
+        public = getattr(torch.nn.utils, name)
+        out += [public, getattr(clip_grad, name.replace("clip_grads", "_clip_grads"), None),
+                public.__closure__[0].cell_contents if public.__closure__ else None]
+    return out
+
+
+def _hooks() -> int:
+    from torch.optim import optimizer
+
+    return len(optimizer._global_optimizer_pre_hooks) + len(optimizer._global_optimizer_post_hooks)
+
+
+# ----------------------------------------------------------------------------- instrumentation
+
+
+def test_the_instrumentation_is_removed_after_the_audit_even_when_the_code_fails():
+    before, hooks = _patched_objects(), _hooks()
+    with audit() as session:
+        assert [a is b for a, b in zip(_patched_objects(), before)].count(False) >= 20
+        _loop(steps=2)
+    assert all(a is b for a, b in zip(_patched_objects(), before)) and _hooks() == hooks
+    with pytest.raises(ZeroDivisionError):
+        with audit():
+            _loop(steps=1)
+            1 / 0
+    assert all(a is b for a, b in zip(_patched_objects(), before)) and _hooks() == hooks
+    assert session.report.ok
+
+
+def test_audits_do_not_nest():
+    with audit():
+        with pytest.raises(RuntimeError, match="already active"):
+            Audit().start()
+
+
+def test_the_audited_run_computes_exactly_what_the_plain_run_computes():
+    plain = _loop(steps=6, inf_at=2)
+    with audit() as session:
+        audited = _loop(steps=6, inf_at=2)
+    assert np.array(plain).view(np.uint64).tolist() == np.array(audited).view(np.uint64).tolist() or \
+        [repr(a) for a in plain] == [repr(a) for a in audited]
+    assert [r.applied for r in session.report.steps] == [True, True, False, True, True, True]
+
+
+def test_the_context_manager_reports_and_stops_at_the_step_limit():
+    with audit() as session:
+        _loop(bug="clip-before-unscale", steps=3)
+    assert [(f.rule, f.step) for f in session.report.findings] == [("clip-before-unscale", s) for s in range(3)]
+    with audit(steps=2) as limited:
+        _loop(steps=10)
+    assert [r.step for r in limited.report.steps] == [0, 1] and limited.report.stopped
+    with pytest.raises(ValueError, match="steps"):
+        audit(steps=0)
+
+
+def test_the_call_site_is_the_callers_line():
+    here = call_site()
+    assert here.endswith(f"test_audit.py:{sys._getframe().f_lineno - 1}")
+
+
+# ----------------------------------------------------------------------------- rule pieces
+
+
+def test_the_loss_factor_is_read_from_the_graph():
+    x = torch.randn(3, requires_grad=True)
+    loss = (x * x).mean()
+    scaled = torch.amp.GradScaler("cpu").scale(loss / 4)
+    assert _loss_factor(loss) == 1.0
+    assert _loss_factor(loss / 4) == 0.25
+    assert _loss_factor(loss * 0.25) == 0.25
+    assert _loss_factor(torch.tensor(0.5) * loss) == 0.5
+    assert _loss_factor((loss / 4).double()) == 0.25
+    assert _loss_factor(loss + loss) == 1.0
+    assert _loss_factor(scaled) == 0.25 * 65536.0  # the scaler's own multiply: excluded by the recorder
+
+
+def test_saved_objects_are_classified_by_what_they_hold():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    assert _classify({"model": model.state_dict(), "optimizer": opt.state_dict()}) == (True, False)
+    assert _classify({"optimizer": opt.state_dict(), "amp": {"scaler": scaler.state_dict()}}) == (True, True)
+    assert _classify([opt, scaler]) == (True, True)
+    assert _classify(model.state_dict()) == (False, False)
+
+
+def test_audit_options_after_the_script_and_the_double_dash():
+    assert split_audit_options(["--lr", "1", "--report", "r.json", "--steps=3", "--no-replay"]) == \
+        (["--lr", "1"], {"report": "r.json", "steps": "3", "no_replay": True})
+    assert split_audit_options(["--steps", "3", "--", "--steps", "100", "--report", "x"]) == \
+        (["--steps", "100", "--report", "x"], {"steps": "3"})
+    with pytest.raises(ValueError, match="--report needs a value"):
+        split_audit_options(["--report"])
+
+
+def test_every_rule_has_a_severity_a_summary_and_a_fix():
+    assert {r.severity for r in RULES.values()} == {"error", "warning"}
+    assert all(r.summary and r.fix for r in RULES.values())
+    with pytest.raises(ValueError, match="unknown rule"):
+        Finding("no-such-rule", 0, "x:1", "m")
+    d = Finding("replay-divergence", 3, "t.py:9", "m", expected=float("nan"), got=np.float32(2.5)).to_dict()
+    assert {"rule", "step", "where", "message", "expected", "got"} <= set(d)
+    assert d["expected"] == "nan" and d["got"] == 2.5
+
+
+# ----------------------------------------------------------------------------- the replay's stages
+
+
+def test_the_replay_bounds_are_the_conformance_suites():
+    from audit import replay
+    from conformance import expectations
+
+    assert (replay.NORM_ULP, replay.SGD_BUFFER_ULP, replay.SGD_PARAM_ULP, replay.ADAM_MOMENT_ULP,
+            replay.ADAM_PARAM_ULP) == (expectations.NORM_ULP, expectations.SGD_BUFFER_ULP,
+                                       expectations.SGD_PARAM_ULP, expectations.ADAM_MOMENT_ULP,
+                                       expectations.ADAM_PARAM_ULP)
+
+
+def test_a_scale_update_unlike_the_specifications_is_a_divergence(monkeypatch):
+    original = torch._amp_update_scale_
+    calls = []
+
+    def wrong_update(scale, tracker, found_inf, growth, backoff, interval):
+        out = original(scale, tracker, found_inf, growth, backoff, interval)
+        calls.append(1)
+        if len(calls) == 3:
+            scale.mul_(3.0)  # one update grows by a factor the policy does not have
+        return out
+
+    monkeypatch.setattr(torch, "_amp_update_scale_", wrong_update)
+    with audit() as session:
+        _loop(steps=5)
+    (f,) = session.report.findings
+    assert (f.rule, f.step) == ("replay-divergence", 2)
+    assert "scale after scaler.update" in f.message and f.got == 3 * f.expected
+
+
+def test_a_missed_overflow_is_a_divergence(monkeypatch):
+    original = torch._amp_foreach_non_finite_check_and_unscale_
+
+    def blind_check(grads, found_inf, inv_scale):
+        original(grads, found_inf, inv_scale)
+        found_inf.zero_()  # a check that never reports inf
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", blind_check)
+    with audit() as session:
+        _loop(steps=4, inf_at=1)
+    (f,) = session.report.findings
+    assert (f.rule, f.step) == ("replay-divergence", 1) and "found_inf" in f.message
+    assert (f.expected, f.got) == (True, False)
+
+
+def test_the_layering_holds_and_the_replay_is_the_only_user_of_the_specification():
+    code = textwrap.dedent("""
+        import sys
+        import reference, torchimpl, torchimpl.cli
+        assert not any(m.split(".")[0] == "audit" for m in sys.modules), "torchimpl or reference imported the audit"
+        for m in [m for m in sys.modules if m == "reference" or m.startswith("reference.")]:
+            del sys.modules[m]
+        sys.path.insert(0, %r)
+        import test_audit
+        from audit import audit
+        with audit(replay=False) as s:
+            test_audit._loop(bug="clip-before-unscale", steps=2)
+        assert [f.rule for f in s.report.findings] == ["clip-before-unscale"] * 2
+        assert not any(m == "reference" or m.startswith("reference.") for m in sys.modules), "reference loaded"
+        print("ok")
+    """) % str(ROOT / "tests")
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr
+
+
+# ----------------------------------------------------------------------------- reports and the command
+
+
+def test_the_text_report_groups_by_rule_with_the_first_in_full():
+    report = run_script(LOOPS / "scaler_loop.py", ["--bug", "clip-before-unscale", "--steps", "14"])
+    lines = report.text().splitlines()
+    head = lines.index(next(l for l in lines if l.startswith("clip-before-unscale (error)")))
+    assert "14 findings" in lines[head]
+    assert lines[head + 1].startswith("  step 0, ") and "loss scale 65536.0" in lines[head + 1]
+    assert lines[head + 2].startswith("    expected: ") and lines[head + 3].startswith("    got: ")
+    assert lines[head + 4].startswith("    fix: call scaler.unscale_(optimizer)")
+    assert lines[head + 5] == f"  step 1, {report.findings[1].where}"
+    assert lines[-1].startswith("  ... and 4 more, steps 10-13")
+
+
+def _cli(capsys, *args):
+    status = cli.main(["audit", *map(str, args)])
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def test_the_command_exit_status_and_json_report(tmp_path, capsys):
+    loop = LOOPS / "accumulation_loop.py"
+    status, out, _ = _cli(capsys, loop, "--steps", "3")
+    assert status == 0 and "0 findings" in out and "stopped after 3 steps" in out
+    report = tmp_path / "r.json"
+    status, out, _ = _cli(capsys, loop, "--bug", "loss-not-divided", "--report", report, "--steps", "2")
+    assert status == 1 and "loss-not-divided (error)" in out
+    data = json.loads(report.read_text())
+    assert data["status"] == "findings" and data["exit_status"] == 1 and len(data["steps"]) == 2
+    first = data["findings"][0]
+    assert (first["rule"], first["step"], first["where"].rsplit(":", 1)[0].endswith("accumulation_loop.py")) == \
+        ("loss-not-divided", 0, True)
+    assert {"message", "expected", "got", "fix", "severity"} <= set(first)
+    assert data["steps"][0]["microbatches"] == 4 and data["steps"][0]["replay"] in ("bit for bit",) or \
+        data["steps"][0]["replay"].startswith("within the bounds")
+    status, out, _ = _cli(capsys, "--no-replay", loop, "--steps", "2", "--", "--bug", "zero-grad-in-window")
+    assert status == 1 and "numeric replay: off" in out and "zero-grad-in-window" in out
+
+
+def test_bad_scripts_exit_2_with_a_clear_message(tmp_path, capsys):
+    status, _, err = _cli(capsys, tmp_path / "missing.py")
+    assert status == 2 and "no such script" in err
+    failing = tmp_path / "failing.py"
+    failing.write_text("import torch\n\ndef train():\n    raise KeyError('no such column')\n\ntrain()\n")
+    status, out, err = _cli(capsys, failing)
+    assert status == 2 and "the audited program failed" in out
+    assert "Traceback" in err and 'failing.py", line 4, in train' in err and "KeyError: 'no such column'" in err
+    assert "runpy" not in err and "audit/runner.py" not in err
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\nsys.exit(3)\n")
+    status, _, err = _cli(capsys, exits)
+    assert status == 2 and "exited with status 3" in err
+    exits.write_text("import sys\nsys.exit(0)\n")
+    assert _cli(capsys, exits)[0] == 0
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(:\n")
+    status, _, err = _cli(capsys, broken)
+    assert status == 2 and "SyntaxError" in err
+
+
+# ----------------------------------------------------------------------------- the pytest fixture
+
+
+def test_the_pytest_fixture_fails_a_test_whose_loop_breaks_a_rule(tmp_path):
+    (tmp_path / "test_user.py").write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from test_audit import _loop
+
+        def test_good(ampspec_audit):
+            _loop(steps=3)
+
+        def test_bad(ampspec_audit):
+            _loop(bug="clip-before-unscale", steps=2)
+
+        def test_decides_itself(ampspec_audit):
+            _loop(bug="clip-before-unscale", steps=1)
+            report = ampspec_audit.stop()
+            assert report.rules() == ["clip-before-unscale"]
+    """))
+    from importlib.metadata import entry_points
+
+    registered = any(ep.name == "ampspec_audit" for ep in entry_points(group="pytest11"))
+    args = [] if registered else ["-p", "audit.pytest_plugin"]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "test_user.py"],
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=180,
+                       cwd=tmp_path)
+    assert "1 failed, 2 passed" in r.stdout, r.stdout + r.stderr
+    assert "FAILED test_user.py::test_bad" in r.stdout and "clip-before-unscale (error)" in r.stdout
+
+
+# ----------------------------------------------------------------------------- the replay's worker
+
+
+def test_the_replay_on_its_worker_thread_finds_what_it_finds_inline(monkeypatch):
+    import audit.replay as replay
+
+    def run() -> tuple[list, list]:
+        report = run_script(LOOPS / "scaler_loop.py", ["--bug", "unscale-twice", "--steps", "6", "--inf-at", "2"])
+        return [(f.rule, f.step, f.message) for f in report.findings], [r.to_dict() for r in report.steps]
+
+    threaded = run()
+    init = replay.Replayer.__init__
+    monkeypatch.setattr(replay.Replayer, "__init__", lambda self, threaded=True: init(self, threaded=False))
+    assert run() == threaded
+
+
+def test_a_failure_of_the_replay_itself_is_raised_not_hidden(monkeypatch):
+    import audit.replay as replay
+
+    def broken(self, *args):
+        raise ValueError("a bug in the replay")
+
+    monkeypatch.setattr(replay.Replayer, "_replay_step", broken)
+    before = _patched_objects()
+    session = audit().start()
+    _loop(steps=2)
+    with pytest.raises(RuntimeError, match="the audit's replay failed: ValueError"):
+        session.stop()
+    assert all(a is b for a, b in zip(_patched_objects(), before))
