@@ -423,18 +423,16 @@ class Recorder:
             self._scaled = {k: v for k, v in self._scaled.items() if v[0]() is not None}
 
     def _check_pending_update(self, s: ScalerTrack, where: str) -> None:
-        for key, o in list(s.stepped.items()):
-            if key not in s.reported_no_update:
-                s.reported_no_update.add(key)
-                self._find("step-without-update", o.steps - 1, s_where(o),
-                           f"scaler.step({o.label}) at {s_where(o)} was not followed by scaler.update() before "
-                           f"the next scaled loss at {where}: the scale never reacts to the found_inf of that step "
-                           "(torch raises at the next scaler.step of this optimizer)",
-                           expected="scaler.update() after scaler.step", got="no scaler.update()")
+        """A new scaled loss while a direct optimizer.step on the last one awaits no update.
+
+        (A ``scaler.step`` without update is reported when that optimizer is unscaled or
+        stepped again, or at the end: scaling another loss first is legitimate, as a GAN's
+        generator loss after the discriminator's step, with one update for both.)"""
         for key, (o, bwhere) in list(s.bypass.items()):
             self._find("step-bypasses-scaler", o.steps - 1, bwhere,
                        f"{o.label}.step() at {bwhere} applied gradients of a loss scaled by {s.label} without "
-                       "scaler.step or scaler.update: a step with inf or NaN gradients is not skipped",
+                       f"scaler.step (a step with inf or NaN gradients is not skipped), and the next loss was "
+                       f"scaled at {where} with no scaler.update between",
                        expected="scaler.step(optimizer); scaler.update()", got="optimizer.step()")
             del s.bypass[key]
             self._flush_pending(s)
@@ -518,17 +516,15 @@ class Recorder:
         where = call_site()
         for _, _, rec in s.pending:
             rec.calls.append(f"scaler.update@{where}")
-        if not s.stepped:
-            if s.bypass:
-                o, bwhere = next(iter(s.bypass.values()))
-                self._find("update-without-step", o.steps - 1, bwhere,
-                           f"scaler.update() at {where} follows {o.label}.step() called directly at {bwhere}: the "
-                           "step ran even if the gradients held inf or NaN (scaler.step would have skipped it)",
-                           expected="scaler.step(optimizer)", got="optimizer.step()")
-            else:
-                self._find("update-without-step", self._current_step(), where,
-                           f"scaler.update() at {where} with no scaler.step since the previous update",
-                           expected="scaler.step(optimizer) before scaler.update()", got="scaler.update() alone")
+        for o, bwhere in s.bypass.values():
+            self._find("update-without-step", o.steps - 1, bwhere,
+                       f"scaler.update() at {where} follows {o.label}.step() called directly at {bwhere}: the "
+                       "step ran even if the gradients held inf or NaN (scaler.step would have skipped it)",
+                       expected="scaler.step(optimizer)", got="optimizer.step()")
+        if not s.stepped and not s.bypass:
+            self._find("update-without-step", self._current_step(), where,
+                       f"scaler.update() at {where} with no scaler.step since the previous update",
+                       expected="scaler.step(optimizer) before scaler.update()", got="scaler.update() alone")
         s.update_before = (_f32(scaler.get_scale()), int(scaler._get_growth_tracker())) if s.used else None
 
     def on_update_end(self, scaler: Any, new_scale: Any, ok: bool) -> None:

@@ -34,6 +34,7 @@ CORRECT = [
     ("accumulation_loop.py", ["--steps", "200", "--inf-at", "7"]),
     ("scheduler_loop.py", ["--steps", "200", "--inf-at", "7,60,130"]),
     ("two_optimizers_loop.py", ["--steps", "60", "--inf-at", "4,30"]),
+    ("two_optimizers_loop.py", ["--steps", "40", "--order", "gan", "--inf-at", "4"]),
 ]
 
 ALL12 = list(range(12))

@@ -2,13 +2,15 @@
 
 Both losses are scaled by the one scaler; optimizer 0 is unscaled and clipped explicitly,
 optimizer 1 is unscaled inside scaler.step; one update per iteration backs off once.
+``--order gan`` steps optimizer 0 before the second loss is even scaled (a GAN's discriminator
+then generator), still with one update for both.
 """
 
 import torch
 
 from _common import batches, make_model, parse
 
-args = parse(("zero-grad-in-window",))
+args = parse(("zero-grad-in-window",), order="both")
 m0, m1 = make_model(0), make_model(1)
 opt0 = torch.optim.SGD(m0.parameters(), lr=0.01, momentum=0.9)
 opt1 = torch.optim.AdamW(m1.parameters(), lr=1e-3)
@@ -26,9 +28,16 @@ for step, (x, y) in enumerate(batches(args.steps)):
     scaler.scale(loss0).backward()
     if args.bug == "zero-grad-in-window":
         m0.zero_grad()  # meant for m1, but wipes m0's fresh gradients
-    scaler.scale(loss1).backward()
-    scaler.unscale_(opt0)
-    torch.nn.utils.clip_grad_norm_(m0.parameters(), 1.0)
-    scaler.step(opt0)
-    scaler.step(opt1)
+    if args.order == "gan":
+        scaler.unscale_(opt0)
+        torch.nn.utils.clip_grad_norm_(m0.parameters(), 1.0)
+        scaler.step(opt0)
+        scaler.scale(loss1).backward()
+        scaler.step(opt1)
+    else:
+        scaler.scale(loss1).backward()
+        scaler.unscale_(opt0)
+        torch.nn.utils.clip_grad_norm_(m0.parameters(), 1.0)
+        scaler.step(opt0)
+        scaler.step(opt1)
     scaler.update()
