@@ -37,7 +37,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hypothesis import event, given, settings, target  # noqa: E402
+from hypothesis import event, given, target  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from conformance import expectations  # noqa: E402
@@ -60,8 +60,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 REPRO = f"rerun this test with the @reproduce_failure blob printed above ({expectations.torchao_provenance()})"
-# Properties that are not parametrized get twice the profile's examples: at least 2,000 in thorough.
-TWICE = settings(max_examples=2 * settings.default.max_examples)
+# Every property is parametrized into at least two cases: 2,500 examples or more in thorough.
 
 
 @pytest.fixture(autouse=True, scope="module")
