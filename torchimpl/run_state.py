@@ -111,6 +111,10 @@ def _covered(key: str, names: tuple[str, ...]) -> bool:
 def config_changes(saved: dict[str, Any], now: dict[str, Any], *, mid_window: bool) -> tuple[list[str], list[str]]:
     """Rule 11: the refused differences and the applied ones, each as ``"key: old -> new"``."""
     old, new = _flatten(saved), _flatten(now)
+    from torchimpl.config import Config
+
+    for key, default in _flatten(Config().to_dict()).items():
+        old.setdefault(key, default)  # a field added since the checkpoint was written: its default
     refused, applied = [], []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key), new.get(key)

@@ -232,6 +232,8 @@ class Trainer:
             self._set_up(model, train_data)
             self._seed()
             resumed = self._resume(resume)
+            if cfg.checkpoint.folder is not None and self._dist.is_main:  # only once the run is accepted
+                remove_stale_temporaries(cfg.checkpoint.folder)
             guard = self._open(resumed)
             with Interrupts() as self._interrupts:
                 stopped, elapsed = self._loop(val_data, guard)
@@ -282,8 +284,6 @@ class Trainer:
         self._run = RunState(config=cfg, model=self.model, optimizer=self.optimizer, optimizer_kind=built.kind,
                              engine=self.engine, cursor=DataCursor(self.train_data, self.state),
                              plan_mode=self.plan.mode)
-        if cfg.checkpoint.folder is not None and self._dist.is_main:
-            remove_stale_temporaries(cfg.checkpoint.folder)
 
     def _seed(self) -> None:
         """Every generator from ``train.seed`` (a resume overwrites them with the saved states)."""
