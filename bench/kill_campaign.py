@@ -64,7 +64,7 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-def campaign(kills: int, steps: int, seed: int, work: Path) -> dict:
+def campaign(kills: int, steps: int, seed: int, work: Path, max_delay: float = 0.3) -> dict:
     from torchimpl.checkpoint import CheckpointError, verify_checkpoint
 
     rng = random.Random(seed)
@@ -86,7 +86,7 @@ def campaign(kills: int, steps: int, seed: int, work: Path) -> dict:
             while proc.poll() is None and time.time() < deadline and \
                     (not trace.exists() or trace.stat().st_size <= size):
                 time.sleep(0.005)
-            time.sleep(rng.uniform(0.0, 0.3))
+            time.sleep(rng.uniform(0.0, max_delay))
             if proc.poll() is None:
                 tmp_before = any(p.name.startswith(".tmp-step-") for p in part.iterdir())
                 proc.send_signal(signal.SIGKILL)
