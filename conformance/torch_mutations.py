@@ -573,6 +573,9 @@ MUTANTS: tuple[TorchMutant, ...] = (
                 CLIP, edits=(_clip("_clip_grads_with_norm_", _MUL, f"if clip_coef_clamped < 1:\n                {_MUL}"),)),
     TorchMutant("clip_eps_dropped", "the coefficient is max_norm / total, without the 1e-6", CLIP,
                 edits=(_clip("_clip_grads_with_norm_", "(total_norm + 1e-6)", "total_norm"),)),
+    TorchMutant("clip_eps_kept_in_float32", "a 16-bit total norm adds 1e-6 in float32 instead of in its own dtype",
+                CLIP, edits=(_clip("_clip_grads_with_norm_", "(total_norm + 1e-6)",
+                                   "(total_norm.float() + 1e-6).to(total_norm.dtype)"),)),
     TorchMutant("clip_coef_rounded_to_grad_dtype", "the coefficient is rounded to each gradient's dtype before the "
                 "multiply", CLIP, edits=(_clip("_clip_grads_with_norm_", _MUL,
                                                "torch._foreach_mul_(device_grads, clip_coef_clamped.to(device=device, "
