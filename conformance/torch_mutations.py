@@ -23,14 +23,14 @@ without the bug, which must survive (else the reimplementation, not the bug, wou
 the suite catches).
 
 Measured before the properties of issue 18 (lifecycle, call sequence, 0-d promotion, raw kernels,
-error_if_nonfinite) were added: 49/76 killed (adam_tensor_lr_read_as_float, added later, survives
-that suite too), the 27 survivors being it and the scale() dtype mutants,
+error_if_nonfinite) were added: 50/77 killed (of the two mutants added later, that suite kills
+clip_eps_kept_in_float32 and not adam_tensor_lr_read_as_float), the 27 survivors being the latter
+and the scale() dtype mutants,
 every argument check of unscale_/step, fused_step_unscales_twice, update(new_scale),
 state_dict/load_state_dict/pickling,
 growth_in_float32, growth_at_or_past_interval, nan_found_inf_is_clean, clip_coef_true_division,
-clip_zero_d_grad_not_promoted and both error_if_nonfinite mutants. After them: 76/76 killed (with
-adam_tensor_lr_read_as_float added), the two equivalent mutants surviving as argued and both
-controls surviving.
+clip_zero_d_grad_not_promoted and both error_if_nonfinite mutants. After them: 77/77 killed, the two
+equivalent mutants surviving as argued and both controls surviving.
 
 Run from the repository root (about 20 s per mutant on 2 cores; not part of ``pytest``):
 
@@ -573,6 +573,9 @@ MUTANTS: tuple[TorchMutant, ...] = (
                 CLIP, edits=(_clip("_clip_grads_with_norm_", _MUL, f"if clip_coef_clamped < 1:\n                {_MUL}"),)),
     TorchMutant("clip_eps_dropped", "the coefficient is max_norm / total, without the 1e-6", CLIP,
                 edits=(_clip("_clip_grads_with_norm_", "(total_norm + 1e-6)", "total_norm"),)),
+    TorchMutant("clip_eps_kept_in_float32", "a 16-bit total norm adds 1e-6 in float32 instead of in its own dtype",
+                CLIP, edits=(_clip("_clip_grads_with_norm_", "(total_norm + 1e-6)",
+                                   "(total_norm.float() + 1e-6).to(total_norm.dtype)"),)),
     TorchMutant("clip_coef_rounded_to_grad_dtype", "the coefficient is rounded to each gradient's dtype before the "
                 "multiply", CLIP, edits=(_clip("_clip_grads_with_norm_", _MUL,
                                                "torch._foreach_mul_(device_grads, clip_coef_clamped.to(device=device, "

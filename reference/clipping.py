@@ -22,7 +22,11 @@ Rules (L2 and max norms; ``g`` is one gradient, ``D`` its dtype; "f32(x)" rounds
 4. Coefficient, in the total's dtype with its op math (float32 for 16-bit and float32 totals):
    ``coef = f(f(1 / f(total + 1e-6)) * max_norm)``, each ``f`` rounding to that dtype: a
    reciprocal then a multiply, not a division (the two differ in about a quarter of cases). The
-   scalars 1e-6 and ``max_norm`` enter as float32 (float64 for a float64 total).
+   Python scalars meet the 0-d total differently: ``1e-6`` is first rounded to the total's own
+   dtype (``f(total + f(1e-6))``: torch's CPU add converts a scalar to the tensor's dtype, so a
+   bfloat16 or float16 total adds bfloat16(1e-6) / float16(1e-6), through float32), while
+   ``max_norm`` enters in the op math (float32 for 16-bit and float32 totals, float64 for a
+   float64 one: the multiply of a 16-bit tensor keeps its scalar operand in float32).
 5. The coefficient is clamped to at most 1.0 and then ALWAYS multiplied in: a coefficient of
    exactly 1.0 leaves every bit unchanged, and NaN passes through the clamp. Each gradient is
    multiplied in its own op math (float32, or float64 for float64 grads) by the coefficient
@@ -433,7 +437,7 @@ def _coefficient(total: np.floating, max_norm: float) -> np.floating:
         return np.asarray(x).astype(dtype)[()]
 
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        shifted = rnd(op(total) + op(EPS))
+        shifted = rnd(op(total) + op(_round_to(EPS, dtype)))  # 1e-6 in the total's dtype first
         recip = rnd(op(1.0) / op(shifted))
         coef = rnd(op(recip) * op(max_norm))
         # np.minimum propagates NaN, as torch.clamp(max=1.0) does.

@@ -467,3 +467,15 @@ def test_rule_10_a_zero_d_gradient_promotes_with_a_float64_coefficient():
     r0 = clipping.clip_grad_norm([b, np.array([7.0], np.float32)], 1.0)
     r1 = clipping.clip_grad_norm([b.reshape(1), np.array([7.0], np.float32)], 1.0)
     assert r0.grads[0].tobytes() == r1.grads[0].tobytes()
+
+
+def test_rule_4_a_16_bit_total_adds_1e_6_in_its_own_dtype():
+    # bfloat16 total 3.4488e-09 and max_norm 1.7244e-09 (found by the thorough run): torch adds
+    # bfloat16(1e-6), not float32(1e-6), before the reciprocal; max_norm stays float32.
+    total = np.asarray(np.float32(3.4488e-09)).astype(ml_dtypes.bfloat16)
+    coef = clipping._coefficient(total[()], 1.724401954561472e-09)
+    r = lambda x: np.asarray(np.float32(x)).astype(ml_dtypes.bfloat16)
+    f = np.float32
+    expected = r(f(r(f(1) / f(r(f(total) + f(r(1e-6)))))) * f(1.724401954561472e-09))
+    assert coef.dtype == ml_dtypes.bfloat16 and coef.tobytes() == expected.tobytes()
+    assert np.asarray(coef).view(np.uint16) == 0x3AE3
