@@ -70,7 +70,7 @@ def run_compare(*, steps: int = 200, device: str = "auto", out: str | Path = "am
             f"device={dev}", f"task.name={task}", f"precision.mode={mode}", f"train.steps={steps}",
             f"train.seed={seed}", "train.log_interval=50", f"train.eval_interval={max(steps // 5, 1)}",
             "optimizer.lr=3.0e-3", f"schedule.warmup_steps={max(steps // 20, 1)}",
-            f"train.trace_file={out / f'trace-{mode}.jsonl'}",
+            f"train.trace_file={out / f'trace-{mode}.jsonl'}", f"logging.dir={out / mode}",
         ])
         t = build_task(cfg.task, seed=seed, batch_size=cfg.train.batch_size)
         trainer = Trainer(cfg)
