@@ -244,9 +244,15 @@ class LoggingConfig(_Checked):
     """Write TensorBoard scalars in the run folder: ``null`` when the tensorboard package is
     installed, ``true`` always (refused at start when it is missing), ``false`` never."""
 
-    progress: Literal["auto", "bar", "lines", "off"] = "auto"
+    progress: Literal["auto", "bar", "lines", "off"] | bool = "auto"
     """Progress on stderr: ``auto`` is a bar when stderr is a terminal, else a line every
-    ``train.log_interval`` steps; ``bar``, ``lines`` or ``off`` force one."""
+    ``train.log_interval`` steps; ``bar``, ``lines`` or ``off`` force one. (YAML reads an
+    unquoted ``off`` as false, which means ``off``; true means ``auto``.)"""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.progress, bool):
+            object.__setattr__(self, "progress", "auto" if self.progress else "off")
+        super().__post_init__()
 
     def _problems(self) -> list[tuple[str, str]]:
         out = []
