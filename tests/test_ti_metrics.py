@@ -312,3 +312,12 @@ def test_quiet_silences_the_progress_lines(capsys):
     assert len([x for x in capsys.readouterr().err.splitlines() if LINE.match(x)]) == 3
     assert main(["train", *sets, "-q"]) == 0
     assert not [x for x in capsys.readouterr().err.splitlines() if LINE.match(x)]
+
+
+@pytest.mark.parametrize("progress,tty", [("bar", False), ("auto", True)])
+def test_the_bar_replaces_the_lines(capsys, monkeypatch, progress, tty):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+    fit("train.steps=4", "train.log_interval=2", "logging.dir=null", f"logging.progress={progress}")
+    err = capsys.readouterr().err
+    assert "4/4" in err and ("step/s" in err or "s/step" in err), err  # tqdm's counter and rate
+    assert not [x for x in err.splitlines() if LINE.match(x)]
