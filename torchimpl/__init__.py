@@ -98,6 +98,7 @@ __all__ = [
     "fp32_island",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_config",
     "make_grad_scaler",
     "read_trace",
     "resolve_device",
