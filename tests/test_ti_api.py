@@ -170,6 +170,14 @@ def test_every_keyword_is_tested():
     assert {key for key, *_ in MAPPED} == set(KEYWORDS)
 
 
+def test_a_section_object_as_a_keyword_replaces_the_section():
+    spelled = PrecisionConfig("16-mixed", fp8_recipe="rowwise")
+    cfg = Config.from_kwargs(precision=spelled)
+    assert cfg.precision is spelled
+    assert Trainer(precision=spelled, overrides={"precision.dtype": "fp16"}).config.precision == PrecisionConfig(
+        "fp16", dtype="fp16", fp8_recipe="rowwise")
+
+
 def test_dotted_overrides_as_a_mapping_or_as_strings():
     cfg = Config.from_kwargs(overrides={"scaler.growth_interval": 100, "train.batch_size": 4})
     assert (cfg.scaler.growth_interval, cfg.train.batch_size) == (100, 4)

@@ -527,7 +527,7 @@ def _apply_dotted(tree: dict[str, Any], pairs: Sequence[tuple[str, Any]], bad: l
     _expand_shorthand(tree)
     shorthand = {name: _SHORTHAND[tp] for name, tp in _section_types().items() if tp in _SHORTHAND}
     for key, value in pairs:
-        if key in shorthand and not isinstance(value, Mapping):
+        if key in shorthand and not isinstance(value, (Mapping, _section_types()[key])):
             key = f"{key}.{shorthand[key]}"  # precision=16-mixed keeps the section's other fields
         try:
             _set_dotted(tree, key, value)
