@@ -130,6 +130,9 @@ class RunSummary:
     fp8: dict[str, Any] | None = None
     """With ``precision.mode: fp8``: the recipe, what runs where, the converted layers and those
     kept in high precision with the reason for each."""
+    precision_note: str | None = None
+    """What the precision's spelling means when it was given as another library writes it
+    (``'16-mixed' (Lightning) means fp16 autocast ... with a dynamic loss scaler``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, valid JSON: a non-finite number becomes None."""
@@ -148,11 +151,13 @@ class Trainer:
     ``None`` without clipping).
     """
 
-    def __init__(self, config: Config, callbacks: Sequence[Callback] = ()):
-        if not isinstance(config, Config):
-            raise ValueError(f"config must be a torchimpl.config.Config, got {type(config).__name__}")
-        self.config = config
-        self.callbacks = list(callbacks)
+    def __init__(self, config: Config | None = None, callbacks: Sequence[Callback] = (), **kwargs: Any):
+        """``config`` (default: the defaults) with the keywords of :meth:`Config.from_kwargs`
+        applied: ``Trainer(precision="bf16-mixed", max_steps=200, accumulate=2)``. Everything is
+        validated here, never first at ``fit``: one ``ConfigError`` names every bad keyword."""
+        self.config = Config.from_kwargs(config, **kwargs)
+        # One callback where a sequence belongs is what the user means.
+        self.callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
         self._stop_requested: str | None = None
         self._reporter: Reporter | None = None
 
@@ -527,6 +532,7 @@ class Trainer:
             outcome=outcome(stopped=stopped, fault=self._fault is not None, interrupted=self._interrupts.received,
                             steps_applied=st.applied_steps, final_loss=st.last_train_loss),
             fp8=self.fp8_report.to_dict() if self.fp8_report is not None else None,
+            precision_note=plan.spelling_note,
         )
         for cb in self.callbacks:
             cb.on_fit_end(self, summary)
