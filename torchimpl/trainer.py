@@ -144,8 +144,8 @@ class Trainer:
     """Trains a model by the step contract; see the module docstring.
 
     Attributes available to callbacks during ``fit``: ``model`` (the module being trained,
-    uncompiled), ``optimizer``, ``scaler`` (``None`` without loss scaling), ``plan``,
-    ``device``, ``state``, ``schedule``, ``params`` (the trained parameters), ``found_inf``
+    uncompiled), ``optimizer``, ``scheduler`` (yours, or ``None``), ``scaler`` (``None``
+    without loss scaling), ``plan``, ``device``, ``state``, ``schedule``, ``params`` (the trained parameters), ``found_inf``
     (this step's device flag, from ``on_before_optimizer_step`` until the next window starts)
     and ``grad_norm`` (this step's total gradient norm before clipping, a device tensor;
     ``None`` without clipping).
