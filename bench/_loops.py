@@ -122,13 +122,16 @@ def trainer_config(w: Workload, steps: int, *, sync_free: bool = False, package:
     cpu = torch.device(w.device).type == "cpu"
     if cpu and w.autocast_dtype != torch.bfloat16:
         raise Unsupported("torchimpl on the CPU autocasts to bf16 only (fp16 resolves to fp32)")
+    # No metrics files or progress lines: the hand loops write none, and revisions before the
+    # logging section have none (--against REV).
+    quiet = {"logging": config.LoggingConfig(dir=None, progress="off")} if hasattr(config, "LoggingConfig") else {}
     return Config(
+        **quiet,
         device=w.device,
         precision=PrecisionConfig(mode="bf16" if w.autocast_dtype == torch.bfloat16 else "fp16"),
         optimizer=OptimizerConfig(name="adamw", lr=w.lr, weight_decay=w.weight_decay, fused=w.fused),
         schedule=ScheduleConfig(name="constant"),
-        # Production defaults otherwise: log_interval 10, no trace file, no guard, no
-        # checkpoints; the progress bar is off because stderr is not a terminal here.
+        # Production defaults otherwise: log_interval 10, no trace file, no guard, no checkpoints.
         train=TrainConfig(steps=steps, microbatches=w.k, clip_norm=w.clip_norm,
                           force_scaler=w.use_scaler and cpu, sync_free=sync_free),
     )

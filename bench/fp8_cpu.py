@@ -38,7 +38,7 @@ def run(candidate: str, args) -> dict:
     mode, _, recipe = candidate.partition(":")
     sets = ["device=cpu", f"task.name={args.task}", f"train.steps={args.steps}", f"precision.mode={mode}",
             "train.log_interval=20", f"train.eval_interval={args.steps}", "optimizer.lr=3.0e-3",
-            "schedule.warmup_steps=5"] + ([f"precision.fp8_recipe={recipe}"] if recipe else [])
+            "schedule.warmup_steps=5", "logging.dir=null", "logging.progress=off"] + ([f"precision.fp8_recipe={recipe}"] if recipe else [])
     cfg = load_config(overrides=sets)
     task = build_task(cfg.task, seed=0, batch_size=cfg.train.batch_size)
     with warnings.catch_warnings():
