@@ -6,7 +6,7 @@ attempt killed with SIGKILL after a random delay once it is training (checkpoint
 so many kills land inside a checkpoint write), until an attempt finishes. At the end it checks:
 every resume started (no refusal, no crash other than the kill), every checkpoint left in the
 folder verifies, no temporary file is left, and the final checkpoint (model, optimizer, scaler,
-counters) and the trace equal the uninterrupted run's, bit for bit. One line of figures:
+counters), the trace and ``metrics.csv`` equal the uninterrupted run's, bit for bit. One line of figures:
 
     PYTHONPATH=. python bench/kill_campaign.py --kills 100
 
@@ -113,7 +113,10 @@ def campaign(kills: int, steps: int, seed: int, work: Path, max_delay: float = 0
                 failures.append(str(exc))
     same_state = _equal(_final_state(whole, steps), _final_state(part, steps))
     same_trace = (whole / "trace.jsonl").read_bytes() == (part / "trace.jsonl").read_bytes()
-    figures["equal"] = same_state and same_trace
+    same_metrics = (whole / "metrics.csv").read_bytes() == (part / "metrics.csv").read_bytes()
+    figures["equal"] = same_state and same_trace and same_metrics
+    if not same_metrics:
+        failures.append("metrics.csv differs from the uninterrupted run's")
     if not same_state:
         failures.append("the final checkpoint differs from the uninterrupted run's")
     if not same_trace:
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = not f["failures"] and f["equal"]
     print(f"kill campaign: {f['kills']} kills ({f['inside_write']} inside a checkpoint write), "
           f"{f['attempts']} attempts, {f['resume_failures']} resume failures, {f['bad_checkpoints']} checkpoints "
-          f"that fail to verify, {f['leftovers']} leftover temporary files, final state and trace "
+          f"that fail to verify, {f['leftovers']} leftover temporary files, final state, trace and metrics "
           f"{'equal' if f['equal'] else 'DIFFERENT'} to the uninterrupted run's ({time.time() - t0:.0f} s)")
     for line in f["failures"]:
         print("  " + line)
