@@ -8,12 +8,17 @@ CLI's boundary with the specification, does so only when ``replay`` calls it).
 - training: `Config`, `load_config`, `Trainer` (the run's cadence; the step itself is
   `torchimpl.step`'s engine, the checkpoint contents `torchimpl.run_state`), `Callback`,
   `RunSummary`, step records and checkpoints;
-- diagnostics: `NonFiniteGuard`, `check_placement`, `diagnose_nonfinite`.
+- diagnostics: `NonFiniteGuard`, `check_placement`, `diagnose_nonfinite`;
+- the trained weights: `load_weights` (a checkpoint's model ``state_dict``).
 """
+
+# The distribution's version (pyproject.toml), for a checkout that is not installed.
+__version__ = "0.1.0"
 
 from torchimpl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from torchimpl.config import Config, ConfigError, load_config
 from torchimpl.device import resolve_device
+from torchimpl.export import load_weights
 from torchimpl.diagnostics import (
     DiagnosisReport,
     NonFiniteError,
@@ -66,6 +71,7 @@ __all__ = [
     "fp32_island",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_weights",
     "make_grad_scaler",
     "read_trace",
     "resolve_device",

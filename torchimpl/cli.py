@@ -88,6 +88,8 @@ def _compare(args: argparse.Namespace) -> int:
     for row in res.rows:
         for d in row["downgrades"]:
             print(f"note ({row['precision']}): {d}")
+    for label, why in res.left_out.items():
+        print(f"note ({label}): left out: {why}")
     print(f"report: {res.report_path}")
     print(f"plot: {res.png_path}" if res.png_path else res.png_note)
     print(f"took {res.seconds:.1f} s")

@@ -51,6 +51,8 @@ class CompareResult:
     report_path: str
     png_path: str | None
     png_note: str | None
+    left_out: dict[str, str]
+    """Runs that could not be made, with the reason (fp8 on a model with no convertible layer)."""
 
 
 @dataclass
@@ -164,17 +166,24 @@ def run_compare(*, steps: int = 200, device: str = "auto", out: str | Path = "am
     out.mkdir(parents=True, exist_ok=True)
     dev = resolve_device(device)
     eval_every = max(steps // 20, 1)  # about 20 points: a validation curve, not a final number
-    rows, curves = [], {}
+    rows, curves, left_out = [], {}, {}
     for label, mode, extra in _runs(dev):
-        row, curves[label] = _train_one(label, mode, extra, dev=dev, task=task, steps=steps, seed=seed,
-                                        eval_every=eval_every, out=out)
+        try:
+            row, curves[label] = _train_one(label, mode, extra, dev=dev, task=task, steps=steps, seed=seed,
+                                            eval_every=eval_every, out=out)
+        except ValueError as exc:
+            if mode != "fp8":
+                raise
+            # fp8 is the optional extra: a model it cannot convert leaves that row out, not the comparison.
+            left_out[label] = str(exc)
+            continue
         rows.append(row)
     agree = _judge(rows, curves, window, rel_tol, abs_tol)
     rule = (f"{window}-step moving averages within {rel_tol:.0%} of fp32's, or within {abs_tol:.0%} of "
             f"fp32's starting loss where that is larger (near zero loss a relative band is meaningless)")
     title = f"ampspec compare: task {task} on {dev}, torch {torch.__version__}, {steps} steps, seed {seed}"
     report = {"device": str(dev), "torch": str(torch.__version__), "task": task, "steps": steps, "seed": seed,
-              "rule": rule, "max_gap": gap_explained(window), "agree": agree, "rows": rows,
+              "rule": rule, "max_gap": gap_explained(window), "agree": agree, "rows": rows, "left_out": left_out,
               "loss_curves": {k: c.train for k, c in curves.items()},
               "val_curves": {k: c.val for k, c in curves.items()},
               "skipped_steps": {k: c.skipped for k, c in curves.items()},
@@ -184,7 +193,7 @@ def run_compare(*, steps: int = 200, device: str = "auto", out: str | Path = "am
     band = _Band(window, rel_tol, abs_tol)
     png_path, note = _plot(curves, rows, band, title, out / "compare.png")
     return CompareResult(rows, agree, rule, gap_explained(window), time.perf_counter() - t0, str(report_path),
-                         png_path, note)
+                         png_path, note, left_out)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,7 +92,9 @@ def _load_sharded(folder: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     # dcp_to_torch_save reads without a process group; it gathers every shard into one file.
-    with tempfile.TemporaryDirectory(prefix=".ampspec-export-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=".ampspec-export-") as tmp, warnings.catch_warnings():
+        # One process reading every shard is the intent here, not a missing process group.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
         full = Path(tmp) / "full.pt"
         dcp_to_torch_save(str(folder), str(full))
         state = torch.load(full, map_location="cpu", weights_only=True)
