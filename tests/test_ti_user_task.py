@@ -364,3 +364,17 @@ def test_fp16_on_cpu_warns_python_users_once_at_their_fit_call():
     assert len(downgrades) == 1, [str(w.message) for w in seen]
     assert str(downgrades[0].message).startswith("precision: precision mode 'fp16' was requested on the CPU")
     assert downgrades[0].filename == __file__
+
+
+def test_the_cli_shows_its_own_warnings_plainly_and_others_as_python_does(monkeypatch, capsys):
+    import torchimpl.cli as cli
+
+    passed_on = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, category, filename, lineno, *rest:
+                        passed_on.append((str(message), filename, lineno)))
+    cli._plain_warnings()
+    inside = str(Path(cli.__file__).resolve().parent / "trainer.py")
+    warnings.showwarning(UserWarning("ours"), UserWarning, inside, 12)
+    warnings.showwarning(UserWarning("theirs"), UserWarning, "/somewhere/user_code.py", 34)
+    assert capsys.readouterr().err == "ampspec: warning: ours\n"
+    assert passed_on == [("theirs", "/somewhere/user_code.py", 34)]  # file:line kept for code not ours
