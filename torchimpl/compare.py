@@ -256,12 +256,21 @@ def _plot_losses(ax: Any, curves: dict[str, _Curves], by_label: dict[str, dict[s
 
     ref = _smooth(curves["fp32"].train, band.window)
     low, high = band.around(ref)
+    values = [v for c in curves.values() for v in _smooth(c.train, band.window)] + [v for c in curves.values()
+                                                                                  for _, v in c.val]
+    positive = [v for v in values if v > 0]
+    log_axis = bool(positive) and max(positive) / min(positive) > 20  # a loss falling towards 0 reads on a log axis
+    if log_axis:
+        # The band reaches 0 where the absolute floor is wider than the loss: draw it to the axis' bottom.
+        bottom = 0.5 * min(positive)
+        low = [max(v, bottom) for v in low]
+        ax.set_yscale("log")
+        ax.set_ylim(bottom=bottom)
     ax.fill_between(range(1, len(ref) + 1), low, high, color="0.5", alpha=0.18, linewidth=0)
     handles = []
-    for label, c in curves.items():
+    for i, (label, c) in enumerate(curves.items()):
         sm = _smooth(c.train, band.window)
-        # fp32 wide and pale underneath: the runs that agree lie on top of it.
-        width, alpha = (4.0, 0.45) if label == "fp32" else (1.4, 0.95)
+        width, alpha = _line_style(i)
         ax.plot(range(1, len(sm) + 1), sm, color=colours[label], linewidth=width, alpha=alpha)
         if c.val:
             xs, ys = zip(*c.val)
@@ -270,19 +279,25 @@ def _plot_losses(ax: Any, curves: dict[str, _Curves], by_label: dict[str, dict[s
         if c.skipped:
             ax.plot(c.skipped, [sm[s - 1] for s in c.skipped], linestyle="none", marker="x", markersize=8,
                     markeredgewidth=2, color=colours[label])
-        handles.append(Line2D([], [], color=colours[label], linewidth=2, label=_run_label(label, by_label[label])))
+        twin = next((k for k in list(curves)[:i] if curves[k].train == c.train), None)
+        text = _run_label(label, by_label[label]) + (f" (identical to {twin})" if twin else "")
+        handles.append(Line2D([], [], color=colours[label], linewidth=2, label=text))
     handles += [Line2D([], [], color="0.3", linestyle="--", marker="o", markersize=3.5, linewidth=1,
                        label="validation loss (dashed)"),
                 Line2D([], [], color="0.3", linestyle="none", marker="x", markersize=8, markeredgewidth=2,
                        label="skipped step (non-finite gradient)"),
                 Patch(color="0.5", alpha=0.18, label="agreement band around fp32")]
-    values = [v for c in curves.values() for v in _smooth(c.train, band.window)] + low
-    positive = [v for v in values if v > 0]
-    if positive and max(positive) / min(positive) > 20:
-        ax.set_yscale("log")  # a loss falling towards 0 is read on a log axis
     ax.set(title=f"training loss ({band.window}-step moving average) and validation loss", ylabel="loss")
     ax.grid(True, alpha=0.3)
     ax.legend(handles=handles, fontsize=8.5, loc="upper right")
+
+
+def _line_style(index: int) -> tuple[float, float]:
+    """(width, opacity) of the index-th run: fp32 wide and pale underneath, each later run
+    narrower, so that runs that coincide (bf16 with and without a scaler) all stay visible."""
+    if index == 0:
+        return 4.0, 0.45
+    return max(2.8 - 0.8 * (index - 1), 1.0), 0.95
 
 
 def _plot_gaps(ax: Any, curves: dict[str, _Curves], by_label: dict[str, dict[str, Any]], band: _Band,
@@ -295,12 +310,12 @@ def _plot_gaps(ax: Any, curves: dict[str, _Curves], by_label: dict[str, dict[str
     ax.fill_between(steps, [-h for h in half], half, color="0.5", alpha=0.18, linewidth=0)
     ax.axhline(0.0, color=colours["fp32"], linewidth=1)
     top = max(half)
-    for label, c in curves.items():
+    for i, (label, c) in enumerate(curves.items()):
         if label == "fp32":
             continue
         gap = [a - b for a, b in zip(_smooth(c.train, band.window), ref)]
         top = max(top, max(abs(g) for g in gap))
-        ax.plot(steps, gap, color=colours[label], linewidth=1.4)
+        ax.plot(steps, gap, color=colours[label], linewidth=_line_style(i)[0])
     ax.set_ylim(-1.1 * top, 1.1 * top)
     ax.set(title="difference from fp32 (moving averages, loss units); the band is the tolerance",
            xlabel="optimizer step", ylabel="loss - fp32's")
