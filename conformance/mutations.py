@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STEP = "torchimpl/step.py"
 SCALER = "torchimpl/scaler.py"
 OPTIM = "torchimpl/optim.py"
+SCHEDULE = "torchimpl/schedule.py"
 TRAINER_TESTS = ("conformance/test_trainer.py",)
 SCALER_TESTS = ("conformance/test_scaler.py", "conformance/test_trainer.py")
 DISTRIBUTED = "torchimpl/distributed.py"
@@ -95,6 +96,11 @@ MUTANTS = (
     Mutant("bias_and_norm_decayed", "decay biases and norm weights despite no_decay_bias_and_norm", OPTIM,
            '{"params": no_decay, "weight_decay": 0.0}', '{"params": no_decay, "weight_decay": config.weight_decay}',
            TRAINER_TESTS),
+    Mutant("user_scheduler_on_skipped_step", "step the user's LR scheduler on a skipped step too", SCHEDULE,
+           "        if applied and self.scheduler is not None:\n", "        if self.scheduler is not None:\n",
+           TRAINER_TESTS),
+    Mutant("user_scheduler_not_restored", "ignore the user's scheduler state on resume", SCHEDULE,
+           '            self.scheduler.load_state_dict(state["scheduler"])\n', "            pass\n", TRAINER_TESTS),
 )
 
 

@@ -201,7 +201,10 @@ def trainer_case(draw) -> dict:
     ``optimizer`` (of ``OptimizerConfig``: for-loop or fused, parameter groups with or without
     ``no_decay_bias_and_norm``), ``schedule`` (of ``ScheduleConfig``), ``faults`` (global microbatch
     index -> ``("data" | "hook" | "loss", value)``), ``resume`` (``None``, ``("step", r)`` to save after
-    step r, or ``("microbatch", r, j)`` to save after the j-th microbatch of step r) and ``seed``.
+    step r, or ``("microbatch", r, j)`` to save after the j-th microbatch of step r), ``seed`` and
+    ``user``: ``None`` (the configuration's optimizer and schedule), ``{"scheduler": None}`` (the
+    user's own torch optimizer of the same settings, handed to ``fit``, at a constant rate) or
+    ``{"scheduler": {"step_size": s, "gamma": g}}`` (and the user's ``StepLR``).
     """
     task = draw(st.sampled_from(["mlp", "lm"]))
     precision = draw(st.sampled_from(["fp32", "bf16", "fp16"]))
@@ -254,8 +257,15 @@ def trainer_case(draw) -> dict:
         batches_per_epoch=draw(st.integers(2, 7)),
         clip_norm=draw(st.one_of(st.none(), st.sampled_from([0.05, 1.0]), st.floats(0.01, 10.0))),
         scaler=scaler, optimizer=optimizer, schedule=schedule, faults=faults, resume=resume,
-        seed=draw(st.integers(0, 3)),
+        seed=draw(st.integers(0, 3)), user=draw(user_optimizer()),
     )
+
+
+def user_optimizer() -> st.SearchStrategy:
+    """Whether a trainer case hands ``fit`` its own optimizer, and its own StepLR (about half of
+    the cases keep the configuration's)."""
+    step_lr = st.fixed_dictionaries({"step_size": st.integers(1, 2), "gamma": st.sampled_from([0.5, 0.7, 0.1])})
+    return st.one_of(st.none(), st.fixed_dictionaries({"scheduler": st.one_of(st.none(), step_lr)}))
 
 
 # --- Reaching the rounding: scales, thresholds, 0-d tensors, lifecycles (issue 18) ---------------

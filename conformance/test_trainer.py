@@ -26,6 +26,11 @@ continue. Callbacks watch the run and drive the reference in lockstep:
    come at the same step. The learning rate must stand still on skipped steps in both modes:
    the record's ``lr`` is compared exactly, float32 in the sync-free mode.
 
+About half the drawn cases (and two explicit ones) hand ``fit`` the user's own torch optimizer
+of the same settings, and sometimes a ``StepLR``: the spec then runs at the optimizer's constant
+rate or by its ``step`` schedule (torch's chained StepLR), advanced on applied steps only, and
+the resume restores the user's optimizer and scheduler states.
+
 Exactness: everything is compared bit for bit (NaN as a class). That holds only with the
 arithmetic pinned: CPU, one thread, ``ATEN_CPU_CAPABILITY=default`` (native AVX2/AVX512
 kernels contract ``add(alpha=)``, ``lerp`` and the norm's tail into fused multiply-adds, a few
@@ -43,6 +48,7 @@ modes (for-loop, fused, sync-free), plus the explicit examples.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -170,16 +176,24 @@ class Lockstep(Callback):
     def on_fit_start(self, trainer):
         cfg = trainer.config
         o = cfg.optimizer
+        user = self.case.get("user")
+        step_lr = user["scheduler"] if user is not None else None
         kind = "fused" if o.fused else "for-loop"  # fused=None is the for-loop on the CPU
         assert_equal(trainer.optimizer_kind, kind, Where("trainer", None, "optimizer kind", REPRO))
-        # The sync-free mode is refused for fused SGD with momentum (see reference.step.StepConfig).
-        sync_free = cfg.train.sync_free and not (o.name == "sgd" and o.momentum > 0)
+        # The sync-free mode is refused for fused SGD with momentum (see reference.step.StepConfig)
+        # and with a user's scheduler (it steps on the host).
+        sync_free = cfg.train.sync_free and not (o.name == "sgd" and o.momentum > 0) and step_lr is None
         assert_equal(trainer.sync_free, sync_free, Where("trainer", None, "sync_free", REPRO))
         if self.ref_state is not None:
             return  # a resumed run: the spec simply continues
         policy = trainer.scaler.policy if trainer.scaler is not None else None
         self.config = spec_bridge.step_config(cfg, scaler_policy=policy, optimizer_kind=kind, sync_free=sync_free,
                                               param_ndims=[p.ndim for p in trainer.params], sqrt=_torch_sqrt)
+        if user is not None:
+            # The user's optimizer keeps its rate, or follows its StepLR: rule 4 of the spec's LRSchedule.
+            schedule = ref_step.LRSchedule(base_lr=o.lr, kind="constant") if step_lr is None else \
+                ref_step.LRSchedule(base_lr=o.lr, kind="step", **step_lr)
+            self.config = dataclasses.replace(self.config, schedule=schedule)
         self.ref_state = ref_step.init_train_state([to_numpy(p) for p in trainer.params], self.config)
 
     def where(self, trainer, field: str) -> Where:
@@ -319,10 +333,36 @@ def _fit(cfg: Config, case: dict, lock: Lockstep, resume: Path | None):
         # One hook on the first parameter; each planted microbatch gets the first hook value.
         next(task.model.parameters()).register_hook(lock.hook_for(hook_faults[0]))
     trainer = Trainer(cfg, callbacks=[lock])
+    own = _user_optimizer(case, task.model) if case.get("user") is not None else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the CPU fp16 downgrade warns by design
-        trainer.summary = trainer.fit(task.model, data, loss_fn=lock.loss_fn, resume=resume)
+        trainer.summary = trainer.fit(task.model, data, loss_fn=lock.loss_fn, resume=resume, **own)
     return trainer
+
+
+def _user_optimizer(case: dict, model: torch.nn.Module) -> dict:
+    """The optimizer (and StepLR) a user would build for the case's optimizer settings, as
+    torch.optim objects: the same hyperparameters and parameter groups as the configuration's."""
+    o = dict(case["optimizer"])
+    params = [p for p in model.parameters() if p.requires_grad]
+    wd = o.get("weight_decay", 0.0)
+    if o.get("no_decay_bias_and_norm"):
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": wd},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+    else:
+        groups = [{"params": params, "weight_decay": wd}]
+    impl = {"fused": True} if o.get("fused") else {"foreach": False}
+    if o["name"] == "sgd":
+        opt = torch.optim.SGD(groups, lr=o["lr"], momentum=o.get("momentum", 0.0), nesterov=o.get("nesterov", False),
+                              **impl)
+    else:
+        cls = torch.optim.AdamW if o["name"] == "adamw" else torch.optim.Adam
+        opt = cls(groups, lr=o["lr"], betas=tuple(o.get("betas", (0.9, 0.999))), eps=o.get("eps", 1e-8), **impl)
+    step_lr = case["user"]["scheduler"]
+    if step_lr is None:
+        return {"optimizer": opt}
+    return {"optimizer": opt, "scheduler": torch.optim.lr_scheduler.StepLR(opt, **step_lr)}
 
 
 def run_case(case: dict, device: str) -> None:
@@ -449,6 +489,24 @@ _EXAMPLES = [
          optimizer=dict(name="adamw", lr=0.01, weight_decay=0.0, no_decay_bias_and_norm=False),
          schedule=dict(name="constant", warmup_steps=0, min_lr_ratio=0.1, decay_steps=None),
          faults={1: ("loss", float("inf"))}, resume=None, seed=3),
+    # the user's own SGD with momentum and StepLR: a skipped step must not advance the scheduler;
+    # two parameter groups, clipping, a resume after an odd count of applied steps (a scheduler
+    # started afresh would multiply at the wrong steps)
+    dict(task="mlp", precision="fp16", force_scaler=True, steps=5, microbatches=1, batches_per_epoch=5,
+         clip_norm=1.0, scaler=dict(preset="torch", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+                                    growth_interval=1),
+         optimizer=dict(name="sgd", lr=0.1, weight_decay=0.01, momentum=0.9, nesterov=False,
+                        no_decay_bias_and_norm=True),
+         schedule=dict(name="cosine", warmup_steps=1, min_lr_ratio=0.1, decay_steps=None),
+         faults={1: ("hook", float("inf"))}, resume=("step", 2), seed=0,
+         user={"scheduler": {"step_size": 2, "gamma": 0.7}}),
+    # the user's fused AdamW in the sync-free mode, at its constant rate, resumed inside a window
+    dict(task="mlp", precision="fp16", force_scaler=True, steps=4, microbatches=2, batches_per_epoch=5,
+         sync_free=True, log_interval=2, clip_norm=None,
+         scaler=dict(preset="torch", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=1),
+         optimizer=dict(name="adamw", lr=0.01, weight_decay=0.1, fused=True, no_decay_bias_and_norm=False),
+         schedule=dict(name="cosine", warmup_steps=0, min_lr_ratio=0.1, decay_steps=None),
+         faults={2: ("data", float("nan"))}, resume=("microbatch", 2, 1), seed=1, user={"scheduler": None}),
     dict(task="lm", precision="bf16", force_scaler=False, steps=3, microbatches=1, batches_per_epoch=5,
          sync_free=True, log_interval=2, clip_norm=None,
          scaler=dict(preset="torch", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=1),

@@ -61,7 +61,7 @@ __all__ = [
     "replay",
 ]
 
-_SCHEDULE_KINDS = ("constant", "cosine")
+_SCHEDULE_KINDS = ("constant", "cosine", "step")
 _OPTIMIZER_KINDS = ("for-loop", "fused")
 _UNSCALE = ("scaler", "kernel")
 
@@ -77,7 +77,12 @@ class LRSchedule:
     3. ``cosine``: with ``p = clamp((n - warmup_steps) / max(1, total_steps - warmup_steps), 0, 1)``
        and ``r = min_lr_ratio``, ``base_lr * (r + (1 - r) * (1 + cos(pi * p)) / 2)``: it decays
        from exactly ``base_lr`` at ``p = 0`` to ``base_lr * r``. The float64 expression is part
-       of the rule (an equal expression in real arithmetic can differ in the last bits).
+       of the rule (an equal expression in real arithmetic can differ in the last bits);
+    4. ``step``: torch's ``StepLR``, the schedule a user's own scheduler brings, in its chained
+       form: the rate starts at ``base_lr`` and is multiplied by ``gamma`` (one float64 multiply)
+       at every ``n`` that is a multiple of ``step_size``; so after ``n`` applied steps it is
+       ``base_lr`` times ``gamma``, ``n // step_size`` times, in that order (not ``gamma ** k``,
+       which rounds differently). No warmup.
     """
 
     base_lr: float
@@ -85,6 +90,8 @@ class LRSchedule:
     warmup_steps: int = 0
     total_steps: int | None = None
     min_lr_ratio: float = 0.0
+    step_size: int = 1
+    gamma: float = 0.1
 
     def __post_init__(self) -> None:
         if not (isinstance(self.base_lr, (int, float)) and math.isfinite(self.base_lr) and self.base_lr >= 0):
@@ -99,6 +106,11 @@ class LRSchedule:
             raise ValueError(f"total_steps must be an int >= 1 for a cosine schedule, got {self.total_steps!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.kind == "step":
+            if isinstance(self.step_size, bool) or not isinstance(self.step_size, int) or self.step_size < 1:
+                raise ValueError(f"step_size must be an int >= 1, got {self.step_size!r}")
+            if self.warmup_steps:
+                raise ValueError("a step schedule has no warmup (torch's StepLR): warmup_steps must be 0")
 
     def lr_at(self, applied_steps: int) -> float:
         """The learning rate for the next step, after ``applied_steps`` applied steps."""
@@ -107,6 +119,11 @@ class LRSchedule:
             return self.base_lr * (n + 1) / self.warmup_steps
         if self.kind == "constant":
             return float(self.base_lr)
+        if self.kind == "step":
+            lr = float(self.base_lr)
+            for _ in range(n // self.step_size):
+                lr = lr * self.gamma
+            return lr
         assert self.total_steps is not None
         span = max(1, self.total_steps - self.warmup_steps)
         p = min(1.0, max(0.0, (n - self.warmup_steps) / span))

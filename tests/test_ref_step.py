@@ -144,6 +144,18 @@ def test_lr_schedule_warmup_then_cosine():
     assert LRSchedule(base_lr=0.3).lr_at(1000) == 0.3
 
 
+def test_lr_schedule_step_is_the_chained_product_not_a_power():
+    s = LRSchedule(base_lr=0.1, kind="step", step_size=2, gamma=0.1)
+    assert [s.lr_at(n) for n in range(5)] == [0.1, 0.1, 0.1 * 0.1, 0.1 * 0.1, 0.1 * 0.1 * 0.1]
+    # The chained float64 product differs from the closed form in the last bit here.
+    chained = LRSchedule(base_lr=0.3, kind="step", step_size=1, gamma=0.7)
+    assert chained.lr_at(2) == 0.3 * 0.7 * 0.7 == 0.147 != 0.3 * 0.7 ** 2
+    with pytest.raises(ValueError, match="no warmup"):
+        LRSchedule(base_lr=0.1, kind="step", warmup_steps=1)
+    with pytest.raises(ValueError, match="step_size"):
+        LRSchedule(base_lr=0.1, kind="step", step_size=0)
+
+
 @pytest.mark.parametrize(
     "kwargs, name",
     [

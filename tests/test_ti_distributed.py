@@ -372,3 +372,55 @@ def test_a_rank_that_never_joins_makes_the_others_fail_within_the_timeout(ranks)
     res = ranks("hang")
     assert res[0]["raised"] and "another rank probably died or hangs" in res[0]["raised"], res[0]
     assert res[0]["after_s"] < 15, f"rank 0 gave up after {res[0]['after_s']:.1f} s with a 3 s timeout"
+
+
+def _damaged_fsdp2_folder(resumed, tmp_path):
+    """A copy of the fsdp2 run's checkpoint folder (steps 0, 0-mb1, 3-mb1, 3 and 6)."""
+    dest = tmp_path / "ck"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(os.path.join(resumed["folder"], "fsdp2", "whole"), dest)
+    return dest
+
+
+def _resume_one_rank(folder, resume):
+    from torchimpl.tasks import build_task
+    from torchimpl.trainer import Trainer
+
+    cfg = _cfg("fsdp2", str(folder), "train.steps=6")
+    task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.distributed's single-process notes
+        summary = Trainer(cfg).fit(task.model, task.train_data, loss_fn=task.loss_fn, resume=resume)
+    return summary, [v.full_tensor() if hasattr(v, "full_tensor") else v for v in task.model.state_dict().values()]
+
+
+@pytest.mark.parametrize("damage", ["shard", "metadata", "meta"])
+def test_a_damaged_fsdp2_checkpoint_is_passed_over_for_the_previous_one(resumed, tmp_path, damage, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="torchimpl")
+    folder = _damaged_fsdp2_folder(resumed, tmp_path / "damaged")
+    newest = folder / "step-00000006.dcp"
+    victim = {"shard": sorted(newest.glob("*.distcp"))[-1], "metadata": newest / ".metadata",
+              "meta": newest / "meta.ckpt"}[damage]
+    victim.unlink()
+    summary, params = _resume_one_rank(folder, "latest")
+    messages = [r.getMessage() for r in caplog.records]
+    passed_over = [m for m in messages if m.startswith("cannot resume from step-00000006.dcp")]
+    assert passed_over and "Traceback" not in passed_over[0], f"the damaged checkpoint must be named in one line: {messages}"
+    assert any("resumed from" in m and "step-00000003.dcp" in m for m in messages), messages
+    # A failed (partial) read of the damaged one leaves nothing behind: the run equals a clean
+    # resume from step 3.
+    clean = _damaged_fsdp2_folder(resumed, tmp_path / "clean")
+    _, expected = _resume_one_rank(clean, clean / "step-00000003.dcp")
+    assert summary.steps == 6
+    assert all(torch.equal(a, b) for a, b in zip(params, expected)), "the fallback resume was contaminated"
+
+
+def test_a_kill_during_the_rename_leaves_a_temporary_folder_that_the_next_run_removes(resumed, tmp_path):
+    folder = _damaged_fsdp2_folder(resumed, tmp_path)
+    # A kill after every rank wrote its shards but before the rename: the temporary name remains.
+    os.rename(folder / "step-00000006.dcp", folder / ".tmp-step-00000006.dcp")
+    summary, _ = _resume_one_rank(folder, "latest")
+    assert summary.steps == 6 and not (folder / ".tmp-step-00000006.dcp").exists()
+    assert (folder / "step-00000006.dcp" / ".metadata").is_file()

@@ -134,13 +134,17 @@ def test_kernel_skip_counts_at_the_flush_and_saves_the_device_count():
 
 
 def test_sync_free_refusals_name_the_fix():
-    cfg = load_config(overrides=["optimizer.name=sgd", "optimizer.momentum=0.9"])
-    assert choose_sync_free(False, "for-loop", cfg.optimizer) == (False, None)
-    ok, why = choose_sync_free(True, "for-loop", cfg.optimizer)
+    w = [torch.nn.Parameter(torch.zeros(2))]
+    sgd = torch.optim.SGD(w, lr=0.1, momentum=0.9, fused=True)
+    assert choose_sync_free(False, "for-loop", sgd) == (False, None)
+    ok, why = choose_sync_free(True, "for-loop", torch.optim.SGD(w, lr=0.1))
     assert not ok and "optimizer.fused=true" in why
-    ok, why = choose_sync_free(True, "fused", cfg.optimizer)
+    ok, why = choose_sync_free(True, "fused", sgd)
     assert not ok and "momentum" in why
-    assert choose_sync_free(True, "fused", load_config().optimizer) == (True, None)
+    adamw = torch.optim.AdamW(w, fused=True)
+    assert choose_sync_free(True, "fused", adamw) == (True, None)
+    ok, why = choose_sync_free(True, "fused", adamw, scheduler=torch.optim.lr_scheduler.StepLR(adamw, 2))
+    assert not ok and "StepLR" in why and "host" in why
 
 
 def test_pending_records_are_read_by_name_in_one_transfer():

@@ -1,13 +1,18 @@
 """ampspec's production PyTorch package. It never imports ``reference`` (``spec_bridge``, the
 CLI's boundary with the specification, does so only when ``replay`` calls it).
 
-- device and precision: `resolve_device`, `PrecisionConfig`, `resolve_precision`,
-  `autocast_context`, `configure_tf32`, `fp32_island`, `upcast`;
-- loss scaling: `ScalerConfig`, `DynamicLossScaler`, `make_grad_scaler`;
-- optimizers: `OptimizerConfig`, `build_optimizer`, `supports_fused_adamw`;
-- training: `Config`, `load_config`, `Trainer` (the run's cadence; the step itself is
-  `torchimpl.step`'s engine, the checkpoint contents `torchimpl.run_state`), `Callback`,
-  `RunSummary`, step records and checkpoints;
+Train a model: ``Trainer(precision="bf16-mixed", max_steps=200).fit(model, train_data, val_data)``.
+
+- configuration: `Config` (whole run; `Config.from_kwargs`, `Config.from_dict`), its sections
+  `TaskConfig`, `PrecisionConfig`, `OptimizerConfig`, `ScalerConfig`, `ScheduleConfig`,
+  `TrainConfig`, `CheckpointConfig`; `load_config`, `apply_overrides`, `ConfigError`;
+- device and precision: `resolve_device`, `resolve_precision` (precision spellings:
+  `canonical_mode`), `autocast_context`, `configure_tf32`, `fp32_island`, `upcast`;
+- loss scaling: `DynamicLossScaler`, `make_grad_scaler`;
+- optimizers: `build_optimizer`, `supports_fused_adamw`, `FusedOptimizerWarning`;
+- training: `Trainer` (the run's cadence; the step itself is `torchimpl.step`'s engine, the
+  checkpoint contents `torchimpl.run_state`), `Callback`, `RunSummary`, `TrainState`,
+  `default_loss_fn`, step records and checkpoints (`ResumeError` for a refused resume);
 - diagnostics: `NonFiniteGuard`, `check_placement`, `diagnose_nonfinite`;
 - the trained weights: `load_weights` (a checkpoint's model ``state_dict``).
 """
@@ -16,7 +21,16 @@ CLI's boundary with the specification, does so only when ``replay`` calls it).
 __version__ = "0.1.0"
 
 from torchimpl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from torchimpl.config import Config, ConfigError, load_config
+from torchimpl.config import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    ScheduleConfig,
+    TaskConfig,
+    TrainConfig,
+    apply_overrides,
+    load_config,
+)
 from torchimpl.device import resolve_device
 from torchimpl.export import load_weights
 from torchimpl.diagnostics import (
@@ -26,12 +40,19 @@ from torchimpl.diagnostics import (
     check_placement,
     diagnose_nonfinite,
 )
-from torchimpl.optim import BuiltOptimizer, OptimizerConfig, build_optimizer, supports_fused_adamw
+from torchimpl.optim import (
+    BuiltOptimizer,
+    FusedOptimizerWarning,
+    OptimizerConfig,
+    build_optimizer,
+    supports_fused_adamw,
+)
 from torchimpl.precision import (
     PrecisionConfig,
     PrecisionDowngradeWarning,
     PrecisionPlan,
     autocast_context,
+    canonical_mode,
     configure_reduced_precision_reduction,
     configure_tf32,
     fp32_island,
@@ -39,38 +60,50 @@ from torchimpl.precision import (
     upcast,
 )
 from torchimpl.records import StepRecord, read_trace
+from torchimpl.run_state import ResumeError, TrainState
 from torchimpl.scaler import DynamicLossScaler, ScaleAtMinimumError, ScalerConfig, make_grad_scaler
-from torchimpl.trainer import Callback, RunSummary, StopTraining, Trainer
+from torchimpl.trainer import Callback, RunSummary, StopTraining, Trainer, default_loss_fn
 
 __all__ = [
     "BuiltOptimizer",
     "Callback",
+    "CheckpointConfig",
     "CheckpointError",
     "Config",
     "ConfigError",
     "DiagnosisReport",
     "DynamicLossScaler",
+    "FusedOptimizerWarning",
     "NonFiniteError",
     "NonFiniteGuard",
     "OptimizerConfig",
     "PrecisionConfig",
     "PrecisionDowngradeWarning",
     "PrecisionPlan",
+    "ResumeError",
     "RunSummary",
     "ScaleAtMinimumError",
     "ScalerConfig",
+    "ScheduleConfig",
     "StepRecord",
     "StopTraining",
+    "TaskConfig",
+    "TrainConfig",
+    "TrainState",
     "Trainer",
+    "apply_overrides",
     "autocast_context",
     "build_optimizer",
+    "canonical_mode",
     "check_placement",
     "configure_reduced_precision_reduction",
     "configure_tf32",
+    "default_loss_fn",
     "diagnose_nonfinite",
     "fp32_island",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_config",
     "load_weights",
     "make_grad_scaler",
     "read_trace",

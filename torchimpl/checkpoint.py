@@ -146,6 +146,22 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device | None = 
     return contents
 
 
+def check_loadable(state: Any, what: str) -> None:
+    """Rule 3, checked before a run trains: ``state`` reads back with ``weights_only=True``
+    (a user's optimizer or scheduler state holding other objects would make every checkpoint
+    of the run unreadable); ``ValueError`` naming ``what`` and the fix."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except Exception as exc:  # the unpickler's errors have no common base class
+        first = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{what}'s state_dict() holds objects that a checkpoint cannot load safely "
+                         f"(torch.load(weights_only=True): {first}); keep only tensors, numbers, strings and "
+                         "containers of them in its state (e.g. a LambdaLR with plain functions)") from None
+
+
 def list_checkpoints(folder: str | Path) -> list[Path]:
     """Checkpoint files in ``folder``, oldest first (by step, then microbatch)."""
     folder = Path(folder)

@@ -7,6 +7,12 @@ once: unknown keys, wrong types and out-of-range values are collected into one
 Precedence: the defaults here < a YAML file < ``key=value`` overrides (values parsed with
 ``yaml.safe_load``, so ``train.clip_norm=null`` turns clipping off).
 
+From Python: ``Config(precision={"mode": "bf16"}, train=TrainConfig(steps=50))`` takes a section
+object or a mapping of its fields (validated like ``from_dict``); ``precision`` also takes a
+plain string (``"bf16-mixed"``, see :func:`torchimpl.precision.canonical_mode`), in a file too
+(``precision: bf16-mixed``). :meth:`Config.from_kwargs` takes the common fields flat
+(:data:`KEYWORDS`, the names PyTorch trainers use) plus dotted ``overrides``.
+
 The ``precision``, ``optimizer`` and ``scaler`` sections are the config classes of
 :mod:`torchimpl.precision`, :mod:`torchimpl.optim` and :mod:`torchimpl.scaler`; their own
 validation runs field by field so that every bad field is reported, not only the first.
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -29,6 +36,7 @@ from torchimpl.precision import PrecisionConfig
 from torchimpl.scaler import ScalerConfig
 
 __all__ = [
+    "KEYWORDS",
     "CheckpointConfig",
     "Config",
     "ConfigError",
@@ -259,8 +267,23 @@ class Config:
     """Checkpoints."""
 
     def __post_init__(self) -> None:
+        errors: list[tuple[str, str]] = []
         if not isinstance(self.device, str) or not self.device:
-            raise ConfigError([("device", f"must be a device string like 'auto', 'cpu', 'cuda:0', got {self.device!r}")])
+            errors.append(("device", f"must be a device string like 'auto', 'cpu', 'cuda:0', got {self.device!r}"))
+        # A mapping (or precision's string) where a section belongs is what the user means:
+        # convert it through from_dict's validation rather than fail later, at fit.
+        for name, tp in _section_types().items():
+            value = getattr(self, name)
+            if isinstance(value, tp):
+                continue
+            if not isinstance(value, Mapping) and tp not in _SHORTHAND:
+                errors.append((name, f"must be a {tp.__name__} or a mapping of its fields, got {value!r}"))
+                continue
+            section = _build(tp, value, name, errors)
+            if section is not None:
+                object.__setattr__(self, name, section)
+        if errors:
+            raise ConfigError(errors)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (tuples become lists) that :meth:`from_dict` reads back equal."""
@@ -274,6 +297,19 @@ class Config:
         if errors:
             raise ConfigError(errors)
         return result
+
+    @classmethod
+    def from_kwargs(cls, base: Config | None = None, /, **kwargs: Any) -> Config:
+        """``base`` (default: the defaults) with the flat keywords of :data:`KEYWORDS` applied
+        (``precision="bf16-mixed", max_steps=200, clip=None``), then ``overrides``: a mapping
+        of dotted keys to values (``{"scaler.growth_interval": 100}``) or ``"key=value"``
+        strings. One :class:`ConfigError` names every unknown keyword and every bad value."""
+        return _from_kwargs(base, kwargs)
+
+
+@functools.cache
+def _section_types() -> dict[str, type]:
+    return {name: tp for name, tp in typing.get_type_hints(Config).items() if dataclasses.is_dataclass(tp)}
 
 
 def _plain(value: Any) -> Any:
@@ -359,10 +395,19 @@ def _coerce(tp: Any, value: Any) -> Any:
     return value
 
 
+# A section that may be written as one value, and the field that value sets:
+# ``precision: bf16-mixed`` is ``precision: {mode: bf16-mixed}``.
+_SHORTHAND: dict[type, str] = {PrecisionConfig: "mode"}
+# Fields whose values their own class reads as written (precision spellings include numbers).
+_AS_WRITTEN = {(PrecisionConfig, "mode")}
+
+
 def _build(cls: type, data: Any, prefix: str, errors: list[tuple[str, str]]) -> Any:
     where = "configuration"
     if isinstance(data, cls):
         return data
+    if cls in _SHORTHAND and not isinstance(data, Mapping):
+        data = {_SHORTHAND[cls]: data}
     if not isinstance(data, Mapping):
         errors.append((prefix, f"must be a mapping of keys to values, got {data!r}") if prefix else
                       ("", f"{where} must be a mapping of keys to values, got {data!r}"))
@@ -386,6 +431,9 @@ def _build(cls: type, data: Any, prefix: str, errors: list[tuple[str, str]]) -> 
             sub = _build(tp, value, path, errors)
             if sub is not None:
                 kwargs[name] = sub
+            continue
+        if (cls, name) in _AS_WRITTEN:
+            kwargs[name] = value
             continue
         out = _coerce(tp, value)
         if out is _NO:
@@ -441,6 +489,8 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
         child = node.get(part)
         if child is None:
             child = node[part] = {}
+        elif dataclasses.is_dataclass(child) and not isinstance(child, type):
+            child = node[part] = _plain(dataclasses.asdict(child))
         elif not isinstance(child, dict):
             section = ".".join(parts[:depth + 1])
             raise ConfigError([(section, f"must be a mapping of keys to values, got {child!r} "
@@ -449,10 +499,9 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """A copy of ``data`` with each ``"dotted.key=value"`` applied (value parsed as YAML)."""
-    tree = _plain(dict(data))
-    bad = []
+def _parse_overrides(overrides: Sequence[str], bad: list[tuple[str, str]]) -> list[tuple[str, Any]]:
+    """``"dotted.key=value"`` strings as ``(key, value)`` pairs, values parsed as YAML."""
+    pairs = []
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip()
@@ -460,17 +509,181 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
             bad.append((item, "an override must look like section.key=value, e.g. train.steps=100"))
             continue
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            pairs.append((key, yaml.safe_load(raw) if raw.strip() else ""))
         except yaml.YAMLError as exc:
             bad.append((key, f"value {raw!r} is not valid YAML ({exc.__class__.__name__})"))
-            continue
+    return pairs
+
+
+def _expand_shorthand(tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` with a section written as one value as the mapping it stands for, so that a
+    dotted override can go inside it (``precision: bf16-mixed`` then ``precision.dtype=fp16``)."""
+    for name, tp in _section_types().items():
+        if tp in _SHORTHAND and name in tree and not isinstance(tree[name], (Mapping, tp)):
+            tree[name] = {_SHORTHAND[tp]: tree[name]}
+    return tree
+
+
+def _apply_dotted(tree: dict[str, Any], pairs: Sequence[tuple[str, Any]], bad: list[tuple[str, str]]) -> None:
+    """Set each ``(dotted key, value)`` in ``tree``; problems are added to ``bad``."""
+    _expand_shorthand(tree)
+    shorthand = {name: _SHORTHAND[tp] for name, tp in _section_types().items() if tp in _SHORTHAND}
+    for key, value in pairs:
+        if key in shorthand and not isinstance(value, (Mapping, _section_types()[key])):
+            key = f"{key}.{shorthand[key]}"  # precision=16-mixed keeps the section's other fields
         try:
             _set_dotted(tree, key, value)
         except ConfigError as exc:
             bad.extend(exc.errors)
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of ``data`` with each ``"dotted.key=value"`` applied (value parsed as YAML);
+    ``precision=bf16-mixed`` sets ``precision.mode``."""
+    tree = _plain(dict(data))
+    bad: list[tuple[str, str]] = []
+    _apply_dotted(tree, _parse_overrides(overrides, bad), bad)
     if bad:
         raise ConfigError(bad)
     return tree
+
+
+# ---------------------------------------------------------------- keyword construction
+
+KEYWORDS: dict[str, str] = {
+    "precision": "precision",
+    "max_steps": "train.steps",
+    "steps": "train.steps",
+    "accumulate": "train.microbatches",
+    "accumulate_grad_batches": "train.microbatches",
+    "clip": "train.clip_norm",
+    "gradient_clip_val": "train.clip_norm",
+    "lr": "optimizer.lr",
+    "optimizer": "optimizer.name",
+    "schedule": "schedule.name",
+    "warmup_steps": "schedule.warmup_steps",
+    "seed": "train.seed",
+    "device": "device",
+    "log_interval": "train.log_interval",
+    "eval_interval": "train.eval_interval",
+    "checkpoint_dir": "checkpoint.folder",
+    "checkpoint_interval": "checkpoint.interval",
+    "trace_file": "train.trace_file",
+}
+"""The flat keywords of :meth:`Config.from_kwargs` (and ``Trainer(**kw)``) and the field each
+sets; ``max_steps``, ``accumulate_grad_batches`` and ``gradient_clip_val`` are Lightning's names."""
+
+# Keywords that take a name only: an object belongs to Trainer.fit.
+_NAME_ONLY = {
+    "optimizer": ("an optimizer name ('adamw', 'adam', 'sgd')",
+                  "a built torch.optim.Optimizer goes to Trainer.fit(..., optimizer=...)"),
+    "schedule": ("a schedule name ('cosine', 'constant')",
+                 "a torch learning-rate scheduler goes to Trainer.fit(..., scheduler=...)"),
+}
+
+
+def _not_a_config(value: Any) -> str:
+    if hasattr(value, "forward") and hasattr(value, "parameters"):  # a model passed first by mistake
+        return (f"got a model ({type(value).__name__}): the model goes to fit(model, train_data, val_data); "
+                "the first argument is a torchimpl.Config, or leave it out and pass keywords")
+    return (f"must be a torchimpl.Config, got {type(value).__name__}; build one with "
+            "torchimpl.load_config('run.yaml') or Config.from_dict({...}), or pass keywords instead: "
+            "Trainer(precision='bf16-mixed', max_steps=200)")
+
+
+def _unknown_keyword(key: str) -> str:
+    fields = [path for path in _flatten_paths(Config().to_dict()) if path.rsplit(".", 1)[-1] == key]
+    if fields:
+        return (f"not a keyword; set {' or '.join(fields)} with overrides={{{fields[0]!r}: ...}}")
+    close = difflib.get_close_matches(key, [*KEYWORDS, "overrides"], n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (f"unknown keyword{hint}; keywords: {', '.join(KEYWORDS)}, and overrides (dotted keys, "
+            "e.g. overrides={'scaler.growth_interval': 100})")
+
+
+def _flatten_paths(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key, value in tree.items():
+        path = _join(prefix, key)
+        out += _flatten_paths(value, path) if isinstance(value, Mapping) else [path]
+    return out
+
+
+def _keyword_pairs(kwargs: Mapping[str, Any], bad: list[tuple[str, str]]) -> list[tuple[str, Any, str]]:
+    """``(dotted key, value, keyword)`` for each flat keyword; unknown ones are added to ``bad``."""
+    out = []
+    for key, value in kwargs.items():
+        if key not in KEYWORDS:
+            bad.append((key, _unknown_keyword(key)))
+        elif key in _NAME_ONLY and not isinstance(value, str):
+            what, fix = _NAME_ONLY[key]
+            bad.append((key, f"takes {what}, got {type(value).__name__}; {fix}"))
+        elif key == "precision" and isinstance(value, Mapping):
+            out += [(f"precision.{k}", v, key) for k, v in value.items()]
+        else:
+            out.append((KEYWORDS[key], value, key))
+    return out
+
+
+def _override_pairs(overrides: Any, bad: list[tuple[str, str]]) -> list[tuple[str, Any, str]]:
+    if overrides is None:
+        return []
+    if isinstance(overrides, Mapping):
+        pairs = []
+        for key, value in overrides.items():
+            if not isinstance(key, str) or not key or any(not p for p in key.split(".")):
+                bad.append(("overrides", f"keys must be dotted field names like 'train.steps', got {key!r}"))
+            else:
+                pairs.append((key, value))
+    elif isinstance(overrides, Sequence) and not isinstance(overrides, str) and all(
+            isinstance(o, str) for o in overrides):
+        pairs = _parse_overrides(overrides, bad)
+    else:
+        bad.append(("overrides", "must be a mapping of dotted keys to values, e.g. {'scaler.growth_interval': "
+                                 f"100}}, or a list of 'key=value' strings; got {overrides!r}"))
+        return []
+    return [(key, value, "overrides") for key, value in pairs]
+
+
+def _from_kwargs(base: Config | None, kwargs: dict[str, Any]) -> Config:
+    if base is not None and not isinstance(base, Config):
+        raise ConfigError([("config", _not_a_config(base))])
+    if not kwargs:
+        return base if base is not None else Config()
+    bad: list[tuple[str, str]] = []
+    overrides = kwargs.pop("overrides", None)
+    pairs = _keyword_pairs(kwargs, bad) + _override_pairs(overrides, bad)
+    by_key: dict[str, str] = {}
+    unique = []
+    for key, value, source in pairs:
+        if key in by_key:
+            bad.append((source, f"sets {key}, which {by_key[key]} also sets; give it once"))
+            continue
+        by_key[key] = source
+        unique.append((key, value))
+    tree = base.to_dict() if base is not None else {}
+    _apply_dotted(tree, unique, bad)
+    try:
+        result = Config.from_dict(tree)
+    except ConfigError as exc:
+        # Name a bad value by the keyword it was given as: "max_steps (train.steps): ...".
+        named = {key: source for key, source in by_key.items() if source != "overrides"}
+        named.update({f"{k}.mode": s for k, s in named.items() if k == "precision"})
+        bad += [(f"{named[p]} ({p})" if p in named and named[p] != p else p, m) for p, m in exc.errors]
+        raise ConfigError(bad) from None
+    if bad:
+        raise ConfigError(bad)
+    return _keep_untouched_sections(result, base, by_key)
+
+
+def _keep_untouched_sections(result: Config, base: Config | None, keys: Mapping[str, str]) -> Config:
+    """``result`` with ``base``'s own section objects where no keyword touched them, so that what
+    a section's object carries beyond its fields (a precision's ``spelling_note``) survives."""
+    if base is None:
+        return result
+    keep = {name: getattr(base, name) for name in _section_types()
+            if not any(k == name or k.startswith(name + ".") for k in keys)}
+    return dataclasses.replace(result, **keep) if keep else result
 
 
 def load_config(

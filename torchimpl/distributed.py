@@ -337,7 +337,10 @@ class DistributedContext:
         except DistributedError:
             raise
         except CheckpointException as exc:  # a BaseException: it would pass an ``except Exception``
-            raise CheckpointError(f"rank {self.rank}/{self.world_size}: {what} failed: {exc}") from None
+            # Its text holds every failed rank's traceback; the last line is the cause.
+            lines = [line for line in str(exc).splitlines() if line.strip()]
+            cause = lines[-1].strip() if lines else type(exc).__name__
+            raise CheckpointError(f"rank {self.rank}/{self.world_size}: {what} failed: {cause}") from None
         except RuntimeError as exc:
             raise DistributedError(
                 f"rank {self.rank}/{self.world_size}: {what} failed within the {self.timeout_s:g} s timeout "

@@ -15,6 +15,13 @@ Rules:
    with ``ndim >= 2`` (weights of linear, conv and embedding layers) decay, those with
    ``ndim < 2`` (biases, norm scales and shifts) get ``weight_decay=0``. Empty groups are omitted.
    Parameters with ``requires_grad=False`` are not given to the optimizer.
+5. A user's own optimizer (``adopt_optimizer``) is any ``torch.optim.Optimizer`` over the
+   model's parameters, or a function ``params -> Optimizer`` called with them once the model is
+   on its device (needed where the parameters are replaced: FSDP2 shards them). Every tensor it
+   holds must be a trainable parameter of the model, on the device: one it holds but the model
+   does not would get scaled gradients that are never unscaled or checked. Its kind is read from
+   its parameter groups (``fused``, ``foreach``), as torch decides it: ``foreach=None`` is the
+   foreach path where torch's default would pick it, the for-loop elsewhere.
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ __all__ = [
     "BuiltOptimizer",
     "FusedOptimizerWarning",
     "supports_fused_adamw",
+    "adopt_optimizer",
     "build_optimizer",
+    "qualified_name",
     "parameter_groups",
 ]
 
@@ -250,3 +259,52 @@ def build_optimizer(
         )
     opt = _construct(config, groups, {"foreach": foreach})
     return BuiltOptimizer(opt, plain_kind, reason)
+
+
+def qualified_name(obj: Any) -> str:
+    """``module.Class`` of an optimizer or a scheduler: what a checkpoint records of a user's."""
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def adopt_optimizer(model: nn.Module, optimizer: Any, device: str | torch.device) -> BuiltOptimizer:
+    """Rule 5: the user's optimizer (or ``optimizer(params)``) checked against ``model``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer or a function params -> Optimizer, got "
+                             f"{type(optimizer).__name__}")
+        built = optimizer(params)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise ValueError(f"the optimizer function returned a {type(built).__name__}, not a torch.optim.Optimizer")
+        optimizer = built
+    dev = torch.device(device)
+    mine = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    for i, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            if id(p) not in mine:
+                raise ValueError(
+                    f"the optimizer's param_groups[{i}]['params'][{j}] (shape {list(p.shape)}) is not a trainable "
+                    "parameter of the model: build the optimizer on model.parameters() (and after any change to "
+                    "them), or pass a function params -> Optimizer")
+            if not same_device(p.device, dev):
+                raise ValueError(f"parameter {mine[id(p)]!r} is on {p.device}, the run on {dev}")
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.ndim > 0 and not same_device(value.device, dev):
+                raise ValueError(f"the optimizer's state {key!r} of parameter {mine.get(id(p), '?')!r} is on "
+                                 f"{value.device}, the run on {dev}: build the optimizer after model.to(device), "
+                                 "or pass a function params -> Optimizer")
+    kind = _kind_of(optimizer, dev)
+    return BuiltOptimizer(optimizer, kind, f"your {qualified_name(optimizer)} ({kind})")
+
+
+def _kind_of(optimizer: torch.optim.Optimizer, device: torch.device) -> str:
+    groups = optimizer.param_groups
+    if any(g.get("fused") for g in groups):
+        return "fused"
+    if any(g.get("foreach") for g in groups):
+        return "foreach"
+    if all("foreach" in g for g in groups) and _foreach_by_default(device) and device.type != "cpu":
+        return "foreach"  # foreach=None: torch's default takes the foreach path here
+    return "for-loop"

@@ -43,12 +43,21 @@ Rules:
    autocast, with no loss scaler. It needs torchao: without it resolution raises, naming the
    fix. The plan's ``note`` says what runs where (on a CPU: torch's float8 emulation, a
    correctness run, never a speed-up); mxfp8 below CUDA capability 10.0 is emulated too.
+8. ``mode`` also takes the spellings of Lightning (``"bf16-mixed"``, ``"16-mixed"``, ``16``,
+   ``"32-true"``, ...) and Accelerate (``"no"``), case-insensitively (:data:`SPELLINGS`). The
+   config stores the canonical mode, so a spelled and a canonical precision compare equal; the
+   spelling's meaning is logged at INFO and kept in ``spelling_note`` (config and plan).
+   Spellings for recipes ampspec does not implement (``"bf16-true"``, ``"64-true"``,
+   ``"transformer-engine"``, ...) are refused with the reason and what to use instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import difflib
 import inspect
+import logging
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -59,10 +68,13 @@ import torch
 __all__ = [
     "MODES",
     "DTYPES",
+    "REFUSED_SPELLINGS",
+    "SPELLINGS",
     "PrecisionConfig",
     "PrecisionPlan",
     "PrecisionDowngradeWarning",
     "cuda_bf16_supported",
+    "canonical_mode",
     "resolve_precision",
     "autocast_context",
     "configure_tf32",
@@ -78,6 +90,60 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
 # fp8: the layers outside float8 run under bf16 autocast.
 _TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
+log = logging.getLogger(__name__)
+
+# Rule 8: other libraries' spellings -> (mode, the library that writes it).
+SPELLINGS: dict[str, tuple[str, str]] = {
+    "32-true": ("fp32", "Lightning"),
+    "32": ("fp32", "Lightning"),
+    "bf16-mixed": ("bf16", "Lightning"),
+    "16-mixed": ("fp16", "Lightning"),
+    "16": ("fp16", "Lightning"),
+    "no": ("fp32", "Accelerate"),
+}
+_MEANING = {
+    "fp32": "float32 throughout, without autocast or a loss scaler",
+    "bf16": "bf16 autocast over float32 weights, without a loss scaler",
+    "fp16": "fp16 autocast over float32 weights with a dynamic loss scaler",
+}
+_NOT_MIXED = ("ampspec trains float32 master weights under autocast; a model held entirely in {dtype} "
+              "is not a mixed-precision recipe it implements")
+# Rule 8: spellings of recipes ampspec does not implement -> why, and what to use instead.
+REFUSED_SPELLINGS: dict[str, str] = {
+    "bf16-true": _NOT_MIXED.format(dtype="bf16") + "; use 'bf16-mixed' (mode bf16)",
+    "16-true": _NOT_MIXED.format(dtype="fp16") + "; use '16-mixed' (mode fp16, with a loss scaler)",
+    "64-true": "ampspec trains in float32 at most and has no float64 mode; use '32-true' (mode fp32)",
+    "64": "ampspec trains in float32 at most and has no float64 mode; use '32-true' (mode fp32)",
+    "transformer-engine": ("ampspec's float8 training goes through torchao, not NVIDIA Transformer Engine's "
+                           "layers; use mode 'fp8' (precision.fp8_recipe picks the recipe)"),
+    "transformer-engine-float16": ("ampspec's float8 training goes through torchao, not NVIDIA Transformer "
+                                   "Engine's layers; use mode 'fp8' (precision.fp8_recipe picks the recipe)"),
+}
+
+
+def canonical_mode(value: Any) -> tuple[str, str | None]:
+    """``(mode, note)`` for a precision as written (rule 8): a mode of :data:`MODES` or a spelling
+    of :data:`SPELLINGS`, a string or a whole number; ``note`` says what a spelling means (None
+    for a canonical mode). ``ValueError`` for a refused spelling (why, and what to use) and for
+    anything else (the accepted spellings, with a did-you-mean)."""
+    if isinstance(value, bool):
+        hint = " (YAML reads an unquoted no as false: write 'no' in quotes)" if value is False else ""
+        raise ValueError(f"precision mode must be a name like 'bf16' or 'bf16-mixed', got {value!r}{hint}")
+    text = str(value).strip().lower() if isinstance(value, (str, int)) else None
+    if text in MODES:
+        return text, None
+    if text in SPELLINGS:
+        mode, library = SPELLINGS[text]
+        note = f"{value!r} ({library}) means {_MEANING[mode]}: precision mode {mode!r}"
+        return mode, note
+    if text in REFUSED_SPELLINGS:
+        raise ValueError(f"precision {value!r} is not supported: {REFUSED_SPELLINGS[text]}")
+    accepted = list(MODES) + list(SPELLINGS)
+    close = difflib.get_close_matches(text, accepted, n=1) if text else []
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"precision mode must be one of {', '.join(MODES)}, or the spellings "
+                     f"{', '.join(SPELLINGS)} (16 and 32 as numbers too), got {value!r}{hint}")
+
 
 class PrecisionDowngradeWarning(UserWarning):
     """A requested precision could not be used on this device and a wider one was chosen."""
@@ -85,9 +151,10 @@ class PrecisionDowngradeWarning(UserWarning):
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """What the user asks for: ``mode`` in auto|fp32|bf16|fp16|fp8; ``dtype`` in bf16|fp16 is
-    the preferred mixed dtype, consulted only when ``mode`` is ``auto``; ``fp8_recipe`` and
-    ``fp8_skip_first_last`` apply to ``mode: fp8`` only."""
+    """What the user asks for: ``mode`` in auto|fp32|bf16|fp16|fp8, or a spelling of rule 8
+    (stored as its canonical mode, the spelling's meaning in ``spelling_note``); ``dtype`` in
+    bf16|fp16 is the preferred mixed dtype, consulted only when ``mode`` is ``auto``;
+    ``fp8_recipe`` and ``fp8_skip_first_last`` apply to ``mode: fp8`` only."""
 
     mode: str = "auto"
     dtype: str = "bf16"
@@ -97,8 +164,12 @@ class PrecisionConfig:
     """Keep the model's first and last linear layers in high precision under ``mode: fp8``."""
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"precision mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        mode, note = canonical_mode(self.mode)
+        # Not a field: equality, to_dict and the resume comparison see only the canonical mode.
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "_spelling_note", note)
+        if note:
+            log.info("precision: %s", note)
         if self.dtype not in DTYPES:
             raise ValueError(
                 f"precision dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
@@ -107,6 +178,11 @@ class PrecisionConfig:
             raise ValueError(f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
         if not isinstance(self.fp8_skip_first_last, bool):
             raise ValueError(f"fp8_skip_first_last must be true or false, got {self.fp8_skip_first_last!r}")
+
+    @property
+    def spelling_note(self) -> str | None:
+        """What the spelling ``mode`` was given in means (rule 8); None for a canonical mode."""
+        return self._spelling_note  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -125,6 +201,8 @@ class PrecisionPlan:
     fp8_recipe: str | None = None
     fp8_skip_first_last: bool = True
     note: str | None = None
+    spelling_note: str | None = None
+    """The config's ``spelling_note``: what the precision's spelling means (rule 8)."""
 
     @property
     def is_mixed_precision(self) -> bool:
@@ -157,7 +235,7 @@ def _plan(mode: str, device_type: str, reason: str | None = None) -> PrecisionPl
 
 
 def _downgrade(device_type: str, reason: str) -> PrecisionPlan:
-    warnings.warn(reason, PrecisionDowngradeWarning, stacklevel=3)
+    warnings.warn(reason, PrecisionDowngradeWarning, stacklevel=4)
     return _plan("fp32", device_type, reason)
 
 
@@ -165,6 +243,13 @@ def resolve_precision(config: PrecisionConfig, device: str | torch.device) -> Pr
     """The plan for ``config`` on ``device``, per the table in rule 1 (warnings per rule 3)."""
     if not isinstance(config, PrecisionConfig):
         raise ValueError(f"config must be a PrecisionConfig, got {type(config).__name__}")
+    plan = _resolve(config, device)
+    if config.spelling_note is None:
+        return plan
+    return dataclasses.replace(plan, spelling_note=config.spelling_note)
+
+
+def _resolve(config: PrecisionConfig, device: str | torch.device) -> PrecisionPlan:
     device_type = torch.device(device).type
     mode = config.mode
     if mode == "fp32":
@@ -216,7 +301,7 @@ def _resolve_fp8(config: PrecisionConfig, device: torch.device) -> PrecisionPlan
     if device.type == "cuda":
         fallback = "bf16" if cuda_bf16_supported() else "fp16"
         reason = f"precision mode 'fp8' was requested, but {why_not}: running in {fallback}"
-        warnings.warn(reason, PrecisionDowngradeWarning, stacklevel=3)
+        warnings.warn(reason, PrecisionDowngradeWarning, stacklevel=4)
         return _plan(fallback, device.type, reason)
     return _downgrade(device.type, f"precision mode 'fp8' was requested, but {why_not}: running in fp32; "
                                    "use mode 'fp32' to silence this warning")

@@ -36,6 +36,13 @@ the fix; a checkpoint that verified is never lost or overwritten by a refused ru
     preset and its bounds, the distributed mode, and the microbatches of a checkpoint inside a
     window) is refused with a ``ResumeError`` listing every difference. The model must match
     the checkpoint's parameter names, shapes and dtypes.
+12. A user's own optimizer and scheduler (``Trainer.fit(optimizer=..., scheduler=...)``): the
+    checkpoint records their classes, and a resume with another class, or with the
+    configuration's optimizer where the user's was saved (or the reverse), is refused. Their
+    states are restored as torch's ``load_state_dict`` does, hyperparameters included: resuming
+    continues the saved run, so a value in the freshly built optimizer that differs from the
+    saved one is named in a warning and the saved one is kept. The configuration's
+    ``optimizer`` and ``schedule`` sections, unused with a user's optimizer, are not compared.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from torch import nn
 
 import torchimpl
 from torchimpl.checkpoint import CheckpointError, capture_rng_state, restore_rng_state
+from torchimpl.optim import qualified_name
 
 __all__ = ["CHECKPOINT_FORMAT", "DataCursor", "ResumeError", "RunState", "TrainState", "check_contents",
            "config_changes"]
@@ -108,8 +116,10 @@ def _covered(key: str, names: tuple[str, ...]) -> bool:
     return any(key == n or key.startswith(n + ".") for n in names)
 
 
-def config_changes(saved: dict[str, Any], now: dict[str, Any], *, mid_window: bool) -> tuple[list[str], list[str]]:
-    """Rule 11: the refused differences and the applied ones, each as ``"key: old -> new"``."""
+def config_changes(saved: dict[str, Any], now: dict[str, Any], *, mid_window: bool,
+                   user_optimizer: bool = False) -> tuple[list[str], list[str]]:
+    """Rule 11: the refused differences and the applied ones, each as ``"key: old -> new"``
+    (rule 12: without the unused optimizer and schedule sections when ``user_optimizer``)."""
     old, new = _flatten(saved), _flatten(now)
     from torchimpl.config import Config
 
@@ -118,7 +128,7 @@ def config_changes(saved: dict[str, Any], now: dict[str, Any], *, mid_window: bo
     refused, applied = [], []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key), new.get(key)
-        if a == b or _covered(key, _FREE):
+        if a == b or _covered(key, _FREE) or (user_optimizer and _covered(key, ("optimizer", "schedule"))):
             continue
         line = f"{key}: {a!r} (checkpoint) -> {b!r} (now)"
         if _covered(key, _REFUSED) or (mid_window and key == "train.microbatches"):
@@ -227,9 +237,16 @@ class RunState:
     """Builds a checkpoint's contents from the live run and restores a run from one."""
 
     def __init__(self, *, config: Any, model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_kind: str,
-                 engine: Any, cursor: DataCursor, plan_mode: str):
+                 engine: Any, cursor: DataCursor, plan_mode: str, user_optimizer: bool = False):
         self.config, self.model, self.optimizer, self.optimizer_kind = config, model, optimizer, optimizer_kind
         self.engine, self.cursor, self.plan_mode = engine, cursor, plan_mode
+        self.user_optimizer = user_optimizer
+
+    def optimizer_source(self) -> dict[str, Any]:
+        """Rule 12: whose optimizer and scheduler run, by class."""
+        sched = getattr(self.engine.skip.schedule, "scheduler", None)
+        return {"user": self.user_optimizer, "optimizer": qualified_name(self.optimizer),
+                "scheduler": None if sched is None else qualified_name(sched)}
 
     @property
     def state(self) -> TrainState:
@@ -250,6 +267,7 @@ class RunState:
             "model_signature": {k: list(v.shape) for k, v in model_state.items()},
             "optimizer": self.optimizer.state_dict(),
             "optimizer_kind": self.optimizer_kind,
+            "optimizer_source": self.optimizer_source(),
             "schedule": engine.skip.schedule_state(applied),
             "scaler": engine.scaling.state_dict(),
             "trainer": dataclasses.asdict(st),
@@ -274,8 +292,11 @@ class RunState:
             self.optimizer.load_state_dict(ckpt["optimizer"])
         except (ValueError, KeyError) as exc:
             raise CheckpointError(f"{path}: optimizer state does not fit this optimizer: {exc}") from None
-        for group, values in zip(self.optimizer.param_groups, fresh):
-            group.update(values)  # rule 11: the configuration's hyperparameters, not the saved ones
+        if self.user_optimizer:
+            _warn_kept(fresh, self.optimizer.param_groups, path, ckpt["trainer"]["step"])
+        else:
+            for group, values in zip(self.optimizer.param_groups, fresh):
+                group.update(values)  # rule 11: the configuration's hyperparameters, not the saved ones
         engine = self.engine
         engine.skip.load_schedule(ckpt["schedule"], self.config.train.steps)
         if any(line.startswith("optimizer.lr:") for line in applied):
@@ -319,7 +340,10 @@ class RunState:
     def _check_config(self, ckpt: dict[str, Any], path: Path) -> list[str]:
         """Rule 11: refuse what defines the run; warn of each applied change; return those."""
         mid_window = int(ckpt["trainer"].get("window_size", 0)) > 0
-        refused, applied = config_changes(ckpt["config"], self.config.to_dict(), mid_window=mid_window)
+        refused, applied = config_changes(ckpt["config"], self.config.to_dict(), mid_window=mid_window,
+                                          user_optimizer=self.user_optimizer)
+        saved_source = ckpt.get("optimizer_source") or {"user": False}
+        refused += _source_changes(saved_source, self.optimizer_source())
         if ckpt.get("optimizer_kind") != self.optimizer_kind:
             refused.append(f"the optimizer kind: {ckpt.get('optimizer_kind')!r} (checkpoint) -> "
                            f"{self.optimizer_kind!r} (now)")
@@ -333,6 +357,35 @@ class RunState:
             warnings.warn(f"resume from {path.name} at step {step}: {line}; the new value is used from here on",
                           stacklevel=5)
         return applied
+
+
+def _source_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """Rule 12: the differences in whose optimizer and scheduler run, as refusal lines."""
+    def who(source: dict[str, Any]) -> str:
+        return "your optimizer" if source.get("user") else "the configuration's optimizer"
+
+    if bool(saved.get("user")) != now["user"]:
+        return [f"the optimizer: {who(saved)} (checkpoint) -> {who(now)} (now)"]
+    if not now["user"]:
+        return []
+    return [f"the {key}: {saved.get(key)} (checkpoint) -> {now[key]} (now)"
+            for key in ("optimizer", "scheduler") if saved.get(key) != now[key]]
+
+
+def _warn_kept(fresh: list[dict[str, Any]], loaded: list[dict[str, Any]], path: Path, step: int) -> None:
+    """Rule 12: name each hyperparameter of the user's new optimizer that the checkpoint's replaced."""
+    for i, (mine, group) in enumerate(zip(fresh, loaded)):
+        for key, value in mine.items():
+            if key in group and not _same_value(group[key], value):
+                warnings.warn(f"resume from {path.name} at step {step}: param_groups[{i}][{key!r}] is "
+                              f"{group[key]!r} in the checkpoint and {value!r} in your optimizer; the checkpoint's "
+                              "is kept (torch's load_state_dict)", stacklevel=6)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    return a == b
 
 
 def ampspec_version() -> str:

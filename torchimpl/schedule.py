@@ -15,7 +15,11 @@ Rules, with ``n`` the applied steps so far, ``W`` the warmup steps, ``D`` the de
 1. warmup (``n < W``): ``lr * (n + 1) / W``;
 2. constant: ``lr`` afterwards;
 3. cosine: ``p = clamp((n - W) / max(1, D - W), 0, 1)``,
-   ``lr * (r + (1 - r) * (1 + cos(pi * p)) / 2)`` with ``r = min_lr_ratio``.
+   ``lr * (r + (1 - r) * (1 + cos(pi * p)) / 2)`` with ``r = min_lr_ratio``;
+4. a user's own ``torch.optim.lr_scheduler.LRScheduler`` (:class:`UserSchedule`) obeys the same
+   rule: its ``step()`` is called once after each applied step and never after a skipped one,
+   so its count of steps is the count of applied steps. Without one, a user's optimizer keeps
+   its learning rate. ``ReduceLROnPlateau`` is refused: it steps on a metric, not on steps.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from typing import Any
 import torch
 
 from torchimpl.config import ScheduleConfig
+from torchimpl.optim import qualified_name
 
-__all__ = ["AppliedStepSchedule", "lr_at", "lr_from_table", "lr_table"]
+__all__ = ["AppliedStepSchedule", "UserSchedule", "adopt_scheduler", "lr_at", "lr_from_table", "lr_table"]
 
 
 def lr_at(n: int, base_lr: float, config: ScheduleConfig, total_steps: int) -> float:
@@ -105,3 +110,63 @@ class AppliedStepSchedule:
         self.base_lrs = base
         self.applied_steps = int(state["applied_steps"])
         self.apply()
+
+
+def adopt_scheduler(optimizer: torch.optim.Optimizer, scheduler: Any) -> Any:
+    """Rule 4: the user's scheduler (or ``scheduler(optimizer)``), checked to drive ``optimizer``."""
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    if scheduler is None:
+        return None
+    if not isinstance(scheduler, (LRScheduler, ReduceLROnPlateau)):
+        if not callable(scheduler):
+            raise ValueError(f"scheduler must be a torch.optim.lr_scheduler.LRScheduler or a function optimizer -> "
+                             f"LRScheduler, got {type(scheduler).__name__}")
+        scheduler = scheduler(optimizer)
+    if isinstance(scheduler, ReduceLROnPlateau):
+        raise ValueError("scheduler: ReduceLROnPlateau steps on a validation metric, not once per applied step; "
+                         "ampspec steps the scheduler after every applied optimizer step, so use a step-based "
+                         "scheduler (StepLR, CosineAnnealingLR, LambdaLR, ...)")
+    if not isinstance(scheduler, LRScheduler):
+        raise ValueError(f"the scheduler function returned a {type(scheduler).__name__}, not an LRScheduler")
+    if scheduler.optimizer is not optimizer:
+        raise ValueError("scheduler drives another optimizer than the one given: build it on the optimizer you pass "
+                         "(or pass a function optimizer -> LRScheduler)")
+    return scheduler
+
+
+class UserSchedule:
+    """Rule 4: a user's scheduler stepped after applied steps only (``None``: the optimizer's
+    rates are left alone). The same interface as :class:`AppliedStepSchedule`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any):
+        self.optimizer, self.scheduler = optimizer, scheduler
+
+    @property
+    def base_lrs(self) -> list[float]:
+        if self.scheduler is not None:
+            return [float(b) for b in self.scheduler.base_lrs]
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def apply(self) -> None:
+        """Nothing to set: the scheduler (or the user) owns the rates."""
+
+    def step(self, applied: bool) -> None:
+        if applied and self.scheduler is not None:
+            self.scheduler.step()
+
+    def get_last_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        sched = self.scheduler
+        return {"scheduler": None if sched is None else sched.state_dict(),
+                "scheduler_class": None if sched is None else qualified_name(sched), "base_lrs": self.base_lrs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("scheduler_class")
+        now = None if self.scheduler is None else qualified_name(self.scheduler)
+        if saved != now:  # checked before (RunState), so this is the last line of defence
+            raise ValueError(f"the checkpoint's scheduler is {saved}, this run's is {now}")
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])

@@ -336,18 +336,24 @@ class KernelSkip(_Skip):
             group["lr"] = lr_from_table(table, self._applied_t)
 
 
-def choose_sync_free(requested: bool, optimizer_kind: str, config: Any) -> tuple[bool, str | None]:
+def choose_sync_free(requested: bool, optimizer_kind: str, optimizer: torch.optim.Optimizer, *,
+                     scheduler: Any = None) -> tuple[bool, str | None]:
     """Whether the sync-free mode runs, and why not when it was requested but cannot."""
     if not requested:
         return False, None
-    if optimizer_kind != "fused":
-        return False, (f"train.sync_free needs a fused optimizer, got {optimizer_kind} (set optimizer.fused=true); "
-                       "using one host sync per step")
-    if config.name == "sgd" and config.momentum > 0:
+    fallback = "using one host sync per step"
+    if optimizer_kind != "fused" or not getattr(optimizer, "_step_supports_amp_scaling", False):
+        # Only torch's fused kernels read found_inf and skip on it.
+        return False, (f"train.sync_free needs a fused optimizer, got {optimizer_kind} (set optimizer.fused=true, "
+                       f"or build your torch.optim optimizer with fused=True); {fallback}")
+    if scheduler is not None:
+        return False, (f"train.sync_free cannot run your scheduler ({type(scheduler).__name__}): it steps on the host "
+                       f"after each applied step, which only a host sync tells; {fallback}")
+    if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) > 0 for g in optimizer.param_groups):
         # torch's fused SGD creates its momentum buffers with empty_like before the kernel reads
         # found_inf: a first step skipped inside the kernel would leave them uninitialised.
         return False, ("train.sync_free is refused for fused SGD with momentum (torch leaves its momentum "
-                       "buffers uninitialised when the kernel skips the first step); using one host sync per step")
+                       f"buffers uninitialised when the kernel skips the first step); {fallback}")
     return True, None
 
 
@@ -527,18 +533,21 @@ def build_step_engine(*, config: Any, sync_free: bool, model: nn.Module, forward
                       optimizer: torch.optim.Optimizer, optimizer_kind: str, scaler: DynamicLossScaler | None,
                       dist: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor], autocast: Any,
                       device: torch.device, state: Any, hooks: StepHooks,
-                      stop_requested: Callable[[], Any]) -> StepEngine:
+                      stop_requested: Callable[[], Any], schedule: Any = None) -> StepEngine:
     """The engine for a resolved plan: ``config`` is the run's ``Config``; ``model`` the module
     whose parameters train, ``forward_model`` what the microbatches call (DDP's wrapper, a
-    compiled module)."""
+    compiled module); ``schedule`` the learning-rate schedule when it is not the
+    configuration's (a user's scheduler: ``torchimpl.schedule.UserSchedule``; the sync-free mode
+    takes an ``AppliedStepSchedule`` only, whose rates it tabulates)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = group_by_device_and_dtype(params)
     one = torch.ones((), dtype=torch.float32, device=device)
     scaling = DynamicScaling(scaler, groups, one) if scaler is not None else UnitScaling(groups, one)
-    schedule = AppliedStepSchedule(optimizer, config.schedule, config.train.steps)
+    if schedule is None:
+        schedule = AppliedStepSchedule(optimizer, config.schedule, config.train.steps)
     stop = config.train.on_nonfinite == "stop"
     if sync_free:
-        skip: HostSkip | KernelSkip = KernelSkip(optimizer, schedule, device=device, config=config.schedule,
+        skip: HostSkip | KernelSkip = KernelSkip(optimizer, schedule, device=device, config=schedule.config,
                                                  total_steps=config.train.steps, stop_on_nonfinite=stop)
     else:
         skip = HostSkip(optimizer, schedule, fused=optimizer_kind == "fused", stop_on_nonfinite=stop,

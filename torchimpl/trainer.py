@@ -37,22 +37,24 @@ from torch import nn
 from torchimpl.batches import to_device
 from torchimpl.checkpoint import (
     CheckpointError,
+    check_loadable,
     checkpoint_name,
     list_checkpoints,
     prune_checkpoints,
     remove_stale_temporaries,
 )
-from torchimpl.config import Config
+from torchimpl.config import Config, ScheduleConfig
 from torchimpl.device import resolve_device
 from torchimpl.diagnostics import NonFiniteError, report_nonfinite
 from torchimpl.distributed import init_distributed
-from torchimpl.optim import build_optimizer
+from torchimpl.optim import BuiltOptimizer, OptimizerConfig, adopt_optimizer, build_optimizer
 from torchimpl.precision import PrecisionDowngradeWarning, autocast_context, resolve_precision
 from torchimpl.lifecycle import Interrupts, outcome, preflight
 from torchimpl.records import StepRecord, TraceWriter
 from torchimpl.reporting import Reporter
 from torchimpl.run_state import DataCursor, RunState, TrainState, check_contents
 from torchimpl.scaler import make_grad_scaler
+from torchimpl.schedule import AppliedStepSchedule, UserSchedule, adopt_scheduler
 from torchimpl.step import StepEngine, bind_hooks, build_step_engine, choose_sync_free
 
 __all__ = ["Callback", "RunSummary", "StopTraining", "Trainer", "TrainState", "default_loss_fn"]
@@ -128,6 +130,9 @@ class RunSummary:
     fp8: dict[str, Any] | None = None
     """With ``precision.mode: fp8``: the recipe, what runs where, the converted layers and those
     kept in high precision with the reason for each."""
+    precision_note: str | None = None
+    """What the precision's spelling means when it was given as another library writes it
+    (``'16-mixed' (Lightning) means fp16 autocast ... with a dynamic loss scaler``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, valid JSON: a non-finite number becomes None."""
@@ -139,18 +144,20 @@ class Trainer:
     """Trains a model by the step contract; see the module docstring.
 
     Attributes available to callbacks during ``fit``: ``model`` (the module being trained,
-    uncompiled), ``optimizer``, ``scaler`` (``None`` without loss scaling), ``plan``,
-    ``device``, ``state``, ``schedule``, ``params`` (the trained parameters), ``found_inf``
+    uncompiled), ``optimizer``, ``scheduler`` (yours, or ``None``), ``scaler`` (``None``
+    without loss scaling), ``plan``, ``device``, ``state``, ``schedule``, ``params`` (the trained parameters), ``found_inf``
     (this step's device flag, from ``on_before_optimizer_step`` until the next window starts)
     and ``grad_norm`` (this step's total gradient norm before clipping, a device tensor;
     ``None`` without clipping).
     """
 
-    def __init__(self, config: Config, callbacks: Sequence[Callback] = ()):
-        if not isinstance(config, Config):
-            raise ValueError(f"config must be a torchimpl.config.Config, got {type(config).__name__}")
-        self.config = config
-        self.callbacks = list(callbacks)
+    def __init__(self, config: Config | None = None, callbacks: Sequence[Callback] = (), **kwargs: Any):
+        """``config`` (default: the defaults) with the keywords of :meth:`Config.from_kwargs`
+        applied: ``Trainer(precision="bf16-mixed", max_steps=200, accumulate=2)``. Everything is
+        validated here, never first at ``fit``: one ``ConfigError`` names every bad keyword."""
+        self.config = Config.from_kwargs(config, **kwargs)
+        # One callback where a sequence belongs is what the user means.
+        self.callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
         self._stop_requested: str | None = None
         self._reporter: Reporter | None = None
 
@@ -212,14 +219,30 @@ class Trainer:
 
     def fit(self, model: nn.Module, train_data: Iterable[Any], val_data: Iterable[Any] | None = None, *,
             loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-            resume: str | Path | None = None) -> RunSummary:
+            resume: str | Path | None = None, optimizer: Any = None, scheduler: Any = None) -> RunSummary:
         """Train for ``train.steps`` optimizer steps (counting skipped ones) and summarise.
 
         ``resume``: a checkpoint path, or ``"latest"`` for the newest usable checkpoint in
         ``checkpoint.folder`` (see ``torchimpl.run_state`` for what may change on a resume).
         SIGINT and SIGTERM stop the run at the next step boundary (see ``torchimpl.lifecycle``).
+
+        ``optimizer``: your own ``torch.optim.Optimizer`` over ``model.parameters()``, or a
+        function ``params -> Optimizer`` (called once the model is on its device; needed with
+        ``train.distributed=fsdp2``, which replaces the parameters); the configuration's
+        ``optimizer`` and ``schedule`` sections are then not used. ``scheduler``: your
+        ``torch.optim.lr_scheduler.LRScheduler`` on that optimizer (or ``optimizer -> LRScheduler``),
+        stepped after each applied step only; without one the optimizer's rates stay as built.
+        Both states are checkpointed and resumed with the run (rule 5 of ``torchimpl.optim``,
+        rule 4 of ``torchimpl.schedule``).
         """
         cfg = self.config
+        if scheduler is not None and optimizer is None:
+            raise ValueError("scheduler= needs the optimizer it drives: pass optimizer= too")
+        if isinstance(optimizer, torch.optim.Optimizer) and cfg.train.distributed == "fsdp2":
+            raise ValueError("train.distributed=fsdp2 replaces the model's parameters with sharded ones, so an "
+                             "optimizer built before fit would update the old ones: pass a function "
+                             "params -> Optimizer instead (e.g. optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))")
+        self._user = (optimizer, scheduler) if optimizer is not None else None
         self._stop_requested = self._last_checkpoint = self._diagnosis = self._fault = None
         self._save_refused: str | None = "before fit has set the run up"
         self.loss_fn = loss_fn or default_loss_fn
@@ -266,28 +289,54 @@ class Trainer:
                 log.info("precision: %s", line)
         self.model, forward_model = self._dist.wrap_model(model, self.plan)
         self.model.train()
-        # The optimizer is built after the move so the fused probe sees the real parameters.
-        built = build_optimizer(self.model, cfg.optimizer, self.device)
+        built, self.scheduler, schedule = self._optimizer_and_schedule()
         self.optimizer, self.optimizer_kind, self._optimizer_reason = built.optimizer, built.kind, built.reason
         if built.reason:
             log.info("optimizer: %s (%s)", built.kind, built.reason)
-        sync_free, why = choose_sync_free(cfg.train.sync_free, built.kind, cfg.optimizer)
-        if why:
-            self._downgrades.append(why)
-            warnings.warn(why, stacklevel=3)
         self.scaler = make_grad_scaler(self.plan, cfg.scaler, force=cfg.train.force_scaler)
         self.state = TrainState()
         self._dist.attach(self.model, self.optimizer)
         if cfg.train.compile:
             forward_model = torch.compile(forward_model)
         self.engine: StepEngine = build_step_engine(
-            config=cfg, sync_free=sync_free, model=self.model, forward_model=forward_model,
+            config=cfg, sync_free=self._sync_free, model=self.model, forward_model=forward_model,
             optimizer=self.optimizer, optimizer_kind=built.kind, scaler=self.scaler, dist=self._dist,
             loss_fn=self.loss_fn, autocast=autocast_context(self.plan, self.device), device=self.device,
-            state=self.state, hooks=bind_hooks((), self, Callback), stop_requested=lambda: self._stop_requested)
+            state=self.state, hooks=bind_hooks((), self, Callback), stop_requested=lambda: self._stop_requested,
+            schedule=schedule)
         self._run = RunState(config=cfg, model=self.model, optimizer=self.optimizer, optimizer_kind=built.kind,
                              engine=self.engine, cursor=DataCursor(self.train_data, self.state),
-                             plan_mode=self.plan.mode)
+                             plan_mode=self.plan.mode, user_optimizer=self._user is not None)
+
+    def _optimizer_and_schedule(self) -> tuple[BuiltOptimizer, Any, Any]:
+        """The optimizer (the configuration's, built after the move so that the fused probe sees
+        the real parameters, or the user's, checked), the user's scheduler, and the schedule the
+        engine runs (``None``: the configuration's), with the sync-free decision they allow."""
+        cfg = self.config
+        if self._user is None:
+            built = build_optimizer(self.model, cfg.optimizer, self.device)
+            scheduler = schedule = None
+        else:
+            built = adopt_optimizer(self.model, self._user[0], self.device)
+            scheduler = adopt_scheduler(built.optimizer, self._user[1])
+            check_loadable(built.optimizer.state_dict(), "the optimizer")
+            if scheduler is not None:
+                check_loadable(scheduler.state_dict(), "the scheduler")
+            unused = [name for name, default in (("optimizer", OptimizerConfig()), ("schedule", ScheduleConfig()))
+                      if getattr(cfg, name) != default]
+            if unused:
+                warnings.warn(f"the configuration's {' and '.join(unused)} section{'s are' if len(unused) > 1 else ' is'} "
+                              f"not used: fit() was given your optimizer{' and scheduler' if scheduler else ''}",
+                              stacklevel=4)
+        self._sync_free, why = choose_sync_free(cfg.train.sync_free, built.kind, built.optimizer, scheduler=scheduler)
+        if why:
+            self._downgrades.append(why)
+            warnings.warn(why, stacklevel=4)
+        if self._user is not None:
+            # The sync-free mode tabulates its rates on the host: a constant one for your optimizer.
+            schedule = (AppliedStepSchedule(built.optimizer, ScheduleConfig(name="constant"), cfg.train.steps)
+                        if self._sync_free else UserSchedule(built.optimizer, scheduler))
+        return built, scheduler, schedule
 
     def _seed(self) -> None:
         """Every generator from ``train.seed`` (a resume overwrites them with the saved states)."""
@@ -487,6 +536,7 @@ class Trainer:
             outcome=outcome(stopped=stopped, fault=self._fault is not None, interrupted=self._interrupts.received,
                             steps_applied=st.applied_steps, final_loss=st.last_train_loss),
             fp8=self.fp8_report.to_dict() if self.fp8_report is not None else None,
+            precision_note=plan.spelling_note,
         )
         for cb in self.callbacks:
             cb.on_fit_end(self, summary)
