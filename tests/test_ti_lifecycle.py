@@ -302,8 +302,8 @@ def test_a_signal_stops_at_a_step_boundary_saves_and_exits_with_its_code(tmp_pat
                              "--set", f"train.trace_file={trace}"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
-    while (not trace.exists() or trace.stat().st_size == 0) and time.time() < deadline:
-        time.sleep(0.05)  # trained a few steps
+    while (not trace.exists() or trace.read_text().count("\n") < 2) and time.time() < deadline:
+        time.sleep(0.05)  # trained a few steps: a record after the header
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err[-2000:]

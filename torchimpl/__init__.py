@@ -5,7 +5,7 @@ Train a model: ``Trainer(precision="bf16-mixed", max_steps=200).fit(model, train
 
 - configuration: `Config` (whole run; `Config.from_kwargs`, `Config.from_dict`), its sections
   `TaskConfig`, `PrecisionConfig`, `OptimizerConfig`, `ScalerConfig`, `ScheduleConfig`,
-  `TrainConfig`, `CheckpointConfig`; `load_config`, `apply_overrides`, `ConfigError`;
+  `TrainConfig`, `CheckpointConfig`, `LoggingConfig`; `load_config`, `apply_overrides`, `ConfigError`;
 - device and precision: `resolve_device`, `resolve_precision` (precision spellings:
   `canonical_mode`), `autocast_context`, `configure_tf32`, `fp32_island`, `upcast`;
 - loss scaling: `DynamicLossScaler`, `make_grad_scaler`;
@@ -25,6 +25,7 @@ from torchimpl.config import (
     CheckpointConfig,
     Config,
     ConfigError,
+    LoggingConfig,
     ScheduleConfig,
     TaskConfig,
     TrainConfig,
@@ -74,6 +75,7 @@ __all__ = [
     "DiagnosisReport",
     "DynamicLossScaler",
     "FusedOptimizerWarning",
+    "LoggingConfig",
     "NonFiniteError",
     "NonFiniteGuard",
     "OptimizerConfig",

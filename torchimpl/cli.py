@@ -11,6 +11,7 @@ code but 0 comes with a line on stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -23,6 +24,8 @@ from torchimpl.distributed import launch_rank
 from torchimpl.lifecycle import EXIT_CODES
 
 __all__ = ["main"]
+
+log = logging.getLogger("torchimpl.cli")
 
 
 def _plain_warnings() -> None:
@@ -202,8 +205,7 @@ def _cpu_flags() -> set[str] | None:
 def _replay(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from torchimpl.config import load_config
-    from torchimpl.records import read_trace
+    from torchimpl.records import read_trace, read_trace_header
     from torchimpl.spec_bridge import scaler_config
 
     # The CLI's boundary with the specification: the spec judges the recorded run.
@@ -215,13 +217,57 @@ def _replay(args: argparse.Namespace) -> int:
     if all(r.scale_before == r.scale_after == 1.0 for r in records):
         print(f"{len(records)} steps with the scale fixed at 1 (no loss scaler): nothing to replay")
         return 0
-    ref_cfg = scaler_config(load_config(args.config, args.set).scaler.resolved())
+    ref_cfg = scaler_config(_replay_policy(args, read_trace_header(args.trace)))
     result = replay([dataclasses.asdict(r) for r in records], ref_cfg)
     if result.ok:
         print(f"{result.steps_checked} steps replayed: the scale history matches the reference")
         return 0
     print(f"first divergent {result.describe()}")
     return 1
+
+
+def _replay_policy(args: argparse.Namespace, header: dict | None) -> object:
+    """The scaler policy to replay with: the one given by ``--config``/``--set``, else the
+    trace header's, else the defaults; a warning when the choice is not the trace's own."""
+    from torchimpl.config import load_config
+
+    recorded = _header_policy(args.trace, header) if header is not None else None
+    if args.config is None and not args.set:
+        if recorded is not None:
+            return recorded
+        default = load_config().scaler.resolved()
+        log.warning("%s has no header (written before traces recorded their scaler policy): replaying with "
+                    "the default policy (%s); pass the run's --config if it set the scaler", args.trace,
+                    _policy_text(default))
+        return default
+    given = load_config(args.config, args.set).scaler.resolved()
+    if recorded is not None and given != recorded:
+        log.warning("the scaler policy given by --config/--set differs from the one %s records; replaying with "
+                    "the given one: %s (given) vs %s (recorded)", args.trace,
+                    _policy_text(given, recorded), _policy_text(recorded, given))
+    return given
+
+
+def _header_policy(trace: str, header: dict) -> object:
+    from torchimpl.scaler import ResolvedScalerConfig
+
+    fields = {f.name for f in dataclasses.fields(ResolvedScalerConfig)}
+    policy = header.get("scaler")
+    if not isinstance(policy, dict) or set(policy) - fields or not set(policy) >= {"preset", "init_scale"}:
+        raise ValueError(f"{trace}: the header's scaler policy is malformed ({policy!r}); pass the run's --config")
+    try:
+        return ResolvedScalerConfig(**policy)
+    except TypeError as exc:
+        raise ValueError(f"{trace}: the header's scaler policy is malformed ({exc}); pass the run's --config") from None
+
+
+def _policy_text(policy: object, other: object | None = None) -> str:
+    """``name=value`` for each field (only those that differ from ``other``'s when given)."""
+    items = dataclasses.asdict(policy).items()
+    if other is not None:
+        theirs = dataclasses.asdict(other)
+        items = [(k, v) for k, v in items if theirs.get(k) != v]
+    return ", ".join(f"{k}={v!r}" for k, v in items)
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -232,9 +278,17 @@ def _audit(args: argparse.Namespace) -> int:
     return audit_main(args.script, args.args, report=args.report, steps=args.steps, no_replay=args.no_replay)
 
 
-def _add_compare(sub: Any) -> None:
+def _verbosity(parser: argparse.ArgumentParser, default: object) -> None:
+    """``-v``/``-q`` on ``parser``; the subcommands' default is SUPPRESS so that a flag given
+    before the subcommand is not reset by the subcommand's own default."""
+    parser.add_argument("-v", "--verbose", action="store_true", default=default, help="log INFO messages too")
+    parser.add_argument("-q", "--quiet", action="store_true", default=default,
+                        help="warnings and errors only: no progress lines or bar")
+
+
+def _add_compare(sub: Any, common: argparse.ArgumentParser) -> None:
     c = sub.add_parser(
-        "compare", help="train one model in fp32, bf16 (and fp16 on CUDA) and compare",
+        "compare", parents=[common], help="train one model in fp32, bf16 (and fp16 on CUDA) and compare",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Train the same model from the same seed and data in every precision this device "
                     "supports (on a CPU also bf16 with a loss scaler, to show the scaler at work), print a "
@@ -250,8 +304,8 @@ def _add_compare(sub: Any) -> None:
     c.set_defaults(func=_compare)
 
 
-def _add_train(sub: Any) -> None:
-    t = sub.add_parser("train", help="train from a configuration file",
+def _add_train(sub: Any, common: argparse.ArgumentParser) -> None:
+    t = sub.add_parser("train", parents=[common], help="train from a configuration file",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Train the embedded task or your own (task.name: module:function) and print "
                                    "the run summary as JSON. Every field is documented in torchimpl/config.py.")
@@ -263,8 +317,8 @@ def _add_train(sub: Any) -> None:
     t.set_defaults(func=_train)
 
 
-def _add_export(sub: Any) -> None:
-    e = sub.add_parser("export", help="write a checkpoint's model weights as a plain state_dict",
+def _add_export(sub: Any, common: argparse.ArgumentParser) -> None:
+    e = sub.add_parser("export", parents=[common], help="write a checkpoint's model weights as a plain state_dict",
                        description="Write the model's state_dict from CKPT (a step-NNNNNNNN.ckpt file, an FSDP2 "
                                    ".dcp folder, or a checkpoint folder: its newest good checkpoint) to OUT: "
                                    "OUT.pt (torch.save; torch.load(OUT, weights_only=True) reads it) or "
@@ -277,20 +331,23 @@ def _add_export(sub: Any) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ampspec", description="Mixed-precision training that explains itself.")
-    p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
+    _verbosity(p, False)
     p.add_argument("--version", action=_VersionAction, help="print ampspec's and torch's versions and exit")
+    common = argparse.ArgumentParser(add_help=False)
+    _verbosity(common, argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True)
-    _add_compare(sub)
-    _add_train(sub)
-    _add_export(sub)
-    d = sub.add_parser("doctor", help="what this machine supports")
+    _add_compare(sub, common)
+    _add_train(sub, common)
+    _add_export(sub, common)
+    d = sub.add_parser("doctor", parents=[common], help="what this machine supports")
     d.set_defaults(func=_doctor)
-    r = sub.add_parser("replay", help="recompute a trace's scale history with the reference")
+    r = sub.add_parser("replay", parents=[common], help="recompute a trace's scale history with the reference")
     r.add_argument("trace")
-    r.add_argument("--config", help="the run's configuration (for the scaler settings)")
+    r.add_argument("--config", help="the scaler settings to replay with (default: those the trace's header records)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     r.set_defaults(func=_replay)
-    a = sub.add_parser("audit", help="run your own training script and check it against the specification",
+    a = sub.add_parser("audit", parents=[common],
+                       help="run your own training script and check it against the specification",
                        description="Run SCRIPT.py in this process under instrumentation of torch's AMP calls; "
                                    "report order-rule findings and numeric divergences from the specification. "
                                    "The audit's options may also follow the script's arguments; after '--' "
@@ -306,12 +363,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.verbose and args.quiet:
+        parser.error("-v/--verbose and -q/--quiet contradict each other; give one")
     # Under torchrun, the ranks other than 0 log warnings and errors only, each line naming its rank.
     rank = launch_rank()
     prefix = f"[rank {rank}] " if "RANK" in os.environ else ""
-    logging.basicConfig(level=logging.INFO if args.verbose and rank == 0 else logging.WARNING,
-                        format=prefix + "%(levelname)s %(name)s: %(message)s")
+    level = logging.INFO if args.verbose and rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=prefix + "%(levelname)s %(name)s: %(message)s")
+    # The progress lines have their own handler (torchimpl.reporting): -q silences them here.
+    logging.getLogger("torchimpl.progress").setLevel(logging.WARNING if args.quiet else logging.INFO)
     try:
         return args.func(args)
     except KeyboardInterrupt as exc:  # a second Ctrl-C: abort without a traceback

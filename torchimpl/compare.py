@@ -121,7 +121,7 @@ def _train_one(label: str, mode: str, extra: list[str], *, dev: torch.device, ta
         f"device={dev}", f"task.name={task}", f"precision.mode={mode}", f"train.steps={steps}",
         f"train.seed={seed}", "train.log_interval=50", f"train.eval_interval={eval_every}",
         "optimizer.lr=3.0e-3", f"schedule.warmup_steps={max(steps // 20, 1)}", f"train.trace_file={trace}",
-        *extra,
+        f"logging.dir={out / label}", *extra,
     ])
     t = build_task(cfg.task, seed=seed, batch_size=cfg.train.batch_size)
     trainer = _RecordingTrainer(cfg)

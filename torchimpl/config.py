@@ -40,6 +40,7 @@ __all__ = [
     "CheckpointConfig",
     "Config",
     "ConfigError",
+    "LoggingConfig",
     "ScheduleConfig",
     "TaskConfig",
     "TrainConfig",
@@ -238,6 +239,48 @@ class CheckpointConfig(_Checked):
 
 
 @dataclass(frozen=True)
+class LoggingConfig(_Checked):
+    """Where the run's metrics go and how progress is shown (free to change on a resume)."""
+
+    dir: str | None = "auto"
+    """The run folder for the metrics files: ``auto`` is ``checkpoint.folder`` when set, else a
+    fresh ``ampspec-runs/version_N`` in the working directory (the next free N; the environment
+    variable ``AMPSPEC_RUNS_DIR`` moves ``ampspec-runs``); a path; ``null`` writes no files."""
+
+    csv: bool = True
+    """Write ``metrics.csv`` in the run folder: one row per optimizer step."""
+
+    tensorboard: bool | None = None
+    """Write TensorBoard scalars in the run folder: ``null`` when the tensorboard package is
+    installed, ``true`` always (refused at start when it is missing), ``false`` never."""
+
+    progress: Literal["auto", "bar", "lines", "off"] | bool = "auto"
+    """Progress on stderr: ``auto`` is a bar when stderr is a terminal, else a line every
+    ``train.log_interval`` steps; ``bar``, ``lines`` or ``off`` force one. (YAML reads an
+    unquoted ``off`` as false, which means ``off``; true means ``auto``.)"""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.progress, bool):
+            object.__setattr__(self, "progress", "auto" if self.progress else "off")
+        super().__post_init__()
+
+    def _problems(self) -> list[tuple[str, str]]:
+        out = []
+        if self.dir is not None and (not isinstance(self.dir, str) or not self.dir):
+            out.append(("dir", f"must be 'auto', a folder path or null (no files), got {self.dir!r}"))
+        if not isinstance(self.csv, bool):
+            out.append(("csv", f"must be true or false, got {self.csv!r}"))
+        if self.tensorboard is not None and not isinstance(self.tensorboard, bool):
+            out.append(("tensorboard", f"must be true, false or null (when installed), got {self.tensorboard!r}"))
+        if self.tensorboard is True and self.dir is None:
+            out.append(("tensorboard", "true needs a run folder, but logging.dir is null; set logging.dir "
+                                       "(or 'auto'), or logging.tensorboard=false"))
+        if self.progress not in ("auto", "bar", "lines", "off"):
+            out.append(("progress", f"must be one of 'auto', 'bar', 'lines', 'off', got {self.progress!r}"))
+        return out
+
+
+@dataclass(frozen=True)
 class Config:
     """A whole training run."""
 
@@ -265,6 +308,9 @@ class Config:
 
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints."""
+
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics files (CSV, TensorBoard) in the run folder, and the progress display."""
 
     def __post_init__(self) -> None:
         errors: list[tuple[str, str]] = []

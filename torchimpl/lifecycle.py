@@ -1,9 +1,10 @@
 """The run around its steps: what is checked before step 1, interrupts, and how a run ends.
 
 1. **Before step 1** (:func:`preflight`): everything that would otherwise fail only after
-   training: the checkpoint folder is created and written to, the trace file opened, the
-   validation data checked for batches. A problem raises ``ValueError`` naming the field and
-   the fix, before any work.
+   training: the checkpoint folder is created and written to, the trace file opened, the run
+   folder of the metrics files (``torchimpl.metrics``) written to, TensorBoard found when
+   ``logging.tensorboard`` asks for it, the validation data checked for batches. A problem
+   raises ``ValueError`` naming the field and the fix, before any work.
 2. **Interrupts** (:class:`Interrupts`): the first SIGINT (Ctrl-C) or SIGTERM asks the run to
    stop at the next step boundary; the trainer then flushes the records, saves a checkpoint
    when ``checkpoint.folder`` is set and returns its summary. A second signal aborts at once
@@ -46,12 +47,23 @@ def preflight(config: Any, val_data: Iterable[Any] | None, *, is_main: bool) -> 
         if path.is_dir():
             raise ValueError(f"train.trace_file: {trace} is a folder; give a file path such as {path / 'trace.jsonl'}")
         _check_writable_folder(path.parent if str(path.parent) else Path("."), "train.trace_file's folder")
+    if is_main:
+        _check_logging(config)
     if val_data is not None:
         if isinstance(val_data, Iterator):
             raise ValueError("val_data is a one-shot iterator (it would be empty at the second evaluation); "
                              "pass a re-iterable source such as a list or a DataLoader")
         if hasattr(val_data, "__len__") and len(val_data) == 0:
             raise ValueError("val_data holds no batches; pass validation batches or None to skip evaluation")
+
+
+def _check_logging(config: Any) -> None:
+    from torchimpl.metrics import check_tensorboard, planned_folder, wants_files
+
+    check_tensorboard(config)
+    folder, field = planned_folder(config)
+    if folder is not None and wants_files(config):
+        _check_writable_folder(folder, field)
 
 
 def _check_writable_folder(folder: Path, field: str) -> None:

@@ -4,6 +4,18 @@ One :class:`StepRecord` per optimizer step (applied or skipped), with exactly th
 specification's step contract names, so that a recorded run can be replayed by the reference
 from its ``found_inf`` bits. Floats are Python floats (a non-finite ``grad_norm`` is written as
 JSON's ``Infinity``/``NaN`` extension, which Python's ``json`` reads back).
+
+The trace file (JSON Lines):
+
+1. its first line is a header, ``{"ampspec_trace": 1, "use_scaler": ..., "scaler": {...},
+   "settings": {...}}``: whether a loss scaler ran, its resolved policy (every field of
+   ``torchimpl.scaler.ResolvedScalerConfig``, what ``ampspec replay`` needs) and the run's
+   settings (microbatches, clip norm, precision mode, optimizer kind, versions). Traces written
+   before the header existed start with a record, and still read;
+2. then one line per step: the record's fields, then the metrics that are no part of the step
+   contract (:data:`METRIC_KEYS`): ``loss``, the window's mean training loss, and ``val_loss``
+   on the line of the step after which an evaluation ran. :func:`read_trace` returns the
+   records alone, :func:`read_trace_metrics` the metrics and :func:`read_trace_header` the header.
 """
 
 from __future__ import annotations
@@ -14,11 +26,12 @@ import os
 import struct
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import IO, Any, Iterable
+from typing import IO, Any, Iterable, Iterator
 
 import torch
 
-__all__ = ["FIELDS", "PendingRecords", "StepRecord", "TraceWriter", "read_trace", "write_trace"]
+__all__ = ["FIELDS", "HEADER_KEY", "METRIC_KEYS", "PendingRecords", "StepRecord", "TraceWriter", "read_trace",
+           "read_trace_header", "read_trace_metrics", "write_trace"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,12 @@ conformance suite (against ``reference.step.StepRecord``) read."""
 
 # How a value read from JSON or from the device becomes a field's type, by field name; floats
 # are the default and None stays None where the field allows it.
+HEADER_KEY = "ampspec_trace"
+"""The key that marks a trace's header line; its value is the header's format (1)."""
+
+METRIC_KEYS: tuple[str, ...] = ("loss", "val_loss")
+"""Keys a trace line may carry after the record's fields: metrics, not the step contract."""
+
 _TYPES = {"step": int, "microbatches": int, "found_inf": bool, "applied": bool, "growth_tracker": int}
 _OPTIONAL = frozenset({"grad_norm", "clip_coef"})
 
@@ -158,26 +177,42 @@ def _mean_f32(total: float, k: int) -> float:
 class TraceWriter:
     """Appends records to a JSON Lines file, one line per record, flushed after each write.
 
-    ``resume_at``: continue a trace whose run resumes before step ``resume_at``. The file keeps
-    its records of steps ``0 .. resume_at - 1`` and loses any later ones (written after the
-    checkpoint by a run that was then killed), so that the trace of a resumed run equals the
-    uninterrupted run's; a torn last line (a kill inside a write) goes too. The file is
-    rewritten atomically. Without ``resume_at`` the file starts empty.
+    ``header``: the mapping written as the file's first line (see the module docstring); a
+    resumed file keeps the header it has. ``resume_at``: continue a trace whose run resumes
+    before step ``resume_at``. The file keeps its header and its records of steps
+    ``0 .. resume_at - 1`` and loses any later ones (written after the checkpoint by a run that
+    was then killed), so that the trace of a resumed run equals the uninterrupted run's; a torn
+    last line (a kill inside a write) goes too. The file is rewritten atomically. Without
+    ``resume_at`` the file starts empty.
     """
 
-    def __init__(self, path: str | Path, *, resume_at: int | None = None):
+    def __init__(self, path: str | Path, *, resume_at: int | None = None, header: dict[str, Any] | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.kept = 0
+        self.kept_header: dict[str, Any] | None = None
+        """The header the resumed file already had (None for a fresh file or an old trace)."""
         if resume_at is not None:
-            self.kept = _truncate_trace(self.path, resume_at)
+            self.kept, self.kept_header = _truncate_trace(self.path, resume_at)
         self._file: IO[str] | None = open(self.path, "a" if resume_at is not None else "w", encoding="utf-8")
+        if header is not None and self.kept_header is None and self.kept == 0:
+            self._file.write(json.dumps({HEADER_KEY: 1, **header}) + "\n")
+            self._file.flush()
 
-    def write(self, records: Iterable[StepRecord]) -> None:
+    def write(self, records: Iterable[StepRecord], metrics: Iterable[dict[str, Any]] | None = None) -> None:
+        """One line per record; ``metrics``, one mapping per record, adds its keys (of
+        :data:`METRIC_KEYS`) to the record's line."""
         if self._file is None:
             raise ValueError(f"trace file {self.path} is closed")
-        for record in records:
-            self._file.write(record.to_json() + "\n")
+        records = list(records)
+        extras = list(metrics) if metrics is not None else [{}] * len(records)
+        if len(extras) != len(records):
+            raise ValueError(f"metrics: {len(extras)} mappings for {len(records)} records; give one per record")
+        for record, extra in zip(records, extras):
+            unknown = [k for k in extra if k not in METRIC_KEYS]
+            if unknown:
+                raise ValueError(f"metrics: unknown keys {unknown}; a trace line may add only {list(METRIC_KEYS)}")
+            self._file.write(json.dumps({**asdict(record), **extra}) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -192,40 +227,95 @@ class TraceWriter:
         self.close()
 
 
-def _truncate_trace(path: Path, resume_at: int) -> int:
-    """Keep the leading records of ``path`` with ``step < resume_at``; how many were kept."""
+def _is_header(obj: Any) -> bool:
+    return isinstance(obj, dict) and HEADER_KEY in obj
+
+
+def _truncate_trace(path: Path, resume_at: int) -> tuple[int, dict[str, Any] | None]:
+    """Keep the header and the leading records of ``path`` with ``step < resume_at``; how many
+    records were kept, and the header (None when the file has none)."""
     if not path.exists():
-        return 0
+        return 0, None
     kept: list[str] = []
+    header, records = None, 0
     with open(path, encoding="utf-8") as f:
-        for line in f:
+        for number, line in enumerate(f):
             try:
-                step = json.loads(line)["step"]
+                obj = json.loads(line)
+                if number == 0 and _is_header(obj):
+                    header = obj
+                    kept.append(line if line.endswith("\n") else line + "\n")
+                    continue
+                step = obj["step"]
             except (ValueError, KeyError, TypeError):
                 break  # a torn line: nothing after it was written by a finished flush
-            if not isinstance(step, int) or step >= resume_at or step != len(kept):
+            if not isinstance(step, int) or step >= resume_at or step != records:
                 break
             kept.append(line if line.endswith("\n") else line + "\n")
+            records += 1
     tmp = path.with_name(f".tmp-{path.name}")
     tmp.write_text("".join(kept), encoding="utf-8")
     os.replace(tmp, path)
-    return len(kept)
+    return records, header
 
 
-def write_trace(path: str | Path, records: Iterable[StepRecord]) -> None:
-    with TraceWriter(path) as w:
+def write_trace(path: str | Path, records: Iterable[StepRecord], header: dict[str, Any] | None = None) -> None:
+    with TraceWriter(path, header=header) as w:
         w.write(records)
 
 
-def read_trace(path: str | Path) -> list[StepRecord]:
-    """Records of a JSON Lines trace; a bad line raises ``ValueError`` naming its line number."""
-    out = []
+def _trace_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for every step line of a trace (the header and blank lines
+    skipped); a line that is not JSON raises ``ValueError`` naming its number."""
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                out.append(StepRecord.from_dict(json.loads(line)))
-            except (ValueError, TypeError, KeyError) as exc:
+                obj = json.loads(line)
+            except ValueError as exc:
                 raise ValueError(f"{path}:{number}: not a step record ({exc})") from None
+            if number == 1 and _is_header(obj):
+                continue
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{number}: not a step record (a JSON {type(obj).__name__})")
+            yield number, obj
+
+
+def read_trace(path: str | Path) -> list[StepRecord]:
+    """Records of a JSON Lines trace, without the header and the metrics; a bad line raises
+    ``ValueError`` naming its line number."""
+    out = []
+    for number, obj in _trace_lines(path):
+        try:
+            out.append(StepRecord.from_dict({k: v for k, v in obj.items() if k not in METRIC_KEYS}))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"{path}:{number}: not a step record ({exc})") from None
     return out
+
+
+def read_trace_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """One ``{"step", "loss", "val_loss"}`` per step line of a trace (``None`` for a metric the
+    line lacks: ``val_loss`` without an evaluation, both in a trace written before they were)."""
+    out = []
+    for number, obj in _trace_lines(path):
+        if not isinstance(obj.get("step"), int):
+            raise ValueError(f"{path}:{number}: not a step record (no integer 'step')")
+        out.append({"step": obj["step"], **{k: obj.get(k) for k in METRIC_KEYS}})
+    return out
+
+
+def read_trace_header(path: str | Path) -> dict[str, Any] | None:
+    """The trace's header (see the module docstring), or ``None`` for a trace without one."""
+    with open(path, encoding="utf-8") as f:
+        first = f.readline()
+    try:
+        obj = json.loads(first)
+    except ValueError:
+        return None
+    if not _is_header(obj):
+        return None
+    if obj[HEADER_KEY] != 1:
+        raise ValueError(f"{path}: trace header format {obj[HEADER_KEY]!r} is newer than this ampspec reads (1); "
+                         "upgrade ampspec")
+    return obj

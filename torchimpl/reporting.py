@@ -1,37 +1,95 @@
-"""The log point: the step records read from the device, written to the trace, logged, shown.
+"""The log point: the step records read from the device, written to the trace and the metrics
+files, shown.
 
-At every ``train.log_interval``-th step, before every checkpoint and when the run ends, the
-records kept on the device since the last log point are read in one transfer
-(``torchimpl.records.PendingRecords``); then the trace gets them (so that a checkpoint at step
-``S`` always follows the trace's records of steps ``0 .. S - 1``), the loss and scale histories
-grow, one log line is written, the progress bar moves (only when stderr is a terminal) and the
-callbacks' ``on_log`` runs.
+At every ``train.log_interval``-th step, after every evaluation, before every checkpoint and
+when the run ends, the records kept on the device since the last log point are read in one
+transfer (``torchimpl.records.PendingRecords``); then the trace gets them with their losses (so
+that a checkpoint at step ``S`` always follows the trace's records of steps ``0 .. S - 1``), so
+do ``metrics.csv`` and TensorBoard (``torchimpl.metrics``), the loss and scale histories grow,
+the progress shows and the callbacks' ``on_log`` runs.
+
+Progress (``logging.progress``): ``auto`` is the tqdm bar when stderr is a terminal and plain
+lines otherwise (CI, ``nohup``, a notebook), one per log point::
+
+    step 20/200 loss 0.4132 lr 9.7e-04 scale 65536 skipped 0 (12.3 ms/step)
+
+The lines go through the logger ``torchimpl.progress``, which has its own handler on stderr and
+does not propagate, so that they show without any logging configuration; setting its level
+above INFO (``ampspec -q``) silences the lines and the bar. Only rank 0 shows progress.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any, Sequence
 
-from torchimpl.records import TraceWriter
+from torchimpl.metrics import MetricsSink, rows_for
+from torchimpl.records import StepRecord, TraceWriter
 
-__all__ = ["Reporter"]
+__all__ = ["PROGRESS_LOGGER", "Reporter", "progress_mode"]
 
 log = logging.getLogger("torchimpl.trainer")
 
+PROGRESS_LOGGER = "torchimpl.progress"
+
+
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time (a test's capture, a notebook's)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def _progress_logger() -> logging.Logger:
+    logger = logging.getLogger(PROGRESS_LOGGER)
+    if not any(isinstance(h, _CurrentStderr) for h in logger.handlers):
+        handler = _CurrentStderr()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    if logger.level == logging.NOTSET:  # a level set before (``-q``) stays
+        logger.setLevel(logging.INFO)
+    return logger
+
+
+progress_log = _progress_logger()
+
+
+def progress_mode(requested: str, *, is_main: bool) -> str:
+    """``bar``, ``lines`` or ``off`` for a ``logging.progress`` value on this rank."""
+    if not is_main or requested == "off" or not progress_log.isEnabledFor(logging.INFO):
+        return "off"
+    if requested == "auto":
+        return "bar" if sys.stderr.isatty() else "lines"
+    return requested
+
 
 class Reporter:
-    """One run's log points; ``flush`` returns the problem to stop on that the records show
-    (a collapse or a non-finite loss seen only now, in the sync-free mode), else None."""
+    """One run's log points: :meth:`collect` reads the pending records, :meth:`flush` collects
+    and then writes and shows what was collected. Both return the problem to stop on that the
+    records show (a collapse or a non-finite loss seen only now, in the sync-free mode), else
+    None."""
 
-    def __init__(self, trainer: Any, writer: TraceWriter | None, *, show_bar: bool):
-        self.trainer, self.writer = trainer, writer
+    def __init__(self, trainer: Any, writer: TraceWriter | None, *, metrics: Sequence[MetricsSink] = (),
+                 progress: str = "off"):
+        self.trainer, self.writer, self.metrics, self.progress = trainer, writer, list(metrics), progress
         self.loss_history: list[tuple[int, float]] = []
         self.scale_history: list[tuple[int, float]] = []
-        self.bar = _progress_bar(trainer.config.train.steps, trainer.state.step) if show_bar else None
+        self._held: tuple[list[StepRecord], list[float]] = ([], [])
+        self._since = (time.perf_counter(), trainer.state.step)
+        self.bar = _progress_bar(trainer.config.train.steps, trainer.state.step) if progress == "bar" else None
 
-    def flush(self) -> str | None:
+    def collect(self) -> str | None:
         trainer = self.trainer
         engine, st = trainer.engine, trainer.state
         if not engine.pending:
@@ -42,30 +100,68 @@ class Reporter:
             self.scale_history.append((record.step, record.scale_after))
         problem = engine.skip.count(records, losses, st)
         st.last_train_loss = losses[-1]
+        self._held[0].extend(records)
+        self._held[1].extend(losses)
+        return problem
+
+    def flush(self, val_loss: float | None = None) -> str | None:
+        """Collect, then write the collected steps; ``val_loss`` (an evaluation just after the
+        last of them) goes on the last one's trace line and row."""
+        problem = self.collect()
+        records, losses = self._held
+        if not records:
+            return problem
+        self._held = ([], [])
+        self._write(records, losses, val_loss)
+        self._show(records[-1], losses[-1], val_loss)
+        callbacks: Sequence[Any] = self.trainer.callbacks
+        for cb in callbacks:
+            cb.on_log(self.trainer, self.trainer.state, records, losses)
+        return problem
+
+    def _write(self, records: list[StepRecord], losses: list[float], val_loss: float | None) -> None:
         if self.writer is not None:
-            self.writer.write(records)
-        last = records[-1]
-        log.info("step %d loss %.5g scale %g lr %.3g skipped %d", last.step, losses[-1], last.scale_after,
-                 last.lr, st.skipped_steps)
+            extras = [{"loss": loss} for loss in losses]
+            if val_loss is not None:
+                extras[-1]["val_loss"] = val_loss
+            self.writer.write(records, extras)
+        if self.metrics:
+            rows = rows_for(records, losses, val_loss)
+            for sink in self.metrics:
+                sink.write(rows)
+
+    def _show(self, last: StepRecord, loss: float, val_loss: float | None) -> None:
+        st = self.trainer.state
+        if self.progress == "lines":
+            progress_log.info(self._line(last, loss, val_loss))
+            return
+        log.info("step %d loss %.5g scale %g lr %.3g skipped %d", last.step, loss, last.scale_after, last.lr,
+                 st.skipped_steps)
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{losses[-1]:.4g}", scale=f"{last.scale_after:g}", skipped=st.skipped_steps,
+            self.bar.set_postfix(loss=f"{loss:.4g}", scale=f"{last.scale_after:g}", skipped=st.skipped_steps,
                                  refresh=False)
             self.bar.update(last.step + 1 - self.bar.n)
-        callbacks: Sequence[Any] = trainer.callbacks
-        for cb in callbacks:
-            cb.on_log(trainer, st, records, losses)
-        return problem
+
+    def _line(self, last: StepRecord, loss: float, val_loss: float | None) -> str:
+        now, done = time.perf_counter(), last.step + 1
+        t0, step0 = self._since
+        self._since = (now, done)
+        per_step = (now - t0) / max(done - step0, 1)
+        val = f" val_loss {val_loss:.4g}" if val_loss is not None else ""
+        return (f"step {done}/{self.trainer.config.train.steps} loss {loss:.4g}{val} lr {last.lr:.1e} "
+                f"scale {last.scale_after:.8g} skipped {self.trainer.state.skipped_steps} "
+                f"({per_step * 1e3:.1f} ms/step)")
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        for sink in self.metrics:
+            sink.close()
         if self.bar is not None:
             self.bar.close()
 
 
 def _progress_bar(total: int, initial: int) -> Any:
-    if not sys.stderr.isatty():
-        return None
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)

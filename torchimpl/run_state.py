@@ -27,7 +27,8 @@ the fix; a checkpoint that verified is never lost or overwritten by a refused ru
     empty folder starts a fresh run, with a warning.
 11. Configuration changes between the saving run and the resuming one (:func:`config_changes`):
     the cadence of the run (``train.steps``, the log, evaluation and checkpoint intervals and
-    folder, the trace file, the guard, ``compile``, ``on_nonfinite``, timeouts) may change freely;
+    folder, the trace file, the ``logging`` section, the guard, ``compile``, ``on_nonfinite``,
+    timeouts) may change freely;
     hyperparameters (the optimizer's ``lr``, ``betas``, ``eps``, ``weight_decay``, ``momentum``,
     ``nesterov``, the schedule, ``train.clip_norm``, the scaler's growth and backoff factors and
     interval, the microbatches per step, the device) take the configuration's value from the
@@ -97,7 +98,7 @@ def check_contents(ckpt: Any, path: Path) -> None:
 
 # Rule 11, by dotted configuration key (a section name covers its keys).
 _FREE = ("train.steps", "train.log_interval", "train.eval_interval", "train.trace_file", "train.guard",
-         "train.compile", "train.on_nonfinite", "train.distributed_timeout_s", "checkpoint")
+         "train.compile", "train.on_nonfinite", "train.distributed_timeout_s", "checkpoint", "logging")
 _REFUSED = ("task", "precision", "optimizer.name", "optimizer.fused", "optimizer.foreach",
             "optimizer.no_decay_bias_and_norm", "scaler.preset", "scaler.hysteresis", "scaler.min_scale",
             "scaler.max_scale", "scaler.raise_at_min_scale", "scaler.consecutive_hysteresis", "train.distributed")

@@ -51,7 +51,8 @@ from torchimpl.optim import BuiltOptimizer, OptimizerConfig, adopt_optimizer, bu
 from torchimpl.precision import PrecisionDowngradeWarning, autocast_context, resolve_precision
 from torchimpl.lifecycle import Interrupts, outcome, preflight
 from torchimpl.records import StepRecord, TraceWriter
-from torchimpl.reporting import Reporter
+from torchimpl.metrics import CsvMetrics, open_metrics, open_run_folder
+from torchimpl.reporting import Reporter, progress_mode
 from torchimpl.run_state import DataCursor, RunState, TrainState, check_contents
 from torchimpl.scaler import make_grad_scaler
 from torchimpl.schedule import AppliedStepSchedule, UserSchedule, adopt_scheduler
@@ -133,6 +134,10 @@ class RunSummary:
     precision_note: str | None = None
     """What the precision's spelling means when it was given as another library writes it
     (``'16-mixed' (Lightning) means fp16 autocast ... with a dynamic loss scaler``)."""
+    log_dir: str | None = None
+    """The run folder holding the metrics files (``logging.dir``), or None when none was written."""
+    metrics_file: str | None = None
+    """The run's ``metrics.csv`` (``torchimpl.metrics``), or None without one."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, valid JSON: a non-finite number becomes None."""
@@ -380,7 +385,8 @@ class Trainer:
                               "damaged files away to start afresh, or resume from a good copy")
 
     def _open(self, resumed: dict[str, Any] | None) -> Any:
-        """The guard, the trace, ``on_fit_start``, then the restored generators and data."""
+        """The guard, the trace and the metrics files, ``on_fit_start``, then the restored
+        generators and data."""
         cfg, st = self.config, self.state
         self.engine.scaling.materialise(self.device)
         guard = None
@@ -388,14 +394,24 @@ class Trainer:
             from torchimpl.diagnostics import NonFiniteGuard
 
             guard = NonFiniteGuard(self.model)
-        writer = None
+        writer, sinks, self._log_dir = None, [], None
+        resume_at = st.step if resumed is not None else None
         if cfg.train.trace_file and self._dist.is_main:
-            writer = TraceWriter(cfg.train.trace_file, resume_at=st.step if resumed is not None else None)
+            writer = TraceWriter(cfg.train.trace_file, resume_at=resume_at, header=self._trace_header())
             if resumed is not None and writer.kept < st.step:
                 log.warning("trace %s holds %d of the %d steps before the resumed step %d (it was not written by "
                             "the runs before); it continues from step %d", cfg.train.trace_file, writer.kept,
                             st.step, st.step, st.step)
-        self._reporter = Reporter(self, writer, show_bar=self._dist.is_main)
+        if self._dist.is_main:
+            self._log_dir = open_run_folder(cfg)
+            sinks = open_metrics(cfg, self._log_dir, resume_at=resume_at)
+            csv = next((s for s in sinks if isinstance(s, CsvMetrics)), None)
+            if resumed is not None and csv is not None and csv.kept < st.step:
+                log.warning("metrics file %s holds %d of the %d steps before the resumed step %d; it continues "
+                            "from step %d", csv.path, csv.kept, st.step, st.step, st.step)
+        self._metrics_file = next((str(s.path) for s in sinks if isinstance(s, CsvMetrics)), None)
+        self._reporter = Reporter(self, writer, metrics=sinks,
+                                  progress=progress_mode(cfg.logging.progress, is_main=self._dist.is_main))
         self._save_refused = None if resumed is None else (
             "from on_fit_start of a resumed run: its data position and random streams are restored only after "
             "on_fit_start; save from on_step_end or later")
@@ -407,6 +423,15 @@ class Trainer:
         if resumed is not None:
             self._run.restore_rng_and_data(resumed)
         return guard
+
+    def _trace_header(self) -> dict[str, Any]:
+        """What ``ampspec replay`` needs to judge the trace alone (``torchimpl.records``)."""
+        cfg = self.config
+        policy = self.scaler.policy if self.scaler is not None else cfg.scaler.resolved()
+        return {"use_scaler": self.scaler is not None, "scaler": dataclasses.asdict(policy),
+                "settings": {"microbatches": cfg.train.microbatches, "clip_norm": cfg.train.clip_norm,
+                             "precision_mode": self.plan.mode, "optimizer_kind": self.optimizer_kind,
+                             "sync_free": self.sync_free, "torch": torch.__version__}}
 
     def _loop(self, val_data: Iterable[Any] | None, guard: Any) -> tuple[str | None, float]:
         """Steps until done or stopped, with log points, evaluations and checkpoints at their
@@ -428,16 +453,23 @@ class Trainer:
                     self._guard_hit(err)
                 step, last = st.step, st.step >= steps
                 interrupted = self._interrupts.received
-                if step % log_interval == 0 or last or self._stop_requested or interrupted:
-                    self._log_point()
+                log_due = step % log_interval == 0 or last or self._stop_requested or interrupted
                 eval_due = ei is not None and ((ei and step % ei == 0) or last)
                 save_due = ci is not None and ((ci and step % ci == 0) or last or interrupted)
-                if (eval_due or save_due) and self._fault is None:
+                val_loss = None
+                if eval_due:
+                    # Collected first: a fault the records show (sync-free) is not evaluated; the
+                    # loss then goes on the line of the step it follows, written just after.
+                    self._collect()
+                    if self._fault is None:
+                        te = time.perf_counter()
+                        val_loss = self._evaluate(val_data, guard)
+                        excluded += time.perf_counter() - te
+                if log_due or eval_due:
+                    self._log_point(val_loss)
+                if save_due and self._fault is None:
                     te = time.perf_counter()
-                    if eval_due:
-                        self._evaluate(val_data, guard)
-                    if save_due:
-                        self.save_checkpoint()
+                    self.save_checkpoint()
                     excluded += time.perf_counter() - te
                 if interrupted:
                     stopped = f"interrupted by {interrupted} at step {step}"
@@ -454,8 +486,13 @@ class Trainer:
                 guard.remove()
         return stopped, time.perf_counter() - t0 - excluded
 
-    def _log_point(self) -> None:
-        problem = self._reporter.flush()
+    def _log_point(self, val_loss: float | None = None) -> None:
+        self._on_problem(self._reporter.flush(val_loss))
+
+    def _collect(self) -> None:
+        self._on_problem(self._reporter.collect())
+
+    def _on_problem(self, problem: str | None) -> None:
         if problem is not None:
             self._fault = problem
             self.request_stop(problem)
@@ -503,7 +540,7 @@ class Trainer:
         self._fault = f"{what} at step {self.state.step}"
         self.request_stop(self._fault)
 
-    def _evaluate(self, val_data: Iterable[Any], guard: Any) -> None:
+    def _evaluate(self, val_data: Iterable[Any], guard: Any) -> float:
         # The guard watches training steps; a non-finite validation loss is recorded as is.
         if guard is not None:
             guard.remove()
@@ -516,6 +553,7 @@ class Trainer:
         st.last_val_loss = value
         if math.isfinite(value) and (st.best_val_loss is None or value < st.best_val_loss):
             st.best_val_loss = value
+        return value
 
     def _summarise(self, stopped: str | None, elapsed: float) -> RunSummary:
         st, plan = self.state, self.plan
@@ -537,6 +575,7 @@ class Trainer:
                             steps_applied=st.applied_steps, final_loss=st.last_train_loss),
             fp8=self.fp8_report.to_dict() if self.fp8_report is not None else None,
             precision_note=plan.spelling_note,
+            log_dir=str(self._log_dir) if self._log_dir is not None else None, metrics_file=self._metrics_file,
         )
         for cb in self.callbacks:
             cb.on_fit_end(self, summary)
