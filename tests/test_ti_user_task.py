@@ -378,3 +378,9 @@ def test_the_cli_shows_its_own_warnings_plainly_and_others_as_python_does(monkey
     warnings.showwarning(UserWarning("theirs"), UserWarning, "/somewhere/user_code.py", 34)
     assert capsys.readouterr().err == "ampspec: warning: ours\n"
     assert passed_on == [("theirs", "/somewhere/user_code.py", 34)]  # file:line kept for code not ours
+
+
+def test_compare_prints_no_progress_lines_when_stderr_is_not_a_terminal(tmp_path):
+    r = ampspec("compare", "--task", "mlp", "--steps", "4", "--device", "cpu", "--out", tmp_path / "o", cwd=tmp_path)
+    assert r.returncode in (0, 1), r.stderr
+    assert not [line for line in r.stderr.splitlines() if line.startswith("step ")], r.stderr

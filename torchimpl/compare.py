@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +113,12 @@ def _runs(dev: torch.device) -> list[tuple[str, str, list[str]]]:
     return runs
 
 
+def _progress() -> str:
+    """A bar on a terminal; no progress lines otherwise: the runs evaluate every twentieth of the
+    run, and their unlabelled lines (a log point at each evaluation) would bury the table."""
+    return "auto" if sys.stderr.isatty() else "off"
+
+
 def _train_one(label: str, mode: str, extra: list[str], *, dev: torch.device, task: str, steps: int, seed: int,
                eval_every: int, out: Path) -> tuple[dict[str, Any], _Curves]:
     trace = out / f"trace-{label}.jsonl"
@@ -121,7 +128,7 @@ def _train_one(label: str, mode: str, extra: list[str], *, dev: torch.device, ta
         f"device={dev}", f"task.name={task}", f"precision.mode={mode}", f"train.steps={steps}",
         f"train.seed={seed}", "train.log_interval=50", f"train.eval_interval={eval_every}",
         "optimizer.lr=3.0e-3", f"schedule.warmup_steps={max(steps // 20, 1)}", f"train.trace_file={trace}",
-        f"logging.dir={out / label}", *extra,
+        f"logging.dir={out / label}", f"logging.progress={_progress()}", *extra,
     ])
     t = build_task(cfg.task, seed=seed, batch_size=cfg.train.batch_size)
     trainer = _RecordingTrainer(cfg)
