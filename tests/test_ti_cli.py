@@ -25,7 +25,8 @@ def test_compare_prints_a_table_and_writes_the_report(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     from torchimpl.fp8 import torchao_available
 
-    assert [row["precision"] for row in report["rows"]] == ["fp32", "bf16"] + (["fp8"] if torchao_available() else [])
+    assert [row["precision"] for row in report["rows"]] == (["fp32", "bf16", "bf16+scaler"]
+                                                            + (["fp8"] if torchao_available() else []))
     assert len(report["loss_curves"]["fp32"]) == 30
 
 

@@ -214,7 +214,7 @@ def test_compare_has_an_fp8_row(tmp_path):
 
     res = run_compare(steps=3, device="cpu", out=tmp_path, task="mlp", window=2)
     rows = {r["precision"]: r for r in res.rows}
-    assert set(rows) == {"fp32", "bf16", "fp8"} and rows["fp8"]["plan"] == "fp8"
+    assert set(rows) == {"fp32", "bf16", "bf16+scaler", "fp8"} and rows["fp8"]["plan"] == "fp8"
 
 
 def test_compare_leaves_fp8_out_without_torchao(tmp_path, monkeypatch):
@@ -222,7 +222,7 @@ def test_compare_leaves_fp8_out_without_torchao(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tfp8, "torchao_available", lambda: False)
     res = run_compare(steps=2, device="cpu", out=tmp_path, task="mlp", window=2)
-    assert [r["precision"] for r in res.rows] == ["fp32", "bf16"]
+    assert [r["precision"] for r in res.rows] == ["fp32", "bf16", "bf16+scaler"]
 
 
 @needs_torchao

@@ -45,8 +45,14 @@ class Net(nn.Module):
         ({"betas": (-0.1, 0.9)}, "betas[0] must be a finite number >= 0.0, got -0.1"),
         ({"fused": "yes"}, "fused must be None, True or False, got 'yes'"),
         ({"nesterov": 1}, "nesterov must be a bool, got 1"),
-        ({"name": "adamw", "momentum": 0.9}, "momentum and nesterov apply only to sgd"),
-        ({"name": "sgd", "nesterov": True}, "nesterov requires momentum > 0, got momentum=0.0"),
+        ({"name": "adamw", "momentum": 0.9},
+         "invalid configuration: momentum: only the 'sgd' optimizer uses momentum, and this one is 'adamw' "
+         "(got momentum=0.9); remove momentum, or set the optimizer's name to 'sgd'"),
+        ({"name": "adam", "nesterov": True},
+         "invalid configuration: nesterov: only the 'sgd' optimizer uses nesterov, and this one is 'adam'"),
+        ({"name": "sgd", "nesterov": True},
+         "invalid configuration: nesterov: Nesterov momentum needs momentum > 0, got momentum=0.0; "
+         "set momentum (e.g. 0.9), or remove nesterov"),
         ({"name": "sgd", "momentum": -0.5}, "momentum must be a finite number >= 0.0, got -0.5"),
     ],
 )

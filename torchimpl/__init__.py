@@ -13,8 +13,12 @@ Train a model: ``Trainer(precision="bf16-mixed", max_steps=200).fit(model, train
 - training: `Trainer` (the run's cadence; the step itself is `torchimpl.step`'s engine, the
   checkpoint contents `torchimpl.run_state`), `Callback`, `RunSummary`, `TrainState`,
   `default_loss_fn`, step records and checkpoints (`ResumeError` for a refused resume);
-- diagnostics: `NonFiniteGuard`, `check_placement`, `diagnose_nonfinite`.
+- diagnostics: `NonFiniteGuard`, `check_placement`, `diagnose_nonfinite`;
+- the trained weights: `load_weights` (a checkpoint's model ``state_dict``).
 """
+
+# The distribution's version (pyproject.toml), for a checkout that is not installed.
+__version__ = "0.1.0"
 
 from torchimpl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from torchimpl.config import (
@@ -29,6 +33,7 @@ from torchimpl.config import (
     load_config,
 )
 from torchimpl.device import resolve_device
+from torchimpl.export import load_weights
 from torchimpl.diagnostics import (
     DiagnosisReport,
     NonFiniteError,
@@ -101,6 +106,7 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "load_config",
+    "load_weights",
     "make_grad_scaler",
     "read_trace",
     "resolve_device",

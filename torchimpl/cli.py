@@ -1,4 +1,4 @@
-"""The ``ampspec`` command: ``compare``, ``train``, ``doctor``, ``replay``, ``audit``.
+"""The ``ampspec`` command: ``compare``, ``train``, ``export``, ``doctor``, ``replay``, ``audit``.
 
 User mistakes (a bad configuration, a missing file, an unavailable device, a refused resume)
 print one line to stderr and exit with status 2. ``train`` exits 0 when the run completed (or a
@@ -18,7 +18,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from torchimpl.distributed import launch_rank
 from torchimpl.lifecycle import EXIT_CODES
@@ -28,17 +28,71 @@ __all__ = ["main"]
 log = logging.getLogger("torchimpl.cli")
 
 
+def _plain_warnings() -> None:
+    """Show this package's warnings as one line, ``ampspec: warning: <message>``.
+
+    Their ``file.py:123: Category:`` prefix points into ampspec's own code, which tells a
+    command-line user nothing; warnings raised elsewhere (torch, the user's task) keep theirs.
+    """
+    package = str(Path(__file__).resolve().parent)
+    prefix = f"[rank {launch_rank()}] " if "RANK" in os.environ else ""
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 - warnings' signature
+        if not str(Path(filename).resolve()).startswith(package):
+            return default(message, category, filename, lineno, file, line)
+        print(f"{prefix}ampspec: warning: {message}", file=file or sys.stderr)
+
+    warnings.showwarning = show
+
+
+def _version_text() -> str:
+    import torch
+
+    from torchimpl.run_state import ampspec_version
+
+    return f"ampspec {ampspec_version()} (torch {torch.__version__}, python {sys.version.split()[0]})"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, computed only when asked (it imports torch)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001 - argparse's signature
+        print(_version_text())
+        parser.exit()
+
+
+def _task_name(text: str) -> str:
+    """argparse type for ``--task``: ``lm``, ``mlp`` or ``module:function``."""
+    from torchimpl.config import ConfigError, TaskConfig
+
+    try:
+        TaskConfig(name=text)
+    except ConfigError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a task: use 'lm', 'mlp' or module:function (a function in a module in the "
+            "working directory or on PYTHONPATH that returns (model, train_data, val_data))") from None
+    return text
+
+
 def _compare(args: argparse.Namespace) -> int:
     from torchimpl.compare import format_table, run_compare
 
-    res = run_compare(steps=args.steps, device=args.device, out=args.out, task=args.task)
+    _plain_warnings()
+    res = run_compare(steps=args.steps, device=args.device, out=args.out, task=args.task, seed=args.seed)
     print(format_table(res.rows))
     print()
+    print(f"max gap: {res.gap_note}.")
     verdict = "agree" if res.agree else "DO NOT agree"
     print(f"The curves {verdict} with fp32 (rule: {res.rule}).")
     for row in res.rows:
         for d in row["downgrades"]:
             print(f"note ({row['precision']}): {d}")
+    for label, why in res.left_out.items():
+        print(f"note ({label}): left out: {why}")
     print(f"report: {res.report_path}")
     print(f"plot: {res.png_path}" if res.png_path else res.png_note)
     print(f"took {res.seconds:.1f} s")
@@ -50,6 +104,7 @@ def _train(args: argparse.Namespace) -> int:
     from torchimpl.tasks import build_task
     from torchimpl.trainer import Trainer
 
+    _plain_warnings()
     cfg = load_config(args.config, args.set)
     task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
     if args.resume and cfg.checkpoint.folder is None:
@@ -80,6 +135,16 @@ def _outcome_message(summary) -> str | None:
     if summary.outcome.startswith("interrupted"):
         return f"{summary.stopped}{where}; continue with --resume"
     return None
+
+
+def _export(args: argparse.Namespace) -> int:
+    from torchimpl.export import export_weights
+
+    _plain_warnings()
+    res = export_weights(args.checkpoint, args.out, force=args.force)
+    print(f"wrote {res.path}: the model's state_dict from {res.source}, "
+          f"{res.tensors} tensors, {res.bytes / 2**20:.2f} MiB")
+    return 0
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -221,23 +286,59 @@ def _verbosity(parser: argparse.ArgumentParser, default: object) -> None:
                         help="warnings and errors only: no progress lines or bar")
 
 
+def _add_compare(sub: Any, common: argparse.ArgumentParser) -> None:
+    c = sub.add_parser(
+        "compare", parents=[common], help="train one model in fp32, bf16 (and fp16 on CUDA) and compare",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train the same model from the same seed and data in every precision this device "
+                    "supports (on a CPU also bf16 with a loss scaler, to show the scaler at work), print a "
+                    "table, write OUT/report.json and OUT/compare.png. Exit status 1 when a curve does not "
+                    "agree with fp32's.")
+    c.add_argument("--task", default="lm", type=_task_name, metavar="lm|mlp|MODULE:FUNCTION",
+                   help="the embedded transformer (lm), the embedded MLP (mlp), or your own task: a function "
+                        "returning (model, train_data, val_data), looked up in the working directory first")
+    c.add_argument("--steps", type=int, default=200, help="optimizer steps per precision")
+    c.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    c.add_argument("--seed", type=int, default=0, help="train.seed of every run (model initialisation, data, dropout)")
+    c.add_argument("--out", default="ampspec-compare", help="folder for report.json, compare.png and the traces")
+    c.set_defaults(func=_compare)
+
+
+def _add_train(sub: Any, common: argparse.ArgumentParser) -> None:
+    t = sub.add_parser("train", parents=[common], help="train from a configuration file",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Train the embedded task or your own (task.name: module:function) and print "
+                                   "the run summary as JSON. Every field is documented in torchimpl/config.py.")
+    t.add_argument("--config", metavar="FILE", help="YAML configuration file (none: every field at its default)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one field, e.g. train.steps=100 (repeatable; values are YAML)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the newest good checkpoint in checkpoint.folder")
+    t.set_defaults(func=_train)
+
+
+def _add_export(sub: Any, common: argparse.ArgumentParser) -> None:
+    e = sub.add_parser("export", parents=[common], help="write a checkpoint's model weights as a plain state_dict",
+                       description="Write the model's state_dict from CKPT (a step-NNNNNNNN.ckpt file, an FSDP2 "
+                                   ".dcp folder, or a checkpoint folder: its newest good checkpoint) to OUT: "
+                                   "OUT.pt (torch.save; torch.load(OUT, weights_only=True) reads it) or "
+                                   "OUT.safetensors (needs pip install 'ampspec[safetensors]').")
+    e.add_argument("checkpoint", metavar="CKPT")
+    e.add_argument("out", metavar="OUT")
+    e.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    e.set_defaults(func=_export)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ampspec", description="Mixed-precision training that explains itself.")
     _verbosity(p, False)
+    p.add_argument("--version", action=_VersionAction, help="print ampspec's and torch's versions and exit")
     common = argparse.ArgumentParser(add_help=False)
     _verbosity(common, argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("compare", parents=[common], help="train one model in fp32, bf16 (and fp16 on CUDA) and compare")
-    c.add_argument("--steps", type=int, default=200)
-    c.add_argument("--device", default="auto")
-    c.add_argument("--out", default="ampspec-compare")
-    c.add_argument("--task", default="lm", choices=["lm", "mlp"])
-    c.set_defaults(func=_compare)
-    t = sub.add_parser("train", parents=[common], help="train from a configuration file")
-    t.add_argument("--config", help="YAML configuration file")
-    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.steps=100")
-    t.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint")
-    t.set_defaults(func=_train)
+    _add_compare(sub, common)
+    _add_train(sub, common)
+    _add_export(sub, common)
     d = sub.add_parser("doctor", parents=[common], help="what this machine supports")
     d.set_defaults(func=_doctor)
     r = sub.add_parser("replay", parents=[common], help="recompute a trace's scale history with the reference")

@@ -1,6 +1,11 @@
 """``ampspec compare``: the same model, seed and data in fp32, bf16, (on CUDA) fp16 and, when
 torchao is installed, fp8 (torchao's tensorwise float8 recipe; emulated on a CPU, so its ms/step
-there is the emulation's cost, not float8's speed).
+there is the emulation's cost, not float8's speed). On a device where none of these uses a
+loss scaler (a CPU), a ``bf16+scaler`` run (``train.force_scaler``) shows the scaler at work: its
+growth interval is shortened to a tenth of the run so that the growth is visible in the plot.
+
+The task is an embedded one (``lm``, ``mlp``) or the user's ``module:function``; every run
+builds a fresh task from the same seed (``torchimpl.tasks.build_task``).
 
 Agreement rule (stated in the report): the curves are smoothed with a moving average over
 ``window`` steps; a precision agrees with fp32 when every smoothed point lies within
@@ -8,27 +13,33 @@ Agreement rule (stated in the report): the curves are smoothed with a moving ave
 loss where that is larger (a relative band means nothing once the loss nears 0, and on the
 steep part of the curve a shift of a few steps makes large pointwise gaps). The band is wider than the
 step-to-step noise of a smoothed curve on these tasks and far narrower than a stalled or
-diverged run, which is what the comparison is meant to catch.
+diverged run, which is what the comparison is meant to catch. A run's "max gap" is the
+largest absolute difference, in loss units, between its smoothed curve and fp32's.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
+import torch
 
 from torchimpl.config import load_config
 from torchimpl.device import resolve_device
+from torchimpl.records import read_trace
 from torchimpl.tasks import build_task
 from torchimpl.trainer import Trainer
 
-__all__ = ["CompareResult", "run_compare", "format_table"]
+__all__ = ["CompareResult", "run_compare", "format_table", "gap_explained"]
 
 log = logging.getLogger(__name__)
+
+SCALER_RUN = "bf16+scaler"
 
 
 @dataclass
@@ -36,10 +47,40 @@ class CompareResult:
     rows: list[dict[str, Any]]
     agree: bool
     rule: str
+    gap_note: str
     seconds: float
     report_path: str
     png_path: str | None
     png_note: str | None
+    left_out: dict[str, str]
+    """Runs that could not be made, with the reason (fp8 on a model with no convertible layer)."""
+
+
+@dataclass
+class _Curves:
+    """What one precision's run leaves for the report and the plot."""
+
+    train: list[float]
+    """Training loss of every step (index i is step i + 1)."""
+    val: list[tuple[int, float]]
+    """(steps done, validation loss) at each evaluation."""
+    scale: list[float]
+    skipped: list[int]
+    """1-based steps whose update was skipped (a non-finite gradient)."""
+    uses_scaler: bool
+
+
+class _RecordingTrainer(Trainer):
+    """A trainer that keeps every evaluation's loss, so that the validation curve can be drawn."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.val_history: list[tuple[int, float]] = []
+
+    def evaluate(self, val_data: Iterable[Any]) -> float:
+        value = super().evaluate(val_data)
+        self.val_history.append((self.state.step, value))
+        return value
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -52,59 +93,132 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+def gap_explained(window: int) -> str:
+    """What the table's "max gap" column means."""
+    return (f"the largest absolute difference, in loss units, between a run's {window}-step moving "
+            "average of the training loss and fp32's, over the whole run")
+
+
+def _runs(dev: torch.device) -> list[tuple[str, str, list[str]]]:
+    """(label, precision mode, extra overrides) of every run on ``dev``."""
+    from torchimpl.fp8 import torchao_available
+
+    runs = [("fp32", "fp32", []), ("bf16", "bf16", [])]
+    if dev.type == "cuda":
+        runs.append(("fp16", "fp16", []))
+    else:
+        runs.append((SCALER_RUN, "bf16", ["train.force_scaler=true"]))
+    if torchao_available():
+        runs.append(("fp8", "fp8", []))
+    return runs
+
+
+def _progress() -> str:
+    """A bar on a terminal; no progress lines otherwise: the runs evaluate every twentieth of the
+    run, and their unlabelled lines (a log point at each evaluation) would bury the table."""
+    return "auto" if sys.stderr.isatty() else "off"
+
+
+def _train_one(label: str, mode: str, extra: list[str], *, dev: torch.device, task: str, steps: int, seed: int,
+               eval_every: int, out: Path) -> tuple[dict[str, Any], _Curves]:
+    trace = out / f"trace-{label}.jsonl"
+    if label == SCALER_RUN:
+        extra = extra + [f"scaler.growth_interval={max(steps // 10, 1)}"]
+    cfg = load_config(overrides=[
+        f"device={dev}", f"task.name={task}", f"precision.mode={mode}", f"train.steps={steps}",
+        f"train.seed={seed}", "train.log_interval=50", f"train.eval_interval={eval_every}",
+        "optimizer.lr=3.0e-3", f"schedule.warmup_steps={max(steps // 20, 1)}", f"train.trace_file={trace}",
+        f"logging.dir={out / label}", f"logging.progress={_progress()}", *extra,
+    ])
+    t = build_task(cfg.task, seed=seed, batch_size=cfg.train.batch_size)
+    trainer = _RecordingTrainer(cfg)
+    summary = trainer.fit(t.model, t.train_data, t.val_data, loss_fn=t.loss_fn)
+    curves = _Curves(train=[loss for _, loss in trainer.loss_history], val=list(trainer.val_history),
+                     scale=[s for _, s in trainer.scale_history],
+                     skipped=[r.step + 1 for r in read_trace(trace) if not r.applied],
+                     uses_scaler=summary.use_scaler)
+    row = {
+        "precision": label, "plan": summary.precision_mode, "final_loss": curves.train[-1],
+        "best_val_loss": summary.best_val_loss, "final_val_loss": summary.final_val_loss,
+        "steps_skipped": summary.steps_skipped, "final_scale": summary.final_scale,
+        "time_per_step_ms": summary.time_per_step_s * 1e3,
+        "peak_memory_mb": None if summary.peak_memory_bytes is None else summary.peak_memory_bytes / 2**20,
+        "downgrades": summary.downgrades,
+    }
+    return row, curves
+
+
+def _judge(rows: list[dict[str, Any]], curves: dict[str, _Curves], window: int, rel_tol: float,
+           abs_tol: float) -> bool:
+    """Fill each row's ``max_gap_to_fp32`` and ``agrees``; True when every run agrees."""
+    ref = _smooth(curves["fp32"].train, window)
+    floor = abs_tol * abs(ref[0])
+    for row in rows:
+        sm = _smooth(curves[row["precision"]].train, window)
+        gaps = [abs(a - b) for a, b in zip(sm, ref)]
+        row["max_gap_to_fp32"] = max(gaps)
+        row["agrees"] = all(g <= max(rel_tol * abs(b), floor) for g, b in zip(gaps, ref))
+    return all(row["agrees"] for row in rows)
+
+
 def run_compare(*, steps: int = 200, device: str = "auto", out: str | Path = "ampspec-compare",
                 task: str = "lm", seed: int = 0, window: int = 20, rel_tol: float = 0.10,
                 abs_tol: float = 0.05) -> CompareResult:
+    """Train ``task`` in every precision ``device`` supports, judge each against fp32, and write
+    ``out/report.json`` and (with matplotlib) ``out/compare.png``."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     t0 = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dev = resolve_device(device)
-    from torchimpl.fp8 import torchao_available
-
-    modes = ["fp32", "bf16"] + (["fp16"] if dev.type == "cuda" else []) + (["fp8"] if torchao_available() else [])
-    rows, curves, scales = [], {}, {}
-    for mode in modes:
-        cfg = load_config(overrides=[
-            f"device={dev}", f"task.name={task}", f"precision.mode={mode}", f"train.steps={steps}",
-            f"train.seed={seed}", "train.log_interval=50", f"train.eval_interval={max(steps // 5, 1)}",
-            "optimizer.lr=3.0e-3", f"schedule.warmup_steps={max(steps // 20, 1)}",
-            f"train.trace_file={out / f'trace-{mode}.jsonl'}", f"logging.dir={out / mode}",
-        ])
-        t = build_task(cfg.task, seed=seed, batch_size=cfg.train.batch_size)
-        trainer = Trainer(cfg)
-        summary = trainer.fit(t.model, t.train_data, t.val_data, loss_fn=t.loss_fn)
-        curves[mode] = [loss for _, loss in trainer.loss_history]
-        scales[mode] = [s for _, s in trainer.scale_history]
-        rows.append({
-            "precision": mode, "plan": summary.precision_mode, "final_loss": curves[mode][-1],
-            "best_val_loss": summary.best_val_loss, "final_val_loss": summary.final_val_loss,
-            "steps_skipped": summary.steps_skipped, "final_scale": summary.final_scale,
-            "time_per_step_ms": summary.time_per_step_s * 1e3,
-            "peak_memory_mb": None if summary.peak_memory_bytes is None else summary.peak_memory_bytes / 2**20,
-            "downgrades": summary.downgrades,
-        })
-    ref = _smooth(curves["fp32"], window)
-    agree = True
-    floor = abs_tol * abs(ref[0])
-    for row in rows:
-        sm = _smooth(curves[row["precision"]], window)
-        gaps = [abs(a - b) for a, b in zip(sm, ref)]
-        row["max_gap_to_fp32"] = max(gaps)
-        row["agrees"] = all(g <= max(rel_tol * abs(b), floor) for g, b in zip(gaps, ref))
-        agree = agree and row["agrees"]
+    eval_every = max(steps // 20, 1)  # about 20 points: a validation curve, not a final number
+    rows, curves, left_out = [], {}, {}
+    for label, mode, extra in _runs(dev):
+        try:
+            row, curves[label] = _train_one(label, mode, extra, dev=dev, task=task, steps=steps, seed=seed,
+                                            eval_every=eval_every, out=out)
+        except ValueError as exc:
+            if mode != "fp8":
+                raise
+            # fp8 is the optional extra: a model it cannot convert leaves that row out, not the comparison.
+            left_out[label] = str(exc)
+            continue
+        rows.append(row)
+    agree = _judge(rows, curves, window, rel_tol, abs_tol)
     rule = (f"{window}-step moving averages within {rel_tol:.0%} of fp32's, or within {abs_tol:.0%} of "
             f"fp32's starting loss where that is larger (near zero loss a relative band is meaningless)")
-    report = {"device": str(dev), "task": task, "steps": steps, "seed": seed, "rule": rule,
-              "agree": agree, "rows": rows, "loss_curves": curves, "scale_history": scales}
+    title = f"ampspec compare: task {task} on {dev}, torch {torch.__version__}, {steps} steps, seed {seed}"
+    report = {"device": str(dev), "torch": str(torch.__version__), "task": task, "steps": steps, "seed": seed,
+              "rule": rule, "max_gap": gap_explained(window), "agree": agree, "rows": rows, "left_out": left_out,
+              "loss_curves": {k: c.train for k, c in curves.items()},
+              "val_curves": {k: c.val for k, c in curves.items()},
+              "skipped_steps": {k: c.skipped for k, c in curves.items()},
+              "scale_history": {k: c.scale for k, c in curves.items()}}
     report_path = out / "report.json"
     report_path.write_text(json.dumps(report, indent=1))
-    png_path, note = _plot(curves, scales, out / "compare.png")
-    return CompareResult(rows, agree, rule, time.perf_counter() - t0, str(report_path), png_path, note)
+    band = _Band(window, rel_tol, abs_tol)
+    png_path, note = _plot(curves, rows, band, title, out / "compare.png")
+    return CompareResult(rows, agree, rule, gap_explained(window), time.perf_counter() - t0, str(report_path),
+                         png_path, note, left_out)
 
 
-def _plot(curves, scales, path: Path) -> tuple[str | None, str | None]:
+@dataclass(frozen=True)
+class _Band:
+    """The agreement rule, for drawing it around fp32's curve."""
+
+    window: int
+    rel_tol: float
+    abs_tol: float
+
+    def around(self, ref: list[float]) -> tuple[list[float], list[float]]:
+        floor = self.abs_tol * abs(ref[0])
+        half = [max(self.rel_tol * abs(r), floor) for r in ref]
+        return [r - h for r, h in zip(ref, half)], [r + h for r, h in zip(ref, half)]
+
+
+def _plot(curves: dict[str, _Curves], rows: list[dict[str, Any]], band: _Band, title: str,
+          path: Path) -> tuple[str | None, str | None]:
     try:
         import matplotlib
 
@@ -112,19 +226,123 @@ def _plot(curves, scales, path: Path) -> tuple[str | None, str | None]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None, "PNG skipped: matplotlib is not installed (pip install 'ampspec[plot]')"
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for mode, c in curves.items():
-        a.plot(_smooth(c, 20), label=mode)
-    a.set(title="training loss (20-step moving average)", xlabel="optimizer step", ylabel="loss")
-    a.legend()
-    for mode, s in scales.items():
-        b.plot(s, label=mode)
-    b.set(title="loss scale (1 = no scaler)", xlabel="optimizer step", yscale="log")
-    b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    scaled = {k: c for k, c in curves.items() if c.uses_scaler}
+    # The scale panel only when some run used a scaler: without one every scale is 1.
+    fig = plt.figure(figsize=(14 if scaled else 9.5, 7.5))
+    grid = fig.add_gridspec(2, 2 if scaled else 1, height_ratios=[2.2, 1], width_ratios=[2, 1] if scaled else None)
+    colours = {k: f"C{i}" for i, k in enumerate(curves)}
+    by_label = {r["precision"]: r for r in rows}
+    loss_ax = fig.add_subplot(grid[0, 0])
+    _plot_losses(loss_ax, curves, by_label, band, colours)
+    _plot_gaps(fig.add_subplot(grid[1, 0], sharex=loss_ax), curves, by_label, band, colours)
+    if scaled:
+        _plot_scales(fig.add_subplot(grid[:, 1]), scaled, colours)
+    fig.suptitle(title, fontsize=12)
+    fig.text(0.01, 0.012, f"A run agrees with fp32 when its {band.window}-step moving average stays inside the "
+                          f"shaded band: within {band.rel_tol:.0%} of fp32's, or {band.abs_tol:.0%} of fp32's "
+                          f"starting loss where that is larger.\nmax gap: {gap_explained(band.window)}.",
+             fontsize=8.5)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path), None
+
+
+def _run_label(label: str, row: dict[str, Any]) -> str:
+    if label == "fp32":
+        return "fp32 (the baseline)"
+    verdict = "agrees" if row["agrees"] else "DOES NOT AGREE"
+    skipped = f", {row['steps_skipped']} skipped" if row["steps_skipped"] else ""
+    return f"{label}: max gap {row['max_gap_to_fp32']:.2g}, {verdict}{skipped}"
+
+
+def _plot_losses(ax: Any, curves: dict[str, _Curves], by_label: dict[str, dict[str, Any]], band: _Band,
+                 colours: dict[str, str]) -> None:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    ref = _smooth(curves["fp32"].train, band.window)
+    low, high = band.around(ref)
+    values = [v for c in curves.values() for v in _smooth(c.train, band.window)] + [v for c in curves.values()
+                                                                                  for _, v in c.val]
+    positive = [v for v in values if v > 0]
+    log_axis = bool(positive) and max(positive) / min(positive) > 20  # a loss falling towards 0 reads on a log axis
+    if log_axis:
+        # The band reaches 0 where the absolute floor is wider than the loss: draw it to the axis' bottom.
+        bottom = 0.5 * min(positive)
+        low = [max(v, bottom) for v in low]
+        ax.set_yscale("log")
+        ax.set_ylim(bottom=bottom)
+    ax.fill_between(range(1, len(ref) + 1), low, high, color="0.5", alpha=0.18, linewidth=0)
+    handles = []
+    for i, (label, c) in enumerate(curves.items()):
+        sm = _smooth(c.train, band.window)
+        width, alpha = _line_style(i)
+        ax.plot(range(1, len(sm) + 1), sm, color=colours[label], linewidth=width, alpha=alpha)
+        if c.val:
+            xs, ys = zip(*c.val)
+            ax.plot(xs, ys, color=colours[label], linestyle="--", marker="o", markersize=3.5, linewidth=1,
+                    alpha=alpha if label == "fp32" else 0.9)
+        if c.skipped:
+            ax.plot(c.skipped, [sm[s - 1] for s in c.skipped], linestyle="none", marker="x", markersize=8,
+                    markeredgewidth=2, color=colours[label])
+        twin = next((k for k in list(curves)[:i] if curves[k].train == c.train), None)
+        text = _run_label(label, by_label[label]) + (f" (identical to {twin})" if twin else "")
+        handles.append(Line2D([], [], color=colours[label], linewidth=2, label=text))
+    handles += [Line2D([], [], color="0.3", linestyle="--", marker="o", markersize=3.5, linewidth=1,
+                       label="validation loss (dashed)"),
+                Line2D([], [], color="0.3", linestyle="none", marker="x", markersize=8, markeredgewidth=2,
+                       label="skipped step (non-finite gradient)"),
+                Patch(color="0.5", alpha=0.18, label="agreement band around fp32")]
+    ax.set(title=f"training loss ({band.window}-step moving average) and validation loss", ylabel="loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend(handles=handles, fontsize=8.5, loc="upper right")
+
+
+def _line_style(index: int) -> tuple[float, float]:
+    """(width, opacity) of the index-th run: fp32 wide and pale underneath, each later run
+    narrower, so that runs that coincide (bf16 with and without a scaler) all stay visible."""
+    if index == 0:
+        return 4.0, 0.45
+    return max(2.8 - 0.8 * (index - 1), 1.0), 0.95
+
+
+def _plot_gaps(ax: Any, curves: dict[str, _Curves], by_label: dict[str, dict[str, Any]], band: _Band,
+               colours: dict[str, str]) -> None:
+    """Each run's smoothed curve minus fp32's, inside the band's half-width: the "max gap" drawn."""
+    ref = _smooth(curves["fp32"].train, band.window)
+    low, high = band.around(ref)
+    half = [h - r for h, r in zip(high, ref)]
+    steps = range(1, len(ref) + 1)
+    ax.fill_between(steps, [-h for h in half], half, color="0.5", alpha=0.18, linewidth=0)
+    ax.axhline(0.0, color=colours["fp32"], linewidth=1)
+    top = max(half)
+    for i, (label, c) in enumerate(curves.items()):
+        if label == "fp32":
+            continue
+        gap = [a - b for a, b in zip(_smooth(c.train, band.window), ref)]
+        top = max(top, max(abs(g) for g in gap))
+        ax.plot(steps, gap, color=colours[label], linewidth=_line_style(i)[0])
+    ax.set_ylim(-1.1 * top, 1.1 * top)
+    ax.set(title="difference from fp32 (moving averages, loss units); the band is the tolerance",
+           xlabel="optimizer step", ylabel="loss - fp32's")
+    ax.grid(True, alpha=0.3)
+
+
+def _plot_scales(ax: Any, scaled: dict[str, _Curves], colours: dict[str, str]) -> None:
+    for label, c in scaled.items():
+        ax.step(range(1, len(c.scale) + 1), c.scale, where="post", color=colours[label], label=label)
+        if c.skipped:
+            ax.plot(c.skipped, [c.scale[s - 1] for s in c.skipped], linestyle="none", marker="x", markersize=8,
+                    markeredgewidth=2, color=colours[label], label=f"{label}: skipped, scale backed off")
+    ax.set_yscale("log", base=2)
+    ax.set(title="loss scale after each step", xlabel="optimizer step", ylabel="scale (log2 axis)")
+    if SCALER_RUN in scaled:
+        ax.text(0.02, 0.97, f"{SCALER_RUN}: bf16 needs no scaler; this run uses one\nto show it: the scale "
+                            "doubles after every\ngrowth interval of clean steps (shortened to\na tenth of the "
+                            "run) and halves on an overflow", transform=ax.transAxes, va="top", fontsize=8.5)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8.5, loc="lower right")
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

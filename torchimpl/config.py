@@ -84,7 +84,9 @@ class TaskConfig(_Checked):
     name: str = "lm"
     """``lm`` (a small transformer on a synthetic sequence task), ``mlp`` (a small MLP
     regression), or ``module:function`` naming a function that returns
-    ``(model, train_data, val_data)``."""
+    ``(model, train_data, val_data)``; the module is looked up in the working directory first,
+    and every generator is seeded from ``train.seed`` before the function is called, so the
+    model's initialisation is seeded."""
 
     size: Literal["tiny", "small"] = "small"
     """Size of the embedded task's model: ``tiny`` for smoke tests, ``small`` by default."""

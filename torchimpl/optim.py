@@ -106,13 +106,27 @@ class OptimizerConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.fused is not None and not isinstance(self.fused, bool):
             raise ValueError(f"fused must be None, True or False, got {self.fused!r}")
-        if self.name != "sgd" and (self.momentum != 0.0 or self.nesterov):
-            raise ValueError(
-                f"momentum and nesterov apply only to sgd; optimizer {self.name!r} got "
-                f"momentum={self.momentum!r}, nesterov={self.nesterov!r}"
-            )
-        if self.nesterov and self.momentum <= 0.0:
-            raise ValueError(f"nesterov requires momentum > 0, got momentum={self.momentum!r}")
+        problems = self._cross_field_problems()
+        if problems:
+            # Imported here: torchimpl.config imports this module. A ConfigError names each
+            # field, so the loader reports these as they are instead of retrying each field
+            # alone against the defaults (which would blame the default optimizer name).
+            from torchimpl.config import ConfigError
+
+            raise ConfigError(problems)
+
+    def _cross_field_problems(self) -> list[tuple[str, str]]:
+        """Settings that are valid alone but not together, as ``(field, message)``."""
+        out = []
+        if self.name != "sgd":
+            for field, value in (("momentum", self.momentum), ("nesterov", self.nesterov)):
+                if value not in (0.0, False):
+                    out.append((field, f"only the 'sgd' optimizer uses {field}, and this one is {self.name!r} "
+                                       f"(got {field}={value!r}); remove {field}, or set the optimizer's name to 'sgd'"))
+        elif self.nesterov and self.momentum <= 0.0:
+            out.append(("nesterov", f"Nesterov momentum needs momentum > 0, got momentum={self.momentum!r}; "
+                                    "set momentum (e.g. 0.9), or remove nesterov"))
+        return out
 
 
 @dataclass(frozen=True)

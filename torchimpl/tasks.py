@@ -8,22 +8,31 @@
 Batches are a pure function of ``(seed, epoch, index)``: :class:`SyntheticBatches` can start
 at any position without replaying the ones before it (``iter_from``), which the trainer uses
 to resume. Every model returns its loss when called with ``(inputs, targets)``.
+
+3. A user's task, ``module:function``: the working directory is put at the front of
+   ``sys.path`` (as ``python -m`` does), then every generator (Python's ``random``, NumPy's
+   global one, torch's on every device) is seeded from ``train.seed`` and ``function()`` is
+   called, so the model's initialisation and any data order drawn there are seeded.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+import os
+import random
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from torchimpl.config import TaskConfig
 
-__all__ = ["ReverseLM", "RegressionMLP", "SyntheticBatches", "Task", "build_task"]
+__all__ = ["ReverseLM", "RegressionMLP", "SyntheticBatches", "Task", "build_task", "seed_everything"]
 
 _DIGITS = 10
 _SEP = 10
@@ -134,7 +143,8 @@ class Task:
 
 
 def build_task(config: TaskConfig, *, seed: int, batch_size: int) -> Task:
-    """The task named by ``config``: embedded (``lm``, ``mlp``) or a user's ``module:function``."""
+    """The task named by ``config``: embedded (``lm``, ``mlp``) or a user's ``module:function``
+    (called after :func:`seed_everything` ``(seed)``; see rule 3)."""
     if config.name == "lm":
         length = 6 if config.size == "tiny" else 8
         d_model = 32 if config.size == "tiny" else 64
@@ -150,18 +160,50 @@ def build_task(config: TaskConfig, *, seed: int, batch_size: int) -> Task:
             model = RegressionMLP(hidden=hidden)
         make = _regression_batch(batch_size, 16, seed)
         return Task(model, SyntheticBatches(make, seed, 64), SyntheticBatches(make, seed + 1, 4))
-    return _user_task(config.name)
+    return _user_task(config.name, seed)
 
 
-def _user_task(entry: str) -> Task:
-    module_name, _, func_name = entry.partition(":")
+def seed_everything(seed: int) -> None:
+    """Seed Python's ``random``, NumPy's global generator and torch's (CPU and every CUDA device)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _put_working_directory_on_path() -> None:
+    """Put the working directory first on ``sys.path``, once, as ``python -m`` does.
+
+    It stays there (rather than only for the import) so that what the user's module imports
+    later (inside ``make()``, in ``forward``) and DataLoader workers started with ``spawn``
+    (which copy the parent's ``sys.path``) find the same modules."""
+    cwd = os.getcwd()
+    if not any(os.path.abspath(p or os.curdir) == cwd for p in sys.path):
+        sys.path.insert(0, cwd)
+
+
+def _import_user_module(entry: str, module_name: str) -> Any:
+    _put_working_directory_on_path()
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or (module_name + ".").startswith(exc.name + "."):
+            raise ValueError(
+                f"task.name {entry!r}: no module {module_name!r} in the working directory {os.getcwd()} "
+                f"or on sys.path; run from the folder holding {module_name.split('.')[0]}.py, or add "
+                "its folder to PYTHONPATH"
+            ) from None
+        raise ValueError(f"task.name {entry!r}: importing {module_name!r} failed: {exc}") from None
     except ImportError as exc:
-        raise ValueError(f"task.name {entry!r}: cannot import module {module_name!r} ({exc})") from None
+        raise ValueError(f"task.name {entry!r}: importing {module_name!r} failed: {exc}") from None
+
+
+def _user_task(entry: str, seed: int) -> Task:
+    module_name, _, func_name = entry.partition(":")
+    module = _import_user_module(entry, module_name)
     func = getattr(module, func_name, None)
     if not callable(func):
         raise ValueError(f"task.name {entry!r}: module {module_name!r} has no function {func_name!r}")
+    seed_everything(seed)
     result = func()
     if not isinstance(result, tuple) or len(result) not in (3, 4) or not isinstance(result[0], nn.Module):
         raise ValueError(

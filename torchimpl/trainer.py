@@ -48,7 +48,7 @@ from torchimpl.device import resolve_device
 from torchimpl.diagnostics import NonFiniteError, report_nonfinite
 from torchimpl.distributed import init_distributed
 from torchimpl.optim import BuiltOptimizer, OptimizerConfig, adopt_optimizer, build_optimizer
-from torchimpl.precision import autocast_context, resolve_precision
+from torchimpl.precision import PrecisionDowngradeWarning, autocast_context, resolve_precision
 from torchimpl.lifecycle import Interrupts, outcome, preflight
 from torchimpl.records import StepRecord, TraceWriter
 from torchimpl.metrics import CsvMetrics, open_metrics, open_run_folder
@@ -275,10 +275,14 @@ class Trainer:
         self._dist.check_config(cfg.to_dict())
         self.device = self._dist.place(self.device)
         self.train_data = self._dist.shard_data(train_data, cfg.train.seed)
-        self.plan = resolve_precision(cfg.precision, self.device)
+        with warnings.catch_warnings():
+            # resolve_precision warns from inside the trainer; the warning below names the
+            # caller's fit() instead, so the downgrade is reported once.
+            warnings.simplefilter("ignore", PrecisionDowngradeWarning)
+            self.plan = resolve_precision(cfg.precision, self.device)
         self._downgrades = [self.plan.reason] if self.plan.reason else []
         if self.plan.reason:
-            warnings.warn(f"precision: {self.plan.reason}", stacklevel=3)
+            warnings.warn(f"precision: {self.plan.reason}", PrecisionDowngradeWarning, stacklevel=3)
         model = model.to(self.device)
         self.fp8_report = None
         if self.plan.mode == "fp8":  # torchao swaps the linear layers: keep the module it returns
