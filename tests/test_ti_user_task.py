@@ -380,7 +380,14 @@ def test_the_cli_shows_its_own_warnings_plainly_and_others_as_python_does(monkey
     assert passed_on == [("theirs", "/somewhere/user_code.py", 34)]  # file:line kept for code not ours
 
 
-def test_compare_prints_no_progress_lines_when_stderr_is_not_a_terminal(tmp_path):
+def test_compare_prints_one_line_per_run_and_no_step_lines_when_stderr_is_not_a_terminal(tmp_path):
     r = ampspec("compare", "--task", "mlp", "--steps", "4", "--device", "cpu", "--out", tmp_path / "o", cwd=tmp_path)
     assert r.returncode in (0, 1), r.stderr
-    assert not [line for line in r.stderr.splitlines() if line.startswith("step ")], r.stderr
+    lines = r.stderr.splitlines()
+    assert not [line for line in lines if line.startswith("step ")], r.stderr
+    # Never silent for minutes: each run says when it starts and ends.
+    assert any(line.startswith("compare: run 1 of ") and ", fp32, 4 steps of task mlp" in line for line in lines), lines
+    assert any(line.startswith("compare: fp32 done in ") for line in lines), lines
+    r = ampspec("-q", "compare", "--task", "mlp", "--steps", "2", "--device", "cpu", "--out", tmp_path / "q",
+                cwd=tmp_path)
+    assert not [line for line in r.stderr.splitlines() if line.startswith("compare:")], r.stderr

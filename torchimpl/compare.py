@@ -32,6 +32,7 @@ import torch
 from torchimpl.config import load_config
 from torchimpl.device import resolve_device
 from torchimpl.records import read_trace
+from torchimpl.reporting import progress_log
 from torchimpl.tasks import build_task
 from torchimpl.trainer import Trainer
 
@@ -114,8 +115,9 @@ def _runs(dev: torch.device) -> list[tuple[str, str, list[str]]]:
 
 
 def _progress() -> str:
-    """A bar on a terminal; no progress lines otherwise: the runs evaluate every twentieth of the
-    run, and their unlabelled lines (a log point at each evaluation) would bury the table."""
+    """A bar on a terminal; no per-step lines otherwise: the runs evaluate every twentieth of the
+    run, and their unlabelled lines (a log point at each evaluation) would bury the table; each
+    run's start and end get a line of their own instead."""
     return "auto" if sys.stderr.isatty() else "off"
 
 
@@ -174,7 +176,11 @@ def run_compare(*, steps: int = 200, device: str = "auto", out: str | Path = "am
     dev = resolve_device(device)
     eval_every = max(steps // 20, 1)  # about 20 points: a validation curve, not a final number
     rows, curves, left_out = [], {}, {}
-    for label, mode, extra in _runs(dev):
+    runs = _runs(dev)
+    for number, (label, mode, extra) in enumerate(runs, 1):
+        # One line as each run starts and ends, on a terminal or not (ampspec -q silences them).
+        progress_log.info("compare: run %d of %d, %s, %d steps of task %s", number, len(runs), label, steps, task)
+        started = time.perf_counter()
         try:
             row, curves[label] = _train_one(label, mode, extra, dev=dev, task=task, steps=steps, seed=seed,
                                             eval_every=eval_every, out=out)
@@ -185,6 +191,8 @@ def run_compare(*, steps: int = 200, device: str = "auto", out: str | Path = "am
             left_out[label] = str(exc)
             continue
         rows.append(row)
+        progress_log.info("compare: %s done in %.1f s, final loss %.4g", label, time.perf_counter() - started,
+                          row["final_loss"])
     agree = _judge(rows, curves, window, rel_tol, abs_tol)
     rule = (f"{window}-step moving averages within {rel_tol:.0%} of fp32's, or within {abs_tol:.0%} of "
             f"fp32's starting loss where that is larger (near zero loss a relative band is meaningless)")
