@@ -9,6 +9,7 @@ folder verifies, no temporary file is left, and the final checkpoint (model, opt
 counters), the trace and ``metrics.csv`` equal the uninterrupted run's, bit for bit. One line of figures:
 
     PYTHONPATH=. python bench/kill_campaign.py --kills 100
+    PYTHONPATH=. python bench/kill_campaign.py --kills 30 --ddp    # two DDP ranks under torchrun
 
 Exit status 0 when everything held, 1 otherwise.
 """
@@ -29,12 +30,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def _command(folder: Path, steps: int, resume: bool) -> list[str]:
+def _command(folder: Path, steps: int, resume: bool, ddp: bool = False) -> list[str]:
     sets = ["device=cpu", "task.name=mlp", "task.size=tiny", "train.batch_size=4", f"train.steps={steps}",
             "precision.mode=bf16", "train.force_scaler=true", "scaler.growth_interval=3", "train.microbatches=2",
             f"checkpoint.folder={folder}", "checkpoint.interval=1", "checkpoint.keep_last=2",
             "train.log_interval=3", f"train.trace_file={folder / 'trace.jsonl'}"]
-    cmd = [sys.executable, "-m", "torchimpl.cli", "train"]
+    if ddp:  # two gloo ranks under torchrun; the whole process group is killed
+        sets.append("train.distributed=ddp")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "torchimpl.cli", "train"]
+    else:
+        cmd = [sys.executable, "-m", "torchimpl.cli", "train"]
     for s in sets:
         cmd += ["--set", s]
     return cmd + (["--resume"] if resume else [])
@@ -64,20 +70,21 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-def campaign(kills: int, steps: int, seed: int, work: Path, max_delay: float = 0.3) -> dict:
+def campaign(kills: int, steps: int, seed: int, work: Path, max_delay: float = 0.3, ddp: bool = False) -> dict:
     from torchimpl.checkpoint import CheckpointError, verify_checkpoint
 
     rng = random.Random(seed)
     whole, part = work / "whole", work / "part"
     part.mkdir()
-    subprocess.run(_command(whole, steps, False), env=_env(), check=True, capture_output=True)
+    subprocess.run(_command(whole, steps, False, ddp), env=_env(), check=True, capture_output=True)
     figures = {"kills": 0, "inside_write": 0, "resume_failures": 0, "bad_checkpoints": 0, "leftovers": 0,
                "attempts": 0}
     failures: list[str] = []
     while True:
         figures["attempts"] += 1
-        proc = subprocess.Popen(_command(part, steps, figures["attempts"] > 1), env=_env(),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(_command(part, steps, figures["attempts"] > 1, ddp), env=_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         if figures["kills"] < kills:
             trace = part / "trace.jsonl"
             # Wait until this attempt trains (its trace grows), then kill at a random instant.
@@ -89,7 +96,7 @@ def campaign(kills: int, steps: int, seed: int, work: Path, max_delay: float = 0
             time.sleep(rng.uniform(0.0, max_delay))
             if proc.poll() is None:
                 tmp_before = any(p.name.startswith(".tmp-step-") for p in part.iterdir())
-                proc.send_signal(signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank at once
                 proc.wait()
                 figures["kills"] += 1
                 figures["inside_write"] += tmp_before or any(p.name.startswith(".tmp-step-") for p in part.iterdir())
@@ -130,12 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kills", type=int, default=100)
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps of the run (default 8 per kill)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ddp", action="store_true", help="two DDP ranks (gloo) under torchrun, killed together")
     args = ap.parse_args(argv)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="ampspec-kills-") as tmp:
-        f = campaign(args.kills, args.steps or max(30, 8 * args.kills), args.seed, Path(tmp))
+        f = campaign(args.kills, args.steps or max(30, 8 * args.kills), args.seed, Path(tmp), ddp=args.ddp)
     ok = not f["failures"] and f["equal"]
-    print(f"kill campaign: {f['kills']} kills ({f['inside_write']} inside a checkpoint write), "
+    print(f"kill campaign{' (DDP, 2 ranks)' if args.ddp else ''}: {f['kills']} kills ({f['inside_write']} inside a checkpoint write), "
           f"{f['attempts']} attempts, {f['resume_failures']} resume failures, {f['bad_checkpoints']} checkpoints "
           f"that fail to verify, {f['leftovers']} leftover temporary files, final state, trace and metrics "
           f"{'equal' if f['equal'] else 'DIFFERENT'} to the uninterrupted run's ({time.time() - t0:.0f} s)")
