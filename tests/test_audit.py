@@ -4,14 +4,18 @@ stages failing when torch does something else, the reports, the command and the 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 import torch
 
 import torchimpl.cli as cli
@@ -359,3 +363,95 @@ def test_a_failure_of_the_replay_itself_is_raised_not_hidden(monkeypatch):
     with pytest.raises(RuntimeError, match="the audit's replay failed: ValueError"):
         session.stop()
     assert all(a is b for a, b in zip(_patched_objects(), before))
+
+
+# ---------------------------------------------------------------------------------- the comparison
+
+_EDGES = {np.float32: [0, 1, 0x007FFFFF, 0x7F7FFFFF, 0x7F800000, 0x7FC00000, 0x7FFFFFFF, 0x80000000,
+                       0x80000001, 0xFF7FFFFF, 0xFF800000, 0xFFFFFFFF, 0x3F800000],
+          np.float16: [0, 1, 0x03FF, 0x7BFF, 0x7C00, 0x7E00, 0x7FFF, 0x8000, 0x8001, 0xFBFF, 0xFC00, 0xFFFF, 0x3C00]}
+
+
+def _oracle(got: np.ndarray, expected: np.ndarray, bound: int, x_abs: np.ndarray | None) -> bool:
+    """Element by element, on Python numbers: the contract `_compare` states."""
+    width = 8 * got.dtype.itemsize
+    for g, e, xa in zip(got.tolist(), expected.tolist(), [None] * got.size if x_abs is None else x_abs.tolist()):
+        gb = int(np.array(g, got.dtype).view(f"u{got.dtype.itemsize}"))
+        eb = int(np.array(e, got.dtype).view(f"u{got.dtype.itemsize}"))
+        if math.isnan(g) or math.isnan(e):
+            if math.isnan(g) != math.isnan(e):
+                return False
+            continue
+        if bound == 0:
+            if gb != eb:
+                return False
+            continue
+        if math.isinf(g) or math.isinf(e):
+            if g != e:
+                return False
+            continue
+
+        def ordinal(b: int) -> int:
+            mag = b & ((1 << (width - 1)) - 1)
+            return -mag if b >> (width - 1) else mag
+
+        dist = abs(ordinal(gb) - ordinal(eb))
+        if dist <= bound // 2 or x_abs is None:
+            if dist > bound:
+                return False
+            continue
+        unit = max(float(np.spacing(np.array(abs(xa), got.dtype))), float(np.finfo(got.dtype).smallest_subnormal))
+        if abs(g - e) / unit > bound:
+            return False
+    return True
+
+
+@st.composite
+def _compared_pairs(draw: Any) -> tuple[np.ndarray, np.ndarray, int, np.ndarray | None]:
+    """Pairs of arrays a few ULPs apart: bit patterns drawn at random or at the edges (zeros of
+    both signs, the largest finite, infinities, NaNs), the other array's patterns at distances up
+    to a little past the bound (wrapping), now and then the same magnitude of the other sign."""
+    dtype = draw(st.sampled_from([np.float32, np.float16]))
+    width = 8 * np.dtype(dtype).itemsize
+    bound = draw(st.sampled_from([0, 2, 4, 8, 30]))
+    n = draw(st.integers(1, 6))
+    pattern = st.integers(0, 7).flatmap(lambda k: st.sampled_from(_EDGES[dtype]) if k == 0
+                                        else st.integers(0, (1 << width) - 1))
+    base = draw(st.lists(pattern, min_size=n, max_size=n))
+    near = sorted({0, bound // 2, bound // 2 + 1, bound, bound + 1})  # either side of both thresholds
+    delta = st.one_of(st.sampled_from(near + [-d for d in near]), st.integers(-bound - 2, bound + 2))
+    deltas = draw(st.lists(delta, min_size=n, max_size=n))
+    flips = draw(st.lists(st.integers(0, 5).map(lambda k: k == 0), min_size=n, max_size=n))
+    other = np.array([(b + d) % (1 << width) ^ (f << (width - 1)) for b, d, f in zip(base, deltas, flips)],
+                     dtype=f"u{width // 8}")
+    got, expected = np.array(base, dtype=f"u{width // 8}").view(dtype), other.view(dtype)
+    if draw(st.booleans()):
+        got, expected = expected, got
+    x_abs = None
+    if draw(st.booleans()):
+        with np.errstate(all="ignore"):
+            x_abs = np.abs(got.astype(np.float64)) * draw(st.sampled_from([0.0, 1.0, 4.0]))
+        x_abs = np.where(np.isfinite(x_abs), x_abs, 0.0)
+    return got, expected, bound, x_abs
+
+
+_TWO_ULP = np.array([0x3F800002, 0x40000000], np.uint32).view(np.float32)  # 1.0 two ULPs up, 2.0
+
+
+@settings(max_examples=400, deadline=None)
+@given(_compared_pairs())
+@example((_TWO_ULP, np.array([1.0, 2.0], np.float32), 2, np.zeros(2)))  # past bound // 2: x_abs decides
+@example((np.array([0.0], np.float32), np.array([-0.0], np.float32), 0, None))  # the bits differ
+def test_the_comparison_agrees_with_an_element_by_element_ulp_distance(case):
+    """The replay's whole-array comparison (with its fast path) decides each pair as the stated rule
+    does one element at a time: NaN as a class, bit for bit at bound 0, else within ``bound`` ULPs
+    of the value, or of ``x_abs`` past ``bound // 2``."""
+    from audit.replay import _compare
+
+    got, expected, bound, x_abs = case
+    with np.errstate(all="ignore"):
+        verdict = _compare(got, expected, bound, x_abs).problem is None
+        want = _oracle(got, expected, bound, x_abs)
+    assert verdict == want, (f"bound {bound}: got bits {got.view(f'u{got.dtype.itemsize}').tolist()}, expected bits "
+                             f"{expected.view(f'u{got.dtype.itemsize}').tolist()}, x_abs {x_abs}: the comparison "
+                             f"says {verdict}, the rule {want}")
