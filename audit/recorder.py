@@ -672,7 +672,9 @@ class Recorder:
             if w.data is not None:
                 pos = {id(p): i for i, p in enumerate(o.params())}
                 idx = [pos[id(t)] for t in tensors if id(t) in pos]
-                stage = ClipStage(kind, idx, {k: v for k, v in arguments.items() if k != "parameters"}, where)
+                # A tensor argument (clip_grads_with_norm_'s total_norm) is copied: the replay reads it later.
+                stage = ClipStage(kind, idx, {k: (self.snap(v) if isinstance(v, torch.Tensor) else v)
+                                              for k, v in arguments.items() if k != "parameters"}, where)
                 params = o.params()
                 stage.grads_in = [None if params[i].grad is None else self.snap(params[i].grad) for i in idx]
                 w.data.clips.append(stage)

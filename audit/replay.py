@@ -18,8 +18,9 @@ so that a difference stays what one stage makes instead of compounding:
 2. Unscale (`reference.scaling.unscale_gradients`): the gradients entering the next stage (the
    first clipping call, or the step) must be the spec's unscaled gradients.
 3. Each clipping call (`reference.clipping.clip_grad_norm` at torch's CPU summation order with
-   torch's thread count, or `clip_grad_value`): its total norm against torch's, and its clipped
-   gradients against what enters the next stage.
+   torch's thread count, `clip_grads_with_norm` from the total the loop passed, or
+   `clip_grad_value`): its total norm against torch's, and its clipped gradients against what
+   enters the next stage.
 4. The optimizer step (`reference.optim`: SGD, Adam, AdamW; for-loop, foreach and fused) from
    torch's parameters, gradients and state: the parameters and state after it. The for-loop and
    foreach Adam take torch's own square root (``reference.optim`` rule 9).
@@ -30,8 +31,8 @@ so that a difference stays what one stage makes instead of compounding:
 Exactness, as the conformance suite states and tests it (``conformance/expectations.py``): with
 torch's scalar CPU kernels (``ATEN_CPU_CAPABILITY=default``) every field is compared bit for
 bit. With native AVX2/AVX512 kernels, which fuse some multiply-adds: found_inf, the skip, the
-scale, the tracker, unscaled gradients, value-clipped gradients and the Adam step counter stay
-bit for bit; a total norm is within ``NORM_ULP`` ULPs; norm-clipped gradients within
+scale, the tracker, unscaled gradients, value-clipped gradients, gradients clipped from a
+given total (``clip_grads_with_norm_``) and the Adam step counter stay bit for bit; a total norm is within ``NORM_ULP`` ULPs; norm-clipped gradients within
 ``CLIP_ULP`` ULPs of their dtype (the coefficient follows the norm: at most one more ULP from
 its reciprocal and multiply, one from the product's rounding); optimizer fields within the
 conformance bounds, in ULPs of ``x_abs``, the field's formula evaluated on magnitudes (a plain
@@ -120,30 +121,37 @@ class Comparison:
     got: Any = None
 
 
-def _fast_agreement(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound: int) -> float | None:
-    """The largest ULP distance when the arrays plainly agree (every value finite, each pair at most
-    ``bound // 2`` apart, or bit for bit at ``bound`` 0); None when the full comparison must decide.
+def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound: int) -> tuple[np.ndarray, float]:
+    """Whole-array passes over flat ``g`` and ``e`` (``gi``, ``ei``: their bits as signed integers):
+    the flat indices the element-wise check must look at, and the largest ULP distance among the
+    others, which agree.
 
-    At ``bound`` 0 one equality pass decides. Otherwise: the bit patterns' difference, wrapping
-    in the patterns' integer type, is at most ``bound // 2`` in magnitude for every pair. Where both
-    values are finite that is their ULP distance: for one sign it is exact; for opposite signs
-    the true difference lies between 1 and 2**bits - 1, and a wrapped magnitude within
-    ``bound // 2`` needs a pattern within ``bound // 2`` of the sign bit's neighbourhood from
-    below (a NaN) or of all ones (a negative NaN). So finiteness of both arrays completes the
-    check.
+    At ``bound`` 0 the pairs whose bits differ. Otherwise the pairs not plainly within ``bound // 2``
+    ULPs: the difference of the bit patterns, wrapping in their integer type, has a magnitude of
+    at most ``bound // 2``, and both values are finite. For two finite values that magnitude is
+    their ULP distance: exactly so for one sign; for opposite signs the true difference lies
+    between 1 and 2**bits - 1, and a wrapped magnitude within ``bound // 2`` needs a pattern within
+    ``bound // 2`` below the sign bit (a NaN) or below all ones (a negative NaN).
     """
     if bound == 0:
-        return 0.0 if np.array_equal(gi, ei) else None
-    if g.size == 0:
-        return 0.0
+        return (_NO_INDEX, 0.0) if np.array_equal(gi, ei) else (np.flatnonzero(gi != ei), 0.0)
+    half = bound // 2
     d = np.subtract(gi, ei)
     np.abs(d, out=d)  # the most negative difference stays negative: the unsigned view makes it huge
-    worst = int(d.view(_UINT[g.dtype.itemsize]).max())
-    if worst > bound // 2:
-        return None
-    if not (np.isfinite(g).all() and np.isfinite(e).all()):
-        return None
-    return float(worst)
+    du = d.view(_UINT[g.dtype.itemsize])
+    if np.isfinite(g).all() and np.isfinite(e).all():
+        worst = int(du.max(initial=0))
+        if worst <= half:
+            return _NO_INDEX, float(worst)
+        near = du <= half
+    else:
+        near = du <= half
+        near &= np.isfinite(g)
+        near &= np.isfinite(e)
+    return np.flatnonzero(~near), float(np.max(du, where=near, initial=0))
+
+
+_NO_INDEX = np.zeros(0, np.intp)
 
 
 def _compare(got: np.ndarray, expected: np.ndarray, bound: int, x_abs: Any = None) -> Comparison:
@@ -164,21 +172,7 @@ def _compare(got: np.ndarray, expected: np.ndarray, bound: int, x_abs: Any = Non
                           f"{expected.dtype}", math.inf)
     gflat, eflat = got.reshape(-1), expected.reshape(-1)
     gi, ei = gflat.view(_SINT[got.dtype.itemsize]), eflat.view(_SINT[got.dtype.itemsize])
-    fast = _fast_agreement(gflat, eflat, gi, ei, bound)
-    if fast is not None:
-        return Comparison(None, fast)
-    if bound == 0:
-        idx = np.flatnonzero(gi != ei)
-    else:
-        # Whole-array pass for the common case, finite values of one sign a few ULPs apart: there
-        # the distance is the difference of the bit patterns (it cannot wrap for one sign).
-        d = np.abs(gi - ei)
-        near = d <= bound // 2
-        near &= (gi ^ ei) >= 0
-        near &= np.isfinite(gflat)
-        near &= np.isfinite(eflat)
-        idx = np.flatnonzero(~near)
-    fast_worst = 0.0 if bound == 0 else float(np.max(d, where=near, initial=0))
+    idx, fast_worst = _screen(gflat, eflat, gi, ei, bound)
     if idx.size == 0:
         return Comparison(None, fast_worst)
     g, e = gflat[idx], eflat[idx]
@@ -241,8 +235,8 @@ class Replayer:
     def exactness(self) -> str:
         if self.exact:
             return "scalar CPU kernels (ATEN_CPU_CAPABILITY=default): every field bit for bit"
-        return (f"{self.capability} CPU kernels: found_inf, skip, scale, growth tracker, unscaled and value-clipped "
-                f"gradients bit for bit; total norms within {NORM_ULP} ULP, norm-clipped gradients within {CLIP_ULP} "
+        return (f"{self.capability} CPU kernels: found_inf, skip, scale, growth tracker, unscaled, value-clipped "
+                f"and given-total-clipped gradients bit for bit; total norms within {NORM_ULP} ULP, norm-clipped gradients within {CLIP_ULP} "
                 f"ULP; SGD within {SGD_BUFFER_ULP}/{SGD_PARAM_ULP} ULP (buffer/parameter) and Adam(W) within "
                 f"{ADAM_MOMENT_ULP}/{ADAM_PARAM_ULP} ULP (moments/parameter) of x_abs")
 
@@ -369,11 +363,17 @@ class Replayer:
                             self._bound(NORM_ULP), c.where)
                 out = list(res.grads)
                 bound = self._bound(CLIP_ULP)
-            else:
-                for i, _ in ins:
-                    g_spec[i] = None  # clip_grads_with_norm_: the next stage's input is taken as is
+            else:  # clip_grads_with_norm_: the coefficient of the total the loop computed, exact
+                total = c.arguments.get("total_norm")
+                if not isinstance(total, np.ndarray) or total.size != 1:
+                    for i, _ in ins:
+                        g_spec[i] = None
+                    raise _NotReplayable(f"clip_grads_with_norm_ with a total_norm of type {type(total).__name__}")
+                res = clipping.clip_grads_with_norm([g for _, g in ins], float(c.arguments["max_norm"]), total)
+                if rec.clip_coef is None:
+                    rec.clip_coef = float(res.clip_coef)
+                out = list(res.grads)
                 bound = 0
-                continue
             for (i, _), g in zip(ins, out):
                 g_spec[i] = g
         if d.step_grads is None:

@@ -130,6 +130,16 @@ def clip_case(draw, norm_types=(2.0, float("inf"))) -> dict:
 
 
 @st.composite
+def given_total_clip_case(draw) -> dict:
+    """clip_case's gradients with a total norm computed by anyone: any bit pattern of a float16,
+    bfloat16, float32 or float64 scalar (inf, NaN, 0, subnormal, negative included)."""
+    case = draw(clip_case(norm_types=(2.0,)))
+    dtype = draw(st.sampled_from(CLIP_DTYPES))
+    case["total_norm"] = draw(bit_patterns(dtype, ()))
+    return case
+
+
+@st.composite
 def clip_value_case(draw) -> dict:
     """Gradients for clip_grad_value_ (at least one: see expectations) and a clip value, some
     larger than float16's maximum."""

@@ -183,6 +183,23 @@ def test_clip_grad_norm_matches_the_spec_on_long_gradients(device, seed):
 
 
 @given(data=st.data())
+def test_clip_grads_with_norm_matches_the_spec_bit_for_bit(device, data):
+    """``clip_grads_with_norm_`` from a total the caller computed: coefficient and gradients bit
+    for bit on every kernel (no reduction: a reciprocal, a multiply, a clamp, one multiply per
+    element, each correctly rounded)."""
+    case = data.draw(strategies.given_total_clip_case(), label="case")
+    grads, max_norm, total = case["grads"], case["max_norm"], case["total_norm"]
+    where = Where(f"clip_grads_with_norm_[total={total!r} {total.dtype}, max_norm={max_norm!r}]", repro=REPRO)
+    spec = clipping.clip_grads_with_norm(grads, max_norm, total,
+                                         coef_in_grad_dtype=expectations.clip_coef_in_grad_dtype(device))
+    t_total = to_torch(np.asarray(total), device)
+    assert_same(to_numpy(torch_coefficient(t_total, max_norm)), _scalar(spec.clip_coef), where.at("coefficient"))
+    params = _params(grads, device)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, t_total)
+    assert_same_list([to_numpy(q.grad) for q in params], list(spec.grads), where.at("clipped grads"))
+
+
+@given(data=st.data())
 def test_clip_grad_value_matches_the_spec_bit_for_bit(device, data):
     """Clamping is exact on every kernel: NaN stays NaN, +-inf becomes +-clip_value."""
     case = data.draw(strategies.clip_value_case(), label="case")

@@ -80,6 +80,9 @@ Rules (L2 and max norms; ``g`` is one gradient, ``D`` its dtype; "f32(x)" rounds
    where the promoted dtype is the gradient's own op math (a float32 coefficient meeting a 0-d
    bfloat16 gradient) the two rules agree. Measured on CPU; the rule comes before rule 5's CUDA
    variant (type promotion does not depend on the device), which is not measured for 0-d.
+11. ``clip_grads_with_norm`` is rules 4, 5 and 10 from a total the caller gives (torch's
+   ``clip_grads_with_norm_``, the second half of ``clip_grad_norm_``): the coefficient is
+   computed in the given total's dtype, whatever computed it.
 
 Supported gradient dtypes: float16, bfloat16 (``ml_dtypes``), float32, float64. Gradients may
 have any shape (a C-order flattening defines the element order) including zero size, whose
@@ -103,6 +106,7 @@ __all__ = [
     "clip_grad_norm",
     "clip_grad_norm_",
     "clip_grad_value",
+    "clip_grads_with_norm",
     "tensor_norm",
     "total_norm",
 ]
@@ -472,14 +476,25 @@ def _clip(
     in_place: bool,
     coef_in_grad_dtype: bool,
 ) -> ClipResult:
-    mx = float(max_norm)
-    if not mx >= 0.0:
-        raise ValueError(f"max_norm must be >= 0, got {max_norm!r}")
+    mx = _check_max_norm(max_norm)
     p = _check_norm_type(norm_type)
     _check_order(order)
     _check_threads(num_threads)
     total = _total_norm(arrays, p, order, error_if_nonfinite, num_threads)
-    coef = _coefficient(total, mx)
+    return _scale_by_total(arrays, mx, total, in_place, coef_in_grad_dtype)
+
+
+def _check_max_norm(max_norm: float) -> float:
+    mx = float(max_norm)
+    if not mx >= 0.0:
+        raise ValueError(f"max_norm must be >= 0, got {max_norm!r}")
+    return mx
+
+
+def _scale_by_total(arrays: list[np.ndarray], max_norm: float, total: np.floating, in_place: bool,
+                    coef_in_grad_dtype: bool) -> ClipResult:
+    """Rules 4 and 5 (and 10) from the total."""
+    coef = _coefficient(total, max_norm)
     with np.errstate(over="ignore", invalid="ignore"):
         clipped = tuple(_scale_into(a, coef, a if in_place else np.empty_like(a), coef_in_grad_dtype)
                         for a in arrays)
@@ -535,6 +550,28 @@ def clip_grad_norm_(
         arrays.append(_check_grad(g))
     return _clip(arrays, max_norm, norm_type, order, error_if_nonfinite, num_threads, in_place=True,
                  coef_in_grad_dtype=coef_in_grad_dtype)
+
+
+def clip_grads_with_norm(
+    grads: Sequence[np.ndarray],
+    max_norm: float,
+    total_norm: np.floating | np.ndarray,
+    *,
+    coef_in_grad_dtype: bool = False,
+) -> ClipResult:
+    """Scale the gradients by the coefficient of a given total norm (rule 11: rules 4, 5, 10).
+
+    ``total_norm``: a float16, bfloat16, float32 or float64 scalar (a 0-d array is taken as
+    its element), as torch's ``clip_grads_with_norm_`` takes a 0-d tensor. Returns new arrays
+    and the total and coefficient used; the inputs are not modified.
+    """
+    mx = _check_max_norm(max_norm)
+    total = np.asarray(total_norm)
+    if total.size != 1 or total.dtype not in (np.float16, _BF16, np.float32, np.float64):
+        raise ValueError(f"total_norm must be one float16, bfloat16, float32 or float64 value, got "
+                         f"{total.dtype} of shape {total.shape}")
+    arrays = [_check_grad(g) for g in grads]
+    return _scale_by_total(arrays, mx, total.reshape(())[()], False, coef_in_grad_dtype)
 
 
 def clip_grad_value(grads: Sequence[np.ndarray], clip_value: float) -> list[np.ndarray]:

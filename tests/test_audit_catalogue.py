@@ -28,6 +28,7 @@ CORRECT = [
     ("scaler_loop.py", ["--steps", "200", "--inf-at", "5,50"]),
     ("scaler_loop.py", ["--steps", "40", "--optimizer", "sgd", "--inf-at", "3"]),
     ("scaler_loop.py", ["--steps", "40", "--optimizer", "adam-fused", "--inf-at", "3"]),
+    ("scaler_loop.py", ["--steps", "40", "--clip", "split", "--inf-at", "3"]),
     ("bf16_loop.py", ["--steps", "200"]),
     ("bf16_loop.py", ["--steps", "40", "--optimizer", "sgd"]),
     ("bf16_loop.py", ["--steps", "40", "--optimizer", "adam-foreach"]),
@@ -49,6 +50,8 @@ PLANTED = [
     ("scaler_loop.py", ["--bug", "step-bypasses-scaler"], "step-bypasses-scaler", ALL12, 1),
     ("scaler_loop.py", ["--bug", "backward-in-autocast"], "backward-in-autocast", ALL12, 1),
     ("scaler_loop.py", ["--bug", "gradients-altered"], "replay-divergence", [0], 1),
+    ("scaler_loop.py", ["--bug", "gradients-altered", "--clip", "split"], "replay-divergence", [0], 1),
+    ("scaler_loop.py", ["--bug", "clip-before-unscale", "--clip", "split"], "clip-before-unscale", ALL12, 1),
     ("bf16_loop.py", ["--bug", "backward-in-autocast"], "backward-in-autocast", ALL12, 1),
     ("bf16_loop.py", ["--bug", "optimizer-before-to"], "optimizer-before-to", [0], 1),
     ("bf16_loop.py", ["--bug", "zero-grad-in-window"], "zero-grad-in-window", ALL12, 1),
@@ -110,7 +113,7 @@ def test_correct_loops_have_no_finding_and_replay_every_step(loop, args, tmp_pat
 
 
 @pytest.mark.parametrize("loop,args,rule,steps,status", PLANTED,
-                         ids=[f"{l}:{a[1]}" for l, a, *_ in PLANTED])
+                         ids=[f"{l}:{' '.join(a)}" for l, a, *_ in PLANTED])
 def test_each_planted_mistake_is_flagged_at_its_steps_and_nothing_else(loop, args, rule, steps, status, tmp_path):
     extra = ["--out", str(tmp_path)] if "scheduler" in loop else []
     report = run_script(LOOPS / loop, [*_args_with_default_steps(args), *extra])

@@ -479,3 +479,32 @@ def test_rule_4_a_16_bit_total_adds_1e_6_in_its_own_dtype():
     expected = r(f(r(f(1) / f(r(f(total) + f(r(1e-6)))))) * f(1.724401954561472e-09))
     assert coef.dtype == ml_dtypes.bfloat16 and coef.tobytes() == expected.tobytes()
     assert np.asarray(coef).view(np.uint16) == 0x3AE3
+
+
+def test_clip_grads_with_norm_of_the_computed_total_is_clip_grad_norm():
+    rng = np.random.default_rng(3)
+    grads = [rng.standard_normal(n).astype(d) for n, d in ((37, np.float32), (5, np.float64), (9, ml_dtypes.bfloat16))]
+    whole = clipping.clip_grad_norm(grads, 0.5)
+    halves = clipping.clip_grads_with_norm(grads, 0.5, whole.total_norm)
+    assert whole.clip_coef.tobytes() == halves.clip_coef.tobytes()
+    for a, b in zip(whole.grads, halves.grads):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def test_clip_grads_with_norm_takes_the_coefficient_in_the_given_totals_dtype():
+    g = [np.array([1.0, -3.0], np.float32)]
+    for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
+        res = clipping.clip_grads_with_norm(g, 1.0, np.asarray(7.0, dtype))
+        assert np.asarray(res.clip_coef).dtype == np.dtype(dtype)
+    assert clipping.clip_grads_with_norm(g, 1.0, np.float32(0.5)).grads[0].tobytes() == g[0].tobytes()  # clamp: 1.0
+
+
+@pytest.mark.parametrize("total,match", [(np.array([1.0, 2.0], np.float32), "one float16"),
+                                         (np.int32(3), "one float16"), (np.float32(1.0), None)])
+def test_clip_grads_with_norm_refuses_what_is_not_one_float_total(total, match):
+    if match is None:
+        with pytest.raises(ValueError, match="max_norm must be >= 0"):
+            clipping.clip_grads_with_norm([np.ones(2, np.float32)], -1.0, total)
+        return
+    with pytest.raises(ValueError, match=match):
+        clipping.clip_grads_with_norm([np.ones(2, np.float32)], 1.0, total)

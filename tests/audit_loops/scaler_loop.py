@@ -2,18 +2,26 @@
 
 zero_grad; forward under autocast; scaler.scale(loss).backward() outside it; unscale_; clip at
 the unscaled threshold; scaler.step; scaler.update. Planted mistakes (--bug) replace one part.
+``--clip split`` clips in torch's two halves: ``get_total_norm`` of the gradients, then
+``clip_grads_with_norm_`` with that total (as a loop that reduces the total across ranks does).
 """
 
 import torch
-from torch.nn.utils import clip_grad_norm_  # bound by name before any audit
+from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_norm  # bound before any audit
 
 from _common import batches, make_model, parse
 
 BUGS = ("clip-before-unscale", "clip-threshold-scaled", "unscale-twice", "unscale-twice-call",
         "step-without-update", "update-without-step", "step-bypasses-scaler", "backward-in-autocast",
         "gradients-altered")
-args = parse(BUGS, optimizer="adamw")
+args = parse(BUGS, optimizer="adamw", clip="norm")
 bug = args.bug
+if args.clip == "split":
+    def clip_grad_norm_(parameters, max_norm):  # noqa: F811
+        parameters = list(parameters)
+        total = get_total_norm([p.grad for p in parameters if p.grad is not None])
+        clip_grads_with_norm_(parameters, max_norm, total)
+        return total
 
 model = make_model()
 if args.optimizer == "adamw":
