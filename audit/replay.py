@@ -143,12 +143,14 @@ def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound:
         worst = int(du.max(initial=0))
         if worst <= half:
             return _NO_INDEX, float(worst)
-        near = du <= half
+        idx = np.flatnonzero(du > half)
     else:
         near = du <= half
         near &= np.isfinite(g)
         near &= np.isfinite(e)
-    return np.flatnonzero(~near), float(np.max(du, where=near, initial=0))
+        idx = np.flatnonzero(~near)
+    du[idx] = 0  # our own scratch: the largest distance left is that of the pairs that agree
+    return idx, float(du.max(initial=0))
 
 
 _NO_INDEX = np.zeros(0, np.intp)

@@ -5,8 +5,12 @@ GradScaler loop with for-loop AdamW on an MLP) in this process: ``plain`` (``run
 audit), ``order-rules`` (the audit with ``--no-replay``: the instrumentation and the order
 rules, no copies) and ``replay`` (the full audit: every step's gradients, parameters and state
 copied and recomputed by ``reference``). Three model sizes: ``tiny`` (the catalogue's 16-32-4
-MLP, batch 8: all overhead), ``mlp`` (width 256, depth 4, batch 64, 0.2M parameters) and
-``wide`` (width 1024, depth 4, batch 256, 3.2M parameters).
+MLP, batch 8: all overhead), ``mlp`` (width 256, depth 4, batch 64, 0.2M parameters),
+``mlp-b512`` (the same model at batch 512: the same replay, eight times the training work) and
+``wide`` (width 1024, depth 4, batch 256, 3.2M parameters). The replay's work grows with the
+parameters (every step's parameters, gradients and optimizer state are recomputed and compared),
+the training's with the parameters times the batch: so the replay's ratio falls as the batch
+grows, and the worker thread hides it once a step's training takes longer than its replay.
 
 Method: R rounds; in each round every candidate runs one block of S steps (the order rotating
 from round to round); the first W steps of a block are warm-up. A block's time is its median
@@ -38,6 +42,7 @@ SCRIPT = HERE / "_audit_workload.py"
 SIZES = {
     "tiny": ["--width", "32", "--depth", "1", "--batch", "8"],
     "mlp": ["--width", "256", "--depth", "4", "--batch", "64"],
+    "mlp-b512": ["--width", "256", "--depth", "4", "--batch", "512"],
     "wide": ["--width", "1024", "--depth", "4", "--batch", "256"],
 }
 CANDIDATES = ("plain", "order-rules", "replay")
