@@ -3,7 +3,9 @@
 What is wrapped (each wrapper calls the original unchanged and reports to a `Recorder`):
 
 - ``torch.amp.GradScaler``: ``__init__``, ``scale``, ``unscale_``, ``step``, ``update``,
-  ``state_dict``, ``load_state_dict`` (class attributes: every scaler, whenever it was built);
+  ``state_dict``, ``load_state_dict`` (class attributes: every scaler, whenever it was built),
+  and the same methods where FSDP's ``ShardedGradScaler`` overrides them (its own ``scale``,
+  ``unscale_`` and ``update``);
 - ``torch.nn.utils.clip_grad_norm_``, ``clip_grad_value_``, ``clip_grads_with_norm_``: these are
   module functions that a loop may have bound by name before the audit began (``from
   torch.nn.utils import clip_grad_norm_``). Each public function is a thin ``torch.no_grad``
@@ -36,6 +38,37 @@ from torch.optim import optimizer as _optim_mod
 __all__ = ["Instrumentation"]
 
 _CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")
+
+
+def _scaler_subclasses() -> list[type]:
+    """The GradScaler subclasses in torch that override its methods (a torch built without
+    distributed support has none)."""
+    try:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    except Exception:  # any import failure: no such scaler to audit
+        return []
+    return [ShardedGradScaler]
+
+
+def _once_per_call(name: str, make: Callable[[Any], Any], active: set[tuple[int, str]]) -> Callable[[Any], Any]:
+    """``make`` for a scaler method whose override may call the base's (``super().update()``):
+    one call of the program reports once, from the outermost wrapper."""
+
+    def make_guarded(orig: Any) -> Any:
+        wrapper = make(orig)
+
+        def guarded(self, *args, **kwargs):
+            key = (id(self), name)
+            if key in active:
+                return orig(self, *args, **kwargs)
+            active.add(key)
+            try:
+                return wrapper(self, *args, **kwargs)
+            finally:
+                active.discard(key)
+        return guarded
+
+    return make_guarded
 
 
 class Instrumentation:
@@ -157,9 +190,14 @@ class Instrumentation:
                 return out
             return wrapper
 
-        for name, make in (("__init__", init), ("scale", scale), ("unscale_", unscale), ("step", step),
-                           ("update", update), ("state_dict", state_dict), ("load_state_dict", load_state_dict)):
-            self._patch(cls, name, make)
+        methods = (("scale", scale), ("unscale_", unscale), ("step", step), ("update", update),
+                   ("state_dict", state_dict), ("load_state_dict", load_state_dict))
+        self._patch(cls, "__init__", init)
+        active: set[tuple[int, str]] = set()
+        for owner in (cls, *_scaler_subclasses()):
+            for name, make in methods:
+                if name in owner.__dict__:
+                    self._patch(owner, name, _once_per_call(name, make, active))
 
     def _install_clipping(self) -> None:
         rec = self.rec

@@ -214,6 +214,11 @@ class StepData:
     kernel_unscale: bool = False  # an amp-aware (fused) optimizer received scaled gradients
     amp_aware: bool = False
     on_cpu: bool = True
+    unsupported: str | None = None  # why nothing of this step is copied (the replay names it)
+
+    @property
+    def copying(self) -> bool:
+        return self.unsupported is None
 
 
 @dataclass
@@ -275,6 +280,11 @@ class OptTrack:
 
 
 # ---------------------------------------------------------------------------------- snapshots
+
+
+def plain_tensor(t: torch.Tensor) -> bool:
+    """A tensor NumPy can copy: not a subclass such as DTensor (a Parameter is plain)."""
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
 
 
 def to_numpy(t: torch.Tensor) -> Any:
@@ -389,6 +399,13 @@ class Recorder:
             return
         d = StepData(first_stage=stage)
         params = o.params()
+        foreign = next((t for p in params for t in (p, p.grad) if t is not None and not plain_tensor(t)), None)
+        if foreign is not None:
+            # A DTensor (FSDP2's sharded parameters) holds one rank's shard; its numbers need the
+            # other ranks' to be replayed, and it cannot be copied to NumPy as it is.
+            d.unsupported = f"{type(foreign).__name__} parameters or gradients (sharded tensors)"
+            w.data = d
+            return
         d.scaled = self.snap.grads(params)
         if scaler is not None and scaler.enabled and scaler.used:
             d.scale = _f32(scaler.obj.get_scale())
@@ -589,7 +606,7 @@ class Recorder:
                 s.bypass[id(o.obj)] = (o, where)
             self._start_data(o, "optimizer.step", s if s is not None and s.stage.get(id(o.obj)) != "unscaled" else None)
         d = w.data
-        if d is not None:
+        if d is not None and d.copying:
             params = o.params()
             d.step_grads = self.snap.grads(params)
             d.params_before = [self.snap(p) for p in params]
@@ -601,7 +618,7 @@ class Recorder:
     def on_optimizer_step_end(self, opt: Any) -> None:
         o = self._opt(opt)
         d = o.window.data
-        if d is not None:
+        if d is not None and d.copying:
             params = o.params()
             d.params_after = [self.snap(p) for p in params]
             d.state_after = self.snap.state(o.obj, params)
@@ -669,7 +686,7 @@ class Recorder:
             elif unscaled and kind == "clip_grad_norm_" and not o.threshold_flagged:
                 self._check_threshold(o, s, float(arguments["max_norm"]), where)
             self._start_data(o, kind, s if not unscaled else None)
-            if w.data is not None:
+            if w.data is not None and w.data.copying:
                 pos = {id(p): i for i, p in enumerate(o.params())}
                 idx = [pos[id(t)] for t in tensors if id(t) in pos]
                 # A tensor argument (clip_grads_with_norm_'s total_norm) is copied: the replay reads it later.
@@ -706,6 +723,11 @@ class Recorder:
         self.in_clip = False
         stages, self._clip_current = getattr(self, "_clip_current", []), []
         if ok and isinstance(result, torch.Tensor):
+            if not plain_tensor(result):  # a DTensor norm: its value needs a collective; not read
+                for o in self.optimizers.values():
+                    if o.window.clip_norms and math.isnan(o.window.clip_norms[-1][0]):
+                        o.window.clip_norms[-1] = (None, o.window.clip_norms[-1][1])
+                return
             value = to_numpy(result)  # a fresh 0-d tensor: no cache
             for stage in stages:
                 stage.total_norm = value

@@ -278,6 +278,10 @@ class Replayer:
         self._submit(self._step, o, d, rec, recorder)
 
     def _step(self, o: Any, d: Any, rec: Any, recorder: Any) -> None:
+        if d is not None and d.unsupported is not None:
+            rec.replay = f"not replayed: {d.unsupported}"
+            self._note(d.unsupported)
+            return
         if d is None or d.scaled is None:
             rec.replay = "not replayed: no gradients reached a step-phase call"
             self._note(rec.replay[len("not replayed: "):])

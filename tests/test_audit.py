@@ -27,12 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 LOOPS = ROOT / "tests" / "audit_loops"
 
 
-def _loop(bug: str = "none", steps: int = 4, clip: float = 1.0, inf_at: int = -1) -> list[float]:
+def _loop(bug: str = "none", steps: int = 4, clip: float = 1.0, inf_at: int = -1,
+          scaler_cls: type = torch.amp.GradScaler) -> list[float]:
     """A small GradScaler loop written inline; returns its losses."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu", growth_interval=2)
+    scaler = scaler_cls("cpu", growth_interval=2)
     g = torch.Generator().manual_seed(1)
     losses = []
     for step in range(steps):
@@ -66,6 +67,9 @@ def _patched_objects() -> list[object]:
                          torch.amp.autocast_mode.autocast.__dict__["__exit__"]]
     out += [torch.amp.GradScaler.__dict__[n] for n in ("__init__", "scale", "unscale_", "step", "update",
                                                           "state_dict", "load_state_dict")]
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    out += [ShardedGradScaler.__dict__[n] for n in ("scale", "unscale_", "update")]
     out += [c.__dict__["step"] for c in vars(lr_scheduler).values()
             if isinstance(c, type) and issubclass(c, lr_scheduler.LRScheduler) and "step" in c.__dict__]
     for name in ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_"):
@@ -185,6 +189,29 @@ def test_the_replay_bounds_are_the_conformance_suites():
             replay.ADAM_PARAM_ULP) == (expectations.NORM_ULP, expectations.SGD_BUFFER_ULP,
                                        expectations.SGD_PARAM_ULP, expectations.ADAM_MOMENT_ULP,
                                        expectations.ADAM_PARAM_ULP)
+
+
+def test_a_scaler_override_that_calls_the_base_method_reports_once(monkeypatch):
+    """A GradScaler subclass the audit instruments (as FSDP's ShardedGradScaler) whose override
+    calls ``super()``: the inner call is not a second update (which would be a false
+    update-without-step)."""
+    import audit.instrument as instrument
+
+    class Overriding(torch.amp.GradScaler):
+        def update(self, new_scale=None):
+            return super().update(new_scale)
+
+        def unscale_(self, optimizer):
+            return super().unscale_(optimizer)
+
+    monkeypatch.setattr(instrument, "_scaler_subclasses", lambda: [Overriding])
+    with audit() as session:
+        _loop(steps=4, inf_at=2, scaler_cls=Overriding)
+    assert session.report.findings == [], session.report.text()
+    assert session.report.replay["updates_checked"] == 4
+    for r in session.report.steps:
+        names = [c.split("@")[0] for c in r.calls]
+        assert names.count("scaler.unscale_") == 1 and names.count("scaler.update") == 1, r.calls
 
 
 def test_a_scale_update_unlike_the_specifications_is_a_divergence(monkeypatch):

@@ -36,6 +36,7 @@ CORRECT = [
     ("scheduler_loop.py", ["--steps", "200", "--inf-at", "7,60,130"]),
     ("two_optimizers_loop.py", ["--steps", "60", "--inf-at", "4,30"]),
     ("two_optimizers_loop.py", ["--steps", "40", "--order", "gan", "--inf-at", "4"]),
+    ("sharded_loop.py", ["--steps", "40", "--inf-at", "3"]),
 ]
 
 ALL12 = list(range(12))
@@ -65,12 +66,15 @@ PLANTED = [
     ("scheduler_loop.py", ["--bug", "new-scaler-mid-run", "--steps", "40", "--every", "10", "--rollback", "30",
                            "--inf-at", "5,33"], "new-scaler-mid-run", [30], 1),
     ("two_optimizers_loop.py", ["--bug", "zero-grad-in-window"], "zero-grad-in-window", [0], 2),
+    ("sharded_loop.py", ["--bug", "step-without-update"], "step-without-update", [0], 2),
+    ("sharded_loop.py", ["--bug", "clip-before-unscale", "--fsdp"], "clip-before-unscale", ALL12, 1),
 ]
 
 # What torch itself raises after the audit named the mistake, by (loop, bug).
 TORCH_ERRORS = {("scaler_loop.py", "unscale-twice-call"): "unscale_() has already been called on this optimizer",
                 ("scaler_loop.py", "step-without-update"): "unscale_() is being called after step()",
-                ("two_optimizers_loop.py", "zero-grad-in-window"): "No inf checks were recorded for this optimizer"}
+                ("two_optimizers_loop.py", "zero-grad-in-window"): "No inf checks were recorded for this optimizer",
+                ("sharded_loop.py", "step-without-update"): "unscale_() is being called after step()"}
 
 
 @pytest.fixture(autouse=True)
@@ -110,6 +114,18 @@ def test_correct_loops_have_no_finding_and_replay_every_step(loop, args, tmp_pat
     assert {r.step for r in report.steps if not r.applied} == skipped
     if "scaler" in loop or "accumulation" in loop or "scheduler" in loop:
         assert report.replay["updates_checked"] == n
+
+
+def test_an_fsdp2_loop_is_checked_by_the_order_rules_and_its_sharded_steps_are_named_not_replayed(tmp_path):
+    """FSDP2's parameters and gradients are DTensors (one rank's shards): the audit leaves the
+    training as it is, checks every order rule and the scaler's updates, and names why no step
+    is replayed."""
+    report = run_script(LOOPS / "sharded_loop.py", ["--fsdp", "--steps", "12", "--inf-at", "3"])
+    assert report.error is None and report.findings == [], report.text()
+    assert [r.step for r in report.steps] == list(range(12)) and [r.applied for r in report.steps].count(False) == 1
+    assert report.replay["steps_replayed"] == 0 and report.replay["updates_checked"] == 12
+    assert report.replay["not_replayed"] == {"DTensor parameters or gradients (sharded tensors)": 12}
+    assert all(r.replay == "not replayed: DTensor parameters or gradients (sharded tensors)" for r in report.steps)
 
 
 @pytest.mark.parametrize("loop,args,rule,steps,status", PLANTED,

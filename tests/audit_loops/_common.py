@@ -37,7 +37,10 @@ def parse(bugs: tuple[str, ...], **extra: object) -> argparse.Namespace:
     p.add_argument("--bug", default="none", choices=("none",) + bugs)
     p.add_argument("--inf-at", default="", help="comma-separated optimizer steps whose loss overflows")
     for name, default in extra.items():
-        p.add_argument(f"--{name.replace('_', '-')}", default=default, type=type(default))
+        if isinstance(default, bool):
+            p.add_argument(f"--{name.replace('_', '-')}", action="store_true", default=default)
+        else:
+            p.add_argument(f"--{name.replace('_', '-')}", default=default, type=type(default))
     args = p.parse_args()
     args.inf_at = {int(s) for s in args.inf_at.split(",") if s}
     return args
