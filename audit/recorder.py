@@ -192,6 +192,7 @@ class ClipStage:
     where: str
     grads_in: list[Any] | None = None
     total_norm: Any = None
+    threads: int = 1  # torch's intra-op threads at the call: its CPU norm's summation split follows them
 
 
 @dataclass
@@ -298,23 +299,33 @@ def to_numpy(t: torch.Tensor) -> Any:
 
 
 class Snapshots:
-    """Bit-exact NumPy copies of tensors, taken when the recorder needs them.
+    """Bit-exact NumPy copies of tensors, taken when the recorder needs them, for the step data
+    ``owner`` they belong to.
 
     Every copy is a new one: torch's in-place version counter cannot tell whether a tensor
     changed since an earlier copy (the scaler's unscale kernel, for one, leaves it as it was).
+    ``pool``: where the copies go (the replay process's shared memory, `audit.worker`), None
+    for ordinary arrays.
     """
 
-    def __call__(self, t: torch.Tensor) -> Any:
+    def __init__(self, pool: Any = None) -> None:
+        self.pool = pool
+
+    def __call__(self, t: torch.Tensor, owner: Any) -> Any:
+        if self.pool is not None:
+            out = self.pool.copy(t, owner)
+            if out is not None:
+                return out
         return to_numpy(t)
 
-    def grads(self, params: list[Any]) -> list[Any]:
-        return [None if p.grad is None else self(p.grad) for p in params]
+    def grads(self, params: list[Any], owner: Any) -> list[Any]:
+        return [None if p.grad is None else self(p.grad, owner) for p in params]
 
-    def state(self, opt: Any, params: list[Any]) -> list[dict[str, Any]]:
+    def state(self, opt: Any, params: list[Any], owner: Any) -> list[dict[str, Any]]:
         out = []
         for p in params:
             s = opt.state.get(p, {})
-            out.append({k: (self(v) if isinstance(v, torch.Tensor) else v) for k, v in s.items()})
+            out.append({k: (self(v, owner) if isinstance(v, torch.Tensor) else v) for k, v in s.items()})
         return out
 
 
@@ -350,7 +361,7 @@ class Recorder:
         self._saves: list[tuple[str, bool, bool, int | None]] = []
         self._names: dict[str, int] = {}
         self.stopped_at_limit = False
-        self.snap = Snapshots()
+        self.snap = Snapshots(getattr(replay, "pool", None))
 
     # ------------------------------------------------------------------ helpers
 
@@ -406,7 +417,7 @@ class Recorder:
             d.unsupported = f"{type(foreign).__name__} parameters or gradients (sharded tensors)"
             w.data = d
             return
-        d.scaled = self.snap.grads(params)
+        d.scaled = self.snap.grads(params, d)
         if scaler is not None and scaler.enabled and scaler.used:
             d.scale = _f32(scaler.obj.get_scale())
         w.data = d
@@ -608,10 +619,10 @@ class Recorder:
         d = w.data
         if d is not None and d.copying:
             params = o.params()
-            d.step_grads = self.snap.grads(params)
-            d.params_before = [self.snap(p) for p in params]
+            d.step_grads = self.snap.grads(params, d)
+            d.params_before = [self.snap(p, d) for p in params]
             d.on_cpu = all(p.device.type == "cpu" for p in params)
-            d.state_before = self.snap.state(o.obj, params)
+            d.state_before = self.snap.state(o.obj, params, d)
             d.groups = [{k: v for k, v in g.items() if k != "params"} for g in o.obj.param_groups]
             d.group_of = [gi for gi, g in enumerate(o.obj.param_groups) for _ in g["params"]]
 
@@ -620,8 +631,8 @@ class Recorder:
         d = o.window.data
         if d is not None and d.copying:
             params = o.params()
-            d.params_after = [self.snap(p) for p in params]
-            d.state_after = self.snap.state(o.obj, params)
+            d.params_after = [self.snap(p, d) for p in params]
+            d.state_after = self.snap.state(o.obj, params, d)
         inside = self._in_scaler_step is not None and self._in_scaler_step[1] is o
         if not inside:
             s = o.window.scaler
@@ -690,10 +701,12 @@ class Recorder:
                 pos = {id(p): i for i, p in enumerate(o.params())}
                 idx = [pos[id(t)] for t in tensors if id(t) in pos]
                 # A tensor argument (clip_grads_with_norm_'s total_norm) is copied: the replay reads it later.
-                stage = ClipStage(kind, idx, {k: (self.snap(v) if isinstance(v, torch.Tensor) else v)
-                                              for k, v in arguments.items() if k != "parameters"}, where)
+                d = w.data
+                stage = ClipStage(kind, idx, {k: (self.snap(v, d) if isinstance(v, torch.Tensor) else v)
+                                              for k, v in arguments.items() if k != "parameters"}, where,
+                                  threads=torch.get_num_threads())
                 params = o.params()
-                stage.grads_in = [None if params[i].grad is None else self.snap(params[i].grad) for i in idx]
+                stage.grads_in = [None if params[i].grad is None else self.snap(params[i].grad, d) for i in idx]
                 w.data.clips.append(stage)
                 self._clip_current.append(stage)
             if kind == "clip_grad_norm_":

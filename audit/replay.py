@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -206,31 +207,103 @@ def _compare(got: np.ndarray, expected: np.ndarray, bound: int, x_abs: Any = Non
                       math.inf, float(e[k]), float(g[k]))
 
 
+@dataclass(frozen=True)
+class OptimizerRef:
+    """What the replay needs of a torch optimizer: its label in the report and its class, as
+    ``SGD``, ``Adam``, ``AdamW`` or the qualified name of any other."""
+
+    label: str
+    kind: str
+
+
+_SPEC_OPTIMIZERS = {torch.optim.SGD: "SGD", torch.optim.Adam: "Adam", torch.optim.AdamW: "AdamW"}
+
+
+def optimizer_ref(o: Any) -> OptimizerRef:
+    cls = type(o.obj)
+    return OptimizerRef(o.label, _SPEC_OPTIMIZERS.get(cls, f"{cls.__module__}.{cls.__qualname__}"))
+
+
+MODES = ("process", "thread", "inline")
+
+
+def worker_available() -> bool:
+    """Whether ``process`` mode can run here."""
+    from audit import worker
+
+    return worker.available()
+
+
+def default_mode() -> str:
+    """``process`` where a forked worker with shared memory is available (Linux), else ``thread``;
+    ``AMPSPEC_AUDIT_REPLAY`` (one of `MODES`) chooses otherwise."""
+    from audit import worker
+
+    chosen = os.environ.get("AMPSPEC_AUDIT_REPLAY", "").strip().lower()
+    if chosen:
+        if chosen not in MODES:
+            raise ValueError(f"AMPSPEC_AUDIT_REPLAY must be one of {', '.join(MODES)}, got {chosen!r}")
+        if chosen == "process" and not worker.available():
+            raise ValueError("AMPSPEC_AUDIT_REPLAY=process needs Linux (os.fork and os.memfd_create)")
+        return chosen
+    return "process" if worker.available() else "thread"
+
+
 class Replayer:
     """Replays steps as the recorder hands them over; turns divergences into findings at the end.
 
-    ``threaded``: replay on a worker thread, in the order the steps came, while the program
-    trains on (NumPy releases the interpreter lock in its array loops, so on a spare core the
-    replay costs the training little). The recorder hands over copies only, so the worker never
-    touches a live tensor; at most ``_QUEUE`` steps wait, which bounds the memory the copies take
-    (the training waits when the replay falls behind). ``finish`` waits for the worker; an error
-    of the replay itself is raised there.
+    Where the replay runs (``mode``, `default_mode`):
+
+    - ``process``: in a worker process forked when the audit starts, before the audited program
+      builds anything (`audit.worker`). The recorder's copies go straight into shared memory, so
+      the training pays one copy of each array and a short message a step, and the replay's
+      arithmetic runs on another core without contending for the interpreter lock.
+    - ``thread``: on a worker thread of this process. NumPy releases the lock in its array
+      loops, but the replay's Python between them holds it, and the training waits for it.
+    - ``inline``: in the recorder's call, before the program continues.
+
+    Each mode replays the steps in the order they came and reaches the same verdicts. The
+    recorder hands over copies only, so the replay never touches a live tensor; at most
+    ``_QUEUE`` steps wait, which bounds the memory the copies take (the training waits when the
+    replay falls behind). ``finish`` waits for the replay; an error of the replay itself is
+    raised there.
     """
 
     _QUEUE = 4
 
-    def __init__(self, threaded: bool = True) -> None:
-        self._queue: queue.Queue | None = queue.Queue(maxsize=self._QUEUE) if threaded else None
+    def __init__(self, mode: str | None = None) -> None:
+        self.mode = default_mode() if mode is None else mode
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self._queue: queue.Queue | None = queue.Queue(maxsize=self._QUEUE) if self.mode == "thread" else None
         self._worker: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._error: BaseException | str | None = None
         self.capability = torch.backends.cpu.get_cpu_capability()
         self.exact = self.capability == "DEFAULT"
         self.divergences: list[Divergence] = []
+        self.findings: list[Finding] = []  # found by the replay (a second unscale seen in the numbers)
         self.not_replayed: dict[str, int] = {}
         self.steps_replayed = 0
         self.steps_bit_exact = 0
         self.updates_checked = 0
         self.worst: dict[str, float] = {}
+        self._found: dict[tuple[str, int], bool] = {}  # (optimizer, step) -> the spec's found_inf
+        self._expected_after: dict[str, Any] = {}  # scaler label -> the scale its last update left
+        self.process: Any = None
+        self.fallback: str | None = None
+        if self.mode == "process":
+            from audit import worker
+
+            try:
+                self.process = worker.ReplayProcess(self._QUEUE)
+            except OSError as exc:  # no fork or no pipe here (a process limit): the thread does the work
+                self.mode, self.fallback = "thread", f"no replay process ({exc}): replayed on a thread"
+                self._queue = queue.Queue(maxsize=self._QUEUE)
+
+    @property
+    def pool(self) -> Any:
+        """Where the recorder's copies go (shared memory in ``process`` mode), or None."""
+        return self.process
 
     # ------------------------------------------------------------------ description
 
@@ -248,16 +321,22 @@ class Replayer:
     def _note(self, reason: str) -> None:
         self.not_replayed[reason] = self.not_replayed.get(reason, 0) + 1
 
-    # ------------------------------------------------------------------ steps
+    # ------------------------------------------------------------------ where the work runs
 
-    def _submit(self, fn: Any, *args: Any) -> None:
+    def _submit(self, method: str, args: tuple, owner: Any = None, on_done: Any = None) -> None:
+        """Run ``self.<method>(*args)`` where the mode says. ``owner``: the step data whose shared
+        memory the job reads; ``on_done(result)``: applied here to the job's result (in process
+        mode, where the job ran on copies of its arguments)."""
+        if self.process is not None:
+            self.process.submit(method, args, owner, on_done)
+            return
         if self._queue is None:
-            fn(*args)
+            getattr(self, method)(*args)
             return
         if self._worker is None:
             self._worker = threading.Thread(target=self._work, name="ampspec-audit-replay", daemon=True)
             self._worker.start()
-        self._queue.put((fn, args))
+        self._queue.put((method, args))
 
     def _work(self) -> None:
         assert self._queue is not None
@@ -267,17 +346,49 @@ class Replayer:
                 if item is None:
                     return
                 if self._error is None:
-                    item[0](*item[1])
+                    getattr(self, item[0])(*item[1])
             except BaseException as exc:  # kept for finish(): the replay's own failure is not the program's
                 self._error = exc
             finally:
                 self._queue.task_done()
 
-    def step(self, o: Any, d: Any, rec: Any, recorder: Any) -> None:
-        """Replay one step (on the worker when threaded)."""
-        self._submit(self._step, o, d, rec, recorder)
+    def export_state(self) -> dict[str, Any]:
+        """What the replay found, for the process that reports it (process mode)."""
+        return {"divergences": self.divergences, "findings": self.findings, "not_replayed": self.not_replayed,
+                "steps_replayed": self.steps_replayed, "steps_bit_exact": self.steps_bit_exact,
+                "updates_checked": self.updates_checked, "worst": self.worst}
 
-    def _step(self, o: Any, d: Any, rec: Any, recorder: Any) -> None:
+    def _wait(self) -> None:
+        """Every job done; the replay's state here."""
+        if self.process is not None:
+            state, error = self.process.finish()
+            if state is not None:
+                for k, v in state.items():
+                    setattr(self, k, v)
+            if error is not None:
+                self._error = error
+        elif self._queue is not None and self._worker is not None:
+            self._queue.put(None)
+            self._worker.join()
+            self._worker = None
+
+    # ------------------------------------------------------------------ steps
+
+    def step(self, o: Any, d: Any, rec: Any, recorder: Any) -> None:
+        """Replay one step of optimizer track ``o`` (where the mode says)."""
+
+        def done(result: tuple[str, float | None]) -> None:
+            rec.replay = result[0]
+            if rec.clip_coef is None:
+                rec.clip_coef = result[1]
+
+        self._submit("_step", (optimizer_ref(o), d, rec), owner=d, on_done=done)
+
+    def _step(self, o: OptimizerRef, d: Any, rec: Any) -> tuple[str, float | None]:
+        self._replay_one(o, d, rec)
+        return rec.replay, rec.clip_coef
+
+    def _replay_one(self, o: OptimizerRef, d: Any, rec: Any) -> None:
         if d is not None and d.unsupported is not None:
             rec.replay = f"not replayed: {d.unsupported}"
             self._note(d.unsupported)
@@ -289,7 +400,7 @@ class Replayer:
         before = len(self.divergences)
         self._max_seen = 0.0
         try:
-            self._replay_step(o, d, rec, recorder)
+            self._replay_step(o, d, rec)
         except _NotReplayable as exc:
             rec.replay = f"partly replayed: {exc}" if len(self.divergences) == before else rec.replay
             self._note(str(exc))
@@ -314,7 +425,7 @@ class Replayer:
         self._diverge(o, rec, fld, c.got, c.expected, c.problem, where)
         return False
 
-    def _replay_step(self, o: Any, d: Any, rec: Any, recorder: Any) -> None:
+    def _replay_step(self, o: OptimizerRef, d: Any, rec: Any) -> None:
         step_where = next((c.split("@", 1)[1] for c in reversed(rec.calls)
                            if c.startswith(("scaler.step@", "optimizer.step@"))), "?")
         present = [i for i, g in enumerate(d.scaled) if g is not None]
@@ -323,6 +434,7 @@ class Replayer:
                 raise _NotReplayable(f"{d.scaled[i].dtype} gradients")
         scaled = [d.scaled[i] for i in present]
         spec_found = scaling.has_inf_or_nan(scaled)
+        self._found[(o.label, rec.step)] = spec_found
         if d.torch_found_inf is not None and bool(d.torch_found_inf != 0.0) != spec_found:
             self._diverge(o, rec, "found_inf", bool(d.torch_found_inf), spec_found,
                           f"the scaler's found_inf is {d.torch_found_inf!r}; the spec's check of the scaled gradients "
@@ -345,7 +457,7 @@ class Replayer:
         after_unscale = state is not None and not kernel
         for c in d.clips:
             self._check_grads(o, rec, f"gradients entering {c.kind} at {c.where}", c.indices, c.grads_in, g_spec,
-                              bound, c.where, state if after_unscale else None, recorder)
+                              bound, c.where, state if after_unscale else None)
             after_unscale = False
             ins = [(i, g) for i, g in zip(c.indices, c.grads_in) if g is not None]
             if c.kind == "clip_grad_value_":
@@ -360,7 +472,7 @@ class Replayer:
                 if c.total_norm is None:
                     raise _NotReplayable("a clip_grad_norm_ call that raised")
                 res = clipping.clip_grad_norm([g for _, g in ins], float(c.arguments["max_norm"]), norm_type,
-                                              num_threads=torch.get_num_threads())
+                                              num_threads=c.threads)
                 if rec.clip_coef is None:
                     rec.clip_coef = float(res.clip_coef)
                 total = np.asarray(res.total_norm)
@@ -387,13 +499,13 @@ class Replayer:
         idx = [i for i, g in enumerate(d.step_grads) if g is not None]
         self._check_grads(o, rec, f"gradients entering the optimizer step at {step_where}", idx,
                           [d.step_grads[i] for i in idx], g_spec, bound, step_where,
-                          state if after_unscale else None, recorder)
+                          state if after_unscale else None)
         if d.params_after is not None:
             self._replay_optimizer(o, d, rec, step_where)
 
     def _check_grads(self, o: Any, rec: Any, fld: str, indices: list[int], got: list[Any],
                      spec: dict[int, np.ndarray | None], bound: int, where: str,
-                     unscale_state: Any, recorder: Any) -> None:
+                     unscale_state: Any) -> None:
         """One stage's input against the spec's previous output; after an unscale, a mismatch
         that is exactly a second unscale (by the inverse or by a division) is named as such."""
         for i, g in zip(indices, got):
@@ -405,10 +517,11 @@ class Replayer:
                 self._max_seen = max(self._max_seen, c.worst)
                 continue
             if unscale_state is not None and self._is_second_unscale(g, e, unscale_state):
-                recorder._find("unscale-twice", rec.step, where,
+                self.findings.append(Finding(
+                               "unscale-twice", rec.step, where,
                                f"the {fld} are the unscaled gradients divided by the scale "
                                f"{float(unscale_state.scale)!r} once more (parameter {i}: {c.problem})",
-                               expected=c.expected, got=c.got)
+                               expected=c.expected, got=c.got))
             self._diverge(o, rec, fld, c.got, c.expected, f"parameter {i}: {c.problem}", where)
             return
 
@@ -424,8 +537,7 @@ class Replayer:
 
     # ------------------------------------------------------------------ the optimizer stage
 
-    def _replay_optimizer(self, o: Any, d: Any, rec: Any, where: str) -> None:
-        opt = o.obj
+    def _replay_optimizer(self, o: OptimizerRef, d: Any, rec: Any, where: str) -> None:
         for p_np in d.params_before:
             if p_np.dtype not in (np.float32, np.float64):
                 raise _NotReplayable(f"{p_np.dtype} parameters (the specification's optimizers take float32 and float64)")
@@ -433,7 +545,7 @@ class Replayer:
             raise _NotReplayable("parameters on a device other than the CPU")
         for gi, group in enumerate(d.groups):
             idx = [i for i, g in enumerate(d.group_of) if g == gi]
-            cfg, kind, impl = _spec_optimizer(opt, group)
+            cfg, kind, impl = _spec_optimizer(o.kind, group)
             params = [d.params_before[i] for i in idx]
             grads = [d.step_grads[i] for i in idx]
             torch_found = float(d.torch_found_inf or 0.0)
@@ -491,35 +603,38 @@ class Replayer:
 
     def update(self, s: Any, pending: list[Any], before: tuple[Any, int], after: tuple[Any, int], new_scale: Any,
                recorder: Any) -> None:
-        """Check one ``scaler.update`` (after the steps it closes)."""
+        """Check one ``scaler.update`` of scaler track ``s`` (after the steps it closes)."""
         scaler = s.obj
         factors = (float(scaler.get_growth_factor()), float(scaler.get_backoff_factor()),
                    int(scaler.get_growth_interval()))
-        self._submit(self._update, s, list(pending), before, after, new_scale, factors)
+        closes = [(optimizer_ref(o), rec) for o, _, rec in pending]
+        new = None if new_scale is None else float(new_scale)
+        self._submit("_update", (s.label, closes, before, after, new, factors))
 
     def resync(self, s: Any) -> None:
         """A scaler's state was loaded: its next update starts from what it holds then (in order)."""
-        self._submit(setattr, s, "expected_after", None)
+        self._submit("_resync", (s.label,))
 
-    def _update(self, s: Any, pending: list[Any], before: tuple[Any, int], after: tuple[Any, int], new_scale: Any,
-                factors: tuple[float, float, int]) -> None:
-        if not pending:
+    def _resync(self, label: str) -> None:
+        self._expected_after.pop(label, None)
+
+    def _update(self, label: str, closes: list[tuple[OptimizerRef, Any]], before: tuple[Any, int],
+                after: tuple[Any, int], new_scale: float | None, factors: tuple[float, float, int]) -> None:
+        if not closes:
             return
-        o, _, rec = pending[0]
+        o, rec = closes[0]
         where = next((c.split("@", 1)[1] for c in reversed(rec.calls) if c.startswith("scaler.update@")), "?")
-        if s.expected_after is not None and np.float32(before[0]) != s.expected_after:
-            self._diverge(o, rec, "scale at scaler.update", float(before[0]), float(s.expected_after),
+        expected_after = self._expected_after.get(label)
+        if expected_after is not None and np.float32(before[0]) != expected_after:
+            self._diverge(o, rec, "scale at scaler.update", float(before[0]), float(expected_after),
                           "the scale changed between two updates outside scaler.update", where)
         if new_scale is not None:
-            s.expected_after = np.float32(after[0])
+            self._expected_after[label] = np.float32(after[0])
             self._note("scaler.update(new_scale): the scale the loop set is taken as is")
             return
-        flags = []
-        for _, data, r in pending:
-            if data is not None and data.scaled is not None:
-                flags.append(scaling.has_inf_or_nan([g for g in data.scaled if g is not None]))
-            else:
-                flags.append(bool(r.found_inf))
+        # The spec's found_inf of each step the update closes (from its scaled gradients, as the
+        # step's replay decided it), else the scaler's own flag.
+        flags = [self._found.pop((ref.label, r.step), bool(r.found_inf)) for ref, r in closes]
         try:
             cfg = scaling.ScalerConfig(init_scale=float(before[0]) if float(before[0]) > 0 and
                                        math.isfinite(float(before[0])) else 1.0,
@@ -527,7 +642,7 @@ class Replayer:
                                        growth_interval=factors[2])
         except ValueError as exc:
             self._note(f"a scaler configuration outside the specification ({exc})")
-            s.expected_after = None
+            self._expected_after.pop(label, None)
             return
         spec = scaling.update_scale_multi(scaling.ScalerState(before[0], before[1], 1), flags, cfg)
         self.updates_checked += 1
@@ -537,7 +652,7 @@ class Replayer:
         elif int(after[1]) != int(spec.growth_tracker):
             self._diverge(o, rec, "growth tracker after scaler.update", int(after[1]), int(spec.growth_tracker),
                           f"from scale {float(before[0])!r}, tracker {before[1]}, found_inf {flags}", where)
-        s.expected_after = np.float32(after[0])
+        self._expected_after[label] = np.float32(after[0])
 
     # ------------------------------------------------------------------ the end
 
@@ -545,13 +660,13 @@ class Replayer:
         """Wait for the worker; then: each divergence at the step of a finding that changes the numbers is that finding's
         consequence (its numbers fill the finding's expected/got); the first other one becomes a
         ``replay-divergence`` finding naming both values and how many steps diverged."""
-        if self._queue is not None and self._worker is not None:
-            self._queue.put(None)
-            self._worker.join()
-            self._worker = None
+        self._wait()
         if self._error is not None:
-            raise RuntimeError(f"the audit's replay failed: {self._error!r}") from self._error
-        recorder.findings.sort(key=lambda f: -1 if f.step is None else f.step)  # the worker adds some late
+            if isinstance(self._error, BaseException):
+                raise RuntimeError(f"the audit's replay failed: {self._error!r}") from self._error
+            raise RuntimeError(f"the audit's replay failed: {self._error}")
+        recorder.findings.extend(self.findings)
+        recorder.findings.sort(key=lambda f: -1 if f.step is None else f.step)  # the replay adds some late
         explained_steps = {f.step for f in recorder.findings if f.rule in EXPLAINING_RULES}
         by_step = {}
         for f in recorder.findings:
@@ -590,7 +705,7 @@ def _ranges(xs: list[int]) -> str:
     return ", ".join(out[:8]) + (", ..." if len(out) > 8 else "")
 
 
-def _spec_optimizer(opt: Any, group: dict[str, Any]) -> tuple[Any, str, str]:
+def _spec_optimizer(kind: str, group: dict[str, Any]) -> tuple[Any, str, str]:
     """The spec's configuration, kind and implementation for one torch parameter group."""
     if group.get("differentiable") or group.get("capturable"):
         raise _NotReplayable("a capturable or differentiable optimizer")
@@ -598,21 +713,20 @@ def _spec_optimizer(opt: Any, group: dict[str, Any]) -> tuple[Any, str, str]:
     if isinstance(lr, torch.Tensor):
         raise _NotReplayable("a tensor learning rate")
     impl = "fused" if group.get("fused") else "foreach" if group.get("foreach") else "for-loop"
-    cls = type(opt)
     try:
-        if cls is torch.optim.SGD:
+        if kind == "SGD":
             return optim.SGDConfig(lr=float(lr), momentum=float(group["momentum"]), dampening=float(group["dampening"]),
                                    nesterov=bool(group["nesterov"]), weight_decay=float(group["weight_decay"]),
                                    maximize=bool(group.get("maximize", False))), "sgd", impl
-        if cls in (torch.optim.Adam, torch.optim.AdamW):
-            decoupled = bool(group.get("decoupled_weight_decay", cls is torch.optim.AdamW))
+        if kind in ("Adam", "AdamW"):
+            decoupled = bool(group.get("decoupled_weight_decay", kind == "AdamW"))
             return optim.AdamConfig(lr=float(lr), betas=tuple(float(b) for b in group["betas"]),
                                     eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                                     amsgrad=bool(group["amsgrad"]), maximize=bool(group.get("maximize", False)),
                                     decoupled_weight_decay=decoupled), "adam", impl
     except (ValueError, KeyError, TypeError) as exc:
-        raise _NotReplayable(f"{cls.__name__} hyperparameters outside the specification ({exc})") from None
-    raise _NotReplayable(f"{cls.__module__}.{cls.__name__} is not in the specification (SGD, Adam, AdamW)")
+        raise _NotReplayable(f"{kind} hyperparameters outside the specification ({exc})") from None
+    raise _NotReplayable(f"{kind} is not in the specification (SGD, Adam, AdamW)")
 
 
 def _adam_state(s: dict[str, Any], p: np.ndarray, cfg: Any) -> Any:

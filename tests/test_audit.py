@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -364,17 +365,38 @@ def test_the_pytest_fixture_fails_a_test_whose_loop_breaks_a_rule(tmp_path):
 # ----------------------------------------------------------------------------- the replay's worker
 
 
-def test_the_replay_on_its_worker_thread_finds_what_it_finds_inline(monkeypatch):
+@pytest.mark.parametrize("loop,args", [
+    ("scaler_loop.py", ["--bug", "unscale-twice", "--steps", "6", "--inf-at", "2"]),
+    ("scheduler_loop.py", ["--steps", "12", "--every", "4", "--rollback", "8", "--inf-at", "3,9"]),
+    ("two_optimizers_loop.py", ["--steps", "6", "--order", "gan", "--inf-at", "2"]),
+    ("scaler_loop.py", ["--bug", "gradients-altered", "--clip", "split", "--steps", "4"]),
+])
+def test_the_replay_finds_the_same_in_a_process_on_a_thread_and_inline(monkeypatch, loop, args, tmp_path):
+    """The three places the replay can run reach the same findings and step verdicts."""
     import audit.replay as replay
 
-    def run() -> tuple[list, list]:
-        report = run_script(LOOPS / "scaler_loop.py", ["--bug", "unscale-twice", "--steps", "6", "--inf-at", "2"])
-        return [(f.rule, f.step, f.message) for f in report.findings], [r.to_dict() for r in report.steps]
+    def run(mode: str) -> tuple[list, list]:
+        monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", mode)
+        out = tmp_path / "out"  # one folder for every mode: the messages name the files
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        extra = ["--out", str(out)] if "scheduler" in loop else []
+        report = run_script(LOOPS / loop, [*args, *extra])
+        assert report.error is None, report.error
+        return ([(f.rule, f.step, f.message) for f in report.findings],
+                [{k: v for k, v in r.to_dict().items()} for r in report.steps])
 
-    threaded = run()
-    init = replay.Replayer.__init__
-    monkeypatch.setattr(replay.Replayer, "__init__", lambda self, threaded=True: init(self, threaded=False))
-    assert run() == threaded
+    modes = ["inline", "thread"] + (["process"] if replay.worker_available() else [])
+    results = {m: run(m) for m in modes}
+    for m in modes[1:]:
+        assert results[m] == results["inline"], m
+    assert any(r["replay"] != "off" for r in results["inline"][1])
+
+
+def test_an_unknown_replay_mode_is_refused_with_the_choices(monkeypatch):
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "gpu")
+    with pytest.raises(ValueError, match="AMPSPEC_AUDIT_REPLAY must be one of process, thread, inline, got 'gpu'"):
+        audit().start()
 
 
 def test_a_failure_of_the_replay_itself_is_raised_not_hidden(monkeypatch):

@@ -1,0 +1,339 @@
+"""The numeric replay in a process of its own, fed through shared memory (Linux).
+
+Why: the replay is NumPy arithmetic driven from Python. On a thread of the training process its
+Python holds the interpreter lock between array loops, and the training waits for it; in a
+worker process it runs on another core and the training only pays for copying its arrays.
+
+How:
+
+- The worker is forked when the audit starts (`ReplayProcess`), before the audited program has
+  built a model, started threads or touched a GPU: the safest moment to fork, and the worker
+  inherits the already imported specification at no cost. It ignores SIGINT (an interrupt is
+  the program's to handle: the audit still collects what was replayed), runs torch on one
+  thread (the replay calls torch's own square root, ``reference.optim`` rule 9) and exits when
+  the audit finishes or the pipe to the program closes.
+- The recorder copies each tensor straight into a *slab*: an anonymous shared-memory file
+  (``memfd_create``) that both processes map. Its descriptor passes to the worker over the
+  pipe, so no file is left behind whatever happens to either process, and its space is
+  reserved when it is made (``posix_fallocate``): a memory limit is an error there, which
+  sends the copies back to ordinary arrays, never a SIGBUS in the training.
+- A step's arrays pickle as their places in the slabs (`SlabArray`): the job sent for a step is
+  a few kilobytes, and the worker reads the arrays in place, read-only.
+- A slab returns to the pool when the worker reports done the job that read it; at most
+  ``jobs`` jobs are outstanding (the training waits when the replay falls behind), which bounds
+  the memory. Step data that is never sent gives its slabs back when it is garbage.
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import traceback
+import warnings
+import weakref
+from multiprocessing import reduction
+from typing import Any, Callable
+
+import ml_dtypes
+import numpy as np
+import torch
+
+__all__ = ["available", "ReplayProcess", "SlabArray"]
+
+_ALIGN = 64
+_MIN_SLAB = 1 << 20
+_NUMPY = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
+          torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
+          torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32), torch.int16: np.dtype(np.int16),
+          torch.int8: np.dtype(np.int8), torch.uint8: np.dtype(np.uint8), torch.bool: np.dtype(np.bool_)}
+
+
+def available() -> bool:
+    """Whether this platform has what the worker needs: fork, memfd_create, posix_fallocate."""
+    return (sys.platform.startswith("linux") and hasattr(os, "memfd_create") and hasattr(os, "posix_fallocate")
+            and "fork" in mp.get_all_start_methods())
+
+
+# ---------------------------------------------------------------------------------- arrays in slabs
+
+
+class SlabArray(np.ndarray):
+    """An array whose memory lies in a slab: it pickles as ``(slab, offset, dtype, shape)``.
+
+    Only the array the pool made carries its place; views and results of arithmetic on it are
+    ordinary arrays to pickle.
+    """
+
+    place: tuple | None = None
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self.place = None
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        if self.place is None:
+            return np.asarray(self).__reduce_ex__(protocol)
+        return (_attach, self.place)
+
+
+_WORKER_SLABS: dict[int, mmap.mmap] = {}  # in the worker process only: the slabs it has mapped
+
+
+def _attach(slab: int, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """The worker's read-only view of an array in a slab."""
+    n = int(np.prod(shape, dtype=np.int64))
+    if n == 0:
+        return np.empty(shape, dtype)
+    a = np.frombuffer(_WORKER_SLABS[slab], dtype=dtype, count=n, offset=offset).reshape(shape)
+    a.flags.writeable = False
+    return a
+
+
+class _Slab:
+    def __init__(self, ident: int, size: int) -> None:
+        self.id = ident
+        self.size = size
+        self.used = 0
+        self.fd = os.memfd_create(f"ampspec-audit-{ident}", os.MFD_CLOEXEC)
+        try:
+            os.posix_fallocate(self.fd, 0, size)  # no memory: an OSError now, not a SIGBUS at a write
+            self.map = mmap.mmap(self.fd, size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:  # an array still refers to it: the mapping goes with that array
+            pass
+        os.close(self.fd)
+
+
+# ---------------------------------------------------------------------------------- the program's side
+
+
+class ReplayProcess:
+    """The worker process, its pipe and its pool of slabs (in the audited program).
+
+    ``copy(tensor, owner)``: a `SlabArray` holding the tensor's bits, in a slab of the step data
+    ``owner``; None where shared memory cannot be used (the caller copies as usual).
+    ``submit(method, args, owner, on_done)``: the replayer's ``method(*args)`` runs in the worker,
+    on copies of its arguments; ``on_done(result)`` is applied here when it is done.
+    ``finish()``: every job done; returns ``(state, error)``: the worker replayer's
+    ``export_state()`` (None if it never answered) and its failure's text (None if none).
+    """
+
+    def __init__(self, jobs: int) -> None:
+        self._jobs = jobs
+        here, there = mp.Pipe(duplex=True)
+        with warnings.catch_warnings():
+            # Python 3.12+ warns on fork in a process with threads; the worker runs only the replay.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self._proc = mp.get_context("fork").Process(target=_serve, args=(there, here), daemon=True,
+                                                        name="ampspec-audit-replay")
+            self._proc.start()
+        there.close()
+        self._conn = here
+        self._free: list[_Slab] = []
+        self._open: dict[int, list[Any]] = {}  # id(owner) -> [slabs, finalizer, bytes used]
+        self._inflight: dict[int, tuple[list[_Slab], Callable[[Any], None] | None]] = {}
+        self._next_job = 0
+        self._next_slab = 0
+        self._hint = _MIN_SLAB
+        self._no_memory = False
+        self.error: str | None = None
+        self._result: tuple[Any, str | None] | None = None
+
+    # ------------------------------------------------------------------ copies
+
+    def copy(self, t: torch.Tensor, owner: Any) -> SlabArray | None:
+        dtype = _NUMPY.get(t.dtype)
+        if self._no_memory or self._result is not None or dtype is None or t.device.type != "cpu":
+            return None
+        t = t.detach()
+        shape = tuple(t.shape)
+        try:
+            out = self._alloc(owner, t.numel() * t.element_size(), dtype, shape)
+        except OSError:
+            self._no_memory = True  # shared memory is exhausted or refused: ordinary copies from now on
+            return None
+        if t.numel():
+            if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: the bits travel as int16
+                torch.from_numpy(np.asarray(out).view(np.int16)).copy_(t.view(torch.int16))
+            else:
+                torch.from_numpy(np.asarray(out)).copy_(t)
+        return out
+
+    def _alloc(self, owner: Any, nbytes: int, dtype: np.dtype, shape: tuple[int, ...]) -> SlabArray:
+        key = id(owner)
+        entry = self._open.get(key)
+        if entry is None:
+            entry = self._open[key] = [[], weakref.finalize(owner, self._abandon, key), 0]
+        slabs = entry[0]
+        need = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+        slab = slabs[-1] if slabs and slabs[-1].size - slabs[-1].used >= need else None
+        if slab is None:
+            # A step's first slab is as large as the largest step so far; a step that outgrows it
+            # gets one twice its size so far.
+            slab = self._take(max(need, self._hint if not slabs else 2 * entry[2]))
+            slabs.append(slab)
+        offset = slab.used
+        slab.used += need
+        entry[2] += need
+        out = np.frombuffer(slab.map, dtype=dtype, count=int(np.prod(shape, dtype=np.int64)),
+                            offset=offset).reshape(shape).view(SlabArray)
+        out.place = (slab.id, offset, dtype, shape)
+        return out
+
+    def _take(self, size: int) -> _Slab:
+        fits = [s for s in self._free if s.size >= size]
+        if fits:
+            slab = min(fits, key=lambda s: s.size)
+            self._free.remove(slab)
+            return slab
+        slab = _Slab(self._next_slab, size)
+        self._next_slab += 1
+        try:
+            self._conn.send(("slab", slab.id, slab.size))
+            reduction.send_handle(self._conn, slab.fd, self._proc.pid)
+        except OSError:
+            slab.close()
+            raise
+        return slab
+
+    def _release(self, slabs: list[_Slab]) -> None:
+        for s in slabs:
+            s.used = 0
+            self._free.append(s)
+        while len(self._free) > self._jobs + 2:  # more free slabs than a full queue needs
+            s = min(self._free, key=lambda x: x.size)
+            self._free.remove(s)
+            self._send(("drop", s.id))
+            s.close()
+
+    def _abandon(self, key: int) -> None:
+        entry = self._open.pop(key, None)
+        if entry is not None:
+            self._release(entry[0])
+
+    # ------------------------------------------------------------------ jobs
+
+    def submit(self, method: str, args: tuple, owner: Any = None, on_done: Callable[[Any], None] | None = None) -> None:
+        entry = self._open.pop(id(owner), None) if owner is not None else None
+        slabs: list[_Slab] = []
+        if entry is not None:
+            entry[1].detach()
+            slabs = entry[0]
+            self._hint = max(self._hint, entry[2])
+        self._receive(block=False)
+        while self.error is None and len(self._inflight) >= self._jobs:
+            self._receive(block=True)
+        if self.error is not None:  # the worker failed or ended: nothing more is replayed
+            self._release(slabs)
+            return
+        job = self._next_job
+        self._next_job += 1
+        self._inflight[job] = (slabs, on_done)
+        self._send(("job", job, pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)))
+
+    def _send(self, msg: tuple) -> None:
+        if self.error is not None:
+            return
+        try:
+            self._conn.send(msg)
+        except OSError:
+            self._lost()
+
+    def _receive(self, block: bool) -> None:
+        """Handle what the worker sent; with ``block``, wait for at least one message."""
+        try:
+            while self._conn.poll(None if block else 0):
+                block = False
+                msg = self._conn.recv()
+                if msg[0] == "done":
+                    slabs, on_done = self._inflight.pop(msg[1])
+                    self._release(slabs)
+                    if msg[2] is not None and on_done is not None:
+                        on_done(msg[2])
+                elif msg[0] == "final":
+                    self._result = (msg[1], msg[2])
+                    return
+        except (EOFError, OSError):
+            self._lost()
+
+    def _lost(self) -> None:
+        if self.error is None:
+            self._proc.join(timeout=5)
+            self.error = f"the replay process ended unexpectedly (exit code {self._proc.exitcode})"
+        for slabs, _ in self._inflight.values():
+            self._release(slabs)
+        self._inflight.clear()
+
+    def finish(self) -> tuple[Any, str | None]:
+        if self._result is None:
+            self._send(("finish",))
+            while self._result is None and self.error is None:
+                self._receive(block=True)
+            if self._result is None:
+                self._result = (None, self.error)
+            self._conn.close()
+            self._proc.join(timeout=30)
+            if self._proc.is_alive():
+                self._proc.kill()
+            for entry in list(self._open.values()):
+                entry[1].detach()
+                self._release(entry[0])
+            self._open.clear()
+            for s in self._free:
+                s.close()
+            self._free.clear()
+        return self._result
+
+
+# ---------------------------------------------------------------------------------- the worker
+
+
+def _serve(conn: Any, other_end: Any) -> None:
+    """The worker's loop: map the slabs, run the jobs in order, report."""
+    other_end.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    from audit.replay import Replayer
+
+    replayer = Replayer(mode="inline")
+    error: str | None = None
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the program ended without finishing the audit: nobody to report to
+        kind = msg[0]
+        if kind == "slab":
+            fd = reduction.recv_handle(conn)
+            _WORKER_SLABS[msg[1]] = mmap.mmap(fd, msg[2])
+            os.close(fd)
+        elif kind == "drop":
+            m = _WORKER_SLABS.pop(msg[1], None)
+            if m is not None:
+                try:
+                    m.close()
+                except BufferError:
+                    pass
+        elif kind == "job":
+            result = None
+            if error is None:
+                try:
+                    method, args = pickle.loads(msg[2])
+                    result = getattr(replayer, method)(*args)
+                    del args
+                except BaseException as exc:  # the replay's own failure: reported at the end
+                    error = f"{exc!r} (in the replay process)\n" + "".join(
+                        traceback.format_exception(type(exc), exc, exc.__traceback__))
+            conn.send(("done", msg[1], result))
+        elif kind == "finish":
+            conn.send(("final", replayer.export_state(), error))
+            return
