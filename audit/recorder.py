@@ -312,21 +312,25 @@ class Snapshots:
         self.pool = pool
 
     def __call__(self, t: torch.Tensor, owner: Any) -> Any:
-        if self.pool is not None:
-            out = self.pool.copy(t, owner)
+        return self.many([t], owner)[0]
+
+    def many(self, tensors: list[torch.Tensor], owner: Any) -> list[Any]:
+        if self.pool is not None and tensors:
+            out = self.pool.copy(tensors, owner)
             if out is not None:
                 return out
-        return to_numpy(t)
+        return [to_numpy(t) for t in tensors]
 
     def grads(self, params: list[Any], owner: Any) -> list[Any]:
-        return [None if p.grad is None else self(p.grad, owner) for p in params]
+        present = [p.grad for p in params if p.grad is not None]
+        copies = iter(self.many(present, owner))
+        return [None if p.grad is None else next(copies) for p in params]
 
     def state(self, opt: Any, params: list[Any], owner: Any) -> list[dict[str, Any]]:
-        out = []
-        for p in params:
-            s = opt.state.get(p, {})
-            out.append({k: (self(v, owner) if isinstance(v, torch.Tensor) else v) for k, v in s.items()})
-        return out
+        states = [opt.state.get(p, {}) for p in params]
+        tensors = [v for s in states for v in s.values() if isinstance(v, torch.Tensor)]
+        copies = iter(self.many(tensors, owner))
+        return [{k: (next(copies) if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for s in states]
 
 
 # ---------------------------------------------------------------------------------- the recorder
@@ -620,7 +624,7 @@ class Recorder:
         if d is not None and d.copying:
             params = o.params()
             d.step_grads = self.snap.grads(params, d)
-            d.params_before = [self.snap(p, d) for p in params]
+            d.params_before = self.snap.many(params, d)
             d.on_cpu = all(p.device.type == "cpu" for p in params)
             d.state_before = self.snap.state(o.obj, params, d)
             d.groups = [{k: v for k, v in g.items() if k != "params"} for g in o.obj.param_groups]
@@ -631,7 +635,7 @@ class Recorder:
         d = o.window.data
         if d is not None and d.copying:
             params = o.params()
-            d.params_after = [self.snap(p, d) for p in params]
+            d.params_after = self.snap.many(params, d)
             d.state_after = self.snap.state(o.obj, params, d)
         inside = self._in_scaler_step is not None and self._in_scaler_step[1] is o
         if not inside:

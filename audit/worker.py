@@ -26,6 +26,7 @@ How:
 
 from __future__ import annotations
 
+import math
 import mmap
 import multiprocessing as mp
 import os
@@ -84,7 +85,7 @@ _WORKER_SLABS: dict[int, mmap.mmap] = {}  # in the worker process only: the slab
 
 def _attach(slab: int, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     """The worker's read-only view of an array in a slab."""
-    n = int(np.prod(shape, dtype=np.int64))
+    n = math.prod(shape)
     if n == 0:
         return np.empty(shape, dtype)
     a = np.frombuffer(_WORKER_SLABS[slab], dtype=dtype, count=n, offset=offset).reshape(shape)
@@ -119,7 +120,7 @@ class _Slab:
 class ReplayProcess:
     """The worker process, its pipe and its pool of slabs (in the audited program).
 
-    ``copy(tensor, owner)``: a `SlabArray` holding the tensor's bits, in a slab of the step data
+    ``copy(tensors, owner)``: `SlabArray` copies of the tensors, in a slab of the step data
     ``owner``; None where shared memory cannot be used (the caller copies as usual).
     ``submit(method, args, owner, on_done)``: the replayer's ``method(*args)`` runs in the worker,
     on copies of its arguments; ``on_done(result)`` is applied here when it is done.
@@ -130,6 +131,11 @@ class ReplayProcess:
     def __init__(self, jobs: int) -> None:
         self._jobs = jobs
         here, there = mp.Pipe(duplex=True)
+        for stream in (sys.stdout, sys.stderr):  # else the worker would write out its copy of what waits
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):
+                pass
         with warnings.catch_warnings():
             # Python 3.12+ warns on fork in a process with threads; the worker runs only the replay.
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -150,44 +156,55 @@ class ReplayProcess:
 
     # ------------------------------------------------------------------ copies
 
-    def copy(self, t: torch.Tensor, owner: Any) -> SlabArray | None:
-        dtype = _NUMPY.get(t.dtype)
-        if self._no_memory or self._result is not None or dtype is None or t.device.type != "cpu":
+    def copy(self, tensors: list[torch.Tensor], owner: Any) -> list[SlabArray] | None:
+        """`SlabArray` copies of ``tensors`` (bit for bit), side by side in a slab of ``owner``;
+        None when one of them cannot go there (another device or dtype, or no shared memory)."""
+        if self._no_memory or self._result is not None:
             return None
-        t = t.detach()
-        shape = tuple(t.shape)
+        sizes = []
+        for t in tensors:
+            if t.dtype not in _NUMPY or t.device.type != "cpu":
+                return None
+            sizes.append(-(-max(t.numel() * t.element_size(), 1) // _ALIGN) * _ALIGN)
         try:
-            out = self._alloc(owner, t.numel() * t.element_size(), dtype, shape)
+            slab, offset = self._reserve(owner, sum(sizes))
         except OSError:
             self._no_memory = True  # shared memory is exhausted or refused: ordinary copies from now on
             return None
-        if t.numel():
-            if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: the bits travel as int16
-                torch.from_numpy(np.asarray(out).view(np.int16)).copy_(t.view(torch.int16))
-            else:
-                torch.from_numpy(np.asarray(out)).copy_(t)
-        return out
+        outs, dst, src = [], [], []
+        for t, size in zip(tensors, sizes):
+            dtype, shape = _NUMPY[t.dtype], tuple(t.shape)
+            a = np.frombuffer(slab.map, dtype=dtype, count=t.numel(), offset=offset).reshape(shape)
+            out = a.view(SlabArray)
+            out.place = (slab.id, offset, dtype, shape)
+            outs.append(out)
+            if t.numel():
+                bf16 = t.dtype == torch.bfloat16  # NumPy has no bfloat16: the bits travel as int16
+                dst.append(torch.from_numpy(a.view(np.int16) if bf16 else a))
+                src.append(t.view(torch.int16) if bf16 else t)
+            offset += size
+        if dst:
+            with torch.no_grad():
+                torch._foreach_copy_(dst, src)
+        return outs
 
-    def _alloc(self, owner: Any, nbytes: int, dtype: np.dtype, shape: tuple[int, ...]) -> SlabArray:
+    def _reserve(self, owner: Any, nbytes: int) -> tuple[_Slab, int]:
+        """``nbytes`` (a multiple of the alignment) in a slab of ``owner``: the slab and the offset."""
         key = id(owner)
         entry = self._open.get(key)
         if entry is None:
             entry = self._open[key] = [[], weakref.finalize(owner, self._abandon, key), 0]
         slabs = entry[0]
-        need = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
-        slab = slabs[-1] if slabs and slabs[-1].size - slabs[-1].used >= need else None
+        slab = slabs[-1] if slabs and slabs[-1].size - slabs[-1].used >= nbytes else None
         if slab is None:
             # A step's first slab is as large as the largest step so far; a step that outgrows it
             # gets one twice its size so far.
-            slab = self._take(max(need, self._hint if not slabs else 2 * entry[2]))
+            slab = self._take(max(nbytes, self._hint if not slabs else 2 * entry[2]))
             slabs.append(slab)
         offset = slab.used
-        slab.used += need
-        entry[2] += need
-        out = np.frombuffer(slab.map, dtype=dtype, count=int(np.prod(shape, dtype=np.int64)),
-                            offset=offset).reshape(shape).view(SlabArray)
-        out.place = (slab.id, offset, dtype, shape)
-        return out
+        slab.used += nbytes
+        entry[2] += nbytes
+        return slab, offset
 
     def _take(self, size: int) -> _Slab:
         fits = [s for s in self._free if s.size >= size]

@@ -1,16 +1,16 @@
 """Overhead of ``ampspec audit``: time per step of a script audited against the same script unaudited.
 
-Three candidates run the same user script (``bench/_audit_workload.py``, the canonical
+Four candidates run the same user script (``bench/_audit_workload.py``, the canonical
 GradScaler loop with for-loop AdamW on an MLP) in this process: ``plain`` (``runpy``, no
 audit), ``order-rules`` (the audit with ``--no-replay``: the instrumentation and the order
-rules, no copies) and ``replay`` (the full audit: every step's gradients, parameters and state
-copied and recomputed by ``reference``). Three model sizes: ``tiny`` (the catalogue's 16-32-4
-MLP, batch 8: all overhead), ``mlp`` (width 256, depth 4, batch 64, 0.2M parameters),
-``mlp-b512`` (the same model at batch 512: the same replay, eight times the training work) and
-``wide`` (width 1024, depth 4, batch 256, 3.2M parameters). The replay's work grows with the
-parameters (every step's parameters, gradients and optimizer state are recomputed and compared),
-the training's with the parameters times the batch: so the replay's ratio falls as the batch
-grows, and the worker thread hides it once a step's training takes longer than its replay.
+rules, no copies), ``replay`` (the full audit as it runs by default: every step's gradients,
+parameters and state copied into shared memory and recomputed by ``reference`` in the replay
+process) and ``replay-thread`` (the same replay on a thread of this process,
+``AMPSPEC_AUDIT_REPLAY=thread``). Four sizes: ``tiny`` (the catalogue's 16-32-4 MLP, batch 8:
+all overhead), ``mlp`` (width 256, depth 4, batch 64, 0.2M parameters), ``mlp-b512`` (the same
+model at batch 512: the same replay, eight times the training work) and ``wide`` (width 1024,
+depth 4, batch 256, 3.2M parameters). The replay's work grows with the parameters, the
+training's with the parameters times the batch: the replay's ratio falls as the batch grows.
 
 Method: R rounds; in each round every candidate runs one block of S steps (the order rotating
 from round to round); the first W steps of a block are warm-up. A block's time is its median
@@ -25,6 +25,7 @@ under 2x, order rules under 1.1x.
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -45,7 +46,7 @@ SIZES = {
     "mlp-b512": ["--width", "256", "--depth", "4", "--batch", "512"],
     "wide": ["--width", "1024", "--depth", "4", "--batch", "256"],
 }
-CANDIDATES = ("plain", "order-rules", "replay")
+CANDIDATES = ("plain", "order-rules", "replay", "replay-thread")
 
 
 def run_block(candidate: str, size: str, steps: int) -> list[float]:
@@ -63,7 +64,16 @@ def run_block(candidate: str, size: str, steps: int) -> list[float]:
         finally:
             sys.argv = saved
     else:
-        report = run_script(SCRIPT, args, replay=candidate == "replay")
+        saved_mode = os.environ.get("AMPSPEC_AUDIT_REPLAY")
+        if candidate == "replay-thread":
+            os.environ["AMPSPEC_AUDIT_REPLAY"] = "thread"
+        try:
+            report = run_script(SCRIPT, args, replay=candidate.startswith("replay"))
+        finally:
+            if saved_mode is None:
+                os.environ.pop("AMPSPEC_AUDIT_REPLAY", None)
+            else:
+                os.environ["AMPSPEC_AUDIT_REPLAY"] = saved_mode
         if report.error is not None or report.findings:
             raise RuntimeError(f"the audited workload is not clean:\n{report.text()}")
     stamps = [t0] + list(_audit_timer.STAMPS)
@@ -98,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                "mean_ratio_vs_plain": {c: _harness.paired_ratio(means, c, "plain") for c in CANDIDATES[1:]}}
         results["sizes"][size] = row
         ms = row["median_step_ms"]
-        print(f"{size:5}  plain {ms['plain']:7.2f} ms/step   order-rules {ms['order-rules']:7.2f} "
-              f"(x{row['ratio_vs_plain']['order-rules']['median']:.3f})   replay {ms['replay']:7.2f} "
-              f"(x{row['ratio_vs_plain']['replay']['median']:.3f})", flush=True)
+        ratio = row["ratio_vs_plain"]
+        print(f"{size:8}  plain {ms['plain']:7.2f} ms/step" + "".join(
+            f"   {c} {ms[c]:7.2f} (x{ratio[c]['median']:.3f})" for c in CANDIDATES[1:]), flush=True)
     path = _harness.write_result("audit_overhead", results, args.out)
     print(f"results: {path}")
     return 0

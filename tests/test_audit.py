@@ -504,3 +504,59 @@ def test_the_comparison_agrees_with_an_element_by_element_ulp_distance(case):
     assert verdict == want, (f"bound {bound}: got bits {got.view(f'u{got.dtype.itemsize}').tolist()}, expected bits "
                              f"{expected.view(f'u{got.dtype.itemsize}').tolist()}, x_abs {x_abs}: the comparison "
                              f"says {verdict}, the rule {want}")
+
+
+# ---------------------------------------------------------------------------------- the replay process
+
+needs_process = pytest.mark.skipif(not __import__("audit.replay").replay.worker_available(),
+                                   reason="the replay process needs Linux (os.fork, os.memfd_create)")
+
+
+@needs_process
+def test_the_replay_process_ends_with_the_audit(monkeypatch):
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "process")
+    session = audit().start()
+    proc = session._recorder.replayer.process._proc
+    _loop(steps=3)
+    report = session.stop()
+    assert report.replay["steps_replayed"] == 3
+    assert not proc.is_alive() and proc.exitcode == 0
+
+
+@needs_process
+def test_a_replay_process_that_dies_is_reported_and_the_training_goes_on(monkeypatch):
+    """The worker killed mid-run: the user's loop runs to its end unchanged, and stopping the
+    audit raises, naming what happened (a replay that silently stopped would be a false pass)."""
+    import signal
+
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "process")
+    plain = _loop(steps=6)
+    session = audit().start()
+    proc = session._recorder.replayer.process._proc
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(timeout=10)
+    assert _loop(steps=6) == plain
+    with pytest.raises(RuntimeError, match="the replay process ended unexpectedly"):
+        session.stop()
+
+
+@needs_process
+def test_without_shared_memory_the_copies_are_ordinary_arrays_and_the_report_the_same(monkeypatch):
+    import audit.worker as worker
+
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "process")
+
+    def report() -> list:
+        with audit() as session:
+            _loop(steps=4, inf_at=1, bug="clip-before-unscale")
+        return [session.report.replay, [(f.rule, f.step, f.message) for f in session.report.findings],
+                [r.to_dict() for r in session.report.steps]]
+
+    shared = report()
+
+    def refused(self, ident, size):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(worker._Slab, "__init__", refused)
+    assert report() == shared
+    assert shared[0]["steps_replayed"] == 4
