@@ -421,6 +421,11 @@ class Recorder:
             d.unsupported = f"{type(foreign).__name__} parameters or gradients (sharded tensors)"
             w.data = d
             return
+        if self.snap.pool is not None:
+            # Gradients up to three times (scaled, clipped, stepped), parameters and state twice.
+            state = [v for p in params for v in o.obj.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+            self.snap.pool.expect(sum(5 * p.numel() * p.element_size() for p in params)
+                                  + sum(2 * v.numel() * v.element_size() for v in state))
         d.scaled = self.snap.grads(params, d)
         if scaler is not None and scaler.enabled and scaler.used:
             d.scale = _f32(scaler.obj.get_scale())

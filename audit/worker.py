@@ -150,6 +150,7 @@ class ReplayProcess:
         self._next_job = 0
         self._next_slab = 0
         self._hint = _MIN_SLAB
+        self._sized = False  # whether a step has shown how much its copies take
         self._no_memory = False
         self.error: str | None = None
         self._result: tuple[Any, str | None] | None = None
@@ -187,6 +188,12 @@ class ReplayProcess:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)
         return outs
+
+    def expect(self, nbytes: int) -> None:
+        """A step's copies will take about ``nbytes``: its first slab is made that large (until a
+        step has shown its real size), instead of growing from a small one."""
+        if not self._sized:
+            self._hint = max(self._hint, -(-nbytes // _ALIGN) * _ALIGN)
 
     def _reserve(self, owner: Any, nbytes: int) -> tuple[_Slab, int]:
         """``nbytes`` (a multiple of the alignment) in a slab of ``owner``: the slab and the offset."""
@@ -245,7 +252,8 @@ class ReplayProcess:
         if entry is not None:
             entry[1].detach()
             slabs = entry[0]
-            self._hint = max(self._hint, entry[2])
+            self._hint = entry[2] if not self._sized else max(self._hint, entry[2])
+            self._sized = True
         self._receive(block=False)
         while self.error is None and len(self._inflight) >= self._jobs:
             self._receive(block=True)

@@ -23,6 +23,7 @@ import torchimpl.cli as cli
 from audit import RULES, Audit, Finding, audit
 from audit.recorder import _classify, _loss_factor, call_site
 from audit.runner import run_script, split_audit_options
+from audit.worker import available as worker_available
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPS = ROOT / "tests" / "audit_loops"
@@ -373,7 +374,6 @@ def test_the_pytest_fixture_fails_a_test_whose_loop_breaks_a_rule(tmp_path):
 ])
 def test_the_replay_finds_the_same_in_a_process_on_a_thread_and_inline(monkeypatch, loop, args, tmp_path):
     """The three places the replay can run reach the same findings and step verdicts."""
-    import audit.replay as replay
 
     def run(mode: str) -> tuple[list, list]:
         monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", mode)
@@ -386,7 +386,7 @@ def test_the_replay_finds_the_same_in_a_process_on_a_thread_and_inline(monkeypat
         return ([(f.rule, f.step, f.message) for f in report.findings],
                 [{k: v for k, v in r.to_dict().items()} for r in report.steps])
 
-    modes = ["inline", "thread"] + (["process"] if replay.worker_available() else [])
+    modes = ["inline", "thread"] + (["process"] if worker_available() else [])
     results = {m: run(m) for m in modes}
     for m in modes[1:]:
         assert results[m] == results["inline"], m
@@ -508,8 +508,7 @@ def test_the_comparison_agrees_with_an_element_by_element_ulp_distance(case):
 
 # ---------------------------------------------------------------------------------- the replay process
 
-needs_process = pytest.mark.skipif(not __import__("audit.replay").replay.worker_available(),
-                                   reason="the replay process needs Linux (os.fork, os.memfd_create)")
+needs_process = pytest.mark.skipif(not worker_available(), reason="the replay process needs Linux (os.fork, os.memfd_create)")
 
 
 @needs_process
