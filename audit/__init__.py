@@ -91,6 +91,8 @@ class Audit:
             "steps_bit_exact": r.steps_bit_exact,
             "updates_checked": r.updates_checked,
             "not_replayed": dict(r.not_replayed),
+            "runs_in": r.mode,
+            "fallback": r.fallback,
         }
         self._report = AuditReport(findings=list(rec.findings), steps=list(rec.records), replay=replay,
                                    target=self.target, argv=list(self.argv), error=text,

@@ -32,10 +32,10 @@ Exactness, as the conformance suite states and tests it (``conformance/expectati
 torch's scalar CPU kernels (``ATEN_CPU_CAPABILITY=default``) every field is compared bit for
 bit. With native AVX2/AVX512 kernels, which fuse some multiply-adds: found_inf, the skip, the
 scale, the tracker, unscaled gradients, value-clipped gradients, gradients clipped from a
-given total (``clip_grads_with_norm_``) and the Adam step counter stay bit for bit; a total norm is within ``NORM_ULP`` ULPs; norm-clipped gradients within
-``CLIP_ULP`` ULPs of their dtype (the coefficient follows the norm: at most one more ULP from
-its reciprocal and multiply, one from the product's rounding); optimizer fields within the
-conformance bounds, in ULPs of ``x_abs``, the field's formula evaluated on magnitudes (a plain
+given total (``clip_grads_with_norm_``) and the Adam step counter stay bit for bit; a total
+norm is within ``NORM_ULP`` ULPs; norm-clipped gradients within ``CLIP_ULP`` ULPs of their dtype
+(the coefficient follows the norm: at most one more ULP from its reciprocal and multiply, one
+from the product's rounding); optimizer fields within the conformance bounds, in ULPs of ``x_abs``, the field's formula evaluated on magnitudes (a plain
 ULP distance explodes where an update cancels to near zero). NaN compares as a class.
 
 A step is not replayed, with the reason in the report, when it holds something outside the
@@ -311,8 +311,8 @@ class Replayer:
         if self.exact:
             return "scalar CPU kernels (ATEN_CPU_CAPABILITY=default): every field bit for bit"
         return (f"{self.capability} CPU kernels: found_inf, skip, scale, growth tracker, unscaled, value-clipped "
-                f"and given-total-clipped gradients bit for bit; total norms within {NORM_ULP} ULP, norm-clipped gradients within {CLIP_ULP} "
-                f"ULP; SGD within {SGD_BUFFER_ULP}/{SGD_PARAM_ULP} ULP (buffer/parameter) and Adam(W) within "
+                f"and given-total-clipped gradients bit for bit; total norms within {NORM_ULP} ULP, norm-clipped "
+                f"gradients within {CLIP_ULP} ULP; SGD within {SGD_BUFFER_ULP}/{SGD_PARAM_ULP} ULP (buffer/parameter) and Adam(W) within "
                 f"{ADAM_MOMENT_ULP}/{ADAM_PARAM_ULP} ULP (moments/parameter) of x_abs")
 
     def _bound(self, native: int) -> int:
@@ -518,10 +518,9 @@ class Replayer:
                 continue
             if unscale_state is not None and self._is_second_unscale(g, e, unscale_state):
                 self.findings.append(Finding(
-                               "unscale-twice", rec.step, where,
-                               f"the {fld} are the unscaled gradients divided by the scale "
-                               f"{float(unscale_state.scale)!r} once more (parameter {i}: {c.problem})",
-                               expected=c.expected, got=c.got))
+                    "unscale-twice", rec.step, where,
+                    f"the {fld} are the unscaled gradients divided by the scale {float(unscale_state.scale)!r} "
+                    f"once more (parameter {i}: {c.problem})", expected=c.expected, got=c.got))
             self._diverge(o, rec, fld, c.got, c.expected, f"parameter {i}: {c.problem}", where)
             return
 

@@ -77,6 +77,8 @@ class AuditReport:
                          f"{r['exactness']}")
             for reason, count in r["not_replayed"].items():
                 lines.append(f"  not replayed ({count}x): {reason}")
+            if r.get("fallback"):
+                lines.append(f"  {r['fallback']}")
         for rule, fs in self.by_rule().items():
             spec = RULES[rule]
             lines.append("")

@@ -559,3 +559,19 @@ def test_without_shared_memory_the_copies_are_ordinary_arrays_and_the_report_the
     monkeypatch.setattr(worker._Slab, "__init__", refused)
     assert report() == shared
     assert shared[0]["steps_replayed"] == 4
+
+
+@needs_process
+def test_when_no_replay_process_can_start_the_thread_replays_and_the_report_says_so(monkeypatch):
+    import audit.worker as worker
+
+    def no_fork(self, jobs):
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "process")
+    monkeypatch.setattr(worker.ReplayProcess, "__init__", no_fork)
+    with audit() as session:
+        _loop(steps=3)
+    r = session.report
+    assert r.replay["runs_in"] == "thread" and r.replay["steps_replayed"] == 3 and not r.findings
+    assert "no replay process ([Errno 11] Resource temporarily unavailable): replayed on a thread" in r.text()
