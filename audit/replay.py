@@ -365,6 +365,8 @@ class Replayer:
             if state is not None:
                 for k, v in state.items():
                     setattr(self, k, v)
+            for reason, count in self.process.unsent.items():
+                self.not_replayed[reason] = self.not_replayed.get(reason, 0) + count
             if error is not None:
                 self._error = error
         elif self._queue is not None and self._worker is not None:

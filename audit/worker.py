@@ -152,6 +152,8 @@ class ReplayProcess:
         self._hint = _MIN_SLAB
         self._sized = False  # whether a step has shown how much its copies take
         self._no_memory = False
+        self._abandoned: list[int] = []
+        self.unsent: dict[str, int] = {}  # jobs that could not be sent, by reason (counted as not replayed)
         self.error: str | None = None
         self._result: tuple[Any, str | None] | None = None
 
@@ -162,6 +164,7 @@ class ReplayProcess:
         None when one of them cannot go there (another device or dtype, or no shared memory)."""
         if self._no_memory or self._result is not None:
             return None
+        self._reclaim()
         sizes = []
         for t in tensors:
             if t.dtype not in _NUMPY or t.device.type != "cpu":
@@ -240,13 +243,20 @@ class ReplayProcess:
             s.close()
 
     def _abandon(self, key: int) -> None:
-        entry = self._open.pop(key, None)
-        if entry is not None:
-            self._release(entry[0])
+        # A finalizer may run at any allocation, inside this pool's own bookkeeping: the slabs
+        # are given back at the next copy or submit instead.
+        self._abandoned.append(key)
+
+    def _reclaim(self) -> None:
+        while self._abandoned:
+            entry = self._open.pop(self._abandoned.pop(), None)
+            if entry is not None:
+                self._release(entry[0])
 
     # ------------------------------------------------------------------ jobs
 
     def submit(self, method: str, args: tuple, owner: Any = None, on_done: Callable[[Any], None] | None = None) -> None:
+        self._reclaim()
         entry = self._open.pop(id(owner), None) if owner is not None else None
         slabs: list[_Slab] = []
         if entry is not None:
@@ -260,10 +270,19 @@ class ReplayProcess:
         if self.error is not None:  # the worker failed or ended: nothing more is replayed
             self._release(slabs)
             return
+        try:
+            payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # something of the program's in the step (a parameter group's own entry)
+            self._release(slabs)
+            reason = f"the step's data could not be sent to the replay process ({type(exc).__name__}: {exc})"
+            self.unsent[reason] = self.unsent.get(reason, 0) + 1
+            if on_done is not None and method == "_step":
+                on_done((f"not replayed: {reason}", None))
+            return
         job = self._next_job
         self._next_job += 1
         self._inflight[job] = (slabs, on_done)
-        self._send(("job", job, pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)))
+        self._send(("job", job, payload))
 
     def _send(self, msg: tuple) -> None:
         if self.error is not None:

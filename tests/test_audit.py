@@ -575,3 +575,27 @@ def test_when_no_replay_process_can_start_the_thread_replays_and_the_report_says
     r = session.report
     assert r.replay["runs_in"] == "thread" and r.replay["steps_replayed"] == 3 and not r.findings
     assert "no replay process ([Errno 11] Resource temporarily unavailable): replayed on a thread" in r.text()
+
+
+@needs_process
+def test_a_step_that_cannot_be_sent_to_the_replay_process_is_named_not_replayed(monkeypatch):
+    """A parameter group holding something of the program's that does not pickle (here a lock):
+    the training is untouched and the step is listed as not replayed, with the reason."""
+    import threading
+
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "process")
+    original = torch.optim.SGD.__init__
+
+    def with_a_lock(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.param_groups[0]["lock"] = threading.Lock()
+
+    monkeypatch.setattr(torch.optim.SGD, "__init__", with_a_lock)
+    plain = _loop(steps=3)
+    with audit() as session:
+        assert _loop(steps=3) == plain
+    r = session.report
+    assert r.replay["steps_replayed"] == 0 and not r.findings
+    (reason,) = r.replay["not_replayed"]
+    assert reason.startswith("the step's data could not be sent to the replay process (TypeError")
+    assert all(s.replay == f"not replayed: {reason}" for s in r.steps)
