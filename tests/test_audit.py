@@ -292,6 +292,23 @@ def _cli(capsys, *args):
     return status, out.out, out.err
 
 
+@pytest.mark.parametrize("argv,script_sees", [
+    (["--steps", "2", "{script}", "--", "--steps", "10000"], ["--steps", "10000"]),
+    (["{script}", "--", "--steps", "10000"], ["--steps", "10000"]),
+    (["{script}", "--lr", "1", "--steps", "2", "--", "--report", "x"], ["--lr", "1", "--report", "x"]),
+    (["-q", "{script}", "--lr", "1"], ["--lr", "1"]),
+])
+def test_after_a_double_dash_everything_goes_to_the_script(tmp_path, capsys, argv, script_sees):
+    """The README's ``ampspec audit --steps 50 train.py -- --steps 10000``: the script gets its own
+    ``--steps``, the audit keeps its limit."""
+    script = tmp_path / "show_argv.py"
+    script.write_text("import json, sys\nprint('ARGV ' + json.dumps(sys.argv[1:]))\n")
+    status, out, _ = _cli(capsys, *[a.format(script=script) for a in argv])
+    assert status == 0
+    seen = next(line for line in out.splitlines() if line.startswith("ARGV "))
+    assert json.loads(seen[5:]) == script_sees
+
+
 def test_the_command_exit_status_and_json_report(tmp_path, capsys):
     loop = LOOPS / "accumulation_loop.py"
     status, out, _ = _cli(capsys, loop, "--steps", "3")

@@ -362,9 +362,37 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_AUDIT_VALUED = ("--report", "--steps")
+
+
+def _audit_split(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """For ``audit``: the command line up to SCRIPT, and what follows SCRIPT verbatim (None for
+    another command). argparse would drop a ``--`` right after the script, which the audit's
+    own parsing needs (after it, everything goes to the script)."""
+    i = next((k for k, a in enumerate(argv) if not a.startswith("-")), None)
+    if i is None or argv[i] != "audit":
+        return argv, None
+    j = i + 1
+    while j < len(argv):
+        a = argv[j]
+        if a == "--":
+            j += 1
+            break
+        if a.startswith("-"):
+            j += 2 if a in _AUDIT_VALUED else 1
+            continue
+        break
+    if j >= len(argv):
+        return argv, None
+    return argv[:j + 1], argv[j + 1:]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    head, tail = _audit_split(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(head)
+    if tail is not None:
+        args.args = tail
     if args.verbose and args.quiet:
         parser.error("-v/--verbose and -q/--quiet contradict each other; give one")
     # Under torchrun, the ranks other than 0 log warnings and errors only, each line naming its rank.
