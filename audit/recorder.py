@@ -426,6 +426,7 @@ class Recorder:
             state = [v for p in params for v in o.obj.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
             self.snap.pool.expect(sum(5 * p.numel() * p.element_size() for p in params)
                                   + sum(2 * v.numel() * v.element_size() for v in state))
+        d.on_cpu = all(p.device.type == "cpu" for p in params)
         d.scaled = self.snap.grads(params, d)
         if scaler is not None and scaler.enabled and scaler.used:
             d.scale = _f32(scaler.obj.get_scale())
@@ -629,16 +630,16 @@ class Recorder:
         if d is not None and d.copying:
             params = o.params()
             d.step_grads = self.snap.grads(params, d)
-            d.params_before = self.snap.many(params, d)
-            d.on_cpu = all(p.device.type == "cpu" for p in params)
-            d.state_before = self.snap.state(o.obj, params, d)
+            if d.on_cpu:  # elsewhere the optimizer stage is not replayed: its numbers are not copied
+                d.params_before = self.snap.many(params, d)
+                d.state_before = self.snap.state(o.obj, params, d)
             d.groups = [{k: v for k, v in g.items() if k != "params"} for g in o.obj.param_groups]
             d.group_of = [gi for gi, g in enumerate(o.obj.param_groups) for _ in g["params"]]
 
     def on_optimizer_step_end(self, opt: Any) -> None:
         o = self._opt(opt)
         d = o.window.data
-        if d is not None and d.copying:
+        if d is not None and d.copying and d.on_cpu:
             params = o.params()
             d.params_after = self.snap.many(params, d)
             d.state_after = self.snap.state(o.obj, params, d)

@@ -39,9 +39,12 @@ from the product's rounding); optimizer fields within the conformance bounds, in
 ULP distance explodes where an update cancels to near zero). NaN compares as a class.
 
 A step is not replayed, with the reason in the report, when it holds something outside the
-specification: a CUDA tensor, another optimizer class, bfloat16 or float16 parameters, a tensor
-learning rate, ``capturable``/``differentiable``, a norm order other than 2 and inf, or fused SGD
-unscaled by its own kernel. The scaler and skip stages of such a step are still checked.
+specification: another optimizer class, bfloat16 or float16 parameters, a tensor learning rate,
+``capturable``/``differentiable``, a norm order other than 2 and inf, or fused SGD unscaled by
+its own kernel. The scaler and skip stages of such a step are still checked. On another device
+(a GPU) found_inf, the skip, the unscale, value clipping and the scale update are compared, bit
+for bit as on every device; norm clipping and the optimizer step are not, and their numbers are
+not copied.
 """
 
 from __future__ import annotations
@@ -462,6 +465,8 @@ class Replayer:
                               bound, c.where, state if after_unscale else None)
             after_unscale = False
             ins = [(i, g) for i, g in zip(c.indices, c.grads_in) if g is not None]
+            if c.kind != "clip_grad_value_" and not d.on_cpu:
+                raise _NotReplayable(f"{c.kind} on a device other than the CPU (its rules there are not the CPU's)")
             if c.kind == "clip_grad_value_":
                 out = clipping.clip_grad_value([g for _, g in ins], float(c.arguments["clip_value"]))
                 bound = 0
@@ -502,6 +507,8 @@ class Replayer:
         self._check_grads(o, rec, f"gradients entering the optimizer step at {step_where}", idx,
                           [d.step_grads[i] for i in idx], g_spec, bound, step_where,
                           state if after_unscale else None)
+        if not d.on_cpu:
+            raise _NotReplayable("parameters on a device other than the CPU")
         if d.params_after is not None:
             self._replay_optimizer(o, d, rec, step_where)
 
@@ -542,8 +549,6 @@ class Replayer:
         for p_np in d.params_before:
             if p_np.dtype not in (np.float32, np.float64):
                 raise _NotReplayable(f"{p_np.dtype} parameters (the specification's optimizers take float32 and float64)")
-        if not d.on_cpu:
-            raise _NotReplayable("parameters on a device other than the CPU")
         for gi, group in enumerate(d.groups):
             idx = [i for i, g in enumerate(d.group_of) if g == gi]
             cfg, kind, impl = _spec_optimizer(o.kind, group)

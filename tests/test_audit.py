@@ -416,6 +416,37 @@ def test_an_unknown_replay_mode_is_refused_with_the_choices(monkeypatch):
         audit().start()
 
 
+def test_off_the_cpu_only_the_scaler_and_skip_stages_are_replayed(monkeypatch):
+    """A step on another device (a GPU) keeps its found_inf, skip and unscale checks, which hold
+    bit for bit on every device; the clip norm (another summation order) and the optimizer are
+    named not replayed, so a norm that differs from the CPU's is no false divergence."""
+    import audit.replay as replay
+
+    seen = []
+    monkeypatch.setattr(replay.Replayer, "step", lambda self, o, d, rec, recorder: seen.append((o, d, rec)))
+    with audit():
+        _loop(steps=1)
+        _loop(steps=1, clip=float("inf"))  # a coefficient of 1: the clipped gradients are the unscaled ones
+
+    def replay_off_the_cpu(o, d, rec):
+        d.on_cpu = False
+        r = replay.Replayer(mode="inline")
+        rec.replay = "off"
+        r._replay_one(replay.optimizer_ref(o), d, rec)
+        return r, rec.replay
+
+    (o, d, rec), (o2, d2, rec2) = seen
+    d.clips[0].total_norm = np.float32(d.clips[0].total_norm * 1.5)
+    r, verdict = replay_off_the_cpu(o, d, rec)
+    assert r.divergences == [] and verdict.startswith("partly replayed: clip_grad_norm_ on a device other than the CPU")
+    d2.clips = []
+    r, verdict = replay_off_the_cpu(o2, d2, rec2)
+    assert r.divergences == [] and verdict == "partly replayed: parameters on a device other than the CPU"
+    d2.scaled[0] = np.full_like(d2.scaled[0], np.inf)  # an overflow the scaler's flag did not see
+    r, verdict = replay_off_the_cpu(o2, d2, rec2)
+    assert [dv.field for dv in r.divergences][:1] == ["found_inf"]
+
+
 def test_a_failure_of_the_replay_itself_is_raised_not_hidden(monkeypatch):
     import audit.replay as replay
 
