@@ -23,9 +23,16 @@ Rules:
    this equals rounding first and saturating after. torch 2.13 on CPU casts to float8_e4m3fn
    this way (from float32, float16 and bfloat16); its casts to the other formats do not saturate.
 6. float8_e8m0fnu has no sign, no zero, no inf, no subnormals: 2^-127 ... 2^127 and one NaN
-   (0xff). Ties between powers of two (1.5 * 2^k) round up. ml_dtypes (the default here) turns
-   negatives and ±0 into NaN; torch ignores the sign and encodes ±0 as 0x00, which decodes to
-   2^-127. ``torch_e8m0=True`` gives torch's encoding.
+   (0xff); pattern k is 2^(k - 127). A positive float32 with exponent field E and mantissa m
+   becomes pattern E, plus one when m's top bit is set and either another bit of m is set or
+   E > 0. For normal values that is the nearest power of two by the significand (ties,
+   1.5 * 2^k, round up); below 2^-126 (E = 0) every value above 2^-127 becomes 2^-126 and every
+   value up to 2^-127 becomes 2^-127, which is not the nearest. A pattern of 255 (inf, NaN, and
+   values from 1.5 * 2^127 up) is NaN. This is torch's rule, measured on all 2^31 non-negative
+   float32 patterns; ml_dtypes 0.5-0.6 cast positive values the same way, 0.7 rounds the values
+   below 2^-126 to the nearest instead, so the spec computes the rule itself. Signs and zeros:
+   by default negatives and ±0 are NaN, as ml_dtypes has it; torch ignores the sign and encodes
+   ±0 as 0x00, which decodes to 2^-127. ``torch_e8m0=True`` gives torch's encoding.
 7. tfloat32 is float32 with the low 13 of its 23 mantissa bits rounded away (RNE), keeping
    float32's exponent range: 8 exponent bits, 10 mantissa bits, max (2 - 2^-10) * 2^127. Rounding
    past that max gives inf; inf and NaN pass through.
@@ -222,7 +229,6 @@ def cast(
     if torch_e8m0 and f.name != "float8_e8m0fnu":
         raise ValueError(f"torch_e8m0 applies only to float8_e8m0fnu, got format {f.name}")
     x32 = _to_float32(x)
-    zero = x32 == 0
     if torch_e8m0:
         x32 = np.abs(x32)
     if saturate:
@@ -230,11 +236,25 @@ def cast(
         x32 = np.clip(x32, np.float32(-f.max), np.float32(f.max))
     if f.name == "tfloat32":
         return round_to_tf32(x32)
+    if f.name == "float8_e8m0fnu":
+        return _to_e8m0(x32, torch_e8m0).view(f.dtype)
     with np.errstate(over="ignore", invalid="ignore"):
-        out = x32.astype(f.dtype)
+        return x32.astype(f.dtype)
+
+
+def _to_e8m0(x32: np.ndarray, torch_e8m0: bool) -> np.ndarray:
+    """Rule 6 on float32 values, as uint8 patterns."""
+    u = np.asarray(x32, np.float32).view(np.uint32)
     if torch_e8m0:
-        out = np.where(zero, np.zeros((), np.uint8).view(f.dtype), out)
-    return out
+        u = u & np.uint32(0x7FFFFFFF)  # the sign is ignored; +0 gives pattern 0 by the rule
+    exponent = (u >> np.uint32(23)) & np.uint32(0xFF)
+    top = (u >> np.uint32(22)) & np.uint32(1)
+    rest = (u & np.uint32(0x3FFFFF)) != 0
+    k = exponent + (top.astype(bool) & (rest | (exponent > 0))).astype(np.uint32)
+    code = np.minimum(k, np.uint32(255))
+    if not torch_e8m0:
+        code = np.where((u >> np.uint32(31)).astype(bool) | (u == 0), np.uint32(255), code)
+    return np.asarray(code.astype(np.uint8))
 
 
 def bits(x: np.ndarray) -> np.ndarray:

@@ -253,6 +253,16 @@ def test_e8m0_sign_and_zero_ml_dtypes_vs_torch():
     assert float(torch_style[1]) == 2.0**-127, "torch's 0x00 decodes to 2^-127, not 0"
 
 
+def test_e8m0_below_two_to_the_minus_126_follows_torch_not_the_nearest():
+    """Rule 6 on float32 subnormals: above 2^-127 everything goes up to 2^-126 (1.1 * 2^-127 is
+    nearer 2^-127), at or below it to 2^-127; 1.5 * 2^127 and up is NaN. The spec computes this
+    itself, so it holds whatever ml_dtypes' own cast does (0.7 rounds these to the nearest)."""
+    tiny = f32(2.0**-127, 1.1 * 2.0**-127, 1.9 * 2.0**-127, 0.5 * 2.0**-127, 2.0**-149, 1.25 * 2.0**127,
+               1.5 * 2.0**127)
+    assert bits_of(cast(tiny, "e8m0fnu")) == [0, 1, 1, 0, 0, 254, 0xFF]
+    assert bits_of(cast(f32(1.5 * 2.0**127, np.inf), "e8m0fnu", saturate=True)) == [254, 254]
+
+
 def test_torch_e8m0_only_for_e8m0():
     with pytest.raises(ValueError, match="torch_e8m0"):
         cast(1.0, "e4m3fn", torch_e8m0=True)
