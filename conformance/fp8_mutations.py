@@ -13,7 +13,6 @@ longer applies stops the run).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from conformance import mutations
@@ -62,11 +61,7 @@ MUTANTS = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m conformance.fp8_mutations", description=__doc__.split("\n\n")[0])
-    parser.add_argument("mutants", nargs="*", help="names of the mutants to run (default: all)")
-    names = parser.parse_args(argv).mutants
-    mutations.MUTANTS = MUTANTS  # run() reads the module's list
-    return mutations.run(names)
+    return mutations.cli("python -m conformance.fp8_mutations", __doc__, MUTANTS, argv)
 
 
 if __name__ == "__main__":

@@ -121,11 +121,12 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def run(names: list[str]) -> int:
-    chosen = [m for m in MUTANTS if not names or m.name in names]
-    unknown = sorted(set(names) - {m.name for m in MUTANTS})
+def run(names: list[str], mutants: tuple[Mutant, ...] = MUTANTS) -> int:
+    """Run the ``mutants`` named (all when ``names`` is empty); 0 when every one is killed."""
+    chosen = [m for m in mutants if not names or m.name in names]
+    unknown = sorted(set(names) - {m.name for m in mutants})
     if unknown:
-        print(f"unknown mutants {unknown}; known: {[m.name for m in MUTANTS]}", file=sys.stderr)
+        print(f"unknown mutants {unknown}; known: {[m.name for m in mutants]}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ampspec-mutants-") as tmp:
@@ -159,10 +160,15 @@ def run(names: list[str]) -> int:
     return 0 if killed == len(chosen) else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m conformance.mutations", description=__doc__.split("\n\n")[0])
+def cli(prog: str, doc: str, mutants: tuple[Mutant, ...], argv: list[str] | None = None) -> int:
+    """The command line of a mutation module: the mutants named, or all."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     parser.add_argument("mutants", nargs="*", help="names of the mutants to run (default: all)")
-    return run(parser.parse_args(argv).mutants)
+    return run(parser.parse_args(argv).mutants, mutants)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli("python -m conformance.mutations", __doc__, MUTANTS, argv)
 
 
 if __name__ == "__main__":
