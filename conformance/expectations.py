@@ -308,3 +308,52 @@ def probe_torchao_internals() -> dict[str, object]:
         "rowwise_float32_output": "via bfloat16" if rowwise == 1.0 else "float32",
         "casts_input_under_cpu_autocast": casts,
     }
+
+
+# --- Every keyed fact, measured on the installed torch (bench/torch_matrix.py records these) ----
+
+# float32 values at and beyond e4m3fn's largest finite 448: 464 is the tie between 448 and the
+# first pattern past it (0x7f, NaN), 480 that pattern's own value.
+E4M3FN_OVERFLOW_PROBES = (464.0, 465.0, 480.0, 1e6, float("inf"), float("-inf"), -464.0)
+
+
+def probe_e4m3fn_cpu_bits() -> dict[str, str]:
+    """The float8_e4m3fn bits torch's CPU cast gives for each of E4M3FN_OVERFLOW_PROBES."""
+    bits = torch.tensor(E4M3FN_OVERFLOW_PROBES).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+    return {repr(v): f"0x{b:02x}" for v, b in zip(E4M3FN_OVERFLOW_PROBES, bits)}
+
+
+def probe_clip_grad_value_raises_without_grads(device: str) -> bool:
+    """What the installed torch does: does clip_grad_value_ raise for a parameter list with no gradient?"""
+    param = torch.nn.Parameter(torch.zeros(3, device=device))
+    try:
+        torch.nn.utils.clip_grad_value_([param], 1.0)
+    except RuntimeError:
+        return True
+    return False
+
+
+def measure_facts(device: str = "cpu") -> dict[str, object]:
+    """Every version-keyed fact as the installed torch (and torchao, if any) shows it on ``device``."""
+    facts: dict[str, object] = {
+        "e4m3fn_saturates": probe_e4m3fn_saturates(device),
+        "clip_grad_value_raises_without_grads": probe_clip_grad_value_raises_without_grads(device),
+        "clip_coef_in_grad_dtype": probe_clip_coef_in_grad_dtype(device),
+        "clip_one_element_l2_norm_is_abs": probe_clip_one_element_l2_norm_is_abs(device),
+        "fused_sgd_fails_on_late_first_gradient": probe_fused_sgd_fails_on_late_first_gradient(device),
+        "fused_sgd_skipped_first_step_stores_a_buffer": probe_fused_sgd_skipped_first_step_stores_a_buffer(device),
+    }
+    if device == "cpu":
+        facts["e4m3fn_cpu_bits"] = probe_e4m3fn_cpu_bits()
+    if torchao_version() is not None:
+        facts["torchao"] = {"version": torchao_version(), **probe_torchao_internals()}
+    return facts
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    json.dump({"torch": torch.__version__, "facts": measure_facts(sys.argv[1] if len(sys.argv) > 1 else "cpu")},
+              sys.stdout, indent=1)
+    print()
