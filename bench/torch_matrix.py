@@ -17,6 +17,7 @@ about 5-8 GB of disk per environment. Each environment is removed after its vers
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime as _dt
 import json
 import os
@@ -26,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -93,6 +95,10 @@ def make_env(version: str, venv: Path, project: Path, logfile: Path, find_links:
         extras = "test"
         rc, more = run(pip + [f"torch=={version}", f"{project}[test]"], project, logfile)
         seconds += more
+    if rc == 0 and reused:
+        # A kept environment already holds an ampspec of the same version: put this code in.
+        rc, more = run(pip + ["--no-deps", "--force-reinstall", str(project)], project, logfile)
+        seconds += more
     if rc != 0:
         return {"installed": False, "install_seconds": seconds, "reused_env": reused}
     freeze = subprocess.run([str(python), "-m", "pip", "list", "--format", "json"], capture_output=True, text=True)
@@ -128,7 +134,7 @@ def junit_counts(path: Path) -> dict[str, Any]:
 
 
 def run_suite(suite: str, python: Path, project: Path, logfile: Path, work: Path) -> dict[str, Any]:
-    xml = work / f"{suite}.xml"
+    xml = work / f"{python.parent.parent.name}-{suite}.xml"
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", f"--junitxml={xml}", suite]
     rc, seconds = run(cmd, project, logfile, env)
@@ -149,7 +155,9 @@ def measure_version(version: str, args: argparse.Namespace, project: Path, work:
     logfile = args.root / f"torch-{version}.log"
     logfile.write_text("")
     log(f"torch {version}: environment {venv} (log {logfile})")
-    record: dict[str, Any] = {"version": version, **make_env(version, venv, project, logfile, args.find_links)}
+    record: dict[str, Any] = {"version": version, "commit": args.commit,
+                              "date": f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
+                              **make_env(version, venv, project, logfile, args.find_links)}
     if record["installed"]:
         python = venv / "bin" / "python"
         log(f"torch {version}: installed {record['torch']} with [{record['extras']}] in {record['install_seconds']} s")
@@ -204,8 +212,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# torch version matrix",
         "",
-        f"Measured {m['date']} on {m['platform']}, {m['cpu_count']} CPUs (shared with other work), "
-        f"Python {m['python']}, CPU only, code at {report['commit']}, with",
+        f"Measured on {m['platform']}, {m['cpu_count']} CPUs (shared with other work), Python {m['python']}, "
+        "on the CPU only (each row gives its date and the code's commit), with",
         "",
         f"    {report['command']}",
         "",
@@ -216,21 +224,21 @@ def markdown(report: dict[str, Any]) -> str:
         "norm \\|x\\|\": the clipping path's norm of one element is \\|x\\|; \"fused SGD late/skip\": the "
         "two fused-SGD faults.",
         "",
-        "| torch | extras | conformance | unit tests | e4m3fn sat. (464, 480, inf) | clip value raises | "
+        "| torch | measured | extras | conformance | unit tests | e4m3fn sat. (464, 480, inf) | clip value raises | "
         "coef in grad dtype | 1-elt norm \\|x\\| | fused SGD late / skip | torchao 0.18 internals | what changed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     previous = None
     for r in report["versions"]:
         if not r.get("installed"):
-            lines.append(f"| {r['version']} | did not install | not run | not run | | | | | | | |")
+            lines.append(f"| {r['version']} | {r.get('date')} | did not install | not run | not run | | | | | | | |")
             continue
         f = r.get("facts", {})
         bits = f.get("e4m3fn_cpu_bits", {})
         ao = f.get("torchao")
         ao_cell = "not installed" if ao is None else ("as keyed" if ao.get("matches_key") else str(ao))
         lines.append(
-            f"| {r['torch']} | {r['extras']} | {_suite_cell(r.get('conformance'))} | {_suite_cell(r.get('tests'))} | "
+            f"| {r['torch']} | {r.get('date')}, {r.get('commit')} | {r['extras']} | {_suite_cell(r.get('conformance'))} | {_suite_cell(r.get('tests'))} | "
             f"{_fact(f.get('e4m3fn_saturates'))} ({bits.get('464.0')}, {bits.get('480.0')}, {bits.get('inf')}) | "
             f"{_fact(f.get('clip_grad_value_raises_without_grads'))} | {_fact(f.get('clip_coef_in_grad_dtype'))} | "
             f"{_fact(f.get('clip_one_element_l2_norm_is_abs'))} | "
@@ -274,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "torch_matrix.json")
     parser.add_argument("--find-links", type=Path, action="append", default=[],
                         help="a folder of already downloaded wheels for pip (repeatable)")
+    parser.add_argument("--jobs", type=int, default=1, help="versions measured at the same time (default 1)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other versions already in --out (each record names its own commit and date)")
     parser.add_argument("--not-measured", default="", help="a line for the table: versions this machine cannot install")
     args = parser.parse_args(argv)
     args.root = args.root.expanduser().resolve()
@@ -289,21 +300,30 @@ def main(argv: list[str] | None = None) -> int:
         project, work = Path(tmp) / "project", Path(tmp) / "work"
         project.mkdir()
         work.mkdir()
-        commit = snapshot(project)
+        args.commit = snapshot(project)
+        kept = []
+        if args.merge and args.out.exists():
+            kept = [r for r in json.loads(args.out.read_text())["versions"] if r["version"] not in args.versions]
         report: dict[str, Any] = {
             "command": "python bench/torch_matrix.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "commit": commit, "machine": {**machine(), "platform": platform.platform()},
-            "not_measured": args.not_measured, "versions": [],
+            "machine": {**machine(), "platform": platform.platform()},
+            "not_measured": args.not_measured, "versions": kept,
         }
-        for version in args.versions:
+        lock = threading.Lock()
+
+        def one(version: str) -> None:
             record = measure_version(version, args, project, work)
             mark_torchao(record)
-            report["versions"].append(record)
-            report["versions"].sort(key=lambda r: tuple(int(x) for x in re.findall(r"\d+", r["version"])))
-            # Written after every version, so an interrupted matrix keeps what it measured.
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(report, indent=1) + "\n")
-            args.out.with_suffix(".md").write_text(markdown(report))
+            with lock:  # written after every version, so an interrupted matrix keeps what it measured
+                report["versions"].append(record)
+                report["versions"].sort(key=lambda r: tuple(int(x) for x in re.findall(r"\d+", r["version"])))
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(report, indent=1) + "\n")
+                args.out.with_suffix(".md").write_text(markdown(report))
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            for future in [pool.submit(one, v) for v in args.versions]:
+                future.result()
     log(f"wrote {args.out} and {args.out.with_suffix('.md')}")
     bad = [r["version"] for r in report["versions"] if not r.get("installed") or any(
         (r.get(s) or {}).get("exit_status", 1) != 0 for s in SUITES)]

@@ -45,8 +45,10 @@ def _version_key(version: str) -> tuple[int, ...]:
 NEWEST_MEASURED = max(MEASURED, key=_version_key)
 
 
-def version_status(version: str = TORCH_VERSION) -> str:
-    """One line for the report header: is ``version`` measured, and what the suite expects if not."""
+def version_status(version: str | None = None) -> str:
+    """One line for the report header: is ``version`` (the installed torch's by default) measured,
+    and what the suite expects if not."""
+    version = version or TORCH_VERSION
     measured = ", ".join(sorted(MEASURED, key=_version_key))
     if version in MEASURED:
         return f"torch {version}: keyed facts measured ({MEASURED[version]}; measured versions {measured})"
@@ -54,9 +56,11 @@ def version_status(version: str = TORCH_VERSION) -> str:
             f"{NEWEST_MEASURED}'s keyed facts; a failure may be a change in torch, see bench/torch_matrix.py")
 
 
-def keyed(table: Mapping[str, _T], fact: str, version: str = TORCH_VERSION) -> _T:
-    """``table``'s value for torch ``version``; for a version not measured, the newest measured
-    version's value, with an ``UnmeasuredTorchVersion`` warning that says so (never a skip)."""
+def keyed(table: Mapping[str, _T], fact: str, version: str | None = None) -> _T:
+    """``table``'s value for torch ``version`` (the installed one by default); for a version not
+    measured, the newest measured version's value, with an ``UnmeasuredTorchVersion`` warning
+    that says so (never a skip)."""
+    version = version or TORCH_VERSION
     if version in table:
         return table[version]
     newest = max(table, key=_version_key)

@@ -62,6 +62,12 @@ def test_e4m3fn_saturation_is_the_keyed_expectation(device):
         f"torch {torch.__version__} on {device}: float32 -> float8_e4m3fn saturates={probed}, "
         f"the suite expects {expected}; update conformance/expectations.py after checking the change"
     )
+    if expectations.keyed_device(device):
+        version = expectations.TORCH_VERSION if expectations.TORCH_VERSION in expectations.MEASURED \
+            else expectations.NEWEST_MEASURED
+        assert formats.torch_cpu_e4m3fn_saturates(version) == expected, (
+            f"reference.formats rule 9 says torch {version}'s CPU cast saturates="
+            f"{formats.torch_cpu_e4m3fn_saturates(version)}, torch {torch.__version__} does {probed}")
     # The spec names both behaviours; the non-saturating one is ml_dtypes'.
     x = np.array([1e6, np.inf, -np.inf, 464.0, 465.0], np.float32)
     assert np.isnan(formats.cast(x, "float8_e4m3fn", saturate=False)[[0, 1, 2, 4]].astype(np.float32)).all()
