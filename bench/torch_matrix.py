@@ -7,7 +7,11 @@ For each version: a fresh virtual environment outside the checkout (``--root``, 
 torchao does not install beside that torch), then ``pytest tests`` and ``pytest conformance`` and
 ``python -m conformance.expectations`` in it. The checkout is copied first (tracked and untracked
 files, not ignored ones), so every version measures the same code even if the checkout changes
-meanwhile. Writes ``bench/results/torch_matrix.json`` and ``bench/results/torch_matrix.md``.
+meanwhile. Writes ``bench/results/torch_matrix.json`` and ``bench/results/torch_matrix.md`` (after
+every version, so an interrupted run keeps what it measured). ``--jobs N`` measures N versions at
+a time and ``--suites-together`` runs a version's two suites at once (on a machine with cores to
+spare); ``--merge`` keeps the rows of versions not measured in this run, each with its own date
+and commit; ``--find-links DIR`` installs from wheels downloaded beforehand.
 
 PyPI's Linux torch wheels pull several GB of CUDA libraries each: expect long downloads and
 about 5-8 GB of disk per environment. Each environment is removed after its version unless
@@ -133,10 +137,11 @@ def junit_counts(path: Path) -> dict[str, Any]:
     return {**counts, "failures": failures, "skips": skips}
 
 
-def run_suite(suite: str, python: Path, project: Path, logfile: Path, work: Path) -> dict[str, Any]:
+def run_suite(suite: str, python: Path, project: Path, logfile: Path, work: Path, select: str) -> dict[str, Any]:
     xml = work / f"{python.parent.parent.name}-{suite}.xml"
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", f"--junitxml={xml}", suite]
+    cmd += ["-k", select] if select else []
     rc, seconds = run(cmd, project, logfile, env)
     return {"exit_status": rc, "seconds": seconds, **junit_counts(xml)}
 
@@ -162,11 +167,17 @@ def measure_version(version: str, args: argparse.Namespace, project: Path, work:
         python = venv / "bin" / "python"
         log(f"torch {version}: installed {record['torch']} with [{record['extras']}] in {record['install_seconds']} s")
         record["facts"] = measure_facts(python, project, logfile)
-        for suite in SUITES:
-            record[suite] = run_suite(suite, python, project, logfile, work)
-            r = record[suite]
-            log(f"torch {version}: {suite}: {r['passed']} passed, {r['failed']} failed, {r['errors']} errors, "
+
+        def suite(name: str) -> None:
+            # Each suite logs to its own file when the two run at the same time.
+            out = logfile.with_suffix(f".{name}.log") if args.suites_together else logfile
+            record[name] = r = run_suite(name, python, project, out, work, args.select)
+            log(f"torch {version}: {name}: {r['passed']} passed, {r['failed']} failed, {r['errors']} errors, "
                 f"{r['skipped']} skipped in {r['seconds']} s")
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2 if args.suites_together else 1) as pool:
+            for future in [pool.submit(suite, name) for name in SUITES]:
+                future.result()
     else:
         log(f"torch {version}: did not install (see {logfile})")
     if not args.keep:
@@ -283,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--find-links", type=Path, action="append", default=[],
                         help="a folder of already downloaded wheels for pip (repeatable)")
     parser.add_argument("--jobs", type=int, default=1, help="versions measured at the same time (default 1)")
+    parser.add_argument("--suites-together", action="store_true",
+                        help="run the unit tests and the conformance suite of a version at the same time")
+    parser.add_argument("--select", default="",
+                        help="only the tests matching this pytest -k expression (a quick check of the command itself)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other versions already in --out (each record names its own commit and date)")
     parser.add_argument("--not-measured", default="", help="a line for the table: versions this machine cannot install")
