@@ -263,6 +263,8 @@ def markdown(report: dict[str, Any]) -> str:
     failed = [(r["version"], s, t) for r in report["versions"] for s in SUITES for t in (r.get(s) or {}).get("failures", [])]
     if failed:
         lines += ["", "Failures:", ""] + [f"- {v} {s}: {t}" for v, s, t in failed]
+    if report.get("select"):
+        lines += ["", f"**Only the tests matching `-k {report['select']}` ran** (a check of the command, not a measurement)."]
     if report.get("not_measured"):
         lines += ["", f"Not measured here: {report['not_measured']}"]
     return "\n".join(lines) + "\n"
@@ -322,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         report: dict[str, Any] = {
             "command": "python bench/torch_matrix.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": {**machine(), "platform": platform.platform()},
-            "not_measured": args.not_measured, "versions": kept,
+            "not_measured": args.not_measured, "select": args.select, "versions": kept,
         }
         lock = threading.Lock()
 

@@ -28,7 +28,10 @@ TORCH_VERSION = ".".join(torch.__version__.split("+")[0].split(".")[:2])
 # (PyPI's Linux wheels, which carry CUDA, run on the CPU; 2.13.0 is the CPU-only build). The table
 # with every fact per version is bench/results/torch_matrix.md.
 MEASURED: dict[str, str] = {
-    "2.13": "torch 2.13.0+cpu, bench/torch_matrix.py, 2026-12-03",
+    "2.11": "torch 2.11.0+cu130, PyPI's Linux wheel, on the CPU, 2026-12-03",
+    "2.12": "torch 2.12.1+cu130, PyPI's Linux wheel, on the CPU, 2026-12-03",
+    "2.13": "torch 2.13.0+cpu, the CPU build, 2026-12-03",
+    "2.14": "torch 2.14.1+cu130, PyPI's Linux wheel, on the CPU, 2026-12-03",
 }
 
 _T = TypeVar("_T")
@@ -80,7 +83,11 @@ def keyed_device(device: str) -> bool:
 # spec's (reference.formats.torch_cpu_e4m3fn_saturates, rule 9): NaN up to 2.12, ±448 from 2.13,
 # when torch's CPU conversion started to saturate (pytorch/pytorch#178817, April 2026). This
 # table is what was measured; the test checks the probe, this table and the spec's rule agree.
-E4M3FN_SATURATES_ON_CPU: dict[str, bool] = {"2.13": True}
+# Measured beyond the probe on 2.11, 2.12 and 2.14 (float32 within 70,000 ULPs of ±464 as long and
+# one-element tensors, every float16 and bfloat16 pattern): up to 2.12 exactly rule 4, i.e.
+# ml_dtypes' bits (464, the tie, goes to even 448; anything above it, 480 included, and ±inf to
+# NaN 0x7f/0xff); from 2.13 exactly rule 5 (±448).
+E4M3FN_SATURATES_ON_CPU: dict[str, bool] = {"2.11": False, "2.12": False, "2.13": True, "2.14": True}
 
 
 def probe_e4m3fn_saturates(device: str) -> bool:
@@ -98,10 +105,11 @@ def e4m3fn_saturates(device: str) -> bool:
 
 
 # Autocast op policy (reference.autocast.POLICY): the torch versions, per device type, whose output
-# dtypes were compared op by op against the table and matched. The CPU table was measured on
-# 2.13; the CUDA table follows PyTorch's documented lists and has not yet been run on a GPU. No
-# version-dependent difference is known; one found later is keyed here by version, not absorbed.
-AUTOCAST_POLICY_CONFIRMED: dict[str, tuple[str, ...]] = {"cpu": ("2.13",), "cuda": ()}
+# dtypes were compared op by op against the table and matched (conformance/test_autocast.py in
+# bench/torch_matrix.py's run of each version, bench/results/torch_matrix.md); the CUDA table
+# follows PyTorch's documented lists and has not yet been run on a GPU. No version-dependent
+# difference is known; one found later is keyed here by version, not absorbed.
+AUTOCAST_POLICY_CONFIRMED: dict[str, tuple[str, ...]] = {"cpu": ("2.11", "2.12", "2.13", "2.14"), "cuda": ()}
 
 
 def autocast_policy_provenance(device: str) -> str:
@@ -186,7 +194,7 @@ def cuda_norm_rtol(n: int) -> float:
 # clip_grad_value_ with no gradient at all raises in torch (its foreach grouping refuses an
 # empty list: "Expected !nested_tensorlist[0].empty() to be true"); the spec returns an empty
 # list. Measured on CPU for the versions keyed; other devices are probed.
-CLIP_GRAD_VALUE_RAISES_WITHOUT_GRADS: dict[str, bool] = {"2.13": True}
+CLIP_GRAD_VALUE_RAISES_WITHOUT_GRADS: dict[str, bool] = {"2.11": True, "2.12": True, "2.13": True, "2.14": True}
 
 
 def clip_grad_value_raises_without_grads(device: str) -> bool:
@@ -205,7 +213,7 @@ def clip_grad_value_raises_without_grads(device: str) -> bool:
 # gradient whose square under- or overflows (float32 [1e30]) gets a different per-tensor norm
 # inside clipping than linalg.vector_norm gives. Measured on CPU for the versions keyed; other
 # devices are probed.
-CLIP_ONE_ELEMENT_L2_NORM_IS_ABS: dict[str, bool] = {"2.13": True}
+CLIP_ONE_ELEMENT_L2_NORM_IS_ABS: dict[str, bool] = {"2.11": True, "2.12": True, "2.13": True, "2.14": True}
 
 
 def clip_one_element_l2_norm_is_abs(device: str) -> bool:
@@ -228,7 +236,9 @@ def probe_clip_one_element_l2_norm_is_abs(device: str) -> bool:
 # and mul_ casts a 0-d device tensor to the gradient's dtype before multiplying (Loops.cuh,
 # opmath_symmetric_gpu_kernel_with_scalars) [read in the source, not measured]: the spec's
 # coef_in_grad_dtype rule. Measured on CPU for the versions keyed; a device without keys is probed.
-CLIP_COEF_IN_GRAD_DTYPE: dict[str, dict[str, bool]] = {"cpu": {"2.13": False}}
+CLIP_COEF_IN_GRAD_DTYPE: dict[str, dict[str, bool]] = {
+    "cpu": {"2.11": False, "2.12": False, "2.13": False, "2.14": False},
+}
 
 
 def clip_coef_in_grad_dtype(device: str) -> bool:
@@ -252,7 +262,7 @@ def probe_clip_coef_in_grad_dtype(device: str) -> bool:
 # _fused_sgd passes the None buffer on ("TypeError: expected Tensor as element 1 in argument 2,
 # but got NoneType"). The for-loop and foreach paths, and the spec, start that buffer as a copy
 # of the gradient. Measured on CPU for the versions keyed; other devices are probed.
-FUSED_SGD_FAILS_ON_LATE_FIRST_GRADIENT: dict[str, bool] = {"2.13": True}
+FUSED_SGD_FAILS_ON_LATE_FIRST_GRADIENT: dict[str, bool] = {"2.11": True, "2.12": True, "2.13": True, "2.14": True}
 
 
 def fused_sgd_fails_on_late_first_gradient(device: str) -> bool:
@@ -283,7 +293,9 @@ def probe_fused_sgd_fails_on_late_first_gradient(device: str) -> bool:
 # that a host skip never calls, have no buffer until a step applies). reference.step refuses
 # sync_free for SGD with momentum and the trainer keeps the host skip there. Measured on CPU for
 # the versions keyed; other devices are probed.
-FUSED_SGD_SKIPPED_FIRST_STEP_STORES_A_BUFFER: dict[str, bool] = {"2.13": True}
+FUSED_SGD_SKIPPED_FIRST_STEP_STORES_A_BUFFER: dict[str, bool] = {
+    "2.11": True, "2.12": True, "2.13": True, "2.14": True,
+}
 
 
 def fused_sgd_skipped_first_step_stores_a_buffer(device: str) -> bool:
