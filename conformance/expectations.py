@@ -20,8 +20,6 @@ from typing import TypeVar
 
 import torch
 
-from reference import formats
-
 TORCH_VERSION = ".".join(torch.__version__.split("+")[0].split(".")[:2])
 
 # Where each version's facts were measured: bench/torch_matrix.py on this project's CPU machine
@@ -202,6 +200,7 @@ def clip_grad_value_raises_without_grads(device: str) -> bool:
     if device == "cpu":
         return keyed(CLIP_GRAD_VALUE_RAISES_WITHOUT_GRADS, "clip_grad_value_ without gradients raises")
     return probe_clip_grad_value_raises_without_grads(device)
+
 
 # torch's L2 norm of a ONE-element tensor is |x|, never squared: linalg_vector_norm_out (ATen's
 # LinearAlgebra.cpp, code shared by all devices) returns abs() when every reduced dimension has
