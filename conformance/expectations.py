@@ -82,7 +82,8 @@ def keyed_device(device: str) -> bool:
 # when torch's CPU conversion started to saturate (pytorch/pytorch#178817, April 2026). This
 # table is what was measured; the test checks the probe, this table and the spec's rule agree.
 # Measured beyond the probe on 2.11, 2.12 and 2.14 (float32 within 70,000 ULPs of ±464 as long and
-# one-element tensors, every float16 and bfloat16 pattern): up to 2.12 exactly rule 4, i.e.
+# one-element tensors, every float16 and bfloat16 pattern; 2.11 with the AVX512 and default
+# kernels, 2.12 with AVX512, AVX2 and default, 2.14 with AVX512): up to 2.12 exactly rule 4, i.e.
 # ml_dtypes' bits (464, the tie, goes to even 448; anything above it, 480 included, and ±inf to
 # NaN 0x7f/0xff); from 2.13 exactly rule 5 (±448).
 E4M3FN_SATURATES_ON_CPU: dict[str, bool] = {"2.11": False, "2.12": False, "2.13": True, "2.14": True}
