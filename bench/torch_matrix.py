@@ -118,23 +118,24 @@ def junit_counts(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": ["no junit report"], "skips": {}}
     failures: list[str] = []
+    messages: dict[str, str] = {}
     skips: dict[str, int] = {}
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     for case in ET.parse(path).getroot().iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
-        if case.find("failure") is not None:
-            counts["failed"] += 1
+        bad = case.find("failure")
+        bad = case.find("error") if bad is None else bad
+        if bad is not None:
+            counts["failed" if bad.tag == "failure" else "errors"] += 1
             failures.append(name)
-        elif case.find("error") is not None:
-            counts["errors"] += 1
-            failures.append(name)
+            messages[name] = re.sub(r"\s+", " ", bad.get("message", ""))[:200]
         elif (skip := case.find("skipped")) is not None:
             counts["skipped"] += 1
             reason = re.sub(r"\s+", " ", skip.get("message", ""))[:160]
             skips[reason] = skips.get(reason, 0) + 1
         else:
             counts["passed"] += 1
-    return {**counts, "failures": failures, "skips": skips}
+    return {**counts, "failures": failures, "messages": messages, "skips": skips}
 
 
 def run_suite(suite: str, python: Path, project: Path, logfile: Path, work: Path, select: str) -> dict[str, Any]:
@@ -196,6 +197,11 @@ def _suite_cell(r: dict[str, Any] | None) -> str:
     cell = f"{r['passed']} passed, {r['skipped']} skipped"
     if r["failed"] or r["errors"]:
         cell += f", **{r['failed']} failed, {r['errors']} errors**"
+        rerun = r.get("rerun")
+        if rerun:
+            cell += f" ({len(rerun['passed'])} of them passed when rerun alone)"
+    if r.get("exit_status") == 2:
+        cell += " (**interrupted**: the tests after these did not run)"
     return cell
 
 
@@ -260,9 +266,15 @@ def markdown(report: dict[str, Any]) -> str:
                    for reason in (r.get(s) or {}).get("skips", {})]
     lines += ["", "Skip reasons, per version and suite:", ""]
     lines += [f"- {v} {s}: {reason}" for v, s, reason in skipped_any] or ["- none"]
-    failed = [(r["version"], s, t) for r in report["versions"] for s in SUITES for t in (r.get(s) or {}).get("failures", [])]
+    failed = [(r["version"], s, t, r[s]) for r in report["versions"] for s in SUITES for t in (r.get(s) or {}).get("failures", [])]
     if failed:
-        lines += ["", "Failures:", ""] + [f"- {v} {s}: {t}" for v, s, t in failed]
+        lines += ["", "Failures:", ""]
+        for v, s, t, r in failed:
+            rerun = r.get("rerun") or {}
+            again = (" - passed when rerun alone" if t in rerun.get("passed", ()) else
+                     " - failed again when rerun alone" if t in rerun.get("failed", ()) else "")
+            why = f" ({r['messages'][t]})" if r.get("messages", {}).get(t) else ""
+            lines.append(f"- {v} {s}: {t}{why}{again}")
     if report.get("select"):
         lines += ["", f"**Only the tests matching `-k {report['select']}` ran** (a check of the command, not a measurement)."]
     if report.get("not_measured"):
@@ -287,6 +299,38 @@ def mark_torchao(record: dict[str, Any]) -> None:
     ao["matches_key"] = expected is not None and all(ao.get(k) == v for k, v in expected.items())
 
 
+def node_id(name: str, project: Path) -> str:
+    """A pytest node id from a JUnit ``classname::name`` (``tests.test_x.TestCase::test_y[p]``)."""
+    classname, test = name.split("::", 1)
+    parts = classname.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = "/".join(parts[:cut]) + ".py"
+        if (project / module).exists():
+            return "::".join([module, *parts[cut:], test])
+    return name
+
+
+def rerun_failed(report: dict[str, Any], args: argparse.Namespace, project: Path) -> None:
+    """Run each recorded failure of the given versions again, alone, in the kept environment."""
+    for record in report["versions"]:
+        if record["version"] not in args.versions:
+            continue
+        python = args.root / f"torch-{record['version']}" / "bin" / "python"
+        if not python.exists():
+            log(f"torch {record['version']}: no kept environment at {python.parent.parent}; not rerun")
+            continue
+        for suite in SUITES:
+            r = record.get(suite) or {}
+            if not r.get("failures"):
+                continue
+            r["rerun"] = {"commit": args.commit, "passed": [], "failed": []}
+            for name in r["failures"]:
+                cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", node_id(name, project)]
+                rc, seconds = run(cmd, project, args.root / f"torch-{record['version']}.rerun.log")
+                r["rerun"]["passed" if rc == 0 else "failed"].append(name)
+                log(f"torch {record['version']}: rerun {name}: {'passed' if rc == 0 else 'failed'} in {seconds} s")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--versions", nargs="+", default=list(DEFAULT_VERSIONS), help="torch releases to measure")
@@ -302,12 +346,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the tests matching this pytest -k expression (a quick check of the command itself)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other versions already in --out (each record names its own commit and date)")
+    parser.add_argument("--rerun-failed", action="store_true",
+                        help="rerun, one at a time, the failures --out records for --versions (kept environments)")
+    parser.add_argument("--table-only", action="store_true", help="rewrite the markdown table from --out")
     parser.add_argument("--not-measured", default="", help="a line for the table: versions this machine cannot install")
     args = parser.parse_args(argv)
     args.root = args.root.expanduser().resolve()
     if args.root.is_relative_to(ROOT):
         parser.error(f"--root {args.root} is inside the checkout; the environments must live outside it")
     args.root.mkdir(parents=True, exist_ok=True)
+    if args.table_only or args.rerun_failed:
+        report = json.loads(args.out.read_text())
+        if args.rerun_failed:
+            with tempfile.TemporaryDirectory(prefix="ampspec-matrix-") as tmp:
+                args.commit = snapshot(Path(tmp))
+                rerun_failed(report, args, Path(tmp))
+            args.out.write_text(json.dumps(report, indent=1) + "\n")
+        args.out.with_suffix(".md").write_text(markdown(report))
+        log(f"wrote {args.out.with_suffix('.md')}")
+        return 0
     log(f"PyPI's Linux torch wheels pull several GB of CUDA libraries per version (5-8 GB of disk per "
         f"environment under {args.root}); environments are {'kept' if args.keep else 'removed after each version'}.")
     sys.path.insert(0, str(ROOT / "bench"))
