@@ -28,6 +28,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -67,13 +68,32 @@ def snapshot(dest: Path) -> str:
     return commit + ("+changes" if dirty.strip() else "")
 
 
+# When set (--stop-at), the wall-clock time at which running suites are interrupted.
+STOP_AT: _dt.datetime | None = None
+
+
 def run(cmd: list[str], cwd: Path, logfile: Path, env: dict[str, str] | None = None) -> tuple[int, float]:
-    """Run ``cmd`` with its output appended to ``logfile``; return (exit status, seconds)."""
+    """Run ``cmd`` with its output appended to ``logfile``; return (exit status, seconds).
+
+    Past STOP_AT the command gets SIGINT (pytest then writes its report of the tests run so far
+    and exits with 2); SIGINT is restored to its default in the child, since a shell may have
+    started this script with it ignored."""
     start = time.monotonic()
     with logfile.open("a") as out:
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
-        rc = subprocess.run(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        while proc.poll() is None:
+            if STOP_AT is not None and _dt.datetime.now(_dt.timezone.utc) >= STOP_AT:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=300)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                break
+            time.sleep(2)
+        rc = proc.wait()
     return rc, round(time.monotonic() - start, 1)
 
 
@@ -177,7 +197,7 @@ def measure_version(version: str, args: argparse.Namespace, project: Path, work:
                 f"{r['skipped']} skipped in {r['seconds']} s")
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=2 if args.suites_together else 1) as pool:
-            for future in [pool.submit(suite, name) for name in SUITES]:
+            for future in [pool.submit(suite, name) for name in args.suites]:
                 future.result()
     else:
         log(f"torch {version}: did not install (see {logfile})")
@@ -194,6 +214,8 @@ def _fact(value: Any) -> str:
 def _suite_cell(r: dict[str, Any] | None) -> str:
     if not r:
         return "not run"
+    if r.get("failures") == ["no junit report"]:
+        return f"**not measured** (stopped after {r.get('seconds')} s, before its report)"
     cell = f"{r['passed']} passed, {r['skipped']} skipped"
     if r["failed"] or r["errors"]:
         cell += f", **{r['failed']} failed, {r['errors']} errors**"
@@ -266,7 +288,8 @@ def markdown(report: dict[str, Any]) -> str:
                    for reason in (r.get(s) or {}).get("skips", {})]
     lines += ["", "Skip reasons, per version and suite:", ""]
     lines += [f"- {v} {s}: {reason}" for v, s, reason in skipped_any] or ["- none"]
-    failed = [(r["version"], s, t, r[s]) for r in report["versions"] for s in SUITES for t in (r.get(s) or {}).get("failures", [])]
+    failed = [(r["version"], s, t, r[s]) for r in report["versions"] for s in SUITES
+              for t in (r.get(s) or {}).get("failures", []) if t != "no junit report"]
     if failed:
         lines += ["", "Failures:", ""]
         for v, s, t, r in failed:
@@ -344,17 +367,27 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the unit tests and the conformance suite of a version at the same time")
     parser.add_argument("--select", default="",
                         help="only the tests matching this pytest -k expression (a quick check of the command itself)")
+    parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES),
+                        help="which suites to run (with --merge, a version's other suite keeps its earlier result)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other versions already in --out (each record names its own commit and date)")
     parser.add_argument("--rerun-failed", action="store_true",
                         help="rerun, one at a time, the failures --out records for --versions (kept environments)")
     parser.add_argument("--table-only", action="store_true", help="rewrite the markdown table from --out")
+    parser.add_argument("--stop-at", default="",
+                        help="UTC time HH:MM at which running suites are interrupted (their results so far are kept)")
     parser.add_argument("--not-measured", default="", help="a line for the table: versions this machine cannot install")
     args = parser.parse_args(argv)
     args.root = args.root.expanduser().resolve()
     if args.root.is_relative_to(ROOT):
         parser.error(f"--root {args.root} is inside the checkout; the environments must live outside it")
     args.root.mkdir(parents=True, exist_ok=True)
+    if args.stop_at:
+        global STOP_AT
+        now = _dt.datetime.now(_dt.timezone.utc)
+        hour, minute = (int(x) for x in args.stop_at.split(":"))
+        STOP_AT = now.replace(hour=hour, minute=minute, second=0, microsecond=0)
+        STOP_AT += _dt.timedelta(days=1) if STOP_AT <= now else _dt.timedelta(0)
     if args.table_only or args.rerun_failed:
         report = json.loads(args.out.read_text())
         if args.rerun_failed:
@@ -376,8 +409,10 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir()
         args.commit = snapshot(project)
         kept = []
+        earlier: dict[str, dict[str, Any]] = {}
         if args.merge and args.out.exists():
-            kept = [r for r in json.loads(args.out.read_text())["versions"] if r["version"] not in args.versions]
+            earlier = {r["version"]: r for r in json.loads(args.out.read_text())["versions"]}
+        kept = [r for v, r in earlier.items() if v not in args.versions]
         report: dict[str, Any] = {
             "command": "python bench/torch_matrix.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": {**machine(), "platform": platform.platform()},
@@ -387,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
 
         def one(version: str) -> None:
             record = measure_version(version, args, project, work)
+            for name in set(SUITES) - set(args.suites):  # not run now: the earlier result, with its commit
+                if name in earlier.get(version, {}):
+                    record[name] = {**earlier[version][name], "commit": earlier[version].get("commit")}
             mark_torchao(record)
             with lock:  # written after every version, so an interrupted matrix keeps what it measured
                 report["versions"].append(record)
