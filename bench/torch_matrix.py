@@ -223,7 +223,9 @@ def _suite_cell(r: dict[str, Any] | None) -> str:
         if rerun:
             cell += f" ({len(rerun['passed'])} of them passed when rerun alone)"
     if r.get("exit_status") == 2:
-        cell += " (**interrupted**: the tests after these did not run)"
+        cell += " (**interrupted** for time: the tests after these did not run)"
+    if r.get("commit"):  # measured in another run than the row's
+        cell += f" [run of {r.get('date')}, {r['commit']}]"
     return cell
 
 
@@ -322,6 +324,22 @@ def mark_torchao(record: dict[str, Any]) -> None:
     ao["matches_key"] = expected is not None and all(ao.get(k) == v for k, v in expected.items())
 
 
+def merge_suites(report: dict[str, Any], other: dict[str, Any]) -> None:
+    """Put the suite results of ``other`` (a report of another run) into ``report``'s rows, each
+    with the commit and date it was measured at; versions ``report`` lacks are added whole."""
+    rows = {r["version"]: r for r in report["versions"]}
+    for record in other["versions"]:
+        row = rows.get(record["version"])
+        if row is None:
+            report["versions"].append(record)
+            continue
+        for suite in SUITES:
+            if record.get(suite) and "commit" not in record[suite]:
+                row[suite] = {**record[suite], "commit": record.get("commit"), "date": record.get("date")}
+    report["versions"].sort(key=lambda r: tuple(int(x) for x in re.findall(r"\d+", r["version"])))
+    report["command"] += f"; then {other['command']}"
+
+
 def node_id(name: str, project: Path) -> str:
     """A pytest node id from a JUnit ``classname::name`` (``tests.test_x.TestCase::test_y[p]``)."""
     classname, test = name.split("::", 1)
@@ -374,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun-failed", action="store_true",
                         help="rerun, one at a time, the failures --out records for --versions (kept environments)")
     parser.add_argument("--table-only", action="store_true", help="rewrite the markdown table from --out")
+    parser.add_argument("--merge-from", type=Path, action="append", default=[],
+                        help="with --table-only or --rerun-failed: take the suites measured in this report of "
+                             "another run into --out (repeatable)")
     parser.add_argument("--stop-at", default="",
                         help="UTC time HH:MM at which running suites are interrupted (their results so far are kept)")
     parser.add_argument("--not-measured", default="", help="a line for the table: versions this machine cannot install")
@@ -390,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         STOP_AT += _dt.timedelta(days=1) if STOP_AT <= now else _dt.timedelta(0)
     if args.table_only or args.rerun_failed:
         report = json.loads(args.out.read_text())
+        for other in args.merge_from:
+            merge_suites(report, json.loads(other.read_text()))
         if args.rerun_failed:
             with tempfile.TemporaryDirectory(prefix="ampspec-matrix-") as tmp:
                 args.commit = snapshot(Path(tmp))
