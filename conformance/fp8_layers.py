@@ -27,7 +27,9 @@ from torchao.float8.float8_linear import Float8Linear
 from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
 from torchao.prototype.mx_formats import mx_tensor
 
+from conformance.bridge import to_numpy
 from reference import fp8
+from torchimpl.trainer import Callback
 
 _GRANULARITY = {ScalingGranularity.TENSORWISE: "tensorwise", ScalingGranularity.AXISWISE: "axiswise"}
 
@@ -101,3 +103,42 @@ def mx_layer_mode(layer: torch.nn.Module, name: str) -> str:
     if layer.wgrad_with_hp:
         raise AssertionError(f"recipe {name!r}: the MX layer computes grad_weight in high precision; the spec casts it")
     return layer.scale_calculation_mode.value
+
+
+class LayerRecorder(Callback):
+    """A trainer callback recording, at every training step, what each converted layer computed:
+    its input (as the layer received it, after torchimpl's pre-hook), weight and bias, output,
+    grad_output, grad_input and the weight's gradient after the backward. Forwards without
+    autograd (evaluation) are not recorded."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, dict]] = []
+        self._current: dict[str, dict] = {}
+        self._layers: dict[str, torch.nn.Module] = {}
+
+    def on_fit_start(self, trainer) -> None:
+        for name in trainer.fp8_report.converted:
+            layer = trainer.model.get_submodule(name)
+            self._layers[name] = layer
+            layer.register_forward_hook(self._forward_hook(name))
+
+    def _forward_hook(self, name: str):
+        def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if not output.requires_grad:
+                return
+            x = args[0]
+            rec = {"x": to_numpy(x), "weight": to_numpy(module.weight),
+                   "bias": None if module.bias is None else to_numpy(module.bias), "output": to_numpy(output)}
+            output.register_hook(lambda g: rec.__setitem__("grad_output", to_numpy(g)))
+            x.register_hook(lambda g: rec.__setitem__("grad_input", to_numpy(g)))
+            if name in self._current:
+                raise AssertionError(f"layer {name!r} ran twice in one microbatch; the recorder expects one forward")
+            self._current[name] = rec
+
+        return hook
+
+    def on_after_backward(self, trainer, state) -> None:
+        for name, rec in self._current.items():
+            rec["grad_weight"] = to_numpy(self._layers[name].weight.grad)
+        self.steps.append(self._current)
+        self._current = {}

@@ -341,6 +341,49 @@ def test_torchimpl_layers_follow_the_spec(recipe, dtype, data):
     assert_same(got["weight.grad"], g.grad_weight.astype(np.float32), where.at(where.field + " grad_weight"))
 
 
+def _spec_layer(rec: dict, recipe: str) -> tuple[np.ndarray, fp8.LinearGrads]:
+    if recipe == "mxfp8":
+        return (fp8.mx_linear_forward(rec["x"], rec["weight"], rec["bias"], recipe, gemm=torch_gemm),
+                fp8.mx_linear_backward(rec["x"], rec["weight"], rec["grad_output"], recipe, gemm=torch_gemm))
+    return (fp8.linear_forward(rec["x"], rec["weight"], rec["bias"], recipe, gemm=torch_gemm),
+            fp8.linear_backward(rec["x"], rec["weight"], rec["grad_output"], recipe, gemm=torch_gemm))
+
+
+TRANSFORMER_STEPS = 3
+
+
+@pytest.mark.parametrize("recipe", LAYER_RECIPES)
+def test_float8_training_on_the_transformer_follows_the_spec(recipe):
+    """The embedded transformer trained in float8 by the trainer, a few steps: each converted
+    layer's (batch, sequence, features) forward and backward against the spec at every step.
+
+    The layers get 3-d inputs (batch 32, 16 positions: 512 rows, a multiple of MX's 32) under
+    the trainer's bf16 autocast, after torchimpl's pre-hook (bfloat16 for the float8 recipes,
+    the weight's float32 for MX); the weights are the ones each step trained.
+    """
+    from torchimpl.config import load_config
+    from torchimpl.tasks import build_task
+    from torchimpl.trainer import Trainer
+
+    cfg = load_config(overrides=["device=cpu", "task.name=lm", "train.batch_size=32", f"train.steps={TRANSFORMER_STEPS}",
+                                 "train.log_interval=1", "precision.mode=fp8", f"precision.fp8_recipe={recipe}"])
+    task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
+    recorder = fp8_layers.LayerRecorder()
+    summary = Trainer(cfg, [recorder]).fit(task.model, task.train_data, loss_fn=task.loss_fn)
+    assert summary.steps_applied == TRANSFORMER_STEPS and len(recorder.steps) == TRANSFORMER_STEPS
+    assert summary.fp8["converted"], "no layer of the transformer ran in float8"
+    for step, layers in enumerate(recorder.steps, 1):
+        assert sorted(layers) == sorted(summary.fp8["converted"]), f"step {step}: layers recorded {sorted(layers)}"
+        for name, rec in layers.items():
+            assert rec["x"].ndim == 3, f"step {step} {name}: input of shape {rec['x'].shape}, expected 3-d"
+            where = Where("fp8 transformer training", step=step, field=f"{recipe} {name}",
+                          repro=f"pytest conformance/test_fp8.py -k 'transformer and {recipe}'")
+            y, g = _spec_layer(rec, recipe)
+            assert_same(rec["output"], y, where.at(f"{where.field} output"))
+            assert_same(rec["grad_input"], g.grad_input, where.at(f"{where.field} grad_input"))
+            assert_same(rec["grad_weight"], g.grad_weight.astype(np.float32), where.at(f"{where.field} grad_weight"))
+
+
 # ----------------------------------------------------------------------------- rule 12
 
 
