@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from torchimpl.distributed import launch_rank
-from torchimpl.lifecycle import EXIT_CODES
+from torchimpl.errors import run_command
+from torchimpl.lifecycle import EXIT_CODES, command_interrupts
 
 __all__ = ["main"]
 
@@ -83,6 +84,8 @@ def _compare(args: argparse.Namespace) -> int:
 
     _plain_warnings()
     res = run_compare(steps=args.steps, device=args.device, out=args.out, task=args.task, seed=args.seed)
+    if res.interrupted is not None:
+        return _compare_interrupted(res)
     print(format_table(res.rows))
     print()
     print(f"max gap: {res.gap_note}.")
@@ -97,6 +100,17 @@ def _compare(args: argparse.Namespace) -> int:
     print(f"plot: {res.png_path}" if res.png_path else res.png_note)
     print(f"took {res.seconds:.1f} s")
     return 0 if res.agree else 1
+
+
+def _compare_interrupted(res: Any) -> int:
+    """What an interrupted comparison says: the runs that finished, the one cut short; no verdict."""
+    from torchimpl.lifecycle import EXIT_CODES
+
+    finished = ", ".join(res.finished) or "none"
+    cut = "; ".join(f"{label} stopped after {n} steps" for label, n in res.cut_short.items())
+    print(f"ampspec compare: interrupted by {res.interrupted}: runs finished: {finished}"
+          f"{'; ' + cut if cut else ''}; no verdict (report: {res.report_path})", file=sys.stderr)
+    return EXIT_CODES[f"interrupted:{res.interrupted}"]
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -388,6 +402,9 @@ def _audit_split(argv: list[str]) -> tuple[list[str], list[str] | None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # First, so that a Ctrl-C or SIGTERM during the start-up (parsing, imports) ends with a line,
+    # not a traceback or a silent kill (torchimpl.lifecycle, rule 2).
+    command_interrupts()
     parser = _parser()
     head, tail = _audit_split(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(head)
@@ -402,15 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format=prefix + "%(levelname)s %(name)s: %(message)s")
     # The progress lines have their own handler (torchimpl.reporting): -q silences them here.
     logging.getLogger("torchimpl.progress").setLevel(logging.WARNING if args.quiet else logging.INFO)
-    try:
-        return args.func(args)
-    except KeyboardInterrupt as exc:  # a second Ctrl-C: abort without a traceback
-        print(f"{prefix}ampspec {args.command}: {exc or 'interrupted'}", file=sys.stderr)
-        return 130
-    except (ValueError, RuntimeError, OSError, ImportError) as exc:
-        msg = str(exc).splitlines()
-        print(f"{prefix}ampspec {args.command}: error: {' '.join(m.strip() for m in msg)}", file=sys.stderr)
-        return 2
+    return run_command(args.func, args, f"{prefix}ampspec {args.command}", verbose=args.verbose)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,175 @@
+"""The command line against bad input and faults: the project's own campaign.
+
+Every case goes through the real command line (``torchimpl.cli.main`` in this process for what
+is checked before work, a real ``python -m torchimpl.cli`` for signals, locks and kills) and
+asserts three things: the exit status, a one-line message that names the file, field or line
+and the fix, and that no file changed that should not have (a checksum of every file in the
+folder before and after). No case may print a traceback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# ------------------------------------------------------------------ helpers
+
+
+def checksums(folder: Path) -> dict[str, str]:
+    """``relative path -> sha256`` of every file under ``folder`` (a link: ``-> target``)."""
+    out = {}
+    for p in sorted(Path(folder).rglob("*")):
+        rel = str(p.relative_to(folder))
+        if p.is_symlink():
+            out[rel] = "-> " + os.readlink(p)
+        elif p.is_file():
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def cli(*args, cwd: Path | None = None) -> tuple[int, str, str]:
+    """``ampspec ARGS`` in this process: (exit status, stdout, stderr). The signal handlers and
+    the warning display that ``main`` installs are put back afterwards."""
+    import contextlib
+    import io
+
+    from torchimpl.cli import main
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    show = warnings.showwarning
+    out, err = io.StringIO(), io.StringIO()
+    old = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.simplefilter("default")
+            rc = main([str(a) for a in args])
+    finally:
+        os.chdir(old)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        warnings.showwarning = show
+    return rc, out.getvalue(), err.getvalue()
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def spawn(*args, cwd: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "torchimpl.cli", *map(str, args)], cwd=cwd,
+                            env={**env(), **(extra_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def ampspec(*args, cwd: Path, extra_env: dict[str, str] | None = None, timeout: int = 240) -> tuple[int, str, str]:
+    p = spawn(*args, cwd=cwd, extra_env=extra_env)
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+def refused(result: tuple[int, str, str], code: int, *names: str) -> str:
+    """Assert exit ``code``, no traceback, and a message on stderr naming each of ``names``."""
+    rc, out, err = result
+    assert rc == code, f"exit {rc}, expected {code}\nstdout: {out[-1500:]}\nstderr: {err[-3000:]}"
+    assert "Traceback" not in err and "Traceback" not in out, err[-3000:]
+    for name in names:
+        assert str(name) in err, f"{name!r} not named in:\n{err[-3000:]}"
+    return err
+
+
+TINY = ["device=cpu", "task.name=mlp", "task.size=tiny", "train.batch_size=4", "train.log_interval=1",
+        "logging.progress=off"]
+
+
+def sets(*items: str) -> list[str]:
+    out = []
+    for item in (*TINY, *items):
+        out += ["--set", item]
+    return out
+
+
+# A user task whose model sends the process a real signal from inside a training step, or whose
+# builder sends one while the run is being set up: deterministic instants for the signal cases.
+SIGNAL_TASK = textwrap.dedent("""
+    import os, signal, torch
+    from torch import nn
+
+    CALLS = {"make": 0, "forward": 0}
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+
+        def forward(self, x, y):
+            CALLS["forward"] += 1
+            if CALLS["forward"] == int(os.environ.get("KILL_AT_FORWARD", "0")):
+                os.kill(os.getpid(), getattr(signal, os.environ["KILL_SIGNAL"]))
+            return ((self.lin(x) - y) ** 2).mean()
+
+    def make():
+        CALLS["make"] += 1
+        if CALLS["make"] == int(os.environ.get("KILL_AT_MAKE", "0")):
+            os.kill(os.getpid(), getattr(signal, os.environ["KILL_SIGNAL"]))
+        g = torch.Generator().manual_seed(0)
+        data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(4)]
+        return Model(), data, data[:1]
+""")
+
+
+@pytest.fixture
+def sigtask(tmp_path: Path) -> Path:
+    (tmp_path / "sigtask.py").write_text(SIGNAL_TASK)
+    return tmp_path
+
+
+# ------------------------------------------------------------------ 1. signals
+
+
+@pytest.mark.parametrize("sig,code", [("SIGINT", 130)])
+def test_a_signal_inside_a_compare_run_stops_the_whole_comparison(sigtask, sig, code):
+    # 6 steps and one evaluation per run: forward 15 is the second run's (bf16's) third step.
+    r = ampspec("-q", "compare", "--task", "sigtask:make", "--steps", "6", "--device", "cpu", "--out", "cmp",
+                cwd=sigtask, extra_env={"KILL_AT_FORWARD": "15", "KILL_SIGNAL": sig})
+    err = refused(r, code, f"interrupted by {sig}", "runs finished: fp32", "bf16 stopped after",
+                  "cmp/report.json")
+    assert "The curves" not in r[1] and "agree" not in r[1], r[1]
+    report = json.loads((sigtask / "cmp" / "report.json").read_text())
+    assert report["interrupted"] == sig and report["agree"] is None, report
+    assert report["finished"] == ["fp32"] and list(report["cut_short"]) == ["bf16"], report
+    assert report["cut_short"]["bf16"] < 6 and "bf16+scaler" in report["not_run"], report
+    assert [row["precision"] for row in report["rows"]] == ["fp32"], "a cut-short run has a row"
+    assert "loss_curves" not in report and not (sigtask / "cmp" / "compare.png").exists()
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("sig,code", [("SIGTERM", 143)])
+def test_a_signal_while_compare_sets_a_run_up_stops_it_with_a_report(sigtask, sig, code):
+    r = ampspec("-q", "compare", "--task", "sigtask:make", "--steps", "3", "--device", "cpu", "--out", "cmp",
+                cwd=sigtask, extra_env={"KILL_AT_MAKE": "2", "KILL_SIGNAL": sig})
+    refused(r, code, f"interrupted by {sig}", "runs finished: fp32;", "no verdict")
+    report = json.loads((sigtask / "cmp" / "report.json").read_text())
+    assert report["finished"] == ["fp32"] and report["cut_short"] == {} and report["agree"] is None, report
+
+
+@pytest.mark.parametrize("sig,code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_while_train_sets_up_ends_with_a_line_not_a_traceback(sigtask, sig, code):
+    before = checksums(sigtask)
+    r = ampspec("train", *sets("task.name=sigtask:make", "train.steps=3", "logging.dir=null"), cwd=sigtask,
+                extra_env={"KILL_AT_MAKE": "1", "KILL_SIGNAL": sig})
+    err = refused(r, code, f"ampspec train: interrupted by {sig}")
+    assert err.strip() != "ampspec train:" and len(err.strip().splitlines()) == 1, err
+    assert checksums(sigtask) == before
