@@ -55,7 +55,10 @@ def cli(*args, cwd: Path | None = None) -> tuple[int, str, str]:
             os.chdir(cwd)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
             warnings.simplefilter("default")
-            rc = main([str(a) for a in args])
+            try:
+                rc = main([str(a) for a in args])
+            except SystemExit as exc:  # argparse's own refusals
+                rc = exc.code
     finally:
         os.chdir(old)
         for s, h in handlers.items():
@@ -173,3 +176,106 @@ def test_a_signal_while_train_sets_up_ends_with_a_line_not_a_traceback(sigtask, 
     err = refused(r, code, f"ampspec train: interrupted by {sig}")
     assert err.strip() != "ampspec train:" and len(err.strip().splitlines()) == 1, err
     assert checksums(sigtask) == before
+
+
+# ------------------------------------------------------------------ 2. one run per folder
+
+RUN = ["train.steps=2", "checkpoint.folder=ck", "train.trace_file=ck/trace.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A folder ``ck`` holding a finished two-step run (checkpoint, metrics.csv, trace)."""
+    base = tmp_path_factory.mktemp("finished")
+    rc, out, err = cli("train", *sets(*RUN), cwd=base)
+    assert rc == 0, err
+    return base
+
+
+@pytest.fixture
+def run_copy(finished_run, tmp_path) -> Path:
+    import shutil
+
+    shutil.copytree(finished_run / "ck", tmp_path / "ck")
+    return tmp_path
+
+
+@pytest.mark.parametrize("extra", [
+    [],                                               # the same folder, a fresh run
+    ["train.steps=5"],                                # the same folder, a longer fresh run
+    ["checkpoint.folder=other", "logging.dir=ck"],    # another checkpoint folder, the old run folder
+    ["checkpoint.folder=other", "logging.dir=null"],  # only the old trace file
+])
+def test_a_fresh_train_into_a_folder_of_another_run_is_refused_before_training(run_copy, extra):
+    before = checksums(run_copy)
+    err = refused(cli("train", *sets(*RUN, *extra), cwd=run_copy), 2, "holds another run's files", "--resume",
+                  "another folder", "--overwrite")
+    assert "ck" in err
+    assert checksums(run_copy) == before
+
+
+def test_overwrite_replaces_the_other_run_and_leaves_no_file_of_it(run_copy):
+    (run_copy / "ck" / "step-00000009.ckpt").write_bytes((run_copy / "ck" / "step-00000002.ckpt").read_bytes())
+    rc, out, err = cli("train", *sets(*RUN), "--overwrite", cwd=run_copy)
+    assert rc == 0, err
+    assert "removed the previous run's files" in err and "step-00000009.ckpt" in err
+    names = sorted(p.name for p in (run_copy / "ck").iterdir())
+    assert names == ["metrics.csv", "step-00000002.ckpt", "trace.jsonl"], names
+
+
+def test_resume_and_overwrite_together_are_refused(run_copy):
+    before = checksums(run_copy)
+    refused(cli("train", *sets(*RUN), "--resume", "--overwrite", cwd=run_copy), 2, "contradict")
+    assert checksums(run_copy) == before
+
+
+# ------------------------------------------------------------------ 3. the lock
+
+SLOW_TASK = textwrap.dedent("""
+    import os, time, torch
+    from torch import nn
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+
+        def forward(self, x, y):
+            open("training", "w").close()
+            time.sleep(0.05)
+            return ((self.lin(x) - y) ** 2).mean()
+
+    def make():
+        g = torch.Generator().manual_seed(0)
+        data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(4)]
+        return Model(), data, None
+""")
+
+
+def test_a_second_trainer_is_refused_at_once_naming_the_holder_and_a_kill_leaves_no_stale_lock(tmp_path):
+    import time
+
+    (tmp_path / "slowtask.py").write_text(SLOW_TASK)
+    # No checkpoint and no metrics row before the end: the folder stays still while it trains.
+    first = spawn("train", *sets("task.name=slowtask:make", "train.steps=100000", "checkpoint.folder=ck",
+                                 "train.log_interval=100000"), cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "training").exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.1)
+        before = checksums(tmp_path / "ck")
+        assert (tmp_path / "ck" / ".ampspec.lock").read_text().strip() == str(first.pid)
+        for extra in ([], ["--resume"], ["--overwrite"]):
+            err = refused(cli("train", *sets("task.name=slowtask:make", "train.steps=3", "checkpoint.folder=ck"),
+                              *extra, cwd=tmp_path), 2, "in use by another ampspec process", f"pid {first.pid}",
+                          "checkpoint.folder")
+        assert checksums(tmp_path / "ck") == before
+    finally:
+        first.kill()
+        first.communicate()
+    assert first.returncode == -signal.SIGKILL
+    rc, out, err = cli("train", *sets("task.name=slowtask:make", "train.steps=2", "checkpoint.folder=ck"),
+                       "--overwrite", cwd=tmp_path)
+    assert rc == 0, err
+    assert not (tmp_path / "ck" / ".ampspec.lock").exists(), "a clean end removes its lock file"

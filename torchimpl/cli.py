@@ -11,6 +11,7 @@ code but 0 comes with a line on stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -115,16 +116,20 @@ def _compare_interrupted(res: Any) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from torchimpl.config import load_config
+    from torchimpl.run_folder import claim_run_folder
     from torchimpl.tasks import build_task
     from torchimpl.trainer import Trainer
 
     _plain_warnings()
     cfg = load_config(args.config, args.set)
-    task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
     if args.resume and cfg.checkpoint.folder is None:
         raise ValueError("--resume needs checkpoint.folder in the configuration")
-    summary = Trainer(cfg).fit(task.model, task.train_data, task.val_data, loss_fn=task.loss_fn,
-                               resume="latest" if args.resume else None)
+    with _run_locks(cfg):
+        if launch_rank() == 0:
+            claim_run_folder(cfg, resume=args.resume, overwrite=args.overwrite)
+        task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
+        summary = Trainer(cfg).fit(task.model, task.train_data, task.val_data, loss_fn=task.loss_fn,
+                                   resume="latest" if args.resume else None)
     # Under torchrun rank 0 alone prints; every rank's exit status still reports a stop (the
     # stop decision is the same on every rank).
     if launch_rank() == 0:
@@ -133,6 +138,23 @@ def _train(args: argparse.Namespace) -> int:
         if problem:
             print(f"ampspec train: {problem}", file=sys.stderr)
     return EXIT_CODES[summary.outcome]
+
+
+def _run_locks(cfg: Any) -> contextlib.ExitStack:
+    """The locks on this run's folders and trace (``torchimpl.run_lock``), held by rank 0 alone."""
+    from torchimpl.run_folder import fixed_log_folder
+    from torchimpl.run_lock import hold
+
+    stack = contextlib.ExitStack()
+    if launch_rank() != 0:
+        return stack
+    folders = {Path(f).resolve(): field for f, field in ((fixed_log_folder(cfg), "logging.dir"),
+                                                       (cfg.checkpoint.folder, "checkpoint.folder")) if f is not None}
+    for folder, field in folders.items():
+        stack.enter_context(hold(folder, f"{field} {folder}"))
+    if cfg.train.trace_file is not None:
+        stack.enter_context(hold(Path(cfg.train.trace_file), f"train.trace_file {cfg.train.trace_file}", is_file=True))
+    return stack
 
 
 def _outcome_message(summary) -> str | None:
@@ -328,6 +350,9 @@ def _add_train(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="override one field, e.g. train.steps=100 (repeatable; values are YAML)")
     t.add_argument("--resume", action="store_true",
                    help="continue from the newest good checkpoint in checkpoint.folder")
+    t.add_argument("--overwrite", action="store_true",
+                   help="train afresh into folders that hold another run's files, removing those files first "
+                        "(without it such a run is refused)")
     t.set_defaults(func=_train)
 
 
@@ -412,6 +437,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.args = tail
     if args.verbose and args.quiet:
         parser.error("-v/--verbose and -q/--quiet contradict each other; give one")
+    if getattr(args, "resume", False) and getattr(args, "overwrite", False):
+        parser.error("--resume and --overwrite contradict each other: --resume continues the run in the folder, "
+                     "--overwrite replaces it; give one")
     # Under torchrun, the ranks other than 0 log warnings and errors only, each line naming its rank.
     rank = launch_rank()
     prefix = f"[rank {rank}] " if "RANK" in os.environ else ""
