@@ -279,3 +279,83 @@ def test_a_second_trainer_is_refused_at_once_naming_the_holder_and_a_kill_leaves
                        "--overwrite", cwd=tmp_path)
     assert rc == 0, err
     assert not (tmp_path / "ck" / ".ampspec.lock").exists(), "a clean end removes its lock file"
+
+
+# ------------------------------------------------------------------ 4, 7. configuration files and values
+
+BOMB = "".join(f"{c}: &{c} [{', '.join([f'*{p}'] * 9) if p else ', '.join(['lol'] * 9)}]\n"
+               for p, c in zip(["", *"abcdefgh"], "abcdefghi"))
+
+# (file contents, or None for the defaults; --set items; what the message must name)
+CONFIG_CASES = {
+    "alias bomb": (BOMB, [], ["run.yaml", "expand to more than"]),
+    "self-referencing alias": ("a: &a [*a]\n", [], ["run.yaml", "line 1", "refers to the anchor it is inside"]),
+    "self-referencing mapping": ("train: &t {steps: 2, x: *t}\n", [], ["run.yaml", "anchor it is inside"]),
+    "deep nesting": ("a: " + "[" * 3000 + "]" * 3000 + "\n", [], ["run.yaml", "nested too deeply"]),
+    "nesting past the limit": ("a: " + "[" * 70 + "]" * 70 + "\n", [], ["run.yaml", "nested deeper than"]),
+    "duplicated section": ("train: {steps: 3}\ntrain: {steps: 5}\n", [], ["run.yaml", "line 2", "'train'",
+                                                                        "given twice"]),
+    "duplicated key": ("train:\n  steps: 3\n  steps: 4\n", [], ["run.yaml", "line 3", "'steps'"]),
+    "python tag": ("train: !!python/object/apply:os.system ['true']\n", [], ["run.yaml", "not valid YAML"]),
+    "not UTF-8": (b"train: {steps: 3}\n# caf\xe9\n", [], ["run.yaml", "not UTF-8", "byte 23"]),
+    "a list, not a mapping": ("- 1\n- 2\n", [], ["run.yaml", "mapping of sections"]),
+    "a scalar": ("42\n", [], ["run.yaml", "mapping of sections"]),
+    "broken YAML": ("train: {steps: 3\n", [], ["run.yaml", "not valid YAML"]),
+    "tab indentation": ("train:\n\tsteps: 3\n", [], ["run.yaml", "not valid YAML"]),
+    "unknown section": ("trian: {steps: 3}\n", [], ["trian", "did you mean 'train'"]),
+    "unknown key": ("train: {stpes: 3}\n", [], ["train.stpes", "did you mean 'steps'"]),
+    "section as a list": ("train: [1, 2]\n", [], ["train", "mapping"]),
+    "lr zero": (None, ["optimizer.lr=0"], ["optimizer.lr", "> 0"]),
+    "lr negative": (None, ["optimizer.lr=-1e-3"], ["optimizer.lr"]),
+    "lr huge": (None, ["optimizer.lr=1.0e300"], ["optimizer.lr", "float32"]),
+    "lr nan": (None, ["optimizer.lr=.nan"], ["optimizer.lr", "finite"]),
+    "lr a word": (None, ["optimizer.lr=fast"], ["optimizer.lr"]),
+    "timeout inf": (None, ["train.distributed_timeout_s=.inf"], ["train.distributed_timeout_s", "finite"]),
+    "timeout zero": (None, ["train.distributed_timeout_s=0"], ["train.distributed_timeout_s"]),
+    "seed 2**33": (None, ["train.seed=8589934592"], ["train.seed", "2**32"]),
+    "seed 1e20": (None, ["train.seed=1.0e20"], ["train.seed", "integer"]),
+    "seed negative": (None, ["train.seed=-1"], ["train.seed", ">= 0"]),
+    "seed bool": (None, ["train.seed=true"], ["train.seed", "integer"]),
+    "steps zero": (None, ["train.steps=0"], ["train.steps", ">= 1"]),
+    "steps past 8 digits": (None, ["train.steps=100000000"], ["train.steps", "8 digits"]),
+    "steps a float": (None, ["train.steps=2.5"], ["train.steps", "integer"]),
+    "clip inf": (None, ["train.clip_norm=.inf"], ["train.clip_norm", "finite"]),
+    "clip negative": (None, ["train.clip_norm=-1"], ["train.clip_norm"]),
+    "microbatches zero": (None, ["train.microbatches=0"], ["train.microbatches"]),
+    "batch size a string": (None, ["train.batch_size=lots"], ["train.batch_size"]),
+    "on_nonfinite": (None, ["train.on_nonfinite=ignore"], ["train.on_nonfinite", "'skip'"]),
+    "keep_last zero": (None, ["checkpoint.keep_last=0"], ["checkpoint.keep_last"]),
+    "checkpoint interval negative": (None, ["checkpoint.interval=-1"], ["checkpoint.interval"]),
+    "growth interval zero": (None, ["scaler.growth_interval=0"], ["scaler.growth_interval"]),
+    "init scale huge": (None, ["scaler.init_scale=1.0e300"], ["scaler.init_scale", "float32"]),
+    "precision unknown": (None, ["precision.mode=fp12"], ["precision"]),
+    "min_lr_ratio": (None, ["schedule.min_lr_ratio=2"], ["schedule.min_lr_ratio"]),
+    "progress": (None, ["logging.progress=sometimes"], ["logging.progress"]),
+    "override alias bomb": (None, ["train.steps=&a [*a]"], ["train.steps", "anchor it is inside"]),
+    "override not YAML": (None, ["train.steps=[1"], ["train.steps", "not valid YAML"]),
+    "override without =": (None, ["train.steps"], ["train.steps", "section.key=value"]),
+    "override into a value": (None, ["device.x=1"], ["device", "mapping"]),
+    "task path-like": (None, ["task.name=../../x:make"], ["task.name", "module:function"]),
+    "task without function": (None, ["task.name=mymodule"], ["task.name"]),
+    "task function not an identifier": (None, ["task.name=mod:1x"], ["task.name"]),
+    "task absolute path": (None, ["task.name=/tmp/x:make"], ["task.name"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_CASES))
+def test_a_bad_configuration_is_refused_before_any_work_naming_the_field(tmp_path, case):
+    text, overrides, names = CONFIG_CASES[case]
+    args = ["train"] + sets("checkpoint.folder=ck", "train.steps=2", *overrides)
+    if text is not None:
+        (tmp_path / "run.yaml").write_bytes(text if isinstance(text, bytes) else text.encode())
+        args += ["--config", "run.yaml"]
+    before = checksums(tmp_path)
+    err = refused(cli(*args, cwd=tmp_path), 2, *names)
+    assert err.startswith("ampspec train: error:") and len(err.strip().splitlines()) == 1, err
+    assert checksums(tmp_path) == before
+
+
+def test_a_missing_or_unreadable_configuration_is_named(tmp_path):
+    refused(cli("train", "--config", tmp_path / "missing.yaml"), 2, "missing.yaml")
+    (tmp_path / "folder.yaml").mkdir()
+    refused(cli("train", "--config", tmp_path / "folder.yaml"), 2, "folder.yaml")
