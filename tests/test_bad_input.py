@@ -180,7 +180,7 @@ def test_a_signal_while_train_sets_up_ends_with_a_line_not_a_traceback(sigtask, 
 
 # ------------------------------------------------------------------ 2. one run per folder
 
-RUN = ["train.steps=2", "checkpoint.folder=ck", "train.trace_file=ck/trace.jsonl"]
+RUN = ["train.steps=2", "checkpoint.folder=ck", "train.trace_file=ck/trace.jsonl", "train.force_scaler=true"]
 
 
 @pytest.fixture(scope="module")
@@ -359,3 +359,115 @@ def test_a_missing_or_unreadable_configuration_is_named(tmp_path):
     refused(cli("train", "--config", tmp_path / "missing.yaml"), 2, "missing.yaml")
     (tmp_path / "folder.yaml").mkdir()
     refused(cli("train", "--config", tmp_path / "folder.yaml"), 2, "folder.yaml")
+
+
+# ------------------------------------------------------------------ 5. no writes outside the run
+
+
+def test_a_planted_metrics_link_is_refused_and_its_target_untouched(run_copy):
+    (run_copy / "secret.txt").write_text("not yours\n")
+    (run_copy / "ck" / "metrics.csv").unlink()
+    (run_copy / "ck" / "metrics.csv").symlink_to(run_copy / "secret.txt")
+    before = checksums(run_copy)
+    for extra in ([], ["--resume"], ["--overwrite"]):
+        refused(cli("train", *sets(*RUN), *extra, cwd=run_copy), 2, "ck/metrics.csv", "symbolic link")
+        assert checksums(run_copy) == before, extra
+
+
+def test_a_planted_trace_link_is_refused(run_copy):
+    (run_copy / "secret.txt").write_text("not yours\n")
+    (run_copy / "ck" / "trace.jsonl").unlink()
+    (run_copy / "ck" / "trace.jsonl").symlink_to(run_copy / "secret.txt")
+    before = checksums(run_copy)
+    for extra in ([], ["--resume"], ["--overwrite"]):
+        refused(cli("train", *sets(*RUN), *extra, cwd=run_copy), 2, "ck/trace.jsonl", "symbolic link")
+        assert checksums(run_copy) == before, extra
+
+
+@pytest.mark.parametrize("target", ["run.yaml", "ck/step-00000002.ckpt", "notes.txt", "binary.bin"])
+def test_a_trace_file_that_is_not_a_trace_is_never_overwritten(run_copy, target):
+    (run_copy / "run.yaml").write_text("train: {steps: 2}\n")
+    (run_copy / "notes.txt").write_text("my notes\n")
+    (run_copy / "binary.bin").write_bytes(bytes(range(256)))
+    before = checksums(run_copy)
+    for extra in ([], ["--resume"], ["--overwrite"]):
+        args = ["train", "--config", "run.yaml", *sets(*RUN, f"train.trace_file={target}"), *extra]
+        refused(cli(*args, cwd=run_copy), 2, "train.trace_file", target, "not a trace")
+        assert checksums(run_copy) == before, extra
+
+
+# ------------------------------------------------------------------ 6. damaged checkpoints
+
+
+def _damage(kind: str, good: Path, bad: Path) -> None:
+    import torch
+
+    from torchimpl.checkpoint import load_checkpoint, save_checkpoint
+
+    data = good.read_bytes()
+    if kind == "truncated":
+        bad.write_bytes(data[: len(data) // 2])
+        return
+    if kind == "bit flip":
+        flipped = bytearray(data)
+        flipped[-100] ^= 0x10
+        bad.write_bytes(bytes(flipped))
+        return
+    if kind in ("text", "empty", "future format"):
+        text = {"text": b"hello\n", "empty": b"", "future format": data.replace(b"CHECKPOINT 1 ", b"CHECKPOINT 7 ", 1)}
+        bad.write_bytes(text[kind])
+        return
+    c = load_checkpoint(good)
+    if kind == "wrong shapes":
+        name = next(iter(c["model"]))
+        c["model"][name] = torch.zeros(3, 3)
+    elif kind == "rng too short":
+        c["rng"]["python"] = c["rng"]["python"][:2]
+    elif kind == "rng wrong dtype":
+        c["rng"]["torch"] = c["rng"]["torch"].float()
+    elif kind == "scaler malformed":
+        c["scaler"] = {"scale": "big"}
+    elif kind == "step negative":
+        c["trainer"]["step"] = -5
+    elif kind == "step a word":
+        c["trainer"]["step"] = "lots"
+    elif kind == "no optimizer":
+        del c["optimizer"]
+    elif kind == "data position":
+        c["data"]["index"] = "x"
+    save_checkpoint(c, bad)
+
+
+DAMAGE = ["truncated", "bit flip", "text", "empty", "future format", "wrong shapes", "rng too short",
+          "rng wrong dtype", "scaler malformed", "step negative", "step a word", "no optimizer", "data position"]
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_a_damaged_only_checkpoint_refuses_the_resume_and_changes_no_byte(run_copy, kind):
+    ck = run_copy / "ck"
+    _damage(kind, ck / "step-00000002.ckpt", ck / "step-00000002.ckpt")
+    before = checksums(run_copy)
+    refused(cli("train", *sets(*RUN, "train.steps=4"), "--resume", cwd=run_copy), 2, "step-00000002.ckpt",
+            "nothing in the folder was changed")
+    assert checksums(run_copy) == before
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_a_damaged_newest_checkpoint_is_named_and_passed_over(run_copy, kind):
+    ck = run_copy / "ck"
+    _damage(kind, ck / "step-00000002.ckpt", ck / "step-00000003.ckpt")
+    rc, out, err = cli("train", *sets(*RUN, "train.steps=3"), "--resume", cwd=run_copy)
+    assert rc == 0 and "Traceback" not in err, err
+    assert "passing over" in err and "step-00000003.ckpt" in err, err
+    assert "resumed" in err or json.loads(out)["steps"] == 3
+    from torchimpl.records import read_trace
+
+    assert [r.step for r in read_trace(ck / "trace.jsonl")] == [0, 1, 2]
+
+
+def test_a_stray_damaged_sharded_checkpoint_beside_good_ones_is_passed_over(run_copy):
+    stray = run_copy / "ck" / "step-00000009.dcp"
+    stray.mkdir()
+    (stray / ".metadata").write_bytes(b"garbage")
+    rc, out, err = cli("train", *sets(*RUN, "train.steps=3"), "--resume", cwd=run_copy)
+    assert rc == 0 and "passing over" in err and "step-00000009.dcp" in err, err

@@ -45,6 +45,9 @@ def preflight(config: Any, val_data: Iterable[Any] | None, *, is_main: bool) -> 
         _check_writable_folder(Path(folder), "checkpoint.folder")
     trace = config.train.trace_file
     if trace is not None and is_main:
+        from torchimpl.run_folder import check_trace_target
+
+        check_trace_target(config)
         path = Path(trace)
         if path.is_dir():
             raise ValueError(f"train.trace_file: {trace} is a folder; give a file path such as {path / 'trace.jsonl'}")

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import IO, Any, Iterable, Iterator
 
 import torch
+
+from torchimpl.safe_files import open_run_file, refuse_link, replace_text
 
 __all__ = ["FIELDS", "HEADER_KEY", "METRIC_KEYS", "PendingRecords", "StepRecord", "TraceWriter", "read_trace",
            "read_trace_header", "read_trace_metrics", "write_trace"]
@@ -194,7 +195,8 @@ class TraceWriter:
         """The header the resumed file already had (None for a fresh file or an old trace)."""
         if resume_at is not None:
             self.kept, self.kept_header = _truncate_trace(self.path, resume_at)
-        self._file: IO[str] | None = open(self.path, "a" if resume_at is not None else "w", encoding="utf-8")
+        self._file: IO[str] | None = open_run_file(self.path, "a" if resume_at is not None else "w",
+                                                    what="trace file")
         if header is not None and self.kept_header is None and self.kept == 0:
             self._file.write(json.dumps({HEADER_KEY: 1, **header}) + "\n")
             self._file.flush()
@@ -234,8 +236,9 @@ def _is_header(obj: Any) -> bool:
 def _truncate_trace(path: Path, resume_at: int) -> tuple[int, dict[str, Any] | None]:
     """Keep the header and the leading records of ``path`` with ``step < resume_at``; how many
     records were kept, and the header (None when the file has none)."""
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return 0, None
+    refuse_link(path, "trace file")
     kept: list[str] = []
     header, records = None, 0
     with open(path, encoding="utf-8") as f:
@@ -253,9 +256,7 @@ def _truncate_trace(path: Path, resume_at: int) -> tuple[int, dict[str, Any] | N
                 break
             kept.append(line if line.endswith("\n") else line + "\n")
             records += 1
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    replace_text(path, "".join(kept), what="trace file")
     return records, header
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from torchimpl.checkpoint import list_checkpoints
+from torchimpl.safe_files import refuse_link
 
 __all__ = ["RunFolderError", "check_trace_target", "claim_run_folder", "fixed_log_folder", "other_run_files"]
 
@@ -70,9 +71,7 @@ def check_trace_target(config: Any) -> None:
     if trace is None:
         return
     path = Path(trace)
-    if path.is_symlink():
-        raise RunFolderError(f"train.trace_file: {trace} is a symbolic link; ampspec never writes through a link: "
-                             "give the trace a path of its own")
+    refuse_link(path, "train.trace_file:")
     if path.is_file() and path.stat().st_size > 0 and not _is_trace(path):
         raise RunFolderError(f"train.trace_file: {trace} exists and is not a trace (its first line is not a trace "
                              "header or step record); ampspec overwrites only its own files: choose another path")
@@ -86,6 +85,9 @@ def _listing(paths: list[Path]) -> str:
 def claim_run_folder(config: Any, *, resume: bool, overwrite: bool) -> list[Path]:
     """Rules 1-3 before a run; with ``overwrite``, the other run's files removed (returned)."""
     check_trace_target(config)
+    logs = fixed_log_folder(config)
+    if logs is not None:
+        refuse_link(logs / "metrics.csv", "metrics file")
     ckpts, others = other_run_files(config)
     found = ckpts + others
     if resume or not found:
