@@ -471,3 +471,63 @@ def test_a_stray_damaged_sharded_checkpoint_beside_good_ones_is_passed_over(run_
     (stray / ".metadata").write_bytes(b"garbage")
     rc, out, err = cli("train", *sets(*RUN, "train.steps=3"), "--resume", cwd=run_copy)
     assert rc == 0 and "passing over" in err and "step-00000009.dcp" in err, err
+
+
+# ------------------------------------------------------------------ 8. replay on bad traces
+
+GOOD_RECORD = {"step": 0, "microbatches": 1, "scale_before": 65536.0, "found_inf": False, "applied": True,
+               "grad_norm": 1.0, "clip_coef": 1.0, "scale_after": 65536.0, "growth_tracker": 1, "lr": 0.001}
+
+
+def _records(n: int) -> list[dict]:
+    return [dict(GOOD_RECORD, step=i, growth_tracker=i + 1) for i in range(n)]
+
+
+def _lines(*objs) -> str:
+    return "".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs)
+
+
+# (trace text or bytes, what the message must name)
+TRACE_CASES = {
+    "found_inf a string": (_lines(dict(GOOD_RECORD, found_inf="no")), [":1:", "'found_inf'", "true or false"]),
+    "applied a number": (_lines(*_records(1), dict(GOOD_RECORD, step=1, applied=1)), [":2:", "'applied'"]),
+    "scale_after a string NaN": (_lines(dict(GOOD_RECORD, scale_after="NaN")), [":1:", "'scale_after'", "a number"]),
+    "scale_before a bool": (_lines(dict(GOOD_RECORD, scale_before=True)), [":1:", "'scale_before'"]),
+    "step a float": (_lines(dict(GOOD_RECORD, step=0.0)), [":1:", "'step'", "an integer"]),
+    "step a string": (_lines(dict(GOOD_RECORD, step="0")), [":1:", "'step'"]),
+    "growth_tracker null": (_lines(dict(GOOD_RECORD, growth_tracker=None)), [":1:", "'growth_tracker'"]),
+    "lr a list": (_lines(dict(GOOD_RECORD, lr=[0.001])), [":1:", "'lr'"]),
+    "grad_norm a string": (_lines(dict(GOOD_RECORD, grad_norm="inf")), [":1:", "'grad_norm'", "or null"]),
+    "a missing field": (_lines({k: v for k, v in GOOD_RECORD.items() if k != "lr"}), [":1:", "missing ['lr']"]),
+    "an unknown field": (_lines(dict(GOOD_RECORD, colour="red")), [":1:", "unexpected ['colour']"]),
+    "a list line": (_lines(*_records(2), "[1, 2]"), [":3:", "a JSON list"]),
+    "a torn line": (_lines(*_records(2)) + '{"step": 2, "micro', [":3:", "not a step record"]),
+    "deep nesting": (_lines(*_records(1), "[" * 100000 + "]" * 100000), [":2:", "nested too deeply"]),
+    "binary": (bytes(range(128, 256)) * 4 + b"\n", [":1:", "not UTF-8"]),
+    "a PNG": (b"\x89PNG\r\n\x1a\n" + bytes(range(256)), [":1:", "not UTF-8"]),
+    "empty": ("", ["holds no step records"]),
+    "only blank lines": ("\n\n\n", ["holds no step records"]),
+    "duplicate step": (_lines(*_records(3), _records(3)[1]), [":4:", "duplicate step 1", "line 2",
+                                                              "nothing was replayed"]),
+    "steps out of order": (_lines(*[_records(4)[i] for i in (0, 2, 1, 3)]), [":2:", "out of order",
+                                                                            "step 2 follows step 0"]),
+    "a gap": (_lines(*[_records(4)[i] for i in (0, 1, 3)]), [":3:", "step 3 follows step 1"]),
+    "future header": (_lines({"ampspec_trace": 9, "scaler": {}}, *_records(1)), ["newer than this ampspec"]),
+    "malformed header": (_lines({"ampspec_trace": 1, "scaler": "torch"}, *_records(2)), ["header's scaler policy"]),
+}
+
+
+@pytest.mark.parametrize("case", list(TRACE_CASES))
+def test_replay_refuses_a_bad_trace_naming_the_line_and_field(tmp_path, case):
+    text, names = TRACE_CASES[case]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_bytes(text if isinstance(text, bytes) else text.encode())
+    before = checksums(tmp_path)
+    err = refused(cli("replay", trace), 2, *names)
+    assert "trace.jsonl" in err and len(err.strip().splitlines()) == 1, err
+    assert checksums(tmp_path) == before
+
+
+def test_replay_of_a_missing_trace_or_a_folder_is_named(tmp_path):
+    refused(cli("replay", tmp_path / "missing.jsonl"), 2, "missing.jsonl")
+    refused(cli("replay", tmp_path), 2, str(tmp_path))

@@ -241,15 +241,17 @@ def _cpu_flags() -> set[str] | None:
 def _replay(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from torchimpl.records import read_trace, read_trace_header
+    from torchimpl.records import check_step_order, read_numbered_trace, read_trace_header
     from torchimpl.spec_bridge import scaler_config
 
     # The CLI's boundary with the specification: the spec judges the recorded run.
     from reference.step import replay
 
-    records = read_trace(args.trace)
-    if not records:
+    numbered = read_numbered_trace(args.trace)
+    if not numbered:
         raise ValueError(f"{args.trace} holds no step records")
+    check_step_order(args.trace, numbered)
+    records = [record for _, record in numbered]
     if all(r.scale_before == r.scale_after == 1.0 for r in records):
         print(f"{len(records)} steps with the scale fixed at 1 (no loss scaler): nothing to replay")
         return 0
