@@ -758,7 +758,9 @@ def report_nonfinite(path: Path, *, step: int, what: str, model: nn.Module, batc
         if len(by_rank) > 1:
             data["other_ranks"] = {str(r): d for r, d in enumerate(by_rank) if r}
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2))
+        from torchimpl.safe_files import replace_text  # never through a link planted under its name
+
+        replace_text(path, json.dumps(data, indent=2), what="diagnosis report")
     log.error("%s at step %d; diagnosis %s %s", what, step,
               "written to" if by_rank is not None else "of this rank written by rank 0 to", path)
     return str(path)

@@ -62,6 +62,9 @@ class FusedOptimizerWarning(UserWarning):
     """``fused=True`` was requested but torch refused it; a non-fused optimizer was built."""
 
 
+_F32_MAX = 3.4028234663852886e38
+
+
 def _finite_at_least(name: str, value: Any, low: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
@@ -90,6 +93,8 @@ class OptimizerConfig:
                 f"optimizer name must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}"
             )
         _finite_at_least("lr", self.lr, 0.0)
+        if not 0.0 < float(self.lr) <= _F32_MAX:  # 0 trains nothing; torch keeps rates in float32 tensors too
+            raise ValueError(f"lr must be > 0 and within float32's range (at most {_F32_MAX:.4g}), got {self.lr!r}")
         _finite_at_least("weight_decay", self.weight_decay, 0.0)
         _finite_at_least("eps", self.eps, 0.0)
         _finite_at_least("momentum", self.momentum, 0.0)
