@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
+from torchimpl._torch_compat import tree_leaves
 from torchimpl.checkpoint import capture_rng_state, restore_rng_state
 from torchimpl.diagnostics import Finding, _OpScanner
 from torchimpl.doctor_probe import Fp8Probe, Recorder
