@@ -215,7 +215,12 @@ def _suite_cell(r: dict[str, Any] | None) -> str:
     if not r:
         return "not run"
     if r.get("failures") == ["no junit report"]:
-        return f"**not measured** (stopped after {r.get('seconds')} s, before its report)"
+        p = r.get("progress")
+        if not p:
+            return f"**not measured** (stopped after {r.get('seconds')} s, before its report)"
+        return (f"**stopped for time** after {sum(p.values())} tests: {p['passed']} passed, {p['skipped']} skipped, "
+                f"{p['failed']} failed, {p['errors']} errors (counted from pytest's progress line; "
+                "the rest did not run)")
     cell = f"{r['passed']} passed, {r['skipped']} skipped"
     if r["failed"] or r["errors"]:
         cell += f", **{r['failed']} failed, {r['errors']} errors**"
@@ -324,6 +329,34 @@ def mark_torchao(record: dict[str, Any]) -> None:
     ao["matches_key"] = expected is not None and all(ao.get(k) == v for k, v in expected.items())
 
 
+def progress_counts(logfile: Path, suite: str) -> dict[str, int] | None:
+    """Outcomes counted from the last ``pytest -q`` progress lines for ``suite`` in ``logfile``
+    (for a run stopped before pytest wrote its report): '.' passed, 'F' failed, 'E' error, 's' skipped."""
+    if not logfile.exists():
+        return None
+    text = logfile.read_text(errors="replace")
+    start = text.rfind(f" {suite}\n")
+    if start < 0:
+        return None
+    marks = "".join(m.group(1) for m in re.finditer(r"^([.FEsxX]+)(?:\s+\[\s*\d+%\])?$", text[start:], re.M))
+    return {"passed": marks.count("."), "failed": marks.count("F"), "errors": marks.count("E"),
+            "skipped": marks.count("s") + marks.count("x") + marks.count("X")}
+
+
+def salvage_stopped(report: dict[str, Any], root: Path) -> None:
+    """For suites stopped before their report, the outcomes their progress lines show."""
+    for record in report["versions"]:
+        for suite in SUITES:
+            r = record.get(suite)
+            if r and r.get("failures") == ["no junit report"] and "progress" not in r:
+                v = record["version"]
+                for log_name in (f"torch-{v}.{suite}.log", f"torch-{v}.log"):
+                    counts = progress_counts(root / log_name, suite)
+                    if counts and sum(counts.values()):
+                        r["progress"] = counts
+                        break
+
+
 def merge_suites(report: dict[str, Any], other: dict[str, Any]) -> None:
     """Put the suite results of ``other`` (a report of another run) into ``report``'s rows, each
     with the commit and date it was measured at; versions ``report`` lacks are added whole."""
@@ -413,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         report = json.loads(args.out.read_text())
         for other in args.merge_from:
             merge_suites(report, json.loads(other.read_text()))
+        salvage_stopped(report, args.root)
         if args.rerun_failed:
             with tempfile.TemporaryDirectory(prefix="ampspec-matrix-") as tmp:
                 args.commit = snapshot(Path(tmp))
