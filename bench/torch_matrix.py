@@ -405,7 +405,7 @@ def rerun_failed(report: dict[str, Any], args: argparse.Namespace, project: Path
                 log(f"torch {record['version']}: rerun {name}: {'passed' if rc == 0 else 'failed'} in {seconds} s")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--versions", nargs="+", default=list(DEFAULT_VERSIONS), help="torch releases to measure")
     parser.add_argument("--keep", action="store_true", help="keep each environment (and reuse it next time)")
@@ -431,6 +431,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-at", default="",
                         help="UTC time HH:MM at which running suites are interrupted (their results so far are kept)")
     parser.add_argument("--not-measured", default="", help="a line for the table: versions this machine cannot install")
+    return parser
+
+
+def _from_report(args: argparse.Namespace) -> None:
+    """--table-only and --rerun-failed: work on the report in --out (and --merge-from), write it back."""
+    report = json.loads(args.out.read_text())
+    for other in args.merge_from:
+        merge_suites(report, json.loads(other.read_text()))
+    salvage_stopped(report, args.root)
+    if args.rerun_failed:
+        with tempfile.TemporaryDirectory(prefix="ampspec-matrix-") as tmp:
+            args.commit = snapshot(Path(tmp))
+            rerun_failed(report, args, Path(tmp))
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(report))
+    log(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     args.root = args.root.expanduser().resolve()
     if args.root.is_relative_to(ROOT):
@@ -443,17 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         STOP_AT = now.replace(hour=hour, minute=minute, second=0, microsecond=0)
         STOP_AT += _dt.timedelta(days=1) if STOP_AT <= now else _dt.timedelta(0)
     if args.table_only or args.rerun_failed:
-        report = json.loads(args.out.read_text())
-        for other in args.merge_from:
-            merge_suites(report, json.loads(other.read_text()))
-        salvage_stopped(report, args.root)
-        if args.rerun_failed:
-            with tempfile.TemporaryDirectory(prefix="ampspec-matrix-") as tmp:
-                args.commit = snapshot(Path(tmp))
-                rerun_failed(report, args, Path(tmp))
-            args.out.write_text(json.dumps(report, indent=1) + "\n")
-        args.out.with_suffix(".md").write_text(markdown(report))
-        log(f"wrote {args.out.with_suffix('.md')}")
+        _from_report(args)
         return 0
     log(f"PyPI's Linux torch wheels pull several GB of CUDA libraries per version (5-8 GB of disk per "
         f"environment under {args.root}); environments are {'kept' if args.keep else 'removed after each version'}.")
@@ -465,7 +475,6 @@ def main(argv: list[str] | None = None) -> int:
         project.mkdir()
         work.mkdir()
         args.commit = snapshot(project)
-        kept = []
         earlier: dict[str, dict[str, Any]] = {}
         if args.merge and args.out.exists():
             earlier = {r["version"]: r for r in json.loads(args.out.read_text())["versions"]}
