@@ -305,6 +305,8 @@ def markdown(report: dict[str, Any]) -> str:
                      " - failed again when rerun alone" if t in rerun.get("failed", ()) else "")
             why = f" ({r['messages'][t]})" if r.get("messages", {}).get(t) else ""
             lines.append(f"- {v} {s}: {t}{why}{again}")
+    if report.get("notes"):
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in report["notes"]]
     if report.get("select"):
         lines += ["", f"**Only the tests matching `-k {report['select']}` ran** (a check of the command, not a measurement)."]
     if report.get("not_measured"):
@@ -431,6 +433,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--stop-at", default="",
                         help="UTC time HH:MM at which running suites are interrupted (their results so far are kept)")
     parser.add_argument("--not-measured", default="", help="a line for the table: versions this machine cannot install")
+    parser.add_argument("--note", action="append", default=[],
+                        help="with --table-only: a finding to add under the table (repeatable; kept in the report)")
     return parser
 
 
@@ -440,6 +444,7 @@ def _from_report(args: argparse.Namespace) -> None:
     for other in args.merge_from:
         merge_suites(report, json.loads(other.read_text()))
     salvage_stopped(report, args.root)
+    report.setdefault("notes", []).extend(n for n in args.note if n not in report["notes"])
     if args.rerun_failed:
         with tempfile.TemporaryDirectory(prefix="ampspec-matrix-") as tmp:
             args.commit = snapshot(Path(tmp))
