@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -485,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             earlier = {r["version"]: r for r in json.loads(args.out.read_text())["versions"]}
         kept = [r for v, r in earlier.items() if v not in args.versions]
         report: dict[str, Any] = {
-            "command": "python bench/torch_matrix.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": "python bench/torch_matrix.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
             "machine": {**machine(), "platform": platform.platform()},
             "not_measured": args.not_measured, "select": args.select, "versions": kept,
         }
