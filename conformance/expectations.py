@@ -315,6 +315,34 @@ def probe_fused_sgd_skipped_first_step_stores_a_buffer(device: str) -> bool:
     return opt.state.get(p, {}).get("momentum_buffer") is not None
 
 
+# torch._scaled_mm on the CPU with rowwise scales (an (M, 1) and a (1, N) scale), which torchao's
+# rowwise recipes call. torch 2.11 refuses it: "(scale_a.numel() == 1 && scale_b.numel() == 1)
+# INTERNAL ASSERT FAILED at aten/src/ATen/native/Blas.cpp:249 ... Now _scaled_mm only supports
+# per-tensor scaling for CPU backend"; from 2.12 it computes them, and the rowwise conformance
+# properties pass [measured: bench/torch_matrix.py, 2026-12-03]. Where it is keyed False the
+# rowwise properties check for that refusal instead of comparing results.
+ROWWISE_SCALED_MM_ON_CPU: dict[str, bool] = {"2.11": False, "2.12": True, "2.13": True, "2.14": True}
+ROWWISE_REFUSAL = "only supports per-tensor scaling for CPU backend"
+
+
+def rowwise_scaled_mm_on_cpu() -> bool:
+    """Does the installed torch's CPU _scaled_mm take rowwise scales (torchao's rowwise recipes)?"""
+    return keyed(ROWWISE_SCALED_MM_ON_CPU, "torch._scaled_mm takes rowwise scales on the CPU")
+
+
+def probe_rowwise_scaled_mm_on_cpu() -> bool:
+    """What the installed torch does: a 2x16 by 16x2 float8 matmul with rowwise scales on the CPU."""
+    a = torch.ones(2, 16).to(torch.float8_e4m3fn)
+    b = torch.ones(2, 16).to(torch.float8_e4m3fn).t()
+    try:
+        torch._scaled_mm(a, b, scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 2), out_dtype=torch.bfloat16)
+    except RuntimeError as e:
+        if ROWWISE_REFUSAL in str(e):
+            return False
+        raise
+    return True
+
+
 # --- Scaled float8 training through torchao --------------------------------------------------
 # reference.fp8 states torchao's float8 recipes rule by rule. Some of what it states are torchao
 # internals that change between releases (the amax epsilon, the float64 scale division, the
@@ -426,6 +454,8 @@ def measure_facts(device: str = "cpu") -> dict[str, object]:
         "fused_sgd_fails_on_late_first_gradient": probe_fused_sgd_fails_on_late_first_gradient(device),
         "fused_sgd_skipped_first_step_stores_a_buffer": probe_fused_sgd_skipped_first_step_stores_a_buffer(device),
     }
+    if device == "cpu":
+        facts["rowwise_scaled_mm"] = probe_rowwise_scaled_mm_on_cpu()
     if device == "cpu":
         facts["e4m3fn_cpu_bits"] = probe_e4m3fn_cpu_bits()
     if torchao_version() is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 
 from conformance import expectations
 from reference import formats
@@ -18,6 +19,7 @@ TABLES = {
     "FUSED_SGD_FAILS_ON_LATE_FIRST_GRADIENT": expectations.FUSED_SGD_FAILS_ON_LATE_FIRST_GRADIENT,
     "FUSED_SGD_SKIPPED_FIRST_STEP_STORES_A_BUFFER": expectations.FUSED_SGD_SKIPPED_FIRST_STEP_STORES_A_BUFFER,
     "AUTOCAST_POLICY_CONFIRMED['cpu']": dict.fromkeys(expectations.AUTOCAST_POLICY_CONFIRMED["cpu"]),
+    "ROWWISE_SCALED_MM_ON_CPU": expectations.ROWWISE_SCALED_MM_ON_CPU,
 }
 
 
@@ -54,10 +56,21 @@ def test_the_suite_on_an_unmeasured_torch_warns_instead_of_skipping(monkeypatch)
         expectations.clip_coef_in_grad_dtype("cpu")
         expectations.fused_sgd_fails_on_late_first_gradient("cpu")
         expectations.fused_sgd_skipped_first_step_stores_a_buffer("cpu")
-    assert len(record) == 6 and all("torch 9.1 is not measured" in str(w.message) for w in record)
+        expectations.rowwise_scaled_mm_on_cpu()
+    assert len(record) == 7 and all("torch 9.1 is not measured" in str(w.message) for w in record)
 
 
 @pytest.mark.parametrize("version", sorted(expectations.E4M3FN_SATURATES_ON_CPU))
 def test_the_spec_e4m3fn_rule_is_the_keyed_one(version):
     assert formats.torch_cpu_e4m3fn_saturates(version) == expectations.E4M3FN_SATURATES_ON_CPU[version], (
         f"reference.formats rule 9 and conformance/expectations.py disagree for torch {version}")
+
+
+def test_rowwise_scaled_mm_on_the_cpu_is_the_keyed_expectation():
+    """torchao's rowwise recipes need torch._scaled_mm with rowwise scales, which torch 2.11's CPU
+    backend refuses: a keyed fact (the rowwise properties of test_fp8 follow it)."""
+    probed = expectations.probe_rowwise_scaled_mm_on_cpu()
+    expected = expectations.rowwise_scaled_mm_on_cpu()
+    assert probed == expected, (
+        f"torch {torch.__version__}: CPU _scaled_mm takes rowwise scales={probed}, the suite expects "
+        f"{expected}; update expectations.ROWWISE_SCALED_MM_ON_CPU after checking the change")
