@@ -47,7 +47,7 @@ SUITES = ("tests", "conformance")
 # The facts the table shows, in this order (conformance/expectations.py keys each by version).
 FACT_COLUMNS = ("e4m3fn_saturates", "clip_grad_value_raises_without_grads", "clip_coef_in_grad_dtype",
                 "clip_one_element_l2_norm_is_abs", "fused_sgd_fails_on_late_first_gradient",
-                "fused_sgd_skipped_first_step_stores_a_buffer")
+                "fused_sgd_skipped_first_step_stores_a_buffer", "rowwise_scaled_mm")
 
 
 def log(message: str) -> None:
@@ -269,16 +269,18 @@ def markdown(report: dict[str, Any]) -> str:
         "to ±448 (else NaN); \"clip value raises\": clip_grad_value_ with no gradient raises; \"coef in "
         "grad dtype\": the clip multiply rounds the coefficient to a bfloat16 gradient's dtype; \"1-elt "
         "norm \\|x\\|\": the clipping path's norm of one element is \\|x\\|; \"fused SGD late/skip\": the "
-        "two fused-SGD faults.",
+        "two fused-SGD faults; \"rowwise _scaled_mm\": the CPU's torch._scaled_mm takes rowwise scales "
+        "(\"-\": not probed in that run).",
         "",
         "| torch | measured | extras | conformance | unit tests | e4m3fn sat. (464, 480, inf) | clip value raises | "
-        "coef in grad dtype | 1-elt norm \\|x\\| | fused SGD late / skip | torchao 0.18 internals | what changed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "coef in grad dtype | 1-elt norm \\|x\\| | fused SGD late / skip | rowwise _scaled_mm | torchao 0.18 internals | "
+        "what changed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     previous = None
     for r in report["versions"]:
         if not r.get("installed"):
-            lines.append(f"| {r['version']} | {r.get('date')} | did not install | not run | not run | | | | | | | |")
+            lines.append(f"| {r['version']} | {r.get('date')} | did not install | not run | not run | | | | | | | | |")
             continue
         f = r.get("facts", {})
         bits = f.get("e4m3fn_cpu_bits", {})
@@ -290,7 +292,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"{_fact(f.get('clip_grad_value_raises_without_grads'))} | {_fact(f.get('clip_coef_in_grad_dtype'))} | "
             f"{_fact(f.get('clip_one_element_l2_norm_is_abs'))} | "
             f"{_fact(f.get('fused_sgd_fails_on_late_first_gradient'))} / "
-            f"{_fact(f.get('fused_sgd_skipped_first_step_stores_a_buffer'))} | {ao_cell} | {changes(previous, r)} |")
+            f"{_fact(f.get('fused_sgd_skipped_first_step_stores_a_buffer'))} | {_fact(f.get('rowwise_scaled_mm'))} | "
+            f"{ao_cell} | {changes(previous, r)} |")
         previous = r
     skipped_any = [(r["version"], s, reason) for r in report["versions"] for s in SUITES
                    for reason in (r.get(s) or {}).get("skips", {})]
