@@ -531,3 +531,109 @@ def test_replay_refuses_a_bad_trace_naming_the_line_and_field(tmp_path, case):
 def test_replay_of_a_missing_trace_or_a_folder_is_named(tmp_path):
     refused(cli("replay", tmp_path / "missing.jsonl"), 2, "missing.jsonl")
     refused(cli("replay", tmp_path), 2, str(tmp_path))
+
+
+# ------------------------------------------------------------------ 9. user tasks
+
+TASK_HEAD = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class Model(nn.Module):
+        def __init__(self, width=4):
+            super().__init__()
+            self.lin = nn.Linear(width, 1)
+
+        def forward(self, x, y):
+            return ((self.lin(x) - y) ** 2).mean()
+
+    def batches(n=4, width=4):
+        g = torch.Generator().manual_seed(0)
+        return [(torch.randn(8, width, generator=g), torch.randn(8, 1, generator=g)) for _ in range(n)]
+""")
+
+# (module name, module body after TASK_HEAD, function, exit status, what the message must name)
+TASK_CASES = {
+    "raises KeyError": ("t_key", "def make():\n    return {}['model']\n", "make", 2,
+                        ["t_key:make", "make() raised KeyError", "t_key.py:"]),
+    "raises RuntimeError": ("t_rt", "def make():\n    raise RuntimeError('no GPU here')\n", "make", 2,
+                            ["t_rt:make", "RuntimeError: no GPU here", "t_rt.py:"]),
+    "syntax error": ("t_syntax", "def make(:\n    pass\n", "make", 2, ["t_syntax:make", "t_syntax.py:", "SyntaxError"]),
+    "raises at import": ("t_import", "1 / 0\n", "make", 2, ["t_import:make", "ZeroDivisionError", "t_import.py:"]),
+    "string batches": ("t_strings", "def make():\n    return Model(), ['a', 'b'], None\n", "make", 2,
+                       ["t_strings:make", "train_data[0] is a str"]),
+    "dict of strings": ("t_dicts", "def make():\n    return Model(), [{'x': 'a'}], None\n", "make", 2,
+                        ["train_data[0] is a dict holding no tensor"]),
+    "data a string": ("t_text", "def make():\n    return Model(), 'data.csv', None\n", "make", 2,
+                      ["train_data is a str"]),
+    "data an iterator": ("t_iter", "def make():\n    return Model(), iter(batches()), None\n", "make", 2,
+                         ["train_data is a list_iterator", "re-iterable"]),
+    "val data a string": ("t_val", "def make():\n    return Model(), batches(), 'val'\n", "make", 2,
+                          ["val_data is a str"]),
+    "returns None": ("t_none", "def make():\n    pass\n", "make", 2, ["t_none:make", "must return"]),
+    "returns no model": ("t_nomodel", "def make():\n    return 1, batches(), None\n", "make", 2, ["nn.Module first"]),
+    "loss_fn not callable": ("t_loss", "def make():\n    return Model(), batches(), None, 3\n", "make", 2,
+                             ["loss_fn is a int"]),
+    "needs arguments": ("t_args", "def make(size):\n    return Model(), batches(), None\n", "make", 2,
+                        ["make() needs the arguments ['size']"]),
+    "a class": ("t_class", "class make:\n    pass\n", "make", 2, ["make is a type, not a Python function"]),
+    "a builtin": ("t_builtin", "make = print\n", "make", 2, ["not a Python function"]),
+    "no such function": ("t_nofunc", "def other():\n    pass\n", "make", 2, ["has no function 'make'"]),
+    "fails while training": ("t_shape", "def make():\n    return Model(3), batches(), None\n", "make", 1,
+                             ["t_shape:make", "failed while training", "RuntimeError"]),
+    "non-scalar loss": ("t_vector", textwrap.dedent("""
+        class Vector(Model):
+            def forward(self, x, y):
+                return (self.lin(x) - y) ** 2
+
+        def make():
+            return Vector(), batches(), None
+        """), "make", 2, ["the loss must be a 0-d floating tensor", "loss.mean()"]),
+    "raises in forward": ("t_fwd", textwrap.dedent("""
+        class Broken(Model):
+            def forward(self, x, y):
+                raise KeyError('labels')
+
+        def make():
+            return Broken(), batches(), None
+        """), "make", 1, ["t_fwd:make", "KeyError", "t_fwd.py:"]),
+}
+
+
+@pytest.fixture
+def task_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # no __pycache__: the folder's checksum is the test
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    modules = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - modules:
+        if name.startswith("t_") or name in ("json", "yaml"):
+            sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("case", list(TASK_CASES))
+def test_a_bad_user_task_is_refused_naming_the_task(task_folder, case):
+    module, body, func, code, names = TASK_CASES[case]
+    (task_folder / f"{module}.py").write_text(TASK_HEAD + body)
+    before = checksums(task_folder)
+    err = refused(cli("train", *sets(f"task.name={module}:{func}", "train.steps=2", "logging.dir=null"),
+                      cwd=task_folder), code, *names)
+    assert len(err.strip().splitlines()) == 1, err
+    assert checksums(task_folder) == before
+
+
+@pytest.mark.parametrize("entry,names", [
+    ("os:system", ["'os' is a module of Python's standard library"]),
+    ("shutil:rmtree", ["'shutil' is a module of Python's standard library"]),
+    ("json:make", ["'json' is a module of Python's standard library", "json.py can never be imported",
+                   "rename it"]),
+    ("yaml:make", ["yaml.py is shadowed by the installed module 'yaml'"]),
+    ("t_missing:make", ["no module 't_missing'"]),
+])
+def test_a_task_that_is_not_the_users_own_function_is_refused_by_name(task_folder, entry, names):
+    (task_folder / "json.py").write_text(TASK_HEAD + "def make():\n    return Model(), batches(), None\n")
+    (task_folder / "yaml.py").write_text(TASK_HEAD + "def make():\n    return Model(), batches(), None\n")
+    before = checksums(task_folder)
+    refused(cli("train", *sets(f"task.name={entry}", "train.steps=2", "logging.dir=null"), cwd=task_folder), 2,
+            entry, *names)
+    assert checksums(task_folder) == before

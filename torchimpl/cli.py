@@ -117,6 +117,7 @@ def _compare_interrupted(res: Any) -> int:
 def _train(args: argparse.Namespace) -> int:
     from torchimpl.config import load_config
     from torchimpl.run_folder import claim_run_folder
+    from torchimpl.task_checks import task_failure
     from torchimpl.tasks import build_task
     from torchimpl.trainer import Trainer
 
@@ -128,8 +129,15 @@ def _train(args: argparse.Namespace) -> int:
         if launch_rank() == 0:
             claim_run_folder(cfg, resume=args.resume, overwrite=args.overwrite)
         task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
-        summary = Trainer(cfg).fit(task.model, task.train_data, task.val_data, loss_fn=task.loss_fn,
-                                   resume="latest" if args.resume else None)
+        try:
+            summary = Trainer(cfg).fit(task.model, task.train_data, task.val_data, loss_fn=task.loss_fn,
+                                       resume="latest" if args.resume else None)
+        except Exception as exc:
+            # An exception from a user's task while it trains names the task (torchimpl.task_checks).
+            failed = task_failure(cfg.task.name, exc) if cfg.task.name not in ("lm", "mlp") else None
+            if failed is None:
+                raise
+            raise failed from exc
     # Under torchrun rank 0 alone prints; every rank's exit status still reports a stop (the
     # stop decision is the same on every rank).
     if launch_rank() == 0:
