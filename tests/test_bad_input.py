@@ -637,3 +637,84 @@ def test_a_task_that_is_not_the_users_own_function_is_refused_by_name(task_folde
     refused(cli("train", *sets(f"task.name={entry}", "train.steps=2", "logging.dir=null"), cwd=task_folder), 2,
             entry, *names)
     assert checksums(task_folder) == before
+
+
+# ------------------------------------------------------------------ 10. export
+
+
+def _evil_pt(path: Path) -> None:
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch pwned",))
+
+    path.write_bytes(pickle.dumps({"w": Evil()}))
+
+
+def _export_source(kind: str, folder: Path) -> Path:
+    good = folder / "ck" / "step-00000002.ckpt"
+    if kind in DAMAGE:
+        bad = folder / "bad.ckpt"
+        _damage(kind, good, bad)
+        return bad
+    if kind == "evil .pt":
+        _evil_pt(folder / "evil.pt")
+        return folder / "evil.pt"
+    if kind == "torch.save of an object":
+        import torch
+
+        torch.save({"w": torch.nn.Linear(2, 2)}, folder / "module.pt")
+        return folder / "module.pt"
+    if kind == "text .pt":
+        (folder / "notes.pt").write_text("these are not weights\n")
+        return folder / "notes.pt"
+    if kind == "garbage .safetensors":
+        (folder / "w.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage}" + bytes(64))
+        return folder / "w.safetensors"
+    if kind == "garbage .dcp":
+        dcp = folder / "step-00000005.dcp"
+        dcp.mkdir()
+        (dcp / ".metadata").write_bytes(b"garbage")
+        (dcp / "meta.ckpt").write_bytes(good.read_bytes())
+        return dcp
+    if kind == "empty .dcp":
+        (folder / "step-00000006.dcp").mkdir()
+        return folder / "step-00000006.dcp"
+    if kind == "folder without checkpoints":
+        (folder / "empty").mkdir()
+        return folder / "empty"
+    if kind == "folder of damaged checkpoints":
+        (folder / "damaged").mkdir()
+        _damage("truncated", good, folder / "damaged" / "step-00000001.ckpt")
+        return folder / "damaged"
+    return folder / "missing.ckpt"
+
+
+EXPORT_SOURCES = [k for k in DAMAGE if k not in ("rng too short", "rng wrong dtype", "scaler malformed",
+                                                 "step negative", "step a word", "no optimizer", "data position")]
+EXPORT_SOURCES += ["evil .pt", "torch.save of an object", "text .pt", "garbage .safetensors", "garbage .dcp",
+                   "empty .dcp", "folder without checkpoints", "folder of damaged checkpoints", "missing"]
+
+
+@pytest.mark.parametrize("kind", EXPORT_SOURCES)
+def test_export_refuses_a_bad_source_naming_it_and_writes_nothing(run_copy, kind):
+    source = _export_source(kind, run_copy)
+    before = checksums(run_copy)
+    out = "weights.safetensors" if kind == "garbage .safetensors" else "weights.pt"
+    err = refused(cli("export", source, out, cwd=run_copy), 2, source.name)
+    assert len(err.strip().splitlines()) == 1, err
+    assert checksums(run_copy) == before and not (run_copy / "pwned").exists()
+
+
+@pytest.mark.parametrize("out,names", [
+    ("weights.bin", ["unknown format '.bin'"]),
+    ("exists.pt", ["exists.pt exists", "--force"]),
+    ("afolder.pt", ["afolder.pt", "folder"]),
+])
+def test_export_refuses_a_bad_output_naming_it(run_copy, out, names):
+    (run_copy / "exists.pt").write_text("keep me\n")
+    (run_copy / "afolder.pt").mkdir()
+    before = checksums(run_copy)
+    refused(cli("export", "ck", out, cwd=run_copy), 2, *names)
+    assert checksums(run_copy) == before
