@@ -718,3 +718,34 @@ def test_export_refuses_a_bad_output_naming_it(run_copy, out, names):
     before = checksums(run_copy)
     refused(cli("export", "ck", out, cwd=run_copy), 2, *names)
     assert checksums(run_copy) == before
+
+
+# ------------------------------------------------------------------ 12. compare --out
+
+
+@pytest.mark.parametrize("present", ["report.json", "compare.png", "trace-fp32.jsonl"])
+def test_compare_refuses_an_out_folder_holding_another_comparison(tmp_path, present):
+    (tmp_path / "cmp").mkdir()
+    (tmp_path / "cmp" / present).write_text("the earlier comparison's\n")
+    before = checksums(tmp_path)
+    refused(cli("compare", "--task", "mlp", "--steps", "2", "--device", "cpu", "--out", "cmp", cwd=tmp_path), 2,
+            "--out cmp", present, "another --out", "--overwrite")
+    assert checksums(tmp_path) == before
+
+
+def test_compare_refuses_an_out_that_is_a_file(tmp_path):
+    (tmp_path / "cmp").write_text("a file\n")
+    before = checksums(tmp_path)
+    refused(cli("compare", "--task", "mlp", "--steps", "2", "--device", "cpu", "--out", "cmp", cwd=tmp_path), 2,
+            "cmp", "not a folder")
+    assert checksums(tmp_path) == before
+
+
+def test_compare_overwrite_replaces_the_earlier_report(tmp_path):
+    (tmp_path / "cmp").mkdir()
+    (tmp_path / "cmp" / "report.json").write_text('{"agree": true, "steps": 300}\n')
+    rc, out, err = cli("-q", "compare", "--task", "mlp", "--steps", "2", "--device", "cpu", "--out", "cmp",
+                       "--overwrite", cwd=tmp_path)
+    assert rc in (0, 1) and "Traceback" not in err, err
+    report = json.loads((tmp_path / "cmp" / "report.json").read_text())
+    assert report["steps"] == 2 and not (tmp_path / "cmp" / ".ampspec.lock").exists()

@@ -82,9 +82,13 @@ def _task_name(text: str) -> str:
 
 def _compare(args: argparse.Namespace) -> int:
     from torchimpl.compare import format_table, run_compare
+    from torchimpl.run_folder import claim_compare_folder
+    from torchimpl.run_lock import hold
 
     _plain_warnings()
-    res = run_compare(steps=args.steps, device=args.device, out=args.out, task=args.task, seed=args.seed)
+    with hold(Path(args.out), f"--out {args.out}"):
+        claim_compare_folder(args.out, overwrite=args.overwrite)
+        res = run_compare(steps=args.steps, device=args.device, out=args.out, task=args.task, seed=args.seed)
     if res.interrupted is not None:
         return _compare_interrupted(res)
     print(format_table(res.rows))
@@ -347,6 +351,8 @@ def _add_compare(sub: Any, common: argparse.ArgumentParser) -> None:
     c.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     c.add_argument("--seed", type=int, default=0, help="train.seed of every run (model initialisation, data, dropout)")
     c.add_argument("--out", default="ampspec-compare", help="folder for report.json, compare.png and the traces")
+    c.add_argument("--overwrite", action="store_true",
+                   help="replace the comparison already in --out (without it such a folder is refused)")
     c.set_defaults(func=_compare)
 
 
