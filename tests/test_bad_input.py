@@ -749,3 +749,25 @@ def test_compare_overwrite_replaces_the_earlier_report(tmp_path):
     assert rc in (0, 1) and "Traceback" not in err, err
     report = json.loads((tmp_path / "cmp" / "report.json").read_text())
     assert report["steps"] == 2 and not (tmp_path / "cmp" / ".ampspec.lock").exists()
+
+
+# ------------------------------------------------------------------ 7. counters a callback changed
+
+
+@pytest.mark.parametrize("value", [-5, 2.5, 10**8])
+def test_a_step_counter_set_to_nonsense_by_a_callback_is_refused_at_the_save(tmp_path, value):
+    from torchimpl.config import load_config
+    from torchimpl.tasks import build_task
+    from torchimpl.trainer import Callback, Trainer
+
+    class Meddle(Callback):
+        def on_step_end(self, trainer, state):
+            state.step = value
+
+    cfg = load_config(overrides=[*TINY, "train.steps=3", f"checkpoint.folder={tmp_path / 'ck'}",
+                                 "checkpoint.interval=1", "logging.dir=null"])
+    task = build_task(cfg.task, seed=0, batch_size=4)
+    with pytest.raises(ValueError, match=r"trainer's step must be an integer in \[0, 100000000\), got "
+                                         + __import__("re").escape(repr(value)) + r".*trainer\.state\.step"):
+        Trainer(cfg, [Meddle()]).fit(task.model, task.train_data, loss_fn=task.loss_fn)
+    assert not list((tmp_path / "ck").glob("step-*")), "a checkpoint was written under a nonsense name"
