@@ -19,11 +19,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from torchimpl import health
 from torchimpl.checkpoint import capture_rng_state, restore_rng_state
 from torchimpl.diagnostics import Finding, _fp16_norm_problem, _OpScanner, _unsafe_problem
 from torchimpl.doctor_probe import Fp8Probe, Recorder
@@ -267,7 +267,7 @@ class _Runner:
         shadow_loss, shadow_rec, _ = self._run(self.shadow, batch, False, rng, None)
         self.obs.steps += 1
         self.obs.loss_dtypes.add(dtype_name(loss.dtype))
-        with _one_thread(self.device):
+        with health.one_thread(self.device):
             self._layers(i, rec, shadow_rec, shadow_loss)
             if probe is not None:
                 self._fp8_layers(probe)
@@ -320,7 +320,7 @@ class _Runner:
         if all(p.grad is None for p in shadow.values()):
             return
         self.shadow_opt.step()
-        with _one_thread(self.device):
+        with health.one_thread(self.device):
             for n, p in mixed.items():
                 sp = shadow.get(n)
                 update = (sp.detach() - before[n]) if sp is not None and sp.grad is not None else None
@@ -351,22 +351,6 @@ class _Runner:
 def _identity(t: torch.Tensor) -> tuple:
     """What makes two recorded outputs the same tensor (a container returns its last child's)."""
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) if t.numel() else (id(t),)
-
-
-@contextlib.contextmanager
-def _one_thread(device: torch.device) -> Iterator[None]:
-    """The statistics on one intra-op thread on a CPU: hundreds of small reductions a step, for
-    which a thread pool's hand-offs cost more than they save (much more on a shared machine:
-    bench/doctor_cost.py). The model's own forward and backward keep every thread."""
-    if device.type != "cpu":
-        yield
-        return
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 def _scan_hooks(model: nn.Module, scanner: _Scanner) -> list[Any]:
