@@ -72,7 +72,7 @@ from typing import Any, Iterable
 
 import torch
 
-from audit.rules import Finding
+from audit.rules import INFO, WARNING, Finding
 
 __all__ = ["Recorder", "StepRecord", "StepLimitReached"]
 
@@ -270,6 +270,7 @@ class OptTrack:
         self.moved_flagged = False
         self.threshold: tuple[float, float, int] | None = None  # (max_norm / scale, scale, first step)
         self.threshold_flagged = False
+        self.threshold_finding: Finding | None = None
         self.hook_fired = False
         self.scaler_step_where: str | None = None
 
@@ -363,6 +364,7 @@ class Recorder:
         self._scaled: dict[int, tuple[Any, ScalerTrack, Any]] = {}
         self._autocast: list[tuple[Any, str]] = []
         self._saves: list[tuple[str, bool, bool, int | None]] = []
+        self._scaler_state_read: str | None = None
         self._names: dict[str, int] = {}
         self.stopped_at_limit = False
         self.snap = Snapshots(getattr(replay, "pool", None))
@@ -395,8 +397,8 @@ class Recorder:
         return t
 
     def _find(self, rule: str, step: int | None, where: str, message: str, expected: Any = None,
-              got: Any = None) -> Finding:
-        f = Finding(rule, step, where, message, expected, got)
+              got: Any = None, level: str | None = None) -> Finding:
+        f = Finding(rule, step, where, message, expected, got, level)
         self.findings.append(f)
         return f
 
@@ -590,7 +592,10 @@ class Recorder:
                 self.replayer.step(o, data, rec, self)
 
     def on_scaler_state_dict(self, scaler: Any) -> None:
-        pass  # a saved scaler state is recognised by its keys in on_save
+        # A saved scaler state is recognised by its keys in on_save; a state read here may also
+        # be written by means the audit does not see (pickle, safetensors), which makes a
+        # checkpoint without it uncertain.
+        self._scaler_state_read = call_site()
 
     def on_scaler_loaded(self, scaler: Any) -> None:
         s = self._scaler(scaler)
@@ -723,24 +728,33 @@ class Recorder:
                 w.clip_norms.append((float("nan"), float(arguments["max_norm"])))
 
     def _check_threshold(self, o: OptTrack, s: ScalerTrack, max_norm: float, where: str) -> None:
-        scale = s.obj.get_scale()
-        if scale >= 2.0**10 and max_norm >= scale:
-            o.threshold_flagged = True
-            self._find("clip-threshold-scaled", o.steps, where,
-                       f"clip_grad_norm_ at {where} clipped {o.label}'s unscaled gradients at {max_norm!r}, at least "
-                       f"the loss scale {scale!r}: the threshold was multiplied by the scale, so the clip does "
-                       f"nothing (the intended threshold is probably {max_norm / scale!r})",
-                       expected=max_norm / scale, got=max_norm)
+        """clip-threshold-scaled: a warning when the threshold is at least a scale of 2**10 or more
+        (a deliberately large threshold cannot be told apart yet); an error once the threshold
+        changed across steps by exactly the factor the scale changed by. An infinite threshold
+        measures the norm without clipping: never a finding."""
+        if not math.isfinite(max_norm):
             return
+        scale = s.obj.get_scale()
         ratio = max_norm / scale if scale else math.nan
         if o.threshold is None or o.threshold[0] != ratio:
             o.threshold = (ratio, scale, o.steps)
+            if o.threshold_finding is None and scale >= 2.0**10 and max_norm >= scale:
+                o.threshold_finding = self._find(
+                    "clip-threshold-scaled", o.steps, where,
+                    f"clip_grad_norm_ at {where} clipped {o.label}'s unscaled gradients at {max_norm!r}, at least the "
+                    f"loss scale {scale!r}: probably multiplied by the scale, so the clip does nothing (the intended "
+                    f"threshold would be {ratio!r}); the audit cannot tell this from a deliberately large threshold "
+                    "until the scale changes", expected=ratio, got=max_norm, level=WARNING)
         elif scale != o.threshold[1]:
             o.threshold_flagged = True
-            self._find("clip-threshold-scaled", o.threshold[2], where,
-                       f"clip_grad_norm_ at {where}: the threshold changed with the loss scale (max_norm / scale "
-                       f"= {ratio!r} at every step since step {o.threshold[2]}): it was multiplied by the scale, "
-                       "although the gradients were unscaled", expected=ratio, got=max_norm)
+            msg = (f"clip_grad_norm_ at {where}: the threshold changed with the loss scale (max_norm / scale "
+                   f"= {ratio!r} at every step since step {o.threshold[2]}): it was multiplied by the scale, "
+                   "although the gradients were unscaled")
+            f = o.threshold_finding
+            if f is None:
+                self._find("clip-threshold-scaled", o.threshold[2], where, msg, expected=ratio, got=max_norm)
+            else:  # the warning's suspicion confirmed: the same finding, now certain
+                f.level, f.message = None, msg + f"; first seen at step {f.step}, {f.where}"
 
     def on_clip_end(self, kind: str, result: Any, ok: bool) -> None:
         self.in_clip = False
@@ -884,7 +898,10 @@ class Recorder:
         self._saves.append((where, holds_opt, holds_scaler, step))
 
     def _check_saves(self) -> None:
+        """checkpoint-without-scaler: an error when nothing read the scaler's state since the step;
+        a warning when ``scaler.state_dict()`` was called (it may be saved by other means)."""
         saves, self._saves = self._saves, []
+        read, self._scaler_state_read = self._scaler_state_read, None
         if not saves or not any(s.enabled and s.used for s in self.scalers.values()):
             return
         if any(h for _, _, h, _ in saves):
@@ -892,11 +909,15 @@ class Recorder:
         for where, holds_opt, _, step in saves:
             if holds_opt:
                 scaler = next(s for s in self.scalers.values() if s.enabled and s.used)
-                self._find("checkpoint-without-scaler", step, where,
-                           f"torch.save at {where} saved optimizer state without {scaler.label}'s state (no file "
-                           "saved after this step holds it): a resumed run restarts the loss scale at its initial "
-                           "value and loses the growth tracker",
-                           expected="scaler.state_dict() in the checkpoint", got="no scaler state")
+                msg = (f"torch.save at {where} saved optimizer state without {scaler.label}'s state (no file "
+                       "saved after this step holds it): a resumed run restarts the loss scale at its initial "
+                       "value and loses the growth tracker")
+                if read is not None:
+                    msg += (f"; scaler.state_dict() was called at {read}, so the scaler state may be written by "
+                            "means the audit does not see (pickle, safetensors)")
+                self._find("checkpoint-without-scaler", step, where, msg,
+                           expected="scaler.state_dict() in the checkpoint", got="no scaler state",
+                           level=WARNING if read is not None else None)
                 return
 
     # ------------------------------------------------------------------ steps

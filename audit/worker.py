@@ -309,6 +309,20 @@ class ReplayProcess:
         except (EOFError, OSError):
             self._lost()
 
+    def forget_in_child(self) -> None:
+        """In a process forked from the audited program: this worker is the parent's. Nothing more
+        goes to it from here, and multiprocessing must not join or terminate it at this process's
+        exit (it would assert 'can only join a child process')."""
+        from multiprocessing import process as mp_process
+
+        mp_process._children.discard(self._proc)  # the registry multiprocessing joins at exit
+        self._result = (None, "a forked process of the audited program")
+        self._no_memory = True
+        try:
+            self._conn.close()  # this process's copy of the descriptor; the parent's stays open
+        except OSError:
+            pass
+
     def _lost(self) -> None:
         if self.error is None:
             self._proc.join(timeout=5)

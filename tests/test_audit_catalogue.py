@@ -43,17 +43,20 @@ ALL12 = list(range(12))
 # (loop, arguments, rule, the steps it must be flagged at, exit status)
 PLANTED = [
     ("scaler_loop.py", ["--bug", "clip-before-unscale"], "clip-before-unscale", ALL12, 1),
-    ("scaler_loop.py", ["--bug", "clip-threshold-scaled"], "clip-threshold-scaled", [0], 1),
+    # A threshold at least the scale: a warning (it may be deliberate) until the scale changes ...
+    ("scaler_loop.py", ["--bug", "clip-threshold-scaled"], "clip-threshold-scaled", [0], 0),
+    # ... and the threshold follows it by exactly its factor: then certain, an error.
+    ("scaler_loop.py", ["--bug", "clip-threshold-scaled", "--inf-at", "3"], "clip-threshold-scaled", [0], 1),
     ("scaler_loop.py", ["--bug", "unscale-twice"], "unscale-twice", ALL12, 1),
     ("scaler_loop.py", ["--bug", "unscale-twice-call"], "unscale-twice", [0], 2),
     ("scaler_loop.py", ["--bug", "step-without-update"], "step-without-update", [0], 2),
     ("scaler_loop.py", ["--bug", "update-without-step", "--inf-at", "5"], "update-without-step", ALL12, 1),
     ("scaler_loop.py", ["--bug", "step-bypasses-scaler"], "step-bypasses-scaler", ALL12, 1),
-    ("scaler_loop.py", ["--bug", "backward-in-autocast"], "backward-in-autocast", ALL12, 1),
+    ("scaler_loop.py", ["--bug", "backward-in-autocast"], "backward-in-autocast", ALL12, 0),
     ("scaler_loop.py", ["--bug", "gradients-altered"], "replay-divergence", [0], 1),
     ("scaler_loop.py", ["--bug", "gradients-altered", "--clip", "split"], "replay-divergence", [0], 1),
     ("scaler_loop.py", ["--bug", "clip-before-unscale", "--clip", "split"], "clip-before-unscale", ALL12, 1),
-    ("bf16_loop.py", ["--bug", "backward-in-autocast"], "backward-in-autocast", ALL12, 1),
+    ("bf16_loop.py", ["--bug", "backward-in-autocast"], "backward-in-autocast", ALL12, 0),
     ("bf16_loop.py", ["--bug", "optimizer-before-to"], "optimizer-before-to", [0], 1),
     ("bf16_loop.py", ["--bug", "zero-grad-in-window"], "zero-grad-in-window", ALL12, 1),
     ("bf16_loop.py", ["--bug", "parameters-altered"], "replay-divergence", [0], 1),
