@@ -314,8 +314,9 @@ class Instrumentation:
         rec = self.rec
 
         def tensor_backward(orig):
-            def wrapper(self, *args, **kwargs):
-                rec.on_backward_begin(self)
+            def wrapper(self, gradient=None, retain_graph=None, create_graph=False, *args, **kwargs):
+                rec.on_backward_begin(self, gradient, retain_graph if retain_graph is not None else create_graph)
+                args = (gradient, retain_graph, create_graph, *args)
                 ok = False
                 try:
                     out = orig(self, *args, **kwargs)
@@ -327,7 +328,10 @@ class Instrumentation:
 
         def autograd_backward(orig):
             def wrapper(tensors, *args, **kwargs):
-                rec.on_backward_begin(tensors)
+                grads = args[0] if args else kwargs.get("grad_tensors", kwargs.get("grad_variables"))
+                retain = args[1] if len(args) > 1 else kwargs.get("retain_graph")
+                create = args[2] if len(args) > 2 else kwargs.get("create_graph", False)
+                rec.on_backward_begin(tensors, grads, retain if retain is not None else create)
                 ok = False
                 try:
                     out = orig(tensors, *args, **kwargs)

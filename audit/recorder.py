@@ -72,7 +72,10 @@ from typing import Any, Iterable
 
 import torch
 
+from audit import windows
+from audit.schedules import ScheduleWatch
 from audit.rules import INFO, WARNING, Finding
+from audit.windows import Backward
 
 __all__ = ["Recorder", "StepRecord", "StepLimitReached"]
 
@@ -176,13 +179,6 @@ class StepRecord:
 
 
 @dataclass
-class Backward:
-    where: str
-    factor: float | None
-    scaler: "ScalerTrack | None"
-
-
-@dataclass
 class ClipStage:
     """One clipping call on an optimizer's parameters: the replay's clip stage."""
 
@@ -193,6 +189,7 @@ class ClipStage:
     grads_in: list[Any] | None = None
     total_norm: Any = None
     threads: int = 1  # torch's intra-op threads at the call: its CPU norm's summation split follows them
+    before_unscale: bool = False  # on gradients an enabled scaler had not unscaled yet
 
 
 @dataclass
@@ -202,6 +199,8 @@ class StepData:
     scaled: list[Any] | None = None  # gradients at the window's first step-phase call
     scale: Any = None  # the float32 scale then, None without an enabled scaler
     first_stage: str = ""  # which call that was
+    backward: list[Any] | None = None  # the gradients as the window's last scaled backward left them
+    hooks: str | None = None  # the optimizer's own step hooks, which may change what it computes
     unscaled: bool = False  # whether scaler.unscale_ ran (explicitly or inside scaler.step)
     clips: list[ClipStage] = field(default_factory=list)
     step_grads: list[Any] | None = None
@@ -249,6 +248,11 @@ class ScalerTrack:
         self.pending: list[tuple["OptTrack", StepData | None, StepRecord]] = []
         self.update_before: tuple[Any, int] | None = None
         self.expected_after: Any = None  # the spec's scale after this scaler's last checked update
+        # The parameters of every optimizer it unscaled or stepped (weakly: a finished training's
+        # model may go, and a new parameter may then reuse an old one's id).
+        self.params: dict[int, Any] = {}
+        self.driven: set[int] = set()  # id(optimizer) of those optimizers
+        self.mid_run: tuple[list["ScalerTrack"], str] | None = None  # earlier scalers, where it began
 
     @property
     def enabled(self) -> bool:
@@ -273,6 +277,8 @@ class OptTrack:
         self.threshold_finding: Finding | None = None
         self.hook_fired = False
         self.scaler_step_where: str | None = None
+        self.schedule = ScheduleWatch()
+        self.skipped = 0
 
     def params(self) -> list[Any]:
         return [p for g in self.obj.param_groups for p in g["params"]]
@@ -409,11 +415,8 @@ class Recorder:
         ids = {id(t) for t in tensors}
         return [o for o in self.optimizers.values() if o.param_ids & ids]
 
-    def _start_data(self, o: OptTrack, stage: str, scaler: ScalerTrack | None) -> None:
-        """The window's first step-phase call: copy the gradients as backward left them."""
-        w = o.window
-        if self.replayer is None or w.data is not None:
-            return
+    def _new_data(self, o: OptTrack, stage: str) -> StepData:
+        """A window's step data, its copies to come sized in the pool (or why none are taken)."""
         d = StepData(first_stage=stage)
         params = o.params()
         foreign = next((t for p in params for t in (p, p.grad) if t is not None and not plain_tensor(t)), None)
@@ -421,15 +424,39 @@ class Recorder:
             # A DTensor (FSDP2's sharded parameters) holds one rank's shard; its numbers need the
             # other ranks' to be replayed, and it cannot be copied to NumPy as it is.
             d.unsupported = f"{type(foreign).__name__} parameters or gradients (sharded tensors)"
-            w.data = d
-            return
+            return d
         if self.snap.pool is not None:
-            # Gradients up to three times (scaled, clipped, stepped), parameters and state twice.
+            # Gradients up to four times (backward, scaled, clipped, stepped), parameters and state twice.
             state = [v for p in params for v in o.obj.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-            self.snap.pool.expect(sum(5 * p.numel() * p.element_size() for p in params)
+            self.snap.pool.expect(sum(6 * p.numel() * p.element_size() for p in params)
                                   + sum(2 * v.numel() * v.element_size() for v in state))
         d.on_cpu = all(p.device.type == "cpu" for p in params)
-        d.scaled = self.snap.grads(params, d)
+        hooks = [*getattr(o.obj, "_optimizer_step_pre_hooks", {}).values(),
+                 *getattr(o.obj, "_optimizer_step_post_hooks", {}).values()]
+        if hooks:
+            d.hooks = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in hooks)
+        return d
+
+    def _backward_copy(self, o: OptTrack) -> None:
+        """After a backward pass of a loss an enabled scaler scaled: its gradients (the conformance
+        boundary), so that a change before the scaler sees them is measured, not taken as given."""
+        w = o.window
+        if w.data is not None and w.data.first_stage != "backward":
+            return  # a backward after the step phase began (a second loss): the scaler saw the first
+        d = self._new_data(o, "backward")
+        if d.copying:
+            d.backward = self.snap.grads(o.params(), d)
+        w.data = d  # a previous microbatch's copy is garbage now: its slabs go back to the pool
+
+    def _start_data(self, o: OptTrack, stage: str, scaler: ScalerTrack | None) -> None:
+        """The window's first step-phase call: copy the gradients as that call receives them."""
+        w = o.window
+        if self.replayer is None or (w.data is not None and w.data.first_stage != "backward"):
+            return
+        d = w.data if w.data is not None else self._new_data(o, stage)
+        d.first_stage = stage
+        if d.copying:
+            d.scaled = self.snap.grads(o.params(), d)
         if scaler is not None and scaler.enabled and scaler.used:
             d.scale = _f32(scaler.obj.get_scale())
         w.data = d
@@ -450,12 +477,7 @@ class Recorder:
             s.used = True
             previous = [t for t in self.scalers.values() if t is not s and t.updates > 0 and t.enabled]
             if previous and not s.loaded:
-                self._find("new-scaler-mid-run", self._current_step(), s.where or where,
-                           f"{s.label} (created at {s.where or 'before the audit'}) started scaling at {where} "
-                           f"with its initial scale {scaler.get_scale()!r} while {previous[-1].label} had already "
-                           f"run {previous[-1].updates} update(s) (its scale {previous[-1].obj.get_scale()!r}); "
-                           "the scale history and growth tracker start over",
-                           expected=previous[-1].obj.get_scale(), got=scaler.get_scale())
+                s.mid_run = (previous, where)  # decided when it first drives an optimizer
         self._check_pending_update(s, where)
         for t_in, t_out in _pairs(inputs, out):
             self._scaled[id(t_out)] = (weakref.ref(t_out), s, weakref.ref(t_in))
@@ -477,11 +499,34 @@ class Recorder:
             del s.bypass[key]
             self._flush_pending(s)
 
+    def _drives(self, s: ScalerTrack, o: OptTrack) -> None:
+        """new-scaler-mid-run: a new scaler's first optimizer holds parameters an earlier scaler
+        drove (a second, independent training in the same script drives others: no finding)."""
+        if id(o.obj) in s.driven:
+            return
+        s.driven.add(id(o.obj))
+        params = o.params()
+        for p in params:
+            s.params[id(p)] = weakref.ref(p)
+        if s.mid_run is None:
+            return
+        previous, began = s.mid_run
+        s.mid_run = None
+        shared = [t for t in previous if any((r := t.params.get(id(p))) is not None and r() is p for p in params)]
+        if shared:
+            t = shared[-1]
+            self._find("new-scaler-mid-run", o.steps, s.where or began,
+                       f"{s.label} (created at {s.where or 'before the audit'}) started scaling at {began} with its "
+                       f"initial scale {s.obj.get_scale()!r}, for parameters that {t.label} drove through "
+                       f"{t.updates} update(s) (its scale {t.obj.get_scale()!r}); the scale history and growth "
+                       "tracker start over", expected=t.obj.get_scale(), got=s.obj.get_scale())
+
     def on_unscale_begin(self, scaler: Any, optimizer: Any) -> None:
         s = self._scaler(scaler)
         if not s.enabled:
             return
         o = self._opt(optimizer)
+        self._drives(s, o)
         nested = self._in_scaler_step is not None
         where = call_site()
         stage = s.stage.get(id(o.obj))
@@ -519,6 +564,7 @@ class Recorder:
         o.hook_fired = False
         if not s.enabled:
             return
+        self._drives(s, o)
         if s.stage.get(id(o.obj)) == "stepped" and id(o.obj) not in s.reported_no_update:
             s.reported_no_update.add(id(o.obj))
             self._find("step-without-update", o.steps - 1, s_where(o),
@@ -719,7 +765,8 @@ class Recorder:
                 d = w.data
                 stage = ClipStage(kind, idx, {k: (self.snap(v, d) if isinstance(v, torch.Tensor) else v)
                                               for k, v in arguments.items() if k != "parameters"}, where,
-                                  threads=torch.get_num_threads())
+                                  threads=torch.get_num_threads(),
+                                  before_unscale=s is not None and s.enabled and s.used and not unscaled)
                 params = o.params()
                 stage.grads_in = [None if params[i].grad is None else self.snap(params[i].grad, d) for i in idx]
                 w.data.clips.append(stage)
@@ -785,6 +832,7 @@ class Recorder:
             o.sched_mark[key] = o.applied_steps
             return
         where = call_site()
+        o.schedule.scheduler_stepped = True
         if o.last_record is not None:
             o.last_record.calls.append(f"scheduler.step@{where}")
         # A scheduler built before the audit: its previous step is taken to be just before the last step.
@@ -830,7 +878,9 @@ class Recorder:
 
     # ------------------------------------------------------------------ backward
 
-    def on_backward_begin(self, tensors: Any) -> None:
+    def on_backward_begin(self, tensors: Any, gradient: Any = None, retain: Any = None) -> None:
+        """``gradient``: the gradients backward was given (None for a scalar loss); ``retain``:
+        its ``retain_graph`` (or ``create_graph``), which keeps the graph for another backward."""
         self._bw_depth += 1
         if self._bw_depth > 1:
             return
@@ -842,17 +892,20 @@ class Recorder:
         root = tensors if isinstance(tensors, torch.Tensor) else (
             tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 and
             isinstance(tensors[0], torch.Tensor) else None)
-        scaler, factor = None, None
+        scaler, factor, node = None, None, None
+        explicit = gradient is not None and not (isinstance(gradient, (list, tuple)) and
+                                                 all(g is None for g in gradient))
         if root is not None:
             entry = self._scaled.pop(id(root), None)
             start = root
             if entry is not None and entry[0]() is root:
                 scaler = entry[1]
                 start = entry[2]()
-            factor = _loss_factor(start) if start is not None else None
-        self._bw_pending = Backward(where, factor, scaler)
-        if len(self.optimizers) > 1:
-            self._bw_signature = {id(o): _signature(o) for o in self.optimizers.values()}
+            if start is not None:
+                factor, node = windows.describe(start, bool(retain), explicit)
+                explicit = explicit or start.numel() != 1
+        self._bw_pending = Backward(where, factor, scaler, node, bool(retain), explicit)
+        self._bw_signature = {id(o): _signature(o) for o in self.optimizers.values()}
         self._bw_autocast = self._autocast_active()
 
     def on_backward_end(self, ok: bool) -> None:
@@ -862,19 +915,23 @@ class Recorder:
         b, self._bw_pending = self._bw_pending, None
         if b is None or not ok:
             return
+        sig = self._bw_signature or {}
+        self._bw_signature = None
+        touched = {id(o): _touched(o, sig.get(id(o))) for o in self.optimizers.values()}
+        b.params = frozenset(pid for t in touched.values() for pid in t)
         if not self.optimizers:
             targets = [self.unassigned]
         elif len(self.optimizers) == 1:
             targets = [next(iter(self.optimizers.values())).window]
         else:
-            sig = self._bw_signature or {}
-            targets = [o.window for o in self.optimizers.values() if _signature(o) != sig.get(id(o))]
-        self._bw_signature = None
+            targets = [o.window for o in self.optimizers.values() if touched[id(o)]]
         for w, o in ((w, self._owner_of(w)) for w in targets):
             w.backwards.append(b)
             w.calls.append(f"backward@{b.where}")
             if b.scaler is not None:
                 w.scaler = b.scaler
+                if self.replayer is not None and o is not None and b.scaler.enabled:
+                    self._backward_copy(o)
             if self._bw_autocast is not None and not w.autocast_flagged:
                 w.autocast_flagged = True
                 self._find("backward-in-autocast", o.steps if o is not None else self._current_step(), b.where,
@@ -929,11 +986,15 @@ class Recorder:
         if o is self.primary:
             self._check_saves()
         k = len(w.backwards)
-        if k >= 2 and all(b.factor == 1.0 for b in w.backwards):
-            self._find("loss-not-divided", o.steps, w.backwards[0].where,
-                       f"the {k} losses of the window of step {o.steps} reached backward (first at "
-                       f"{w.backwards[0].where}) undivided: the accumulated gradient is {k} times the mean",
-                       expected=f"each loss divided by {k}", got="each loss undivided")
+        verdict = windows.undivided_verdict(w.backwards)
+        if verdict is not None:
+            level, seen = verdict
+            msg = (f"the {k} losses of the window of step {o.steps} reached backward (first at "
+                   f"{w.backwards[0].where}) undivided ({seen})")
+            msg += (f": the accumulated gradient is {k} times the mean" if level == "error" else
+                    f"; if they are microbatches of one loss, the accumulated gradient is {k} times the mean")
+            self._find("loss-not-divided", o.steps, w.backwards[0].where, msg, expected=f"each loss divided by {k}",
+                       got="each loss undivided", level=None if level == "error" else WARNING)
         groups = o.obj.param_groups
         rec = StepRecord(step=o.steps, optimizer=o.label, microbatches=k, calls=list(w.calls),
                          applied=bool(applied), lr=_num(groups[0].get("lr")) if groups else None,
@@ -946,6 +1007,8 @@ class Recorder:
         if w.clip_norms:
             rec.grad_norm, rec.max_norm = w.clip_norms[0]
         self.records.append(rec)
+        o.schedule.on_step(o.last_record, rec, _step_call(rec))
+        o.skipped += int(not applied)
         o.last_record = rec
         o.steps += 1
         o.applied_steps += int(bool(applied))
@@ -977,8 +1040,19 @@ class Recorder:
                 s.bypass.clear()
             self._flush_pending(s)
         self._check_saves()
+        for o in self.optimizers.values():
+            found = o.schedule.finding(o.label, o.skipped)
+            if found is not None:
+                self._find("lr-changed-on-skipped-step", found[0], found[1], found[2],
+                           expected="the hyperparameters of the skipped step kept", got="changed")
         if self.replayer is not None:
             self.replayer.finish(self)
+
+
+def _step_call(rec: StepRecord) -> str:
+    """Where the step of ``rec`` was taken (its scaler.step or optimizer.step)."""
+    return next((c.split("@", 1)[1] for c in reversed(rec.calls) if c.startswith(("scaler.step@", "optimizer.step@"))),
+                "?")
 
 
 def s_where(o: OptTrack) -> str:
@@ -1005,50 +1079,24 @@ def _pairs(inputs: Any, out: Any) -> list[tuple[Any, Any]]:
     return []
 
 
-_CONST_OPS = {"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1"}
-_CAST_OPS = {"ToCopyBackward0"}
-
-
 def _loss_factor(t: Any) -> float | None:
     """The product of the constant multiplications and divisions between ``t`` and the loss
     (rule loss-not-divided in the module docstring); None when it cannot be read."""
-    factor = 1.0
-    node = getattr(t, "grad_fn", None)
-    for _ in range(16):
-        if node is None:
-            return factor
-        name = node.name()
-        nxt = node.next_functions
-        if name in _CAST_OPS:
-            node = nxt[0][0] if nxt else None
-            continue
-        if name not in _CONST_OPS or len(nxt) == 0:
-            return factor
-        if len(nxt) == 1:  # a Scalar overload: one tensor input, the constant saved
-            const = getattr(node, "_saved_other", None)
-            follow = nxt[0][0]
-            on_self = False
-        elif nxt[1][0] is None and nxt[0][0] is not None:
-            const, follow, on_self = getattr(node, "_saved_other", None), nxt[0][0], False
-        elif nxt[0][0] is None and nxt[1][0] is not None and name.startswith("Mul"):
-            const, follow, on_self = getattr(node, "_saved_self", None), nxt[1][0], True
-        else:
-            return factor
-        if const is None:
-            return None
-        try:
-            c = float(const) if not isinstance(const, torch.Tensor) else (float(const) if const.numel() == 1 else None)
-        except (TypeError, ValueError, RuntimeError):
-            return None
-        if c is None:
-            return factor
-        factor = factor * c if name.startswith("Mul") else factor / c
-        node = follow
-    return None
+    return windows.describe(t, False, False)[0]
 
 
 def _signature(o: OptTrack) -> list[tuple[Any, int]]:
     return [(None, -1) if p.grad is None else (id(p.grad), p.grad._version) for p in o.params()]
+
+
+def _touched(o: OptTrack, before: list[tuple[Any, int]] | None) -> list[int]:
+    """The ids of ``o``'s parameters whose gradient a backward pass changed (all with one, when
+    the state before is unknown)."""
+    params = o.params()
+    if before is None or len(before) != len(params):
+        return [id(p) for p in params if p.grad is not None]
+    return [id(p) for p, s in zip(params, before)
+            if p.grad is not None and (id(p.grad), p.grad._version) != s]
 
 
 def _classify(obj: Any) -> tuple[bool, bool]:

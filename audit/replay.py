@@ -61,7 +61,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from audit.rules import Finding
+from audit import boundaries
+from audit.rules import WARNING, Finding
 from reference import clipping, optim, scaling
 
 __all__ = ["Replayer", "Divergence", "NORM_ULP", "CLIP_ULP", "SGD_BUFFER_ULP", "SGD_PARAM_ULP",
@@ -78,7 +79,7 @@ ADAM_PARAM_ULP = 2 * 15
 
 # Rules whose breach changes the step's numbers: a divergence at the step of such a finding is
 # its consequence, reported with the finding (its expected and got), not as a second finding.
-EXPLAINING_RULES = frozenset({"clip-before-unscale", "unscale-twice", "update-without-step",
+EXPLAINING_RULES = frozenset({"clip-before-unscale", "unscale-twice", "scale-twice", "update-without-step",
                               "step-bypasses-scaler", "new-scaler-mid-run", "optimizer-before-to"})
 
 
@@ -95,119 +96,10 @@ class Divergence:
     got: Any
     detail: str
     where: str
+    hooks: str | None = None  # the optimizer's own step hooks at that step (the cause may be theirs)
 
 
-_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
-_SINT = {2: np.int16, 4: np.int32, 8: np.int64}
-
-
-def _bits_hex(x: Any) -> str:
-    a = np.asarray(x)
-    view = _UINT.get(a.dtype.itemsize)
-    return f"{int(a.view(view)):#0{2 + 2 * a.dtype.itemsize}x}" if view is not None else "?"
-
-
-def _ordinals(x: np.ndarray) -> np.ndarray:
-    """Each float's position on the number line (adjacent floats 1 apart, +0 and -0 both 0), as float64."""
-    s = x.view(_SINT[x.dtype.itemsize]).astype(np.int64)
-    mag = s & np.int64((1 << (8 * x.dtype.itemsize - 1)) - 1)
-    return np.where(s < 0, -mag, mag).astype(np.float64)
-
-
-@dataclass
-class Comparison:
-    """``problem`` None when the arrays agree at the bound; else the first mismatch described, with
-    its two values. ``worst``: the largest distance among the elements that agree (ULPs)."""
-
-    problem: str | None
-    worst: float = 0.0
-    expected: Any = None
-    got: Any = None
-
-
-def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound: int) -> tuple[np.ndarray, float]:
-    """Whole-array passes over flat ``g`` and ``e`` (``gi``, ``ei``: their bits as signed integers):
-    the flat indices the element-wise check must look at, and the largest ULP distance among the
-    others, which agree.
-
-    At ``bound`` 0 the pairs whose bits differ. Otherwise the pairs not plainly within ``bound // 2``
-    ULPs: the difference of the bit patterns, wrapping in their integer type, has a magnitude of
-    at most ``bound // 2``, and both values are finite. For two finite values that magnitude is
-    their ULP distance: exactly so for one sign; for opposite signs the true difference lies
-    between 1 and 2**bits - 1, and a wrapped magnitude within ``bound // 2`` needs a pattern within
-    ``bound // 2`` below the sign bit (a NaN) or below all ones (a negative NaN).
-    """
-    if bound == 0:
-        return (_NO_INDEX, 0.0) if np.array_equal(gi, ei) else (np.flatnonzero(gi != ei), 0.0)
-    half = bound // 2
-    d = np.subtract(gi, ei)
-    np.abs(d, out=d)  # the most negative difference stays negative: the unsigned view makes it huge
-    du = d.view(_UINT[g.dtype.itemsize])
-    if np.isfinite(g).all() and np.isfinite(e).all():
-        worst = int(du.max(initial=0))
-        if worst <= half:
-            return _NO_INDEX, float(worst)
-        idx = np.flatnonzero(du > half)
-    else:
-        near = du <= half
-        near &= np.isfinite(g)
-        near &= np.isfinite(e)
-        idx = np.flatnonzero(~near)
-    du[idx] = 0  # our own scratch: the largest distance left is that of the pairs that agree
-    return idx, float(du.max(initial=0))
-
-
-_NO_INDEX = np.zeros(0, np.intp)
-
-
-def _compare(got: np.ndarray, expected: np.ndarray, bound: int, x_abs: Any = None) -> Comparison:
-    """``got`` against ``expected``: bit for bit (``bound`` 0), else within ``bound`` ULPs of the
-    value, or of ``x_abs`` when given (an array, or a function of flat indices returning the
-    magnitudes there). NaN compares as a class.
-
-    Work goes only where it is needed: the bits first; then the ULP distance of the values that
-    differ; ``x_abs`` only for those more than ``bound // 2`` ULPs apart. That is safe because
-    ``x_abs`` is at least the result's magnitude (the triangle inequality: the formula on
-    magnitudes bounds the formula's value), so one ULP of ``x_abs`` is at least half an ULP of
-    either value, and ``bound // 2`` ULPs of the values are within ``bound`` ULPs of ``x_abs``.
-    """
-    got = np.asarray(got)
-    expected = np.asarray(expected)
-    if got.shape != expected.shape or got.dtype != expected.dtype:
-        return Comparison(f"shape/dtype {got.shape} {got.dtype} against the spec's {expected.shape} "
-                          f"{expected.dtype}", math.inf)
-    gflat, eflat = got.reshape(-1), expected.reshape(-1)
-    gi, ei = gflat.view(_SINT[got.dtype.itemsize]), eflat.view(_SINT[got.dtype.itemsize])
-    idx, fast_worst = _screen(gflat, eflat, gi, ei, bound)
-    if idx.size == 0:
-        return Comparison(None, fast_worst)
-    g, e = gflat[idx], eflat[idx]
-    g_nan, e_nan = np.isnan(g), np.isnan(e)
-    with np.errstate(invalid="ignore", over="ignore"):
-        finite = np.isfinite(g) & np.isfinite(e)
-        if bound == 0:
-            dist = np.where(g_nan & e_nan, 0.0, math.inf)
-        else:
-            dist = np.where(finite, np.abs(_ordinals(g) - _ordinals(e)), 0.0)
-            far = finite & (dist > bound // 2) if x_abs is not None else None
-            if far is not None and far.any():
-                sub = idx[far]
-                xa = np.abs(x_abs(sub) if callable(x_abs) else np.asarray(x_abs, np.float64).reshape(-1)[sub])
-                unit = np.maximum(np.spacing(xa.astype(got.dtype)).astype(np.float64),
-                                  float(np.finfo(got.dtype).smallest_subnormal))
-                dist[far] = np.abs(g[far].astype(np.float64) - e[far].astype(np.float64)) / unit
-    bad = np.where(g_nan | e_nan, g_nan != e_nan, np.where(finite, dist > bound, g != e))
-    good = dist[~bad]
-    worst = max(fast_worst, float(good.max()) if good.size else 0.0)
-    if not bad.any():
-        return Comparison(None, worst)
-    k = int(np.argmax(bad))
-    i = [int(v) for v in np.unravel_index(idx[k], got.shape)] if got.ndim else []
-    unit_text = "" if bound == 0 else (f", {dist[k]:.1f} ULP{' of x_abs' if x_abs is not None else ''} apart "
-                                       f"(bound {bound})")
-    return Comparison(f"{int(bad.sum())} of {got.size} elements differ; first at index {i}: torch {float(g[k])!r} "
-                      f"({_bits_hex(g[k])}), spec {float(e[k])!r} ({_bits_hex(e[k])}){unit_text}",
-                      math.inf, float(e[k]), float(g[k]))
+from audit.compare import Comparison, _bits_hex, _compare, _ordinals, _screen  # noqa: F401  (tests use _compare)
 
 
 @dataclass(frozen=True)
@@ -404,6 +296,8 @@ class Replayer:
             return
         before = len(self.divergences)
         self._max_seen = 0.0
+        self._edits = 0
+        self._hooks = d.hooks
         try:
             self._replay_step(o, d, rec)
         except _NotReplayable as exc:
@@ -417,9 +311,12 @@ class Replayer:
             exact = self._max_seen == 0.0
             self.steps_bit_exact += int(exact)
             rec.replay = "bit for bit" if exact else f"within the bounds (largest {self._max_seen:.1f} ULP)"
+            if self._edits:
+                rec.replay += ", from gradients the loop changed between stages"
 
     def _diverge(self, o: Any, rec: Any, fld: str, got: Any, expected: Any, detail: str, where: str) -> None:
-        self.divergences.append(Divergence(rec.step, o.label, fld, expected, got, detail, where))
+        self.divergences.append(Divergence(rec.step, o.label, fld, expected, got, detail, where,
+                                           getattr(self, "_hooks", None)))
 
     def _check(self, o: Any, rec: Any, fld: str, got: np.ndarray, expected: np.ndarray, bound: int, where: str,
                x_abs: Any = None) -> bool:
@@ -431,12 +328,46 @@ class Replayer:
         return False
 
     def _replay_step(self, o: OptimizerRef, d: Any, rec: Any) -> None:
-        step_where = next((c.split("@", 1)[1] for c in reversed(rec.calls)
-                           if c.startswith(("scaler.step@", "optimizer.step@"))), "?")
+        """The stages in the contract's order; each takes torch's own input at its boundary."""
+        step_where = _call_where(rec, ("scaler.step@", "optimizer.step@"))
         present = [i for i, g in enumerate(d.scaled) if g is not None]
         for i in present:
             if d.scaled[i].dtype not in (np.float16, np.float32, np.float64, np.dtype(ml_dtypes.bfloat16)):
                 raise _NotReplayable(f"{d.scaled[i].dtype} gradients")
+        first = f"{d.first_stage} at {_call_where(rec, (d.first_stage + '@',))}"
+        if d.backward is not None:
+            self._boundary(o, rec, d, "backward", first, present, [d.scaled[i] for i in present],
+                           {i: d.backward[i] for i in present}, 0, None)
+        state = self._stage_found_inf(o, d, rec, present, step_where)
+        g_spec: dict[int, Any] = {i: d.scaled[i] for i in present}  # read-only arrays, never written
+        prev, bound, after_unscale = first, 0, False
+        early = [c for c in d.clips if c.before_unscale]  # clip-before-unscale: the clip saw scaled values
+        for c in early:
+            bound = self._clip_boundary_and_stage(o, d, rec, c, g_spec, prev, bound, False)
+            self._scaled_norm(o, rec, c, d.scale)
+            prev = f"{c.kind} at {c.where}"
+        unscaled_here = self._stage_unscale(d, g_spec, state)
+        after_unscale = unscaled_here or state is None  # without a scaler every gradient is unscaled
+        if unscaled_here and not early:
+            at = _call_where(rec, ("scaler.unscale_@",))
+            prev = f"scaler.unscale_ at {at}" if at != "?" else f"the unscale inside scaler.step at {step_where}"
+        for c in d.clips:
+            if not c.before_unscale:
+                bound = self._clip_boundary_and_stage(o, d, rec, c, g_spec, prev, bound, after_unscale)
+                prev = f"{c.kind} at {c.where}"
+        if d.step_grads is None:
+            return  # a skipped step: the optimizer was not called
+        idx = [i for i, g in enumerate(d.step_grads) if g is not None]
+        self._boundary(o, rec, d, prev, f"the optimizer step at {step_where}", idx, [d.step_grads[i] for i in idx],
+                       g_spec, bound, step_where, after_unscale=after_unscale)
+        if not d.on_cpu:
+            raise _NotReplayable("parameters on a device other than the CPU")
+        if d.params_after is not None:
+            self._stage_optimizer(o, d, rec, step_where)
+
+    def _stage_found_inf(self, o: OptimizerRef, d: Any, rec: Any, present: list[int], step_where: str) -> Any:
+        """Stage 1: found_inf of the scaled gradients against the scaler's flag, and the skip.
+        Returns the scaler state the unscale uses (None without an enabled scaler)."""
         scaled = [d.scaled[i] for i in present]
         spec_found = scaling.has_inf_or_nan(scaled)
         self._found[(o.label, rec.step)] = spec_found
@@ -448,102 +379,117 @@ class Replayer:
             self._diverge(o, rec, "applied", bool(rec.applied), not spec_found,
                           ("the optimizer applied a step with inf or NaN gradients" if rec.applied else
                            "the step was skipped although every gradient was finite"), step_where)
+        return scaling.ScalerState(d.scale, 0, 1) if d.scale is not None else None
 
-        # Stage 2: unscale (the fused kernel's own division happens in the optimizer stage).
-        g_spec: dict[int, np.ndarray | None] = {}
-        state = scaling.ScalerState(d.scale, 0, 1) if d.scale is not None else None
-        kernel = d.kernel_unscale and not d.clips
-        if state is not None and not kernel:
-            unscaled, _ = scaling.unscale_gradients(scaled, state)
-            g_spec = dict(zip(present, unscaled))
-        else:
-            g_spec = dict(zip(present, scaled))  # read-only arrays, never written
-        bound = 0
-        after_unscale = state is not None and not kernel
-        for c in d.clips:
-            self._check_grads(o, rec, f"gradients entering {c.kind} at {c.where}", c.indices, c.grads_in, g_spec,
-                              bound, c.where, state if after_unscale else None)
-            after_unscale = False
-            ins = [(i, g) for i, g in zip(c.indices, c.grads_in) if g is not None]
-            if c.kind != "clip_grad_value_" and not d.on_cpu:
-                raise _NotReplayable(f"{c.kind} on a device other than the CPU (its rules there are not the CPU's)")
-            if c.kind == "clip_grad_value_":
-                out = clipping.clip_grad_value([g for _, g in ins], float(c.arguments["clip_value"]))
-                bound = 0
-            elif c.kind == "clip_grad_norm_":
-                norm_type = float(c.arguments.get("norm_type", 2.0))
-                if norm_type not in (2.0, math.inf):
-                    for i, _ in ins:
-                        g_spec[i] = None
-                    raise _NotReplayable(f"clip_grad_norm_ with norm_type={norm_type!r}")
-                if c.total_norm is None:
-                    raise _NotReplayable("a clip_grad_norm_ call that raised")
-                res = clipping.clip_grad_norm([g for _, g in ins], float(c.arguments["max_norm"]), norm_type,
-                                              num_threads=c.threads)
-                if rec.clip_coef is None:
-                    rec.clip_coef = float(res.clip_coef)
-                total = np.asarray(res.total_norm)
-                torch_total = np.asarray(c.total_norm).astype(total.dtype).reshape(())
-                self._check(o, rec, f"total norm of {c.kind} at {c.where}", torch_total, total.reshape(()),
-                            self._bound(NORM_ULP), c.where)
-                out = list(res.grads)
-                bound = self._bound(CLIP_ULP)
-            else:  # clip_grads_with_norm_: the coefficient of the total the loop computed, exact
-                total = c.arguments.get("total_norm")
-                if not isinstance(total, np.ndarray) or total.size != 1:
-                    for i, _ in ins:
-                        g_spec[i] = None
-                    raise _NotReplayable(f"clip_grads_with_norm_ with a total_norm of type {type(total).__name__}")
-                res = clipping.clip_grads_with_norm([g for _, g in ins], float(c.arguments["max_norm"]), total)
-                if rec.clip_coef is None:
-                    rec.clip_coef = float(res.clip_coef)
-                out = list(res.grads)
-                bound = 0
-            for (i, _), g in zip(ins, out):
-                g_spec[i] = g
-        if d.step_grads is None:
-            return  # a skipped step: the optimizer was not called
-        idx = [i for i, g in enumerate(d.step_grads) if g is not None]
-        self._check_grads(o, rec, f"gradients entering the optimizer step at {step_where}", idx,
-                          [d.step_grads[i] for i in idx], g_spec, bound, step_where,
-                          state if after_unscale else None)
-        if not d.on_cpu:
-            raise _NotReplayable("parameters on a device other than the CPU")
-        if d.params_after is not None:
-            self._replay_optimizer(o, d, rec, step_where)
+    def _stage_unscale(self, d: Any, g_spec: dict[int, Any], state: Any) -> bool:
+        """Stage 2: the spec's unscale of the gradients in ``g_spec`` (the scaled ones, or what a
+        clip before the unscale left), in place; whether it happened here (the fused kernel's own
+        division happens in the optimizer stage)."""
+        if state is None or not d.unscaled:  # no unscale_ ran (the fused kernel's own, or none at all)
+            return False
+        keys = [i for i, g in g_spec.items() if g is not None]
+        unscaled, _ = scaling.unscale_gradients([g_spec[i] for i in keys], state)
+        g_spec.update(zip(keys, unscaled))
+        return True
 
-    def _check_grads(self, o: Any, rec: Any, fld: str, indices: list[int], got: list[Any],
-                     spec: dict[int, np.ndarray | None], bound: int, where: str,
-                     unscale_state: Any) -> None:
-        """One stage's input against the spec's previous output; after an unscale, a mismatch
-        that is exactly a second unscale (by the inverse or by a division) is named as such."""
-        for i, g in zip(indices, got):
-            e = spec.get(i)
-            if g is None or e is None:
-                continue
-            c = _compare(g, e, bound)
-            if c.problem is None:
-                self._max_seen = max(self._max_seen, c.worst)
-                continue
-            if unscale_state is not None and self._is_second_unscale(g, e, unscale_state):
-                self.findings.append(Finding(
-                    "unscale-twice", rec.step, where,
-                    f"the {fld} are the unscaled gradients divided by the scale {float(unscale_state.scale)!r} "
-                    f"once more (parameter {i}: {c.problem})", expected=c.expected, got=c.got))
-            self._diverge(o, rec, fld, c.got, c.expected, f"parameter {i}: {c.problem}", where)
+    def _clip_boundary_and_stage(self, o: OptimizerRef, d: Any, rec: Any, c: Any, g_spec: dict[int, Any],
+                                 prev: str, bound: int, after_unscale: bool) -> int:
+        self._boundary(o, rec, d, prev, f"{c.kind} at {c.where}", c.indices, c.grads_in, g_spec, bound, c.where,
+                       after_unscale=after_unscale)
+        return self._stage_clip(o, d, rec, c, g_spec)
+
+    def _scaled_norm(self, o: OptimizerRef, rec: Any, c: Any, scale: Any) -> None:
+        """A clip of scaled gradients: the norm it measured against the unscaled gradients' norm
+        (a divergence that the clip-before-unscale finding of this step explains and carries)."""
+        if c.total_norm is None or scale is None or not float(scale):
             return
+        got = float(np.asarray(c.total_norm).reshape(()))
+        self._diverge(o, rec, f"total norm seen by {c.kind} at {c.where}", got, got / float(scale),
+                      f"the clip measured the scaled gradients' norm {got!r}, {float(scale)!r} times the "
+                      "unscaled one", c.where)
 
-    @staticmethod
-    def _is_second_unscale(got: np.ndarray, once: np.ndarray, state: Any) -> bool:
-        twice, _ = scaling.unscale_gradients([once], state)
-        if _compare(got, twice[0], 0).problem is None:
-            return True
-        with np.errstate(all="ignore"):
-            wide = once.astype(np.float64) / np.float64(state.scale) if once.dtype == np.float64 else \
-                (once.astype(np.float32) / np.float32(state.scale)).astype(once.dtype)
-        return _compare(got, np.asarray(wide, once.dtype), 0).problem is None
+    def _stage_clip(self, o: OptimizerRef, d: Any, rec: Any, c: Any, g_spec: dict[int, Any]) -> int:
+        """Stage 3, one clipping call, from torch's input to it: its total norm against torch's;
+        its clipped gradients go to ``g_spec``. Returns the bound their next check uses."""
+        ins = [(i, g) for i, g in zip(c.indices, c.grads_in) if g is not None]
+        if c.kind != "clip_grad_value_" and not d.on_cpu:
+            raise _NotReplayable(f"{c.kind} on a device other than the CPU (its rules there are not the CPU's)")
+        if c.kind == "clip_grad_value_":
+            out, bound = clipping.clip_grad_value([g for _, g in ins], float(c.arguments["clip_value"])), 0
+        elif c.kind == "clip_grad_norm_":
+            norm_type = float(c.arguments.get("norm_type", 2.0))
+            if norm_type not in (2.0, math.inf):
+                for i, _ in ins:
+                    g_spec[i] = None
+                raise _NotReplayable(f"clip_grad_norm_ with norm_type={norm_type!r}")
+            if c.total_norm is None:
+                raise _NotReplayable("a clip_grad_norm_ call that raised")
+            res = clipping.clip_grad_norm([g for _, g in ins], float(c.arguments["max_norm"]), norm_type,
+                                          num_threads=c.threads)
+            total = np.asarray(res.total_norm)
+            torch_total = np.asarray(c.total_norm).astype(total.dtype).reshape(())
+            self._check(o, rec, f"total norm of {c.kind} at {c.where}", torch_total, total.reshape(()),
+                        self._bound(NORM_ULP), c.where)
+            out, bound = list(res.grads), self._bound(CLIP_ULP)
+        else:  # clip_grads_with_norm_: the coefficient of the total the loop computed, exact
+            total = c.arguments.get("total_norm")
+            if not isinstance(total, np.ndarray) or total.size != 1:
+                for i, _ in ins:
+                    g_spec[i] = None
+                raise _NotReplayable(f"clip_grads_with_norm_ with a total_norm of type {type(total).__name__}")
+            res = clipping.clip_grads_with_norm([g for _, g in ins], float(c.arguments["max_norm"]), total)
+            out, bound = list(res.grads), 0
+        if c.kind != "clip_grad_value_" and rec.clip_coef is None:
+            rec.clip_coef = float(res.clip_coef)
+        for (i, _), g in zip(ins, out):
+            g_spec[i] = g
+        return bound
+
+    def _boundary(self, o: OptimizerRef, rec: Any, d: Any, prev: str, into: str, indices: list[int],
+                  got: list[Any], spec: dict[int, Any], bound: int, where: str | None,
+                  after_unscale: bool = False) -> None:
+        """torch's input to stage ``into`` against what the spec's previous stage ``prev`` gave
+        (`audit.boundaries`): agreement, a second unscale or scale (errors), a numeric
+        divergence of the previous stage, or the loop's own edit (info). The next stage starts
+        from torch's input whatever it is."""
+        pairs = [(i, g, spec[i]) for i, g in zip(indices, got) if g is not None and spec.get(i) is not None]
+        ch = boundaries.measure(pairs, bound, d.scale)
+        if ch is None:
+            return
+        if ch.kind == "none":
+            self._max_seen = max(self._max_seen, ch.worst)
+            return
+        where = where or into.rsplit(" at ", 1)[-1]
+        between = f"between {prev} and {into}"
+        n = f"{len(ch.changed)} of {len(pairs)} gradients"
+        if ch.kind == "unscale":
+            self._add(rec, "unscale-twice", where, f"the gradients were divided by the loss scale {float(d.scale)!r} by "
+                      f"hand {between} ({n}; {ch.detail}); " + ("they were unscaled already" if after_unscale or
+                                                                   prev != "backward" else
+                                                                   "the scaler unscales them again"), ch)
+        elif ch.kind == "scale":
+            self._add(rec, "scale-twice", where, f"the gradients were multiplied by the loss scale {float(d.scale)!r} "
+                      f"{between} ({n}; {ch.detail}): the update is that many times too large", ch)
+        elif ch.kind == "numeric" and prev != "backward":
+            self._diverge(o, rec, f"gradients entering {into}", ch.got, ch.expected, ch.detail, where)
+        else:
+            rule = "gradients-modified-after-unscale" if after_unscale else "gradients-modified-before-unscale"
+            self._edits += 1
+            self._add(rec, rule, where, f"the loop's own code changed {n} {between}: the norm of the gradients "
+                      f"is {ch.ratio:.6g} times the specification's ({ch.detail}); the replay continued from the "
+                      "changed gradients", ch, expected="the previous stage's output", got=f"norm ratio {ch.ratio:.6g}")
+
+    def _add(self, rec: Any, rule: str, where: str, message: str, ch: Any, expected: Any = None,
+             got: Any = None) -> None:
+        self.findings.append(Finding(rule, rec.step, where, message,
+                                     expected=ch.expected if expected is None else expected,
+                                     got=ch.got if got is None else got))
 
     # ------------------------------------------------------------------ the optimizer stage
+
+    def _stage_optimizer(self, o: OptimizerRef, d: Any, rec: Any, where: str) -> None:
+        """Stage 4: the optimizer step from torch's parameters, gradients and state."""
+        self._replay_optimizer(o, d, rec, where)
 
     def _replay_optimizer(self, o: OptimizerRef, d: Any, rec: Any, where: str) -> None:
         for p_np in d.params_before:
@@ -628,6 +574,7 @@ class Replayer:
                 after: tuple[Any, int], new_scale: float | None, factors: tuple[float, float, int]) -> None:
         if not closes:
             return
+        self._hooks = None
         o, rec = closes[0]
         where = next((c.split("@", 1)[1] for c in reversed(rec.calls) if c.startswith("scaler.update@")), "?")
         expected_after = self._expected_after.get(label)
@@ -693,10 +640,19 @@ class Replayer:
         first = rest[0]
         steps = sorted({dv.step for dv in rest})
         more = f"; {len(steps)} step(s) diverged in all (steps {_ranges(steps)})" if len(steps) > 1 else ""
+        hooks = ""
+        if first.hooks:  # user code inside the step: the difference may be theirs, not torch's
+            hooks = (f"; {first.optimizer} has step hooks of its own ({first.hooks}), which may change what the "
+                     "step computes: the audit cannot tell")
         recorder.findings.append(Finding(
             "replay-divergence", first.step, first.where,
-            f"step {first.step} of {first.optimizer}: {first.field}: {first.detail}{more}",
-            expected=first.expected, got=first.got))
+            f"step {first.step} of {first.optimizer}: {first.field}: {first.detail}{more}{hooks}",
+            expected=first.expected, got=first.got, level=WARNING if first.hooks else None))
+
+
+def _call_where(rec: Any, prefixes: tuple[str, ...]) -> str:
+    """The call site of the step's last call with one of ``prefixes`` (``name@file:line``)."""
+    return next((c.split("@", 1)[1] for c in reversed(rec.calls) if c.startswith(prefixes)), "?")
 
 
 def _ranges(xs: list[int]) -> str:
@@ -745,8 +701,13 @@ def _adam_state(s: dict[str, Any], p: np.ndarray, cfg: Any) -> Any:
 
 def _torch_sqrt(impl: str) -> Any:
     if impl == "foreach":
-        return lambda a: torch._foreach_sqrt([torch.from_numpy(np.ascontiguousarray(a))])[0].numpy()
-    return lambda a: torch.sqrt(torch.from_numpy(np.ascontiguousarray(a))).numpy()
+        return lambda a: torch._foreach_sqrt([_as_tensor(a)])[0].numpy()
+    return lambda a: torch.sqrt(_as_tensor(a)).numpy()
+
+
+def _as_tensor(a: np.ndarray) -> torch.Tensor:
+    """``a`` as a tensor of its own shape: ``np.ascontiguousarray`` would make a 0-d array (1,)."""
+    return torch.from_numpy(np.require(a, requirements="C"))
 
 
 def _flat(a: np.ndarray, ix: np.ndarray) -> np.ndarray:
