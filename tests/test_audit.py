@@ -716,3 +716,104 @@ def test_a_step_that_cannot_be_sent_to_the_replay_process_is_named_not_replayed(
     (reason,) = r.replay["not_replayed"]
     assert reason.startswith("the step's data could not be sent to the replay process (TypeError")
     assert all(s.replay == f"not replayed: {reason}" for s in r.steps)
+
+
+# ----------------------------------------------------------------------------- the severity contract
+
+
+def test_a_checkpoint_without_the_scaler_is_a_warning_when_the_scaler_state_was_read(tmp_path):
+    """scaler.state_dict() called, but no torch.save holds it: it may be written by other means
+    (pickle here), so the audit cannot be certain."""
+    script = tmp_path / "pickled_scaler.py"
+    script.write_text(textwrap.dedent(f"""
+        import pickle, sys, torch
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        for step in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.ones(3, 4)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            torch.save({{"optimizer": opt.state_dict()}}, {str(tmp_path / "ckpt.pt")!r})
+            if sys.argv[1] == "pickle":
+                with open({str(tmp_path / "scaler.pkl")!r}, "wb") as f:
+                    pickle.dump(scaler.state_dict(), f)
+    """))
+    for mode, severity in (("pickle", "warning"), ("none", "error")):
+        report = run_script(script, [mode])
+        assert [(f.rule, f.severity, f.step) for f in report.findings] == \
+            [("checkpoint-without-scaler", severity, 0), ("checkpoint-without-scaler", severity, 1)], report.text()
+        assert report.exit_status == (1 if severity == "error" else 0)
+
+
+def test_an_infinite_clip_threshold_measures_the_norm_and_is_no_finding(tmp_path):
+    script = tmp_path / "norm_only.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        for step in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.ones(3, 4)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+            scaler.step(opt)
+            scaler.update()
+    """))
+    report = run_script(script)
+    assert report.findings == [] and report.error is None, report.text()
+
+
+def test_the_boundary_names_a_division_a_multiplication_a_numeric_difference_and_an_edit():
+    from audit import boundaries
+
+    scale = np.float32(65536.0)
+    e = np.linspace(-3, 3, 64, dtype=np.float32)
+    cases = {"unscale": e * np.float32(1 / 65536.0), "scale": e * scale,
+             "numeric": np.nextafter(e, np.float32(np.inf)), "edit": e * np.float32(0.5)}
+    for kind, got in cases.items():
+        ch = boundaries.measure([(0, got, e)], 0, scale)
+        assert ch.kind == kind, (kind, ch)
+    assert boundaries.measure([(0, e.copy(), e)], 0, scale).kind == "none"
+    assert boundaries.measure([(0, e * np.float32(0.5), e)], 0, scale).ratio == pytest.approx(0.5)
+    # Without a scaler a multiple of 65536 is an edit, not a second scale.
+    assert boundaries.measure([(0, e * scale, e)], 0, None).kind == "edit"
+
+
+@pytest.mark.parametrize("mode,finding", [("cached", None), ("microbatches", "error"), ("sum-root", "warning")])
+def test_several_backward_passes_are_an_accumulation_window_only_for_microbatches_of_one_loss(mode, finding):
+    """A full-batch loss recomputed per microbatch over cached (detached) representations is no
+    window; undivided microbatches of one loss are (an error); a root the audit does not know
+    as a loss cannot be decided (a warning)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    chunks = [torch.randn(3, 6) for _ in range(3)]
+    with audit() as session:
+        for step in range(2):
+            opt.zero_grad()
+            with torch.no_grad():
+                cached = [model(x) for x in chunks]
+            for j, x in enumerate(chunks):
+                out = model(x)
+                if mode == "cached":
+                    reps = torch.cat(cached[:j] + [out] + cached[j + 1:])
+                    loss = torch.nn.functional.cross_entropy(reps, torch.arange(9) % 4)
+                elif mode == "microbatches":
+                    loss = torch.nn.functional.cross_entropy(out, torch.arange(3))
+                else:
+                    loss = out.pow(2).sum()
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    got = [(f.rule, f.severity, f.step) for f in session.report.findings]
+    assert got == ([] if finding is None else [("loss-not-divided", finding, 0), ("loss-not-divided", finding, 1)]), \
+        session.report.text()

@@ -64,6 +64,7 @@ PLANTED = [
     # A hand division by the scale before scaler.step, which unscales again; a multiplication by it.
     ("scaler_loop.py", ["--bug", "unscale-by-hand"], "unscale-twice", ALL12, 1),
     ("scaler_loop.py", ["--bug", "scale-twice"], "scale-twice", ALL12, 1),
+    ("scaler_loop.py", ["--bug", "gradients-masked"], "gradients-modified-before-unscale", ALL12, 0),
     ("scaler_loop.py", ["--bug", "clip-before-unscale", "--clip", "split"], "clip-before-unscale", ALL12, 1),
     ("bf16_loop.py", ["--bug", "backward-in-autocast"], "backward-in-autocast", ALL12, 0),
     ("bf16_loop.py", ["--bug", "optimizer-before-to"], "optimizer-before-to", [0], 1),

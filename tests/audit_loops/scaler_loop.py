@@ -13,7 +13,7 @@ from _common import batches, make_model, parse
 
 BUGS = ("clip-before-unscale", "clip-threshold-scaled", "unscale-twice", "unscale-twice-call",
         "step-without-update", "update-without-step", "step-bypasses-scaler", "backward-in-autocast",
-        "gradients-altered", "unscale-by-hand", "scale-twice")
+        "gradients-altered", "unscale-by-hand", "scale-twice", "gradients-masked")
 args = parse(BUGS, optimizer="adamw", clip="norm")
 bug = args.bug
 if args.clip == "split":
@@ -61,6 +61,10 @@ for step, (x, y) in enumerate(batches(args.steps)):
     elif bug == "gradients-altered":
         scaler.unscale_(opt)
         next(model.parameters()).grad.mul_(0.5)  # the loop's own edit, which torch's AMP notes allow
+        clip_grad_norm_(model.parameters(), 1.0)
+    elif bug == "gradients-masked":
+        next(model.parameters()).grad[0].zero_()  # a mask on the scaled gradients, before unscale_
+        scaler.unscale_(opt)
         clip_grad_norm_(model.parameters(), 1.0)
     elif bug == "unscale-by-hand":
         for p in model.parameters():  # e.g. to log the true norm; scaler.step below unscales again
