@@ -63,7 +63,7 @@ for step, (x, y) in enumerate(batches(args.steps)):
         next(model.parameters()).grad.mul_(0.5)  # the loop's own edit, which torch's AMP notes allow
         clip_grad_norm_(model.parameters(), 1.0)
     elif bug == "gradients-masked":
-        next(model.parameters()).grad[0].zero_()  # a mask on the scaled gradients, before unscale_
+        list(model.parameters())[-1].grad[:2].zero_()  # a mask on the scaled gradients, before unscale_
         scaler.unscale_(opt)
         clip_grad_norm_(model.parameters(), 1.0)
     elif bug == "unscale-by-hand":
