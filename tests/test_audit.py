@@ -817,3 +817,16 @@ def test_several_backward_passes_are_an_accumulation_window_only_for_microbatche
     got = [(f.rule, f.severity, f.step) for f in session.report.findings]
     assert got == ([] if finding is None else [("loss-not-divided", finding, 0), ("loss-not-divided", finding, 1)]), \
         session.report.text()
+
+
+def test_no_class_over_300_lines_and_no_function_over_60_in_the_audit():
+    import ast
+
+    too_long = []
+    for path in sorted((ROOT / "audit").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                limit = 300 if isinstance(node, ast.ClassDef) else 60
+                if node.end_lineno - node.lineno + 1 > limit:
+                    too_long.append(f"{path.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert too_long == []
