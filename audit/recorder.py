@@ -79,6 +79,7 @@ from typing import Any, Iterable
 
 import torch
 
+from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
 from audit import windows
 from audit.records import (Backward, OptTrack, ScalerTrack, Snapshots, StepData, StepLimitReached, StepRecord,
                            Window, _f32, _jsonish, _num, _step_call, _unwrap_optimizer, plain_tensor, s_where)

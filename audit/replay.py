@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
 from audit.rules import WARNING, Finding
 from audit.stages import CLIP_ULP, NORM_ULP, NotReplayable, StepStages, UpdateCheck
 from reference import optim
