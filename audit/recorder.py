@@ -84,6 +84,7 @@ from audit import windows
 from audit.records import (Backward, OptTrack, ScalerTrack, Snapshots, StepData, StepLimitReached, StepRecord,
                            Window, _f32, _jsonish, _num, _step_call, _unwrap_optimizer, plain_tensor, s_where)
 from audit.records import _classify, _loss_factor, call_site  # noqa: F401  (the tests read these here)
+from audit.records import _signature
 from audit.rules import WARNING, Finding
 from audit.track_optimizer import OptimizerCalls
 from audit.track_program import ProgramCalls
@@ -175,9 +176,9 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
             d.unsupported = f"{type(foreign).__name__} parameters or gradients (sharded tensors)"
             return d
         if self.snap.pool is not None:
-            # Gradients up to four times (backward, scaled, clipped, stepped), parameters and state twice.
+            # Gradients up to three times (scaled, clipped, stepped), parameters and state twice.
             state = [v for p in params for v in o.obj.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-            self.snap.pool.expect(sum(6 * p.numel() * p.element_size() for p in params)
+            self.snap.pool.expect(sum(5 * p.numel() * p.element_size() for p in params)
                                   + sum(2 * v.numel() * v.element_size() for v in state))
         d.on_cpu = all(p.device.type == "cpu" for p in params)
         hooks = [*getattr(o.obj, "_optimizer_step_pre_hooks", {}).values(),
@@ -195,6 +196,7 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
         d = self._new_data(o, "backward")
         if d.copying:
             d.backward = self.snap.grads(o.params(), d)
+            d.versions = _signature(o)
         w.data = d  # a previous microbatch's copy is garbage now: its slabs go back to the pool
 
     def _start_data(self, o: OptTrack, stage: str, scaler: ScalerTrack | None) -> None:
@@ -204,7 +206,11 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
             return
         d = w.data if w.data is not None else self._new_data(o, stage)
         d.first_stage = stage
-        if d.copying:
+        if d.copying and d.backward is not None and _signature(o) == d.versions:
+            # Untouched since backward, as far as torch's version counters tell: the same copy. An
+            # edit they do not count (through ``.data``) shows at the next boundary instead.
+            d.scaled, d.backward = d.backward, None
+        elif d.copying:
             d.scaled = self.snap.grads(o.params(), d)
         if scaler is not None and scaler.enabled and scaler.used:
             d.scale = _f32(scaler.obj.get_scale())

@@ -140,6 +140,7 @@ class StepData:
     first_stage: str = ""  # which call that was
     backward: list[Any] | None = None  # the gradients as the window's last scaled backward left them
     hooks: str | None = None  # the optimizer's own step hooks, which may change what it computes
+    versions: list[Any] | None = None  # the gradients' (id, version counter) when ``backward`` was copied
     unscaled: bool = False  # whether scaler.unscale_ ran (explicitly or inside scaler.step)
     clips: list[ClipStage] = field(default_factory=list)
     step_grads: list[Any] | None = None
