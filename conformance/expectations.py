@@ -7,6 +7,8 @@ rather than absorbed.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 TORCH_VERSION = ".".join(torch.__version__.split("+")[0].split(".")[:2])
@@ -100,6 +102,15 @@ SGD_BUFFER_ULP = 2 * 4
 SGD_PARAM_ULP = 2 * 8
 ADAM_MOMENT_ULP = 2 * 5
 ADAM_PARAM_ULP = 2 * 15
+_ADAM_ULP = {"exp_avg": ADAM_MOMENT_ULP, "exp_avg_sq": ADAM_MOMENT_ULP, "max_exp_avg_sq": ADAM_MOMENT_ULP,
+             "param": ADAM_PARAM_ULP}
+OPTIMIZER_ULP: dict[str, dict[str, int]] = {
+    "SGD": {"momentum_buffer": SGD_BUFFER_ULP, "param": SGD_PARAM_ULP},
+    "Adam": _ADAM_ULP,
+    "AdamW": _ADAM_ULP,
+}
+"""Per registered optimizer and state field (``param``: the parameter), the bound on native
+kernels in ULPs of x_abs of the field's dtype (derivations above and beside each row)."""
 
 
 def cuda_norm_rtol(n: int) -> float:
@@ -189,6 +200,17 @@ def fused_sgd_fails_on_late_first_gradient(device: str) -> bool:
     if device == "cpu" and TORCH_VERSION in FUSED_SGD_FAILS_ON_LATE_FIRST_GRADIENT:
         return FUSED_SGD_FAILS_ON_LATE_FIRST_GRADIENT[TORCH_VERSION]
     return probe_fused_sgd_fails_on_late_first_gradient(device)
+
+
+def known_optimizer_failure(name: str, impl: str, config: Any, grads: list, state: tuple,
+                            device: str) -> tuple[type, str] | None:
+    """The exception torch raises for this step, where a keyed fact says it does (and the spec,
+    which computes it, differs): ``(type, message pattern)``, else None."""
+    if name == "SGD" and impl == "fused" and config.momentum != 0 and fused_sgd_fails_on_late_first_gradient(device):
+        with_grad = [s for g, s in zip(grads, state) if g is not None]
+        if any(s.momentum_buffer is None for s in with_grad) and any(s.momentum_buffer is not None for s in with_grad):
+            return TypeError, "got NoneType"
+    return None
 
 
 def probe_fused_sgd_fails_on_late_first_gradient(device: str) -> bool:

@@ -7,8 +7,12 @@ ties. Subnormals are never switched off: loss scaling lives there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import ml_dtypes
 import numpy as np
+import torch
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as nps
 
@@ -171,23 +175,52 @@ def adam_config(draw) -> dict:
 
 
 @st.composite
-def optimizer_trajectory(draw, plant_nonfinite: bool = False, zero_d: bool = False) -> dict:
-    """Initial float32 parameters and the gradients recorded for each step (None: no gradient
-    that step). With ``plant_nonfinite`` some steps carry inf/NaN, as loss-scaled gradients do;
-    with ``zero_d`` parameters may be 0-d (where 0-d tensor hyperparameters promote)."""
-    dims = st.lists(st.integers(0, 33), min_size=0 if zero_d else 1, max_size=2).map(tuple)
+def optimizer_trajectory(draw, plant_nonfinite: bool = False, zero_d: bool = False,
+                         dtypes: tuple[np.dtype, ...] = (np.dtype(np.float32),), min_ndim: int = 0) -> dict:
+    """Initial parameters of one of ``dtypes`` and the gradients recorded for each step (None: no
+    gradient that step). With ``plant_nonfinite`` some steps carry inf/NaN, as loss-scaled
+    gradients do; with ``zero_d`` parameters may be 0-d (where 0-d tensor hyperparameters
+    promote); ``min_ndim`` is the fewest dimensions a parameter has (Adafactor factors matrices)."""
+    dtype = np.dtype(draw(st.sampled_from(dtypes)))
+    dims = st.lists(st.integers(0, 33), min_size=max(min_ndim, 0 if zero_d else 1), max_size=max(2, min_ndim)).map(tuple)
     shapes = draw(st.lists(st.one_of(st.just(()), dims) if zero_d else dims, min_size=1, max_size=3))
     param_magnitude = draw(st.sampled_from([1e-3, 1.0, 10.0]))
     grad_magnitude = draw(st.sampled_from([1e-6, 1e-2, 1.0, 1e2]))
-    params = [draw(gradient(np.dtype(np.float32), s, param_magnitude, plant_prob=0.0)) for s in shapes]
+    params = [draw(gradient(dtype, s, param_magnitude, plant_prob=0.0)) for s in shapes]
     steps = draw(st.integers(1, 6))
     grads = []
     for _ in range(steps):
         # The first parameter always has one: GradScaler.step refuses a step without any.
         grads.append([None if i > 0 and draw(st.integers(0, 9)) == 0 else
-                      draw(gradient(np.dtype(np.float32), s, grad_magnitude, plant_prob=0.3 if plant_nonfinite else 0.0))
+                      draw(gradient(dtype, s, grad_magnitude, plant_prob=0.3 if plant_nonfinite else 0.0))
                       for i, s in enumerate(shapes)])
     return dict(params=params, grads=grads)
+
+
+@dataclass(frozen=True)
+class OptimizerCase:
+    """The conformance row of one registered optimizer (by its spec row's name): torch's class,
+    the strategy of its keyword arguments, the implementations where torch takes a tensor lr
+    and the spec models it, and the fewest dimensions a parameter must have."""
+
+    torch_class: type
+    config: Callable[[], st.SearchStrategy[dict]]
+    tensor_lr: tuple[str, ...] = ()
+    min_ndim: int = 0
+
+
+OPTIMIZER_CASES: dict[str, OptimizerCase] = {}
+
+
+def optimizer_case(name: str, case: OptimizerCase) -> OptimizerCase:
+    """Add the conformance row of the spec row ``name``."""
+    OPTIMIZER_CASES[name] = case
+    return case
+
+
+optimizer_case("SGD", OptimizerCase(torch.optim.SGD, sgd_config, ("for-loop", "fused")))
+optimizer_case("Adam", OptimizerCase(torch.optim.Adam, adam_config, ("for-loop", "fused")))
+optimizer_case("AdamW", OptimizerCase(torch.optim.AdamW, adam_config, ("for-loop", "fused")))
 
 
 # ----------------------------------------------------------------------------- property 5: the trainer

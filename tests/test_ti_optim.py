@@ -210,7 +210,7 @@ def test_requested_fused_failure_warns_and_falls_back(monkeypatch):
                 raise RuntimeError("`fused=True` requires all the params to be floating point")
             super().__init__(params, **kwargs)
 
-    monkeypatch.setitem(optim_mod._CLASSES, "adamw", Refusing)
+    monkeypatch.setitem(optim_mod.REGISTRY, "adamw", dataclasses.replace(optim_mod.REGISTRY["adamw"], cls=Refusing))
     with pytest.warns(FusedOptimizerWarning) as caught:
         built = build_optimizer(Net(), OptimizerConfig(fused=True), "cpu")
     assert len(caught) == 1
