@@ -11,9 +11,12 @@ the specification"); the scaler stages of its steps are checked all the same.
 Rows: torch.optim's classes that `reference.optim` specifies (one per spec row, by class name),
 and the user's own, added with `register_optimizer`.
 
-A user's own optimizer, worked example (Lion, Chen et al. 2023: ``c = lerp(m, g, 1 - beta1)``,
-``p = p * (1 - lr * wd) - lr * sign(c)``, ``m = lerp(m, g, 1 - beta2)``), for a torch
-``Lion(torch.optim.Optimizer)`` whose groups hold ``lr``, ``betas`` and ``weight_decay``::
+A user's own optimizer, worked example: Lion (Chen et al. 2023), a torch class whose groups
+hold ``lr``, ``betas`` and ``weight_decay`` and whose ``step`` does, per parameter with a
+gradient, ``c = m * b1 + g * (1 - b1)``, ``p.mul_(1 - lr * wd).add_(c.sign(), alpha=-lr)``,
+``m.mul_(b2).add_(g * (1 - b2))``, with ``m = state["exp_avg"]`` (zeros at first). Its spec,
+operation by operation (``f`` rounds to the parameter's dtype, as torch rounds a Python float
+that meets a tensor)::
 
     from dataclasses import dataclass
     import numpy as np
@@ -29,27 +32,28 @@ A user's own optimizer, worked example (Lion, Chen et al. 2023: ``c = lerp(m, g,
     class LionState:
         exp_avg: np.ndarray
 
-    def lion_step(params, grads, state, cfg, *, lr=None, **_):
-        out_p, out_s = [], []
-        for p, g, s in zip(params, grads, state):
-            if g is None:
-                out_p.append(p); out_s.append(s); continue
-            f = p.dtype.type
-            b1, b2 = f(cfg.betas[0]), f(cfg.betas[1])
-            c = s.exp_avg * b1 + g * (f(1) - b1)
-            p = p * f(1 - cfg.lr * cfg.weight_decay) - f(cfg.lr) * np.sign(c)
-            out_p.append(p); out_s.append(LionState(s.exp_avg * b2 + g * (f(1) - b2)))
-        return out_p, list(grads), tuple(out_s)
-
     def lion_init(p, cfg):
         return LionState(np.zeros_like(p))
 
+    def lion_step(params, grads, state, cfg, *, lr=None, **_):
+        out_p, out_s = [], []
+        for p, g, s in zip(params, grads, state):
+            if g is not None:
+                f, (b1, b2) = p.dtype.type, cfg.betas
+                c = s.exp_avg * f(b1) + g * f(1 - b1)
+                p = p * f(1 - cfg.lr * cfg.weight_decay) + f(-cfg.lr) * np.sign(c)
+                s = LionState(s.exp_avg * f(b2) + g * f(1 - b2))
+            out_p.append(p)
+            out_s.append(s)
+        return out_p, list(grads), tuple(out_s)
+
     LION = OptimizerSpec("Lion", LionConfig, LionConfig, lion_init, {"for-loop": lion_step})
-    audit.register_optimizer(Lion, LION, ulp={"param": 4, "exp_avg": 4})
+    audit.register_optimizer(Lion, LION)
 
 The spec's arithmetic must be the torch class's, operation by operation, for the replay to
-agree bit for bit (``ulp``: each field's bound on native kernels, in ULPs of the value; 0 is
-bit for bit everywhere). The replay process is forked before the audited script runs, so a spec
+agree bit for bit (``ulp``: each field's bound on native kernels, in ULPs of the spec's
+``magnitudes`` or else of the value; 0, the default, is bit for bit everywhere: native kernels
+fuse ``add_(x, alpha=a)`` into a multiply-add, which is why this Lion multiplies first). The replay process is forked before the audited script runs, so a spec
 it replays must be importable by name: define it in a module of its own (not in the script) and
 import that, or replay on a thread (``AMPSPEC_AUDIT_REPLAY=thread``).
 """

@@ -7,7 +7,7 @@ ties. Subnormals are never switched off: loss scaling lives there.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -201,12 +201,14 @@ def optimizer_trajectory(draw, plant_nonfinite: bool = False, zero_d: bool = Fal
 class OptimizerCase:
     """The conformance row of one registered optimizer (by its spec row's name): torch's class,
     the strategy of its keyword arguments, the implementations where torch takes a tensor lr
-    and the spec models it, and the fewest dimensions a parameter must have."""
+    and the spec models it, the fewest dimensions a parameter must have, and the bounds."""
 
     torch_class: type
     config: Callable[[], st.SearchStrategy[dict]]
     tensor_lr: tuple[str, ...] = ()
     min_ndim: int = 0
+    ulp: Mapping[str, int] | None = None
+    """Bounds on native kernels per field; None: ``expectations.OPTIMIZER_ULP[name]``."""
 
 
 OPTIMIZER_CASES: dict[str, OptimizerCase] = {}
