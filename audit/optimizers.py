@@ -84,6 +84,8 @@ NATIVE_ULP: dict[str, dict[str, int]] = {
     "SGD": {"momentum_buffer": SGD_BUFFER_ULP, "param": SGD_PARAM_ULP},
     "Adam": _ADAM_BOUNDS,
     "AdamW": _ADAM_BOUNDS,
+    "Adagrad": {"sum": 2 * 4, "param": 2 * 10},
+    "RMSprop": {"square_avg": 2 * 5, "grad_avg": 2 * 5, "momentum_buffer": 2 * 12, "param": 2 * 14},
 }
 """Per spec row and field (``param`` for the parameter), the bound on native kernels."""
 

@@ -108,6 +108,15 @@ OPTIMIZER_ULP: dict[str, dict[str, int]] = {
     "SGD": {"momentum_buffer": SGD_BUFFER_ULP, "param": SGD_PARAM_ULP},
     "Adam": _ADAM_ULP,
     "AdamW": _ADAM_ULP,
+    # Adagrad sum: d = g + wd*p (2), d*d (3), + sum (4): k = 4. param: sqrt of sum (4 / 2 + 2
+    # faithful) 4, + eps 5; -clr*d 3; the division 9; + p 10.
+    "Adagrad": {"sum": 2 * 4, "param": 2 * 10},
+    # RMSprop square_avg: d (2), (1-alpha)*d (3), *d (4), + alpha*sa (5): k = 5. grad_avg: d, then
+    # the lerp's sub, mul, add: k = 5. The denominator's own x_abs (under the root: 7 roundings
+    # of a centered difference, halved by the root, + 2 faithful, + eps) enters the quotient's
+    # x_abs (rmsprop_magnitudes); the quotient adds 1, the momentum buffer's mul and add 2, the
+    # parameter's mul and add 2: k = 12 for the buffer, 14 for the parameter.
+    "RMSprop": {"square_avg": 2 * 5, "grad_avg": 2 * 5, "momentum_buffer": 2 * 12, "param": 2 * 14},
 }
 """Per registered optimizer and state field (``param``: the parameter), the bound on native
 kernels in ULPs of x_abs of the field's dtype (derivations above and beside each row)."""

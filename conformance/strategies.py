@@ -175,6 +175,24 @@ def adam_config(draw) -> dict:
 
 
 @st.composite
+def adagrad_config(draw) -> dict:
+    """torch.optim.Adagrad keyword arguments: lr decay, weight decay, initial accumulator, eps, maximize."""
+    return dict(lr=draw(st.floats(1e-4, 1.0)), lr_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
+                weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
+                initial_accumulator_value=draw(st.sampled_from([0.0, 0.1, 1.0])),
+                eps=draw(st.sampled_from([1e-10, 1e-3, 0.0])), maximize=draw(st.booleans()))
+
+
+@st.composite
+def rmsprop_config(draw) -> dict:
+    """torch.optim.RMSprop keyword arguments: alpha, eps, weight decay, momentum, centered, maximize."""
+    return dict(lr=draw(st.floats(1e-4, 1.0)), alpha=draw(st.sampled_from([0.99, 0.9, 0.5, 0.0])),
+                eps=draw(st.sampled_from([1e-8, 1e-3, 0.0])), weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
+                momentum=draw(st.sampled_from([0.0, 0.5, 0.9])), centered=draw(st.booleans()),
+                maximize=draw(st.booleans()))
+
+
+@st.composite
 def optimizer_trajectory(draw, plant_nonfinite: bool = False, zero_d: bool = False,
                          dtypes: tuple[np.dtype, ...] = (np.dtype(np.float32),), min_ndim: int = 0) -> dict:
     """Initial parameters of one of ``dtypes`` and the gradients recorded for each step (None: no
@@ -223,6 +241,8 @@ def optimizer_case(name: str, case: OptimizerCase) -> OptimizerCase:
 optimizer_case("SGD", OptimizerCase(torch.optim.SGD, sgd_config, ("for-loop", "fused")))
 optimizer_case("Adam", OptimizerCase(torch.optim.Adam, adam_config, ("for-loop", "fused")))
 optimizer_case("AdamW", OptimizerCase(torch.optim.AdamW, adam_config, ("for-loop", "fused")))
+optimizer_case("Adagrad", OptimizerCase(torch.optim.Adagrad, adagrad_config))
+optimizer_case("RMSprop", OptimizerCase(torch.optim.RMSprop, rmsprop_config))
 
 
 # ----------------------------------------------------------------------------- property 5: the trainer

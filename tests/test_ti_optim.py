@@ -34,7 +34,7 @@ class Net(nn.Module):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"name": "lamb"}, "optimizer name must be one of adamw, adam, sgd, got 'lamb'"),
+        ({"name": "lamb"}, "optimizer name must be one of adamw, adam, sgd, adagrad, rmsprop, got 'lamb'"),
         ({"lr": -1e-3}, "lr must be a finite number >= 0.0, got -0.001"),
         ({"lr": float("nan")}, "lr must be a finite number >= 0.0, got nan"),
         ({"lr": "1e-3"}, "lr must be a number, got '1e-3'"),
@@ -46,8 +46,8 @@ class Net(nn.Module):
         ({"fused": "yes"}, "fused must be None, True or False, got 'yes'"),
         ({"nesterov": 1}, "nesterov must be a bool, got 1"),
         ({"name": "adamw", "momentum": 0.9},
-         "invalid configuration: momentum: only the 'sgd' optimizer uses momentum, and this one is 'adamw' "
-         "(got momentum=0.9); remove momentum, or set the optimizer's name to 'sgd'"),
+         "invalid configuration: momentum: only the 'sgd' and 'rmsprop' optimizers use momentum, and this one is "
+         "'adamw' (got momentum=0.9); remove momentum, or set the optimizer's name to 'sgd' or 'rmsprop'"),
         ({"name": "adam", "nesterov": True},
          "invalid configuration: nesterov: only the 'sgd' optimizer uses nesterov, and this one is 'adam'"),
         ({"name": "sgd", "nesterov": True},

@@ -120,6 +120,9 @@ for _row in (
     TorchOptimizer("adam", torch.optim.Adam, ("betas", "eps", "amsgrad"), _FUSED_DEVICES),
     TorchOptimizer("sgd", torch.optim.SGD, ("momentum", "dampening", "nesterov"), _FUSED_DEVICES, _sgd_problems,
                    _sgd_kernel_skip_refused),
+    TorchOptimizer("adagrad", torch.optim.Adagrad, ("lr_decay", "initial_accumulator_value", "eps"),
+                   frozenset({"cpu"})),
+    TorchOptimizer("rmsprop", torch.optim.RMSprop, ("alpha", "eps", "momentum", "centered")),
 ):
     register(_row)
 
@@ -176,6 +179,10 @@ class OptimizerConfig:
     no_decay_bias_and_norm: bool = True
     amsgrad: bool | None = None
     dampening: float | None = None
+    lr_decay: float | None = None
+    initial_accumulator_value: float | None = None
+    alpha: float | None = None
+    centered: bool | None = None
 
     def __post_init__(self) -> None:
         if self.name not in REGISTRY:
@@ -188,6 +195,9 @@ class OptimizerConfig:
         _finite_at_least("momentum", self.momentum, 0.0)
         if self.dampening is not None:
             _finite_at_least("dampening", self.dampening, float("-inf"))
+        for name in _NONNEGATIVE:
+            if getattr(self, name) is not None:
+                _finite_at_least(name, getattr(self, name), 0.0)
         betas = self.betas
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair of numbers in [0, 1), got {betas!r}")
@@ -200,7 +210,7 @@ class OptimizerConfig:
         for name in ("nesterov", "no_decay_bias_and_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("fused", "amsgrad"):
+        for name in ("fused", "amsgrad", "centered"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be None, True or False, got {getattr(self, name)!r}")
         problems = self._cross_field_problems()
@@ -228,6 +238,8 @@ class OptimizerConfig:
         return out + (row.check(self) if row.check else [])
 
 
+# Optional settings that are finite numbers >= 0 when given.
+_NONNEGATIVE = ("lr_decay", "initial_accumulator_value", "alpha")
 # Fields every optimizer takes, or that choose how it is built rather than what it computes.
 _COMMON = frozenset({"name", "lr", "weight_decay", "fused", "no_decay_bias_and_norm"})
 

@@ -100,10 +100,18 @@ from reference.optim._common import check_param
 from reference.optim._registry import IMPLEMENTATIONS, SPECS, OptimizerSpec, register, spec, spec_for
 from reference.optim.adam import (AdamConfig, AdamParamState, adam_init_state, adam_magnitudes, adam_step,
                                   adamw_config, fused_adam_step)
+from reference.optim.adagrad import AdagradConfig, AdagradState, adagrad_init_state, adagrad_magnitudes, adagrad_step
+from reference.optim.rmsprop import RMSpropConfig, RMSpropState, rmsprop_init_state, rmsprop_magnitudes, rmsprop_step
 from reference.optim.sgd import SGDConfig, SGDParamState, fused_sgd_step, sgd_init_state, sgd_magnitudes, sgd_step
 
 __all__ = [
+    "AdagradConfig",
+    "AdagradState",
+    "adagrad_step",
     "IMPLEMENTATIONS",
+    "RMSpropConfig",
+    "RMSpropState",
+    "rmsprop_step",
     "SPECS",
     "AdamConfig",
     "AdamParamState",
@@ -168,3 +176,24 @@ register(OptimizerSpec("Adam", AdamConfig, AdamConfig, adam_init_state,
 register(OptimizerSpec("AdamW", adamw_config, AdamConfig, adam_init_state,
                        {"for-loop": _adam, "foreach": _adam, "fused": _fused_adam}, frozenset({"fused"}),
                        magnitudes=adam_magnitudes))
+
+
+def _adagrad(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adagrad_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+def _fused_adagrad(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adagrad_step(params, grads, state, config, lr=lr, grad_scale=grad_scale, found_inf=found_inf, fused=True)
+
+
+register(OptimizerSpec("Adagrad", AdagradConfig, AdagradConfig, adagrad_init_state,
+                       {"for-loop": _adagrad, "foreach": _adagrad, "fused": _fused_adagrad}, frozenset({"fused"}),
+                       magnitudes=adagrad_magnitudes))
+
+
+def _rmsprop(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return rmsprop_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+register(OptimizerSpec("RMSprop", RMSpropConfig, RMSpropConfig, rmsprop_init_state,
+                       {"for-loop": _rmsprop, "foreach": _rmsprop}, magnitudes=rmsprop_magnitudes))
