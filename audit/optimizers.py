@@ -86,6 +86,8 @@ NATIVE_ULP: dict[str, dict[str, int]] = {
     "AdamW": _ADAM_BOUNDS,
     "Adagrad": {"sum": 2 * 4, "param": 2 * 10},
     "RMSprop": {"square_avg": 2 * 5, "grad_avg": 2 * 5, "momentum_buffer": 2 * 12, "param": 2 * 14},
+    "Adamax": {"exp_avg": 2 * 5, "exp_inf": 2 * 3, "param": 2 * 11},
+    "Adadelta": {"square_avg": 2 * 5, "acc_delta": 2 * 26, "param": 2 * 14},
 }
 """Per spec row and field (``param`` for the parameter), the bound on native kernels."""
 

@@ -117,6 +117,14 @@ OPTIMIZER_ULP: dict[str, dict[str, int]] = {
     # x_abs (rmsprop_magnitudes); the quotient adds 1, the momentum buffer's mul and add 2, the
     # parameter's mul and add 2: k = 12 for the buffer, 14 for the parameter.
     "RMSprop": {"square_avg": 2 * 5, "grad_avg": 2 * 5, "momentum_buffer": 2 * 12, "param": 2 * 14},
+    # Adamax exp_avg: d (2) and the lerp (5): k = 5. exp_inf: beta2*u (1) against |d| + eps (3),
+    # a max of the two: k = 3. param: the quotient of both (5 + 3 + 1), times clr, + p: k = 11.
+    # Adadelta square_avg: as RMSprop's, k = 5. delta: root of acc + eps (1, halved, + 2 faithful)
+    # 2.5 over the root of square_avg + eps (6, halved, + 2) 5, the division 8.5, times d 11.5;
+    # acc_delta squares it (2 * 11.5 + 1) and adds rho*acc (2 more): k = 26. param: delta, times
+    # lr, + p: k = 14.
+    "Adamax": {"exp_avg": 2 * 5, "exp_inf": 2 * 3, "param": 2 * 11},
+    "Adadelta": {"square_avg": 2 * 5, "acc_delta": 2 * 26, "param": 2 * 14},
 }
 """Per registered optimizer and state field (``param``: the parameter), the bound on native
 kernels in ULPs of x_abs of the field's dtype (derivations above and beside each row)."""

@@ -124,6 +124,13 @@ SPEC_MUTANTS = (
     Mutant("rmsprop_centered_adds_the_mean_square", "centered RMSprop adds grad_avg**2 instead of subtracting it",
            "reference/optim/rmsprop.py", "            avg = root(addcmul(square_avg, grad_avg, grad_avg, -1))\n",
            "            avg = root(addcmul(square_avg, grad_avg, grad_avg, 1))\n", _optimizer_property("RMSprop", "foreach")),
+    Mutant("adamax_eps_outside_the_max", "Adamax adds eps after the max instead of to |d| inside it",
+           "reference/optim/adamax.py", "        exp_inf = np.maximum(s.exp_inf * f(beta2), np.abs(d) + f(c.eps))\n",
+           "        exp_inf = np.maximum(s.exp_inf * f(beta2), np.abs(d)) + f(c.eps)\n",
+           _optimizer_property("Adamax", "for-loop")),
+    Mutant("adadelta_root_of_the_old_square_avg", "Adadelta's step takes the root of the old square average",
+           "reference/optim/adadelta.py", "        std = root(square_avg + f(c.eps))\n",
+           "        std = root(s.square_avg + f(c.eps))\n", _optimizer_property("Adadelta", "foreach")),
 )
 
 

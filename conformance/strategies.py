@@ -193,6 +193,23 @@ def rmsprop_config(draw) -> dict:
 
 
 @st.composite
+def adamax_config(draw) -> dict:
+    """torch.optim.Adamax keyword arguments: betas, eps, weight decay, maximize."""
+    return dict(lr=draw(st.floats(1e-5, 0.5)),
+                betas=(draw(st.sampled_from([0.9, 0.5, 0.0])), draw(st.sampled_from([0.999, 0.9, 0.5]))),
+                eps=draw(st.sampled_from([1e-8, 1e-3, 0.0])), weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
+                maximize=draw(st.booleans()))
+
+
+@st.composite
+def adadelta_config(draw) -> dict:
+    """torch.optim.Adadelta keyword arguments: rho, eps, weight decay, maximize."""
+    return dict(lr=draw(st.floats(1e-3, 1.0)), rho=draw(st.sampled_from([0.9, 0.5, 0.0, 1.0])),
+                eps=draw(st.sampled_from([1e-6, 1e-3, 0.0])), weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
+                maximize=draw(st.booleans()))
+
+
+@st.composite
 def optimizer_trajectory(draw, plant_nonfinite: bool = False, zero_d: bool = False,
                          dtypes: tuple[np.dtype, ...] = (np.dtype(np.float32),), min_ndim: int = 0) -> dict:
     """Initial parameters of one of ``dtypes`` and the gradients recorded for each step (None: no
@@ -243,6 +260,8 @@ optimizer_case("Adam", OptimizerCase(torch.optim.Adam, adam_config, ("for-loop",
 optimizer_case("AdamW", OptimizerCase(torch.optim.AdamW, adam_config, ("for-loop", "fused")))
 optimizer_case("Adagrad", OptimizerCase(torch.optim.Adagrad, adagrad_config))
 optimizer_case("RMSprop", OptimizerCase(torch.optim.RMSprop, rmsprop_config))
+optimizer_case("Adamax", OptimizerCase(torch.optim.Adamax, adamax_config))
+optimizer_case("Adadelta", OptimizerCase(torch.optim.Adadelta, adadelta_config))
 
 
 # ----------------------------------------------------------------------------- property 5: the trainer

@@ -123,6 +123,8 @@ for _row in (
     TorchOptimizer("adagrad", torch.optim.Adagrad, ("lr_decay", "initial_accumulator_value", "eps"),
                    frozenset({"cpu"})),
     TorchOptimizer("rmsprop", torch.optim.RMSprop, ("alpha", "eps", "momentum", "centered")),
+    TorchOptimizer("adamax", torch.optim.Adamax, ("betas", "eps")),
+    TorchOptimizer("adadelta", torch.optim.Adadelta, ("rho", "eps")),
 ):
     register(_row)
 
@@ -183,6 +185,7 @@ class OptimizerConfig:
     initial_accumulator_value: float | None = None
     alpha: float | None = None
     centered: bool | None = None
+    rho: float | None = None
 
     def __post_init__(self) -> None:
         if self.name not in REGISTRY:
@@ -239,7 +242,7 @@ class OptimizerConfig:
 
 
 # Optional settings that are finite numbers >= 0 when given.
-_NONNEGATIVE = ("lr_decay", "initial_accumulator_value", "alpha")
+_NONNEGATIVE = ("lr_decay", "initial_accumulator_value", "alpha", "rho")
 # Fields every optimizer takes, or that choose how it is built rather than what it computes.
 _COMMON = frozenset({"name", "lr", "weight_decay", "fused", "no_decay_bias_and_norm"})
 

@@ -101,6 +101,8 @@ from reference.optim._registry import IMPLEMENTATIONS, SPECS, OptimizerSpec, reg
 from reference.optim.adam import (AdamConfig, AdamParamState, adam_init_state, adam_magnitudes, adam_step,
                                   adamw_config, fused_adam_step)
 from reference.optim.adagrad import AdagradConfig, AdagradState, adagrad_init_state, adagrad_magnitudes, adagrad_step
+from reference.optim.adadelta import AdadeltaConfig, AdadeltaState, adadelta_init_state, adadelta_magnitudes, adadelta_step
+from reference.optim.adamax import AdamaxConfig, AdamaxState, adamax_init_state, adamax_magnitudes, adamax_step
 from reference.optim.rmsprop import RMSpropConfig, RMSpropState, rmsprop_init_state, rmsprop_magnitudes, rmsprop_step
 from reference.optim.sgd import SGDConfig, SGDParamState, fused_sgd_step, sgd_init_state, sgd_magnitudes, sgd_step
 
@@ -109,6 +111,10 @@ __all__ = [
     "AdagradState",
     "adagrad_step",
     "IMPLEMENTATIONS",
+    "AdadeltaConfig",
+    "AdamaxConfig",
+    "adadelta_step",
+    "adamax_step",
     "RMSpropConfig",
     "RMSpropState",
     "rmsprop_step",
@@ -197,3 +203,17 @@ def _rmsprop(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=Non
 
 register(OptimizerSpec("RMSprop", RMSpropConfig, RMSpropConfig, rmsprop_init_state,
                        {"for-loop": _rmsprop, "foreach": _rmsprop}, magnitudes=rmsprop_magnitudes))
+
+
+def _adamax(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adamax_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+def _adadelta(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adadelta_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+register(OptimizerSpec("Adamax", AdamaxConfig, AdamaxConfig, adamax_init_state,
+                       {"for-loop": _adamax, "foreach": _adamax}, magnitudes=adamax_magnitudes))
+register(OptimizerSpec("Adadelta", AdadeltaConfig, AdadeltaConfig, adadelta_init_state,
+                       {"for-loop": _adadelta, "foreach": _adadelta}, magnitudes=adadelta_magnitudes))
