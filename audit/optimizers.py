@@ -88,6 +88,8 @@ NATIVE_ULP: dict[str, dict[str, int]] = {
     "RMSprop": {"square_avg": 2 * 5, "grad_avg": 2 * 5, "momentum_buffer": 2 * 12, "param": 2 * 14},
     "Adamax": {"exp_avg": 2 * 5, "exp_inf": 2 * 3, "param": 2 * 11},
     "Adadelta": {"square_avg": 2 * 5, "acc_delta": 2 * 26, "param": 2 * 14},
+    "NAdam": {"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "param": 2 * 15},
+    "RAdam": {"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "param": 2 * 15},
 }
 """Per spec row and field (``param`` for the parameter), the bound on native kernels."""
 

@@ -125,6 +125,13 @@ OPTIMIZER_ULP: dict[str, dict[str, int]] = {
     # lr, + p: k = 14.
     "Adamax": {"exp_avg": 2 * 5, "exp_inf": 2 * 3, "param": 2 * 11},
     "Adadelta": {"square_avg": 2 * 5, "acc_delta": 2 * 26, "param": 2 * 14},
+    # NAdam and RAdam moments: as Adam's, k = 5. NAdam param: the denominator (v 5, / bc2 6, the
+    # root 5, + eps 6), each term's scalar product (3 and 6) over it, + 1, and the two adds: 14,
+    # with decoupled decay 15. RAdam param: m / bc1 6, * lr 7, the reciprocal of the root + eps
+    # (5 + 1) times sqrt(bc2) 7, their product and * rect 16 / 2 ... bounded by Adam's 15 for both
+    # paths (the foreach reciprocal of a quotient adds one rounding the for-loop's product has).
+    "NAdam": {"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "param": 2 * 15},
+    "RAdam": {"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "param": 2 * 15},
 }
 """Per registered optimizer and state field (``param``: the parameter), the bound on native
 kernels in ULPs of x_abs of the field's dtype (derivations above and beside each row)."""

@@ -131,6 +131,13 @@ SPEC_MUTANTS = (
     Mutant("adadelta_root_of_the_old_square_avg", "Adadelta's step takes the root of the old square average",
            "reference/optim/adadelta.py", "        std = root(square_avg + f(c.eps))\n",
            "        std = root(s.square_avg + f(c.eps))\n", _optimizer_property("Adadelta", "foreach")),
+    Mutant("nadam_mu_product_in_float64", "NAdam multiplies its mu_product in float64 and rounds once",
+           "reference/optim/nadam.py", "        mu_product = np.float32(s.mu_product * np.float32(mu))\n",
+           "        mu_product = np.float32(float(s.mu_product) * mu)\n", _optimizer_property("NAdam", "for-loop")),
+    Mutant("radam_true_division", "RAdam's for-loop divides sqrt(bc2) by the root (torch takes a reciprocal)",
+           "reference/optim/radam.py", "                adaptive = (f(1) / (root(exp_avg_sq) + f(c.eps))) * f(bc2**0.5)\n",
+           "                adaptive = f(bc2**0.5) / (root(exp_avg_sq) + f(c.eps))\n",
+           _optimizer_property("RAdam", "for-loop")),
 )
 
 

@@ -210,21 +210,42 @@ def adadelta_config(draw) -> dict:
 
 
 @st.composite
+def nadam_config(draw) -> dict:
+    """torch.optim.NAdam keyword arguments: betas, eps, (decoupled) weight decay, momentum decay, maximize."""
+    return dict(lr=draw(st.floats(1e-5, 0.5)),
+                betas=(draw(st.sampled_from([0.9, 0.5, 0.0])), draw(st.sampled_from([0.999, 0.9, 0.5]))),
+                eps=draw(st.sampled_from([1e-8, 1e-3, 0.0])), weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
+                momentum_decay=draw(st.sampled_from([4e-3, 0.0, 0.5])),
+                decoupled_weight_decay=draw(st.booleans()), maximize=draw(st.booleans()))
+
+
+@st.composite
+def radam_config(draw) -> dict:
+    """torch.optim.RAdam keyword arguments: betas (some rectify from step 2, some after many steps,
+    some never), eps, (decoupled) weight decay, maximize."""
+    return dict(lr=draw(st.floats(1e-5, 0.5)),
+                betas=(draw(st.sampled_from([0.9, 0.5, 0.0])), draw(st.sampled_from([0.999, 0.9, 0.5, 0.1]))),
+                eps=draw(st.sampled_from([1e-8, 1e-3, 0.0])), weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
+                decoupled_weight_decay=draw(st.booleans()), maximize=draw(st.booleans()))
+
+
+@st.composite
 def optimizer_trajectory(draw, plant_nonfinite: bool = False, zero_d: bool = False,
-                         dtypes: tuple[np.dtype, ...] = (np.dtype(np.float32),), min_ndim: int = 0) -> dict:
+                         dtypes: tuple[np.dtype, ...] = (np.dtype(np.float32),), min_ndim: int = 0,
+                         steps: tuple[int, int] = (1, 6)) -> dict:
     """Initial parameters of one of ``dtypes`` and the gradients recorded for each step (None: no
     gradient that step). With ``plant_nonfinite`` some steps carry inf/NaN, as loss-scaled
     gradients do; with ``zero_d`` parameters may be 0-d (where 0-d tensor hyperparameters
-    promote); ``min_ndim`` is the fewest dimensions a parameter has (Adafactor factors matrices)."""
+    promote); ``min_ndim`` is the fewest dimensions a parameter has (Adafactor factors matrices);
+    ``steps``: the range of the number of steps."""
     dtype = np.dtype(draw(st.sampled_from(dtypes)))
     dims = st.lists(st.integers(0, 33), min_size=max(min_ndim, 0 if zero_d else 1), max_size=max(2, min_ndim)).map(tuple)
     shapes = draw(st.lists(st.one_of(st.just(()), dims) if zero_d else dims, min_size=1, max_size=3))
     param_magnitude = draw(st.sampled_from([1e-3, 1.0, 10.0]))
     grad_magnitude = draw(st.sampled_from([1e-6, 1e-2, 1.0, 1e2]))
     params = [draw(gradient(dtype, s, param_magnitude, plant_prob=0.0)) for s in shapes]
-    steps = draw(st.integers(1, 6))
     grads = []
-    for _ in range(steps):
+    for _ in range(draw(st.integers(*steps))):
         # The first parameter always has one: GradScaler.step refuses a step without any.
         grads.append([None if i > 0 and draw(st.integers(0, 9)) == 0 else
                       draw(gradient(dtype, s, grad_magnitude, plant_prob=0.3 if plant_nonfinite else 0.0))
@@ -242,6 +263,7 @@ class OptimizerCase:
     config: Callable[[], st.SearchStrategy[dict]]
     tensor_lr: tuple[str, ...] = ()
     min_ndim: int = 0
+    steps: tuple[int, int] = (1, 6)
     ulp: Mapping[str, int] | None = None
     """Bounds on native kernels per field; None: ``expectations.OPTIMIZER_ULP[name]``."""
 
@@ -262,6 +284,9 @@ optimizer_case("Adagrad", OptimizerCase(torch.optim.Adagrad, adagrad_config))
 optimizer_case("RMSprop", OptimizerCase(torch.optim.RMSprop, rmsprop_config))
 optimizer_case("Adamax", OptimizerCase(torch.optim.Adamax, adamax_config))
 optimizer_case("Adadelta", OptimizerCase(torch.optim.Adadelta, adadelta_config))
+optimizer_case("NAdam", OptimizerCase(torch.optim.NAdam, nadam_config))
+# RAdam rectifies from about step 6 whatever beta2 (rho_t is 1 at step 1): its trajectories go past it.
+optimizer_case("RAdam", OptimizerCase(torch.optim.RAdam, radam_config, steps=(5, 9)))
 
 
 # ----------------------------------------------------------------------------- property 5: the trainer

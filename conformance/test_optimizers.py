@@ -200,7 +200,8 @@ def test_optimizer_steps_match_the_spec(name, impl, device, data):
     # A configuration the kernel cannot skip safely (fused SGD with momentum) never sees a skip.
     plant = use_scaler and not (kernel and row.kernel_skip_refused(row.make_config(**config)))
     trajectory = data.draw(strategies.optimizer_trajectory(plant_nonfinite=plant, zero_d=True, dtypes=DTYPES,
-                                                           min_ndim=case.min_ndim), label="trajectory")
+                                                           min_ndim=case.min_ndim, steps=case.steps),
+                           label="trajectory")
     scale = data.draw(st.sampled_from(SCALES), label="init_scale") if use_scaler else None
     separate = kernel and data.draw(st.booleans(), label="separate unscale_")
     run_optimizer_case(name, impl, config, trajectory, scale, device, separate_unscale=separate)
@@ -242,3 +243,29 @@ def test_tensor_lrs_and_zero_d_parameters_match_the_spec(name, impl, device, dat
     config["lr"] = data.draw(st.one_of(st.sampled_from([0.37, 3e-4, 0.1, 0.013]), st.floats(1e-4, 0.5)), label="lr")
     scale = data.draw(st.sampled_from(SCALES), label="init_scale") if kernel else None
     run_optimizer_case(name, impl, config, trajectory, scale, device, lr_dtype=lr_dtype)
+
+
+@pytest.mark.parametrize("name", ["NAdam", "RAdam"])
+def test_the_for_loop_and_foreach_paths_differ_as_the_spec_says(name, device):
+    """torch's for-loop and foreach NAdam and RAdam compute the same formula rounded differently
+    (reference.optim.nadam rule 5, reference.optim.radam rule 5): a tested expectation. From the
+    same start, the two torch paths part in the last bits, and so do the spec's two functions;
+    with exact kernels each path equals its spec bit for bit."""
+    row, rng = optim.spec(name), np.random.default_rng(0)
+    cfg = dict(lr=0.01, weight_decay=0.0)
+    p0 = rng.standard_normal(4096).astype(np.float32)
+    grads = [rng.standard_normal(4096).astype(np.float32) for _ in range(8)]
+    out = {}
+    for impl in ("for-loop", "foreach"):
+        p = torch.nn.Parameter(to_torch(p0, device))
+        opt = getattr(torch.optim, name)([p], **cfg, **_flags(impl))
+        spec_p, spec_s = [p0], (row.init_state(p0, row.make_config(**cfg)),)
+        for g in grads:
+            p.grad = to_torch(g, device)
+            opt.step()
+            spec_p, _, spec_s = row.step(impl, spec_p, [g], spec_s, row.make_config(**cfg), sqrt=_torch_sqrt(impl, device))
+        out[impl] = (to_numpy(p), spec_p[0])
+        if expectations.exact_kernels(device):
+            assert_same(out[impl][0], out[impl][1], Where(f"{name}[{impl}]", field="params after 8 steps"))
+    assert not np.array_equal(out["for-loop"][0], out["foreach"][0]), f"torch's two {name} paths now agree"
+    assert not np.array_equal(out["for-loop"][1], out["foreach"][1]), f"the spec's two {name} paths agree"

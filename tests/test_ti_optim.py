@@ -34,7 +34,7 @@ class Net(nn.Module):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"name": "lamb"}, "optimizer name must be one of adamw, adam, sgd, adagrad, rmsprop, adamax, adadelta, got 'lamb'"),
+        ({"name": "lamb"}, "optimizer name must be one of adamw, adam, sgd, adagrad, rmsprop, adamax, adadelta, nadam, radam, got 'lamb'"),
         ({"lr": -1e-3}, "lr must be a finite number >= 0.0, got -0.001"),
         ({"lr": float("nan")}, "lr must be a finite number >= 0.0, got nan"),
         ({"lr": "1e-3"}, "lr must be a number, got '1e-3'"),

@@ -125,6 +125,8 @@ for _row in (
     TorchOptimizer("rmsprop", torch.optim.RMSprop, ("alpha", "eps", "momentum", "centered")),
     TorchOptimizer("adamax", torch.optim.Adamax, ("betas", "eps")),
     TorchOptimizer("adadelta", torch.optim.Adadelta, ("rho", "eps")),
+    TorchOptimizer("nadam", torch.optim.NAdam, ("betas", "eps", "momentum_decay", "decoupled_weight_decay")),
+    TorchOptimizer("radam", torch.optim.RAdam, ("betas", "eps", "decoupled_weight_decay")),
 ):
     register(_row)
 
@@ -186,6 +188,8 @@ class OptimizerConfig:
     alpha: float | None = None
     centered: bool | None = None
     rho: float | None = None
+    momentum_decay: float | None = None
+    decoupled_weight_decay: bool | None = None
 
     def __post_init__(self) -> None:
         if self.name not in REGISTRY:
@@ -213,7 +217,7 @@ class OptimizerConfig:
         for name in ("nesterov", "no_decay_bias_and_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("fused", "amsgrad", "centered"):
+        for name in ("fused", "amsgrad", "centered", "decoupled_weight_decay"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be None, True or False, got {getattr(self, name)!r}")
         problems = self._cross_field_problems()
@@ -242,7 +246,7 @@ class OptimizerConfig:
 
 
 # Optional settings that are finite numbers >= 0 when given.
-_NONNEGATIVE = ("lr_decay", "initial_accumulator_value", "alpha", "rho")
+_NONNEGATIVE = ("lr_decay", "initial_accumulator_value", "alpha", "rho", "momentum_decay")
 # Fields every optimizer takes, or that choose how it is built rather than what it computes.
 _COMMON = frozenset({"name", "lr", "weight_decay", "fused", "no_decay_bias_and_norm"})
 

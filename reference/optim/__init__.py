@@ -103,6 +103,8 @@ from reference.optim.adam import (AdamConfig, AdamParamState, adam_init_state, a
 from reference.optim.adagrad import AdagradConfig, AdagradState, adagrad_init_state, adagrad_magnitudes, adagrad_step
 from reference.optim.adadelta import AdadeltaConfig, AdadeltaState, adadelta_init_state, adadelta_magnitudes, adadelta_step
 from reference.optim.adamax import AdamaxConfig, AdamaxState, adamax_init_state, adamax_magnitudes, adamax_step
+from reference.optim.nadam import NAdamConfig, NAdamState, nadam_init_state, nadam_magnitudes, nadam_step
+from reference.optim.radam import RAdamConfig, RAdamState, radam_init_state, radam_magnitudes, radam_step
 from reference.optim.rmsprop import RMSpropConfig, RMSpropState, rmsprop_init_state, rmsprop_magnitudes, rmsprop_step
 from reference.optim.sgd import SGDConfig, SGDParamState, fused_sgd_step, sgd_init_state, sgd_magnitudes, sgd_step
 
@@ -111,6 +113,10 @@ __all__ = [
     "AdagradState",
     "adagrad_step",
     "IMPLEMENTATIONS",
+    "NAdamConfig",
+    "RAdamConfig",
+    "nadam_step",
+    "radam_step",
     "AdadeltaConfig",
     "AdamaxConfig",
     "adadelta_step",
@@ -217,3 +223,25 @@ register(OptimizerSpec("Adamax", AdamaxConfig, AdamaxConfig, adamax_init_state,
                        {"for-loop": _adamax, "foreach": _adamax}, magnitudes=adamax_magnitudes))
 register(OptimizerSpec("Adadelta", AdadeltaConfig, AdadeltaConfig, adadelta_init_state,
                        {"for-loop": _adadelta, "foreach": _adadelta}, magnitudes=adadelta_magnitudes))
+
+
+def _nadam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return nadam_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+def _foreach_nadam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return nadam_step(params, grads, state, config, lr=lr, sqrt=sqrt, foreach=True)
+
+
+def _radam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return radam_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+def _foreach_radam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return radam_step(params, grads, state, config, lr=lr, sqrt=sqrt, foreach=True)
+
+
+register(OptimizerSpec("NAdam", NAdamConfig, NAdamConfig, nadam_init_state,
+                       {"for-loop": _nadam, "foreach": _foreach_nadam}, magnitudes=nadam_magnitudes))
+register(OptimizerSpec("RAdam", RAdamConfig, RAdamConfig, radam_init_state,
+                       {"for-loop": _radam, "foreach": _foreach_radam}, magnitudes=radam_magnitudes))
