@@ -16,6 +16,8 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as nps
 
+from torchimpl import optim as ti_optim
+
 FLT_MAX = float(np.finfo(np.float32).max)
 
 # Gradient dtypes that torch.amp.GradScaler.unscale_ accepts (fp16 grads are refused by design).
@@ -333,16 +335,20 @@ def trainer_case(draw) -> dict:
     )
     if preset == "torch" and draw(st.booleans()):
         scaler["hysteresis"] = 2  # the torch preset through the extended update
-    name = draw(st.sampled_from(["sgd", "adamw", "adam"]))
-    # One draw for the optimizer call, so that each of the three modes gets its share.
-    mode = draw(st.sampled_from(["for-loop", "fused", "sync-free"]))
+    name = draw(st.sampled_from(list(ti_optim.REGISTRY)))
+    # One draw for the optimizer call, so that each of the three modes gets its share (the fused
+    # ones where torch has a fused kernel for this optimizer on the CPU).
+    fusable = "cpu" in ti_optim.REGISTRY[name].fused_devices
+    mode = draw(st.sampled_from(["for-loop", "fused", "sync-free"] if fusable else ["for-loop"]))
     fused = mode != "for-loop"
     optimizer = dict(name=name, lr=draw(st.sampled_from([1e-3, 0.01, 0.1])),
                      weight_decay=draw(st.sampled_from([0.0, 0.01, 0.5])), fused=fused,
                      no_decay_bias_and_norm=draw(st.booleans()))
-    if name == "sgd":
+    if "momentum" in ti_optim.REGISTRY[name].settings:
         momentum = draw(st.sampled_from([0.0, 0.9]))
-        optimizer.update(momentum=momentum, nesterov=momentum > 0 and draw(st.booleans()))
+        optimizer.update(momentum=momentum)
+        if "nesterov" in ti_optim.REGISTRY[name].settings:
+            optimizer.update(nesterov=momentum > 0 and draw(st.booleans()))
     schedule = dict(
         name=draw(st.sampled_from(["constant", "cosine"])),
         warmup_steps=draw(st.integers(0, 2)),
