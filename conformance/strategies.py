@@ -224,8 +224,9 @@ def nadam_config(draw) -> dict:
 @st.composite
 def radam_config(draw) -> dict:
     """torch.optim.RAdam keyword arguments: betas (some rectify from step 2, some after many steps,
-    some never), eps, (decoupled) weight decay, maximize."""
-    return dict(lr=draw(st.floats(1e-5, 0.5)),
+    some never), eps, (decoupled) weight decay, maximize. Large rates often: the rectified update
+    is a product of small factors, which a small rate would leave below the parameter's ULP."""
+    return dict(lr=draw(st.one_of(st.sampled_from([0.5, 0.1]), st.floats(1e-5, 0.5))),
                 betas=(draw(st.sampled_from([0.9, 0.5, 0.0])), draw(st.sampled_from([0.999, 0.9, 0.5, 0.1]))),
                 eps=draw(st.sampled_from([1e-8, 1e-3, 0.0])), weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
                 decoupled_weight_decay=draw(st.booleans()), maximize=draw(st.booleans()))
