@@ -326,7 +326,8 @@ class Replayer:
         return (f"{self.capability} CPU kernels: found_inf, skip, scale, growth tracker, unscaled, value-clipped "
                 f"and given-total-clipped gradients bit for bit; total norms within {NORM_ULP} ULP, norm-clipped "
                 f"gradients within {CLIP_ULP} ULP; SGD within {SGD_BUFFER_ULP}/{SGD_PARAM_ULP} ULP (buffer/parameter) and Adam(W) within "
-                f"{ADAM_MOMENT_ULP}/{ADAM_PARAM_ULP} ULP (moments/parameter) of x_abs")
+                f"{ADAM_MOMENT_ULP}/{ADAM_PARAM_ULP} ULP (moments/parameter) of x_abs, the other optimizers within "
+                "theirs (audit.optimizers.NATIVE_ULP)")
 
     def _bound(self, native: int) -> int:
         return 0 if self.exact else native
