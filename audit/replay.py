@@ -63,6 +63,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
 from audit import optimizers
 from audit.optimizers import ADAM_MOMENT_ULP, ADAM_PARAM_ULP, SGD_BUFFER_ULP, SGD_PARAM_ULP
 from audit.rules import Finding
