@@ -31,7 +31,8 @@ from typing import Any
 from audit.report import EXIT_FAILED, EXIT_FINDINGS, EXIT_OK, AuditReport
 from audit.rules import RULES, Finding
 
-__all__ = ["Audit", "AuditReport", "Finding", "RULES", "audit", "EXIT_OK", "EXIT_FINDINGS", "EXIT_FAILED"]
+__all__ = ["Audit", "AuditReport", "Finding", "RULES", "audit", "register_optimizer", "EXIT_OK", "EXIT_FINDINGS",
+           "EXIT_FAILED"]
 
 
 class Audit:
@@ -168,3 +169,14 @@ def audit(replay: bool = True, steps: int | None = None, strict: bool = False) -
     the findings (``report.ok``, ``report.text()``, ``report.to_dict()``).
     """
     return Audit(replay=replay, steps=steps, strict=strict)
+
+
+def register_optimizer(cls: type, spec: Any, *, ulp: Any = None) -> None:
+    """Replay the user's own optimizer class ``cls`` (and its subclasses that keep or call its
+    ``step``) through ``spec``, a ``reference.optim.OptimizerSpec``; ``ulp``: per state field
+    (``"param"`` for the parameter) the bound on native kernels. The worked example (Lion in
+    NumPy) is in `audit.optimizers`. Imported here on call: an audit without replay never loads
+    the specification."""
+    from audit.optimizers import register_optimizer as register
+
+    register(cls, spec, ulp=ulp)

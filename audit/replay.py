@@ -21,9 +21,10 @@ so that a difference stays what one stage makes instead of compounding:
    torch's thread count, `clip_grads_with_norm` from the total the loop passed, or
    `clip_grad_value`): its total norm against torch's, and its clipped gradients against what
    enters the next stage.
-4. The optimizer step (`reference.optim`: SGD, Adam, AdamW; for-loop, foreach and fused) from
-   torch's parameters, gradients and state: the parameters and state after it. The for-loop and
-   foreach Adam take torch's own square root (``reference.optim`` rule 9).
+4. The optimizer step, through the row `audit.optimizers` finds for the optimizer's class (its
+   spec row in `reference.optim`: for-loop, foreach and fused), from torch's parameters,
+   gradients and state: the parameters and state after it. The for-loop and foreach paths take
+   torch's own square root (``reference.optim`` rule 9).
 5. ``update`` (`reference.scaling.update_scale_multi`) from the scale and tracker before it and
    the spec's found_inf of every step it closes: the scale and tracker after it; and the scale
    the next update starts from must be the one this update left.
@@ -39,7 +40,7 @@ from the product's rounding); optimizer fields within the conformance bounds, in
 ULP distance explodes where an update cancels to near zero). NaN compares as a class.
 
 A step is not replayed, with the reason in the report, when it holds something outside the
-specification: another optimizer class, bfloat16 or float16 parameters, a tensor learning rate,
+specification: an optimizer class `audit.optimizers` does not find, bfloat16 or float16 parameters, a tensor learning rate,
 ``capturable``/``differentiable``, a norm order other than 2 and inf, or fused SGD unscaled by
 its own kernel. The scaler and skip stages of such a step are still checked. On another device
 (a GPU) found_inf, the skip, the unscale, value clipping and the scale update are compared, bit
@@ -49,8 +50,8 @@ not copied.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 import os
 import queue
 import threading
@@ -61,19 +62,17 @@ import numpy as np
 import torch
 
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
+from audit import optimizers
+from audit.optimizers import ADAM_MOMENT_ULP, ADAM_PARAM_ULP, SGD_BUFFER_ULP, SGD_PARAM_ULP
 from audit.rules import WARNING, Finding
 from audit.stages import CLIP_ULP, NORM_ULP, NotReplayable, StepStages, UpdateCheck
-from reference import optim
 
 __all__ = ["Replayer", "Divergence", "NORM_ULP", "CLIP_ULP", "SGD_BUFFER_ULP", "SGD_PARAM_ULP",
            "ADAM_MOMENT_ULP", "ADAM_PARAM_ULP"]
 
 # The conformance suite's bounds for native kernels (conformance/expectations.py derives each;
-# tests/test_audit.py checks these stay equal to them).
-SGD_BUFFER_ULP = 2 * 4
-SGD_PARAM_ULP = 2 * 8
-ADAM_MOMENT_ULP = 2 * 5
-ADAM_PARAM_ULP = 2 * 15
+# tests/test_audit.py checks these stay equal to them). The optimizers' are their rows'
+# (audit/optimizers.py); the norm's and the clip's are the stages' (audit/stages.py).
 
 # Rules whose breach changes the step's numbers: a divergence at the step of such a finding is
 # its consequence, reported with the finding (its expected and got), not as a second finding.
@@ -101,19 +100,28 @@ from audit.compare import _compare
 
 @dataclass(frozen=True)
 class OptimizerRef:
-    """What the replay needs of a torch optimizer: its label in the report and its class, as
-    ``SGD``, ``Adam``, ``AdamW`` or the qualified name of any other."""
+    """What the replay needs of a torch optimizer: its label in the report, its class's
+    qualified name, and its row in `audit.optimizers` (None: ``refused`` says why not)."""
 
     label: str
     kind: str
+    entry: Any = None
+    refused: str | None = None
 
 
-_SPEC_OPTIMIZERS = {torch.optim.SGD: "SGD", torch.optim.Adam: "Adam", torch.optim.AdamW: "AdamW"}
-
-
-def optimizer_ref(o: Any) -> OptimizerRef:
+def optimizer_ref(o: Any, in_process: bool = False) -> OptimizerRef:
     cls = type(o.obj)
-    return OptimizerRef(o.label, _SPEC_OPTIMIZERS.get(cls, f"{cls.__module__}.{cls.__qualname__}"))
+    entry, refused = optimizers.lookup(cls)
+    if entry is not None and in_process and not entry.builtin and _in_main(entry.spec):
+        entry, refused = None, (f"the spec of {cls.__qualname__} is defined in the audited script, which the replay "
+                                "process (started before the script) cannot load: define it in a module of its own "
+                                "and import it, or set AMPSPEC_AUDIT_REPLAY=thread")
+    return OptimizerRef(o.label, f"{cls.__module__}.{cls.__qualname__}", entry, refused)
+
+
+def _in_main(spec: Any) -> bool:
+    parts = [spec.config, spec.init_state, *spec.steps.values()]
+    return any(getattr(f, "__module__", None) == "__main__" for f in parts)
 
 
 MODES = ("process", "thread", "inline")
@@ -205,7 +213,8 @@ class Replayer(StepStages, UpdateCheck):
         return (f"{self.capability} CPU kernels: found_inf, skip, scale, growth tracker, unscaled, value-clipped "
                 f"and given-total-clipped gradients bit for bit; total norms within {NORM_ULP} ULP, norm-clipped "
                 f"gradients within {CLIP_ULP} ULP; SGD within {SGD_BUFFER_ULP}/{SGD_PARAM_ULP} ULP (buffer/parameter) and Adam(W) within "
-                f"{ADAM_MOMENT_ULP}/{ADAM_PARAM_ULP} ULP (moments/parameter) of x_abs")
+                f"{ADAM_MOMENT_ULP}/{ADAM_PARAM_ULP} ULP (moments/parameter) of x_abs, the other optimizers within "
+                "theirs (audit.optimizers.NATIVE_ULP)")
 
     def _bound(self, native: int) -> int:
         return 0 if self.exact else native
@@ -276,7 +285,7 @@ class Replayer(StepStages, UpdateCheck):
             if rec.clip_coef is None:
                 rec.clip_coef = result[1]
 
-        self._submit("_step", (optimizer_ref(o), d, rec), owner=d, on_done=done)
+        self._submit("_step", (optimizer_ref(o, self.process is not None), d, rec), owner=d, on_done=done)
 
     def _step(self, o: OptimizerRef, d: Any, rec: Any) -> tuple[str, float | None]:
         self._replay_one(o, d, rec)
@@ -334,61 +343,57 @@ class Replayer(StepStages, UpdateCheck):
         for p_np in d.params_before:
             if p_np.dtype not in (np.float32, np.float64):
                 raise _NotReplayable(f"{p_np.dtype} parameters (the specification's optimizers take float32 and float64)")
+        if o.entry is None:
+            raise _NotReplayable(o.refused)
+        row = o.entry.spec
         for gi, group in enumerate(d.groups):
             idx = [i for i, g in enumerate(d.group_of) if g == gi]
-            cfg, kind, impl = _spec_optimizer(o.kind, group)
+            cfg, impl = _spec_config(o, group)
             params = [d.params_before[i] for i in idx]
             grads = [d.step_grads[i] for i in idx]
-            torch_found = float(d.torch_found_inf or 0.0)
-            if kind == "sgd":
-                if impl == "fused" and d.kernel_unscale:
-                    raise _NotReplayable("fused SGD unscaled by its own kernel")
-                states = tuple(optim.SGDParamState(momentum_buffer=d.state_before[i].get("momentum_buffer"))
-                               for i in idx)
-                skip = d.amp_aware and torch_found == 1.0
-                if skip:
-                    new_params, new_states = [np.array(p, copy=True) for p in params], states
-                else:
-                    new_params, new_states = optim.sgd_step(params, grads, states, cfg, lr=cfg.lr)
+            states = tuple(row.state_from(d.state_before[i], params[j], cfg) for j, i in enumerate(idx))
+            if impl in row.kernel_scaled:
+                if d.kernel_unscale and row.kernel_skip_refused(cfg):
+                    raise _NotReplayable(f"{row.name} unscaled by its own kernel: {row.kernel_skip_refused(cfg)}")
+                new_params, _, new_states = row.step(
+                    impl, params, grads, states, cfg, lr=cfg.lr, grad_scale=d.scale if d.kernel_unscale else None,
+                    found_inf=float(d.torch_found_inf or 0.0) if d.amp_aware else 0.0)
             else:
-                states = tuple(_adam_state(d.state_before[i], params[j], cfg) for j, i in enumerate(idx))
-                if impl == "fused":
-                    new_params, _, new_states = optim.fused_adam_step(
-                        params, grads, states, cfg, grad_scale=d.scale if d.kernel_unscale else None,
-                        found_inf=torch_found if d.amp_aware else 0.0, lr=cfg.lr)
-                else:
-                    new_params, new_states = optim.adam_step(params, grads, states, cfg, lr=cfg.lr,
-                                                             sqrt=_torch_sqrt(impl))
-            exact_here = self.exact
+                new_params, _, new_states = row.step(impl, params, grads, states, cfg, lr=cfg.lr, sqrt=_torch_sqrt(impl))
             for j, i in enumerate(idx):
-                g = grads[j]
-                name = f"parameter {i}"
-                if g is None:
-                    self._check(o, rec, f"{name} (no gradient) after the step", d.params_after[i], new_params[j], 0, where)
-                    continue
-                torch_state = d.state_after[i]
-                if kind == "sgd":
-                    mag = functools.partial(_sgd_magnitudes, cfg, params[j], g, states[j].momentum_buffer)
-                    spec_buf = new_states[j].momentum_buffer
-                    if spec_buf is not None and torch_state.get("momentum_buffer") is not None:
-                        self._check(o, rec, f"momentum_buffer of {name}", torch_state["momentum_buffer"], spec_buf,
-                                    0 if exact_here else SGD_BUFFER_ULP, where,
-                                    None if exact_here else (lambda ix, mag=mag: mag(ix)[0]))
-                    self._check(o, rec, name, d.params_after[i], new_params[j], 0 if exact_here else SGD_PARAM_ULP,
-                                where, None if exact_here else (lambda ix, mag=mag: mag(ix)[1]))
-                else:
-                    new = new_states[j]
-                    if "step" in torch_state:
-                        self._check(o, rec, f"step counter of {name}",
-                                    np.float32(np.asarray(torch_state["step"]).reshape(())), np.float32(new.step), 0, where)
-                    mag = functools.partial(_adam_magnitudes, cfg, params[j], g, states[j], new)
-                    for fld in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if cfg.amsgrad else ()):
-                        if fld in torch_state:
-                            self._check(o, rec, f"{fld} of {name}", torch_state[fld], getattr(new, fld),
-                                        0 if exact_here else ADAM_MOMENT_ULP, where,
-                                        None if exact_here else (lambda ix, mag=mag, fld=fld: mag(ix)[fld]))
-                    self._check(o, rec, name, d.params_after[i], new_params[j], 0 if exact_here else ADAM_PARAM_ULP,
-                                where, None if exact_here else (lambda ix, mag=mag: mag(ix)["param"]))
+                self._compare_param(o, rec, cfg, i, params[j], grads[j], states[j], new_params[j], new_states[j],
+                                    d, where)
+
+    def _compare_param(self, o: OptimizerRef, rec: Any, cfg: Any, i: int, p: np.ndarray, g: Any, old: Any,
+                       new_p: np.ndarray, new: Any, d: Any, where: str) -> None:
+        """One parameter and its state after the step: scalar fields (the step counter) bit for
+        bit, arrays within the row's bound in ULPs of the spec's magnitudes."""
+        name = f"parameter {i}"
+        if g is None:
+            self._check(o, rec, f"{name} (no gradient) after the step", d.params_after[i], new_p, 0, where)
+            return
+        entry, torch_state, exact = o.entry, d.state_after[i], self.exact
+        row = entry.spec
+        mags = functools.cache(lambda: row.magnitudes(cfg, p, g, old, new)) if row.magnitudes else None
+
+        def x_abs(fld: str) -> Any:
+            if exact or mags is None:
+                return None
+            return lambda ix: _flat(mags()[fld], ix)
+
+        for fld in dataclasses.fields(new):
+            value, got = getattr(new, fld.name), torch_state.get(fld.name)
+            if value is None or got is None:
+                continue
+            if isinstance(value, np.floating):
+                label = "step counter" if fld.name == "step" else fld.name
+                self._check(o, rec, f"{label} of {name}", value.dtype.type(np.asarray(got).reshape(())), value, 0,
+                            where)
+            else:
+                self._check(o, rec, f"{fld.name} of {name}", got, value, 0 if exact else entry.bound(fld.name), where,
+                            x_abs(fld.name))
+        self._check(o, rec, name, d.params_after[i], new_p, 0 if exact else entry.bound("param"), where,
+                    x_abs("param"))
 
     # ------------------------------------------------------------------ the end
 
@@ -445,36 +450,20 @@ def _ranges(xs: list[int]) -> str:
     return ", ".join(out[:8]) + (", ..." if len(out) > 8 else "")
 
 
-def _spec_optimizer(kind: str, group: dict[str, Any]) -> tuple[Any, str, str]:
-    """The spec's configuration, kind and implementation for one torch parameter group."""
+def _spec_config(o: OptimizerRef, group: dict[str, Any]) -> tuple[Any, str]:
+    """The spec's configuration and implementation for one torch parameter group."""
     if group.get("differentiable") or group.get("capturable"):
         raise _NotReplayable("a capturable or differentiable optimizer")
-    lr = group.get("lr")
-    if isinstance(lr, torch.Tensor):
+    if isinstance(group.get("lr"), torch.Tensor):
         raise _NotReplayable("a tensor learning rate")
     impl = "fused" if group.get("fused") else "foreach" if group.get("foreach") else "for-loop"
+    if impl not in o.entry.spec.steps:
+        raise _NotReplayable(f"{o.kind}'s {impl} implementation (the specification has "
+                             f"{', '.join(o.entry.spec.steps)})")
     try:
-        if kind == "SGD":
-            return optim.SGDConfig(lr=float(lr), momentum=float(group["momentum"]), dampening=float(group["dampening"]),
-                                   nesterov=bool(group["nesterov"]), weight_decay=float(group["weight_decay"]),
-                                   maximize=bool(group.get("maximize", False))), "sgd", impl
-        if kind in ("Adam", "AdamW"):
-            decoupled = bool(group.get("decoupled_weight_decay", kind == "AdamW"))
-            return optim.AdamConfig(lr=float(lr), betas=tuple(float(b) for b in group["betas"]),
-                                    eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                                    amsgrad=bool(group["amsgrad"]), maximize=bool(group.get("maximize", False)),
-                                    decoupled_weight_decay=decoupled), "adam", impl
+        return o.entry.config(group), impl
     except (ValueError, KeyError, TypeError) as exc:
-        raise _NotReplayable(f"{kind} hyperparameters outside the specification ({exc})") from None
-    raise _NotReplayable(f"{kind} is not in the specification (SGD, Adam, AdamW)")
-
-
-def _adam_state(s: dict[str, Any], p: np.ndarray, cfg: Any) -> Any:
-    if not s:
-        return optim.init_state([p], cfg)[0]
-    return optim.AdamParamState(step=np.float32(np.asarray(s["step"]).reshape(())), exp_avg=s["exp_avg"],
-                                exp_avg_sq=s["exp_avg_sq"],
-                                max_exp_avg_sq=s.get("max_exp_avg_sq") if cfg.amsgrad else None)
+        raise _NotReplayable(f"{o.kind} hyperparameters outside the specification ({exc})") from None
 
 
 def _torch_sqrt(impl: str) -> Any:
@@ -490,38 +479,3 @@ def _as_tensor(a: np.ndarray) -> torch.Tensor:
 
 def _flat(a: np.ndarray, ix: np.ndarray) -> np.ndarray:
     return np.asarray(a).reshape(-1)[ix].astype(np.float64)
-
-
-def _sgd_magnitudes(cfg: Any, p: np.ndarray, g: np.ndarray, old_buf: np.ndarray | None,
-                    ix: np.ndarray) -> tuple[Any, Any]:
-    """x_abs of the momentum buffer and of the parameter at flat indices ``ix``: ``reference.optim``
-    rule 2 on magnitudes."""
-    d = np.abs(_flat(g, ix)) + cfg.weight_decay * np.abs(_flat(p, ix))
-    buf = None
-    if cfg.momentum != 0:
-        buf = d if old_buf is None else cfg.momentum * np.abs(_flat(old_buf, ix)) + abs(1 - cfg.dampening) * d
-        d = d + cfg.momentum * buf if cfg.nesterov else buf
-    return buf, np.abs(_flat(p, ix)) + cfg.lr * d
-
-
-def _adam_magnitudes(cfg: Any, p: np.ndarray, g: np.ndarray, old: Any, new: Any, ix: np.ndarray) -> dict[str, Any]:
-    """x_abs of each Adam field at flat indices ``ix``: ``reference.optim`` rules 3-6 on magnitudes
-    (the denominator is positive, taken from the spec's new second moment)."""
-    beta1, beta2 = cfg.betas
-    p64 = np.abs(_flat(p, ix))
-    d = np.abs(_flat(g, ix)) + (0.0 if cfg.decoupled_weight_decay else cfg.weight_decay * p64)
-    m = beta1 * np.abs(_flat(old.exp_avg, ix)) + (1 - beta1) * d
-    v = beta2 * _flat(old.exp_avg_sq, ix) + (1 - beta2) * d * d
-    out = {"exp_avg": m, "exp_avg_sq": v}
-    root_of = _flat(new.exp_avg_sq, ix)
-    if cfg.amsgrad:
-        out["max_exp_avg_sq"] = np.maximum(_flat(old.max_exp_avg_sq, ix), v)
-        root_of = _flat(new.max_exp_avg_sq, ix)
-    t = float(new.step)
-    step_size = cfg.lr / (1 - beta1**t)
-    denom = np.sqrt(root_of) / math.sqrt(1 - beta2**t) + cfg.eps
-    with np.errstate(divide="ignore", invalid="ignore"):
-        update = np.where(denom > 0, step_size * m / denom, np.inf)
-    decay = 1 - cfg.lr * cfg.weight_decay if cfg.decoupled_weight_decay else 1.0
-    out["param"] = p64 * decay + update
-    return out
