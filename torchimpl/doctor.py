@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from torchimpl import health
+from torchimpl._torch_compat import tree_leaves
 from torchimpl.checkpoint import capture_rng_state, restore_rng_state
 from torchimpl.diagnostics import Finding, _fp16_norm_problem, _OpScanner, _unsafe_problem
 from torchimpl.doctor_probe import Fp8Probe, Recorder

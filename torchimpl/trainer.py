@@ -377,13 +377,15 @@ class Trainer:
             try:
                 contents = self._dist.load_checkpoint(path)
                 check_contents(contents, path)
+                # Inside the try: a checkpoint that fails to restore is passed over like a damaged one
+                # (the next one's restore overwrites all that this one set).
+                self._run.restore(contents, path)
             except CheckpointError as exc:
                 if len(paths) == 1 and str(resume) != "latest":
                     raise
                 rejected.append(str(exc))
-                log.warning("cannot resume from %s: %s", path.name, exc)
+                warnings.warn(f"passing over {path}: it cannot be resumed from ({exc})", stacklevel=3)
                 continue
-            self._run.restore(contents, path)
             log.info("resumed from %s at step %d", path, self.state.step)
             return contents
         raise CheckpointError(f"none of the {len(paths)} checkpoints in {folder} can be resumed from, so the run is "
