@@ -599,12 +599,12 @@ def _log_spread(draw, size: st.SearchStrategy[int], low: int, high: int) -> np.n
 def shadow_pair(draw) -> dict:
     """An fp32 shadow's tensor and the mixed run's same tensor: the shadow rounded to a format
     (so values flush, overflow and differ by rounding), with a few entries planted to ±0. The
-    values span float32's subnormals to beyond float16's max, powers of two included (every
-    smallest normal)."""
+    values span float32's subnormals to beyond float16's max, powers of two included, and the
+    format's own edges (its smallest normal and subnormal, max and the overflow tie) always."""
+    fmt = draw(st.sampled_from(HEALTH_FORMATS[:2]))
     ref = _log_spread(draw, st.integers(1, 64), -150, 17)
     noise = draw(nps.arrays(np.float32, ref.shape, elements=st.floats(-1e5, 1e5, width=32)))
-    ref = np.concatenate([ref, noise]).astype(np.float32)
-    fmt = draw(st.sampled_from(HEALTH_FORMATS[:2]))
+    ref = np.concatenate([_format_edges(fmt), ref, noise]).astype(np.float32)
     from reference.formats import cast
 
     obs = cast(ref, fmt).astype(np.float32)
