@@ -196,6 +196,11 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    if args.task is not None:
+        from torchimpl.doctor_cli import run_doctor
+
+        _plain_warnings()
+        return run_doctor(args)
     import torch
 
     from torchimpl.device import available_devices
@@ -394,7 +399,13 @@ def _parser() -> argparse.ArgumentParser:
     _add_compare(sub, common)
     _add_train(sub, common)
     _add_export(sub, common)
-    d = sub.add_parser("doctor", parents=[common], help="what this machine supports")
+    d = sub.add_parser("doctor", parents=[common], help="what this machine supports; with --task, a model's precision",
+                       description="Without --task: what this machine supports. With --task: run the model in each "
+                                   "precision beside an fp32 shadow and give verdicts with fixes (exit status 1 when "
+                                   "a verdict is an error).")
+    from torchimpl.doctor_cli import add_options
+
+    add_options(d, _task_name)
     d.set_defaults(func=_doctor)
     r = sub.add_parser("replay", parents=[common], help="recompute a trace's scale history with the reference")
     r.add_argument("trace")

@@ -270,6 +270,11 @@ class LoggingConfig(_Checked):
     ``train.log_interval`` steps; ``bar``, ``lines`` or ``off`` force one. (YAML reads an
     unquoted ``off`` as false, which means ``off``; true means ``auto``.)"""
 
+    precision_stats: int = 0
+    """Every N optimizer steps, log each module's output dtype, amax, headroom in bits and
+    subnormal fraction to ``precision_stats.csv`` (and TensorBoard) in the run folder
+    (``torchimpl.precision_stats``); 0, the default, logs none (each measured step syncs)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.progress, bool):
             object.__setattr__(self, "progress", "auto" if self.progress else "off")
@@ -286,6 +291,7 @@ class LoggingConfig(_Checked):
         if self.tensorboard is True and self.dir is None:
             out.append(("tensorboard", "true needs a run folder, but logging.dir is null; set logging.dir "
                                        "(or 'auto'), or logging.tensorboard=false"))
+        out += _int_at_least("precision_stats", self.precision_stats, 0)
         if self.progress not in ("auto", "bar", "lines", "off"):
             out.append(("progress", f"must be one of 'auto', 'bar', 'lines', 'off', got {self.progress!r}"))
         return out

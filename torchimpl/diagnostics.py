@@ -46,9 +46,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from torchimpl._torch_compat import TorchDispatchMode, tree_leaves
 from torchimpl.device import same_device
 from torchimpl.precision import PrecisionPlan, cuda_bf16_supported
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchimpl._torch_compat import _get_foreach_kernels_supported_devices
 from torchimpl.device import same_device
 
 __all__ = [
@@ -190,12 +191,9 @@ def parameter_groups(model: nn.Module, config: OptimizerConfig) -> list[dict[str
 
 
 def _foreach_by_default(device: torch.device) -> bool:
-    try:
-        from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
-
-        return device.type in _get_foreach_kernels_supported_devices()
-    except ImportError:
+    if _get_foreach_kernels_supported_devices is None:  # gone from torch: its long-standing list
         return device.type in ("cuda", "xpu")
+    return device.type in _get_foreach_kernels_supported_devices()
 
 
 def _construct(

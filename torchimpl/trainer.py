@@ -51,6 +51,8 @@ from torchimpl.optim import BuiltOptimizer, OptimizerConfig, adopt_optimizer, bu
 from torchimpl.precision import PrecisionDowngradeWarning, autocast_context, resolve_precision
 from torchimpl.lifecycle import Interrupts, outcome, preflight
 from torchimpl.records import StepRecord, TraceWriter
+from torchimpl.fp32_modules import apply_fp32_modules
+from torchimpl.precision_stats import precision_stats_callbacks
 from torchimpl.metrics import CsvMetrics, open_metrics, open_run_folder
 from torchimpl.reporting import Reporter, progress_mode
 from torchimpl.run_state import DataCursor, RunState, TrainState, check_contents
@@ -138,6 +140,8 @@ class RunSummary:
     """The run folder holding the metrics files (``logging.dir``), or None when none was written."""
     metrics_file: str | None = None
     """The run's ``metrics.csv`` (``torchimpl.metrics``), or None without one."""
+    fp32_modules: list[str] = dataclasses.field(default_factory=list)
+    """The modules run in fp32 islands (``precision.fp32_modules``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, valid JSON: a non-finite number becomes None."""
@@ -163,6 +167,7 @@ class Trainer:
         self.config = Config.from_kwargs(config, **kwargs)
         # One callback where a sequence belongs is what the user means.
         self.callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
+        self.callbacks += precision_stats_callbacks(self.config)  # logging.precision_stats
         self._stop_requested: str | None = None
         self._reporter: Reporter | None = None
 
@@ -292,6 +297,7 @@ class Trainer:
                                                     skip_first_last=self.plan.fp8_skip_first_last)
             for line in self.fp8_report.lines():
                 log.info("precision: %s", line)
+        self.fp32_modules = apply_fp32_modules(model, cfg.precision.fp32_modules)  # before DDP wraps it
         self.model, forward_model = self._dist.wrap_model(model, self.plan)
         self.model.train()
         built, self.scheduler, schedule = self._optimizer_and_schedule()
@@ -578,6 +584,7 @@ class Trainer:
             fp8=self.fp8_report.to_dict() if self.fp8_report is not None else None,
             precision_note=plan.spelling_note,
             log_dir=str(self._log_dir) if self._log_dir is not None else None, metrics_file=self._metrics_file,
+            fp32_modules=self.fp32_modules,
         )
         for cb in self.callbacks:
             cb.on_fit_end(self, summary)
