@@ -454,24 +454,26 @@ def test_a_damaged_only_checkpoint_refuses_the_resume_and_changes_no_byte(run_co
 
 
 @pytest.mark.parametrize("kind", DAMAGE)
-def test_a_damaged_newest_checkpoint_is_named_and_passed_over(run_copy, kind):
+def test_a_damaged_newest_checkpoint_is_named_and_passed_over(run_copy, kind, caplog):
     ck = run_copy / "ck"
     _damage(kind, ck / "step-00000002.ckpt", ck / "step-00000003.ckpt")
     rc, out, err = cli("train", *sets(*RUN, "train.steps=3"), "--resume", cwd=run_copy)
     assert rc == 0 and "Traceback" not in err, err
-    assert "passing over" in err and "step-00000003.ckpt" in err, err
+    # The warning goes through logging (a WARNING line on stderr in a terminal).
+    assert any(m.startswith("cannot resume from step-00000003.ckpt") for m in caplog.messages), caplog.messages
     assert "resumed" in err or json.loads(out)["steps"] == 3
     from torchimpl.records import read_trace
 
     assert [r.step for r in read_trace(ck / "trace.jsonl")] == [0, 1, 2]
 
 
-def test_a_stray_damaged_sharded_checkpoint_beside_good_ones_is_passed_over(run_copy):
+def test_a_stray_damaged_sharded_checkpoint_beside_good_ones_is_passed_over(run_copy, caplog):
     stray = run_copy / "ck" / "step-00000009.dcp"
     stray.mkdir()
     (stray / ".metadata").write_bytes(b"garbage")
     rc, out, err = cli("train", *sets(*RUN, "train.steps=3"), "--resume", cwd=run_copy)
-    assert rc == 0 and "passing over" in err and "step-00000009.dcp" in err, err
+    assert rc == 0 and "Traceback" not in err, err
+    assert any(m.startswith("cannot resume from step-00000009.dcp") for m in caplog.messages), caplog.messages
 
 
 # ------------------------------------------------------------------ 8. replay on bad traces
