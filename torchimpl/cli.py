@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from torchimpl.distributed import launch_rank
 from torchimpl.errors import run_command
-from torchimpl.lifecycle import EXIT_CODES, command_interrupts
+from torchimpl.lifecycle import EXIT_CODES, command_interrupts, restore_handlers
 
 __all__ = ["main"]
 
@@ -459,7 +459,14 @@ def _audit_split(argv: list[str]) -> tuple[list[str], list[str] | None]:
 def main(argv: Sequence[str] | None = None) -> int:
     # First, so that a Ctrl-C or SIGTERM during the start-up (parsing, imports) ends with a line,
     # not a traceback or a silent kill (torchimpl.lifecycle, rule 2).
-    command_interrupts()
+    previous = command_interrupts()
+    try:
+        return _main(argv)
+    finally:
+        restore_handlers(previous)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     head, tail = _audit_split(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(head)
