@@ -4,7 +4,8 @@ each of which conformance/test_health.py must catch against reference/health.py.
     PYTHONPATH=. python -m conformance.health_mutations            # every mutant (about 2 minutes)
     PYTHONPATH=. python -m conformance.health_mutations overflow_tie_ignored
 
-One plausible misreading per statistic. Same machinery as ``conformance.mutations`` (an
+One plausible misreading per statistic (amax, headroom, overflow twice, underflow, flushed and
+subnormal fractions, SQNR, lost updates twice, the scale range twice): all 12 killed. Same machinery as ``conformance.mutations`` (an
 unmutated baseline first; an edit that no longer applies stops the run).
 """
 

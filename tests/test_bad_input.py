@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -453,24 +454,26 @@ def test_a_damaged_only_checkpoint_refuses_the_resume_and_changes_no_byte(run_co
 
 
 @pytest.mark.parametrize("kind", DAMAGE)
-def test_a_damaged_newest_checkpoint_is_named_and_passed_over(run_copy, kind):
+def test_a_damaged_newest_checkpoint_is_named_and_passed_over(run_copy, kind, caplog):
     ck = run_copy / "ck"
     _damage(kind, ck / "step-00000002.ckpt", ck / "step-00000003.ckpt")
     rc, out, err = cli("train", *sets(*RUN, "train.steps=3"), "--resume", cwd=run_copy)
     assert rc == 0 and "Traceback" not in err, err
-    assert "passing over" in err and "step-00000003.ckpt" in err, err
+    # The warning goes through logging (a WARNING line on stderr in a terminal).
+    assert any(m.startswith("cannot resume from step-00000003.ckpt") for m in caplog.messages), caplog.messages
     assert "resumed" in err or json.loads(out)["steps"] == 3
     from torchimpl.records import read_trace
 
     assert [r.step for r in read_trace(ck / "trace.jsonl")] == [0, 1, 2]
 
 
-def test_a_stray_damaged_sharded_checkpoint_beside_good_ones_is_passed_over(run_copy):
+def test_a_stray_damaged_sharded_checkpoint_beside_good_ones_is_passed_over(run_copy, caplog):
     stray = run_copy / "ck" / "step-00000009.dcp"
     stray.mkdir()
     (stray / ".metadata").write_bytes(b"garbage")
     rc, out, err = cli("train", *sets(*RUN, "train.steps=3"), "--resume", cwd=run_copy)
-    assert rc == 0 and "passing over" in err and "step-00000009.dcp" in err, err
+    assert rc == 0 and "Traceback" not in err, err
+    assert any(m.startswith("cannot resume from step-00000009.dcp") for m in caplog.messages), caplog.messages
 
 
 # ------------------------------------------------------------------ 8. replay on bad traces
@@ -754,20 +757,24 @@ def test_compare_overwrite_replaces_the_earlier_report(tmp_path):
 # ------------------------------------------------------------------ 7. counters a callback changed
 
 
-@pytest.mark.parametrize("value", [-5, 2.5, 10**8])
-def test_a_step_counter_set_to_nonsense_by_a_callback_is_refused_at_the_save(tmp_path, value):
+# (the value set, the counter the save sees: 2.5 is not due for a save, the next step's 3.5 is)
+@pytest.mark.parametrize("value,seen", [(-5, -5), (2.5, 3.5), (10**8, 10**8)])
+def test_a_step_counter_set_to_nonsense_by_a_callback_is_refused_at_the_save(tmp_path, value, seen):
     from torchimpl.config import load_config
     from torchimpl.tasks import build_task
     from torchimpl.trainer import Callback, Trainer
 
     class Meddle(Callback):
+        done = False
+
         def on_step_end(self, trainer, state):
-            state.step = value
+            if not self.done:  # once: a counter set back at every step would never reach the end
+                self.done, state.step = True, value
 
     cfg = load_config(overrides=[*TINY, "train.steps=3", f"checkpoint.folder={tmp_path / 'ck'}",
                                  "checkpoint.interval=1", "logging.dir=null"])
     task = build_task(cfg.task, seed=0, batch_size=4)
     with pytest.raises(ValueError, match=r"trainer's step must be an integer in \[0, 100000000\), got "
-                                         + __import__("re").escape(repr(value)) + r".*trainer\.state\.step"):
+                                         + re.escape(repr(seen)) + r".*trainer\.state\.step"):
         Trainer(cfg, [Meddle()]).fit(task.model, task.train_data, loss_fn=task.loss_fn)
     assert not list((tmp_path / "ck").glob("step-*")), "a checkpoint was written under a nonsense name"

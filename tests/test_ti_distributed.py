@@ -93,12 +93,13 @@ def test_under_torchrun_only_rank_0_prints_the_summary(monkeypatch, capsys, tmp_
     from torchimpl.cli import main
 
     args = ["train", "--set", "device=cpu", "--set", "task.name=mlp", "--set", "task.size=tiny",
-            "--set", "train.steps=2", "--set", "train.batch_size=8", "--set", f"checkpoint.folder={tmp_path}"]
+            "--set", "train.steps=2", "--set", "train.batch_size=8"]
     monkeypatch.setenv("RANK", "1")
-    assert main(args) == 0
+    assert main(args + ["--set", f"checkpoint.folder={tmp_path / 'rank1'}"]) == 0
     assert capsys.readouterr().out == "", "a rank other than 0 printed"
     monkeypatch.setenv("RANK", "0")
-    assert main(args) == 0
+    # A folder of its own: a fresh run into the first one's folder is refused (torchimpl.run_folder).
+    assert main(args + ["--set", f"checkpoint.folder={tmp_path / 'rank0'}"]) == 0
     assert json.loads(capsys.readouterr().out)["steps"] == 2
 
 

@@ -96,19 +96,28 @@ class Interrupted(KeyboardInterrupt):
         self.exit_code = EXIT_CODES.get(f"interrupted:{signal_name}", 130)
 
 
-def command_interrupts() -> None:
-    """Rule 2 outside a run: SIGINT and SIGTERM raise :class:`Interrupted` (main thread only)."""
+def command_interrupts() -> dict[int, Any]:
+    """Rule 2 outside a run: SIGINT and SIGTERM raise :class:`Interrupted` (main thread only);
+    returns the previous handlers, for :func:`restore_handlers` when the command ends."""
     if threading.current_thread() is not threading.main_thread():
-        return
+        return {}
 
     def handle(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         raise Interrupted(name, f"interrupted by {name}")
 
+    previous = {}
     for name in Interrupts._SIGNALS:
         sig = getattr(signal, name, None)
         if sig is not None:
-            signal.signal(sig, handle)
+            previous[sig] = signal.signal(sig, handle)
+    return previous
+
+
+def restore_handlers(previous: dict[int, Any]) -> None:
+    """Put back the handlers :func:`command_interrupts` replaced (a caller of ``main`` keeps its own)."""
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 class Interrupts:

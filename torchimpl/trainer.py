@@ -384,7 +384,7 @@ class Trainer:
                 if len(paths) == 1 and str(resume) != "latest":
                     raise
                 rejected.append(str(exc))
-                warnings.warn(f"passing over {path}: it cannot be resumed from ({exc})", stacklevel=3)
+                log.warning("cannot resume from %s: %s", path.name, exc)
                 continue
             log.info("resumed from %s at step %d", path, self.state.step)
             return contents
