@@ -1,0 +1,61 @@
+"""The documentation keeps up with the code: the layout names every part and module."""
+
+import os
+import re
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+_PARTS = ("reference", "torchimpl", "audit", "conformance", "tests", "bench", "docs")
+
+
+def _layout_section() -> str:
+    text = (_ROOT / "README.md").read_text()
+    match = re.search(r"^## Layout\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, "README.md has no '## Layout' section"
+    return match.group(1)
+
+
+def test_the_layout_names_every_part():
+    layout = _layout_section()
+    missing = [p for p in _PARTS if not re.search(rf"^{p}/", layout, re.M)]
+    assert not missing, f"the layout in README.md omits the parts {missing}"
+
+
+def test_the_layout_names_every_module_of_torchimpl_and_audit():
+    layout = _layout_section()
+    missing = [f"{pkg}/{path.name}" for pkg in ("torchimpl", "audit")
+               for path in sorted((_ROOT / pkg).glob("*.py"))
+               if path.name != "__init__.py" and f"`{path.name}`" not in layout]
+    assert not missing, f"the layout in README.md omits {missing}: add a row saying what each holds"
+
+
+_PATH_REF = re.compile(
+    r"\b((?:reference|torchimpl|audit|conformance|tests|bench|docs|\.ci)/[\w./-]*\.(?:py|md|yml|txt|json|sh))\b")
+_SKIP_DIRS = {"site", "build", "dist", "__pycache__", "ampspec-runs"}
+
+
+def _tracked_text_files():
+    for folder, dirs, files in os.walk(_ROOT):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS and not d.endswith(".egg-info")
+                   and (not d.startswith(".") or d == ".ci")]
+        for name in files:
+            path = Path(folder, name)
+            if path.suffix in (".py", ".md", ".toml", ".yml", ".sh") or name == "run":
+                yield path.relative_to(_ROOT), path
+
+
+def test_every_path_the_code_and_docs_cite_exists():
+    """A comment or a page that points at a file points at one in the repository."""
+    dangling = []
+    for rel, path in _tracked_text_files():
+        for ref in _PATH_REF.findall(path.read_text(errors="replace")):
+            if not (_ROOT / ref).exists():
+                dangling.append(f"{rel}: {ref}")
+    assert not dangling, "references to files that do not exist:\n" + "\n".join(dangling)
+
+
+def test_no_citation_of_documents_outside_the_repository():
+    cites = [f"{rel}:{i}" for rel, path in _tracked_text_files()
+             for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+             if re.search(r"DESIGN(\.md)?\s*(§|section|\d)|§\s*\d", line)]
+    assert not cites, f"citations of a design document that is not in the repository: {cites}"
