@@ -74,3 +74,39 @@ def test_the_docs_site_builds_strictly(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                          cwd=_ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, f"mkdocs build --strict failed:\n{out.stdout}{out.stderr}"
+
+
+def _headings(text: str) -> list[str]:
+    fence, out = False, []
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        elif not fence and re.match(r"#{1,6} ", line):
+            out.append(line.lstrip("#").strip())
+    return out
+
+
+def _mkdocs_slug(title: str) -> str:  # Python-Markdown's toc slugify
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", title).strip().lower())
+
+
+def _github_slug(title: str) -> str:
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+def test_the_readme_links_reach_their_pages_and_headings():
+    """The README is not part of the site, so the strict build does not check its links."""
+    readme = (_ROOT / "README.md").read_text()
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", readme):
+        if target.startswith(("http://", "https://")):
+            continue
+        page, _, anchor = target.partition("#")
+        if page and not (_ROOT / page).exists():
+            broken.append(target)
+        elif anchor and not page and anchor not in {_github_slug(h) for h in _headings(readme)}:
+            broken.append(target)
+        elif anchor and page.endswith(".md") and anchor not in {
+                _mkdocs_slug(h) for h in _headings((_ROOT / page).read_text())}:
+            broken.append(target)
+    assert not broken, f"links in README.md that lead nowhere: {broken}"
