@@ -13,7 +13,8 @@ Train a model: ``Trainer(precision="bf16-mixed", max_steps=200).fit(model, train
 - training: `Trainer` (the run's cadence; the step itself is `torchimpl.step`'s engine, the
   checkpoint contents `torchimpl.run_state`), `Callback`, `RunSummary`, `TrainState`,
   `default_loss_fn`, step records and checkpoints (`ResumeError` for a refused resume);
-- diagnostics: `NonFiniteGuard`, `check_placement`, `diagnose_nonfinite`;
+- diagnostics: `NonFiniteGuard`, `check_placement`, `diagnose_nonfinite`; before a failure,
+  `inspect_precision` (``ampspec doctor --task``: verdicts and fixes, a `PrecisionReport`);
 - the trained weights: `load_weights` (a checkpoint's model ``state_dict``).
 """
 
@@ -41,6 +42,8 @@ from torchimpl.diagnostics import (
     check_placement,
     diagnose_nonfinite,
 )
+from torchimpl.doctor import inspect_precision
+from torchimpl.doctor_report import PrecisionReport
 from torchimpl.optim import (
     BuiltOptimizer,
     FusedOptimizerWarning,
@@ -82,6 +85,7 @@ __all__ = [
     "PrecisionConfig",
     "PrecisionDowngradeWarning",
     "PrecisionPlan",
+    "PrecisionReport",
     "ResumeError",
     "RunSummary",
     "ScaleAtMinimumError",
@@ -103,6 +107,7 @@ __all__ = [
     "default_loss_fn",
     "diagnose_nonfinite",
     "fp32_island",
+    "inspect_precision",
     "latest_checkpoint",
     "load_checkpoint",
     "load_config",

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -86,10 +87,12 @@ class Checkpointer:
     def due(self, step: int, *, last: bool, interrupted: bool) -> bool:
         return self.folder is not None and (_every(self.interval, step) or last or interrupted)
 
-    def find(self, resume: str | Path) -> tuple[dict[str, Any], Path] | None:
-        """The contents to resume from and their path (rule 10 of ``torchimpl.run_state``):
-        ``resume`` itself, or for ``"latest"`` the newest checkpoint in the folder that loads and
-        holds every field, passing over damaged ones with a warning; None for an empty folder."""
+    def find(self, resume: str | Path, restore: Callable[[dict[str, Any], Path], None]) -> \
+            tuple[dict[str, Any], Path] | None:
+        """The contents a resume starts from, restored with ``restore``, and their path (rule 10
+        of ``torchimpl.run_state``): ``resume`` itself, or for ``"latest"`` the newest checkpoint
+        in the folder that loads, holds every field and restores, passing over the others with a
+        warning; None for an empty folder."""
         if str(resume) != "latest":
             paths = [Path(resume)]
         elif self.folder is None:
@@ -104,11 +107,15 @@ class Checkpointer:
             try:
                 contents = self.dist.load_checkpoint(path)
                 check_contents(contents, path)
+                # Inside the try: a checkpoint that fails to restore is passed over like a damaged one
+                # (the next one's restore overwrites all that this one set).
+                restore(contents, path)
             except CheckpointError as exc:
                 if len(paths) == 1 and str(resume) != "latest":
                     raise
                 rejected.append(str(exc))
-                log.warning("cannot resume from %s: %s", path.name, exc)
+                # stacklevel: the caller of Trainer.fit (fit -> _resume -> find).
+                warnings.warn(f"passing over {path}: it cannot be resumed from ({exc})", stacklevel=4)
                 continue
             return contents, path
         raise CheckpointError(f"none of the {len(paths)} checkpoints in {self.folder} can be resumed from, so the run "

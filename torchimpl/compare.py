@@ -31,6 +31,8 @@ import torch
 
 from torchimpl.config import load_config
 from torchimpl.device import resolve_device
+from torchimpl.lifecycle import Interrupted
+from torchimpl.safe_files import write_report
 from torchimpl.records import read_trace
 from torchimpl.reporting import progress_log
 from torchimpl.tasks import build_task
@@ -55,6 +57,12 @@ class CompareResult:
     png_note: str | None
     left_out: dict[str, str]
     """Runs that could not be made, with the reason (fp8 on a model with no convertible layer)."""
+    interrupted: str | None = None
+    """The signal that stopped the comparison (SIGINT, SIGTERM), or None when it ran to the end."""
+    finished: list[str] | None = None
+    """With ``interrupted``: the runs that finished."""
+    cut_short: dict[str, int] | None = None
+    """With ``interrupted``: the run the signal stopped, and the steps it had done."""
 
 
 @dataclass
@@ -147,6 +155,9 @@ def _train_one(label: str, mode: str, extra: list[str], *, dev: torch.device, ta
         "peak_memory_mb": None if summary.peak_memory_bytes is None else summary.peak_memory_bytes / 2**20,
         "downgrades": summary.downgrades,
     }
+    if summary.outcome.startswith("interrupted"):
+        # The trainer stopped at a step boundary on a signal: the whole comparison stops.
+        raise _RunInterrupted(summary.outcome.split(":", 1)[1], label, summary.steps)
     return row, curves
 
 
@@ -175,24 +186,15 @@ def run_compare(*, steps: int = 200, device: str = "auto", out: str | Path = "am
     out.mkdir(parents=True, exist_ok=True)
     dev = resolve_device(device)
     eval_every = max(steps // 20, 1)  # about 20 points: a validation curve, not a final number
-    rows, curves, left_out = [], {}, {}
+    rows: list[dict[str, Any]] = []
+    curves: dict[str, _Curves] = {}
+    left_out: dict[str, str] = {}
     runs = _runs(dev)
-    for number, (label, mode, extra) in enumerate(runs, 1):
-        # One line as each run starts and ends, on a terminal or not (ampspec -q silences them).
-        progress_log.info("compare: run %d of %d, %s, %d steps of task %s", number, len(runs), label, steps, task)
-        started = time.perf_counter()
-        try:
-            row, curves[label] = _train_one(label, mode, extra, dev=dev, task=task, steps=steps, seed=seed,
-                                            eval_every=eval_every, out=out)
-        except ValueError as exc:
-            if mode != "fp8":
-                raise
-            # fp8 is the optional extra: a model it cannot convert leaves that row out, not the comparison.
-            left_out[label] = str(exc)
-            continue
-        rows.append(row)
-        progress_log.info("compare: %s done in %.1f s, final loss %.4g", label, time.perf_counter() - started,
-                          row["final_loss"])
+    try:
+        _train_all(runs, rows, curves, left_out, dev=dev, task=task, steps=steps, seed=seed, eval_every=eval_every,
+                   out=out)
+    except (_RunInterrupted, Interrupted) as exc:
+        return _interrupted(exc, rows, runs, out=out, dev=dev, task=task, steps=steps, seed=seed, t0=t0)
     agree = _judge(rows, curves, window, rel_tol, abs_tol)
     rule = (f"{window}-step moving averages within {rel_tol:.0%} of fp32's, or within {abs_tol:.0%} of "
             f"fp32's starting loss where that is larger (near zero loss a relative band is meaningless)")
@@ -204,11 +206,60 @@ def run_compare(*, steps: int = 200, device: str = "auto", out: str | Path = "am
               "skipped_steps": {k: c.skipped for k, c in curves.items()},
               "scale_history": {k: c.scale for k, c in curves.items()}}
     report_path = out / "report.json"
-    report_path.write_text(json.dumps(report, indent=1))
+    write_report(report_path, report)
     band = _Band(window, rel_tol, abs_tol)
     png_path, note = _plot(curves, rows, band, title, out / "compare.png")
     return CompareResult(rows, agree, rule, gap_explained(window), time.perf_counter() - t0, str(report_path),
                          png_path, note, left_out)
+
+
+def _train_all(runs: list[tuple[str, str, list[str]]], rows: list[dict[str, Any]], curves: dict[str, _Curves],
+               left_out: dict[str, str], **kw: Any) -> None:
+    """Every run in turn, filling ``rows``, ``curves`` and ``left_out`` as each finishes."""
+    task, steps = kw["task"], kw["steps"]
+    for number, (label, mode, extra) in enumerate(runs, 1):
+        # One line as each run starts and ends, on a terminal or not (ampspec -q silences them).
+        progress_log.info("compare: run %d of %d, %s, %d steps of task %s", number, len(runs), label, steps, task)
+        started = time.perf_counter()
+        try:
+            row, curves[label] = _train_one(label, mode, extra, **kw)
+        except ValueError as exc:
+            if mode != "fp8":
+                raise
+            # fp8 is the optional extra: a model it cannot convert leaves that row out, not the comparison.
+            left_out[label] = str(exc)
+            continue
+        rows.append(row)
+        progress_log.info("compare: %s done in %.1f s, final loss %.4g", label, time.perf_counter() - started,
+                          row["final_loss"])
+
+
+class _RunInterrupted(Exception):
+    """A run that the trainer stopped on a signal (at a step boundary)."""
+
+    def __init__(self, signal_name: str, label: str, steps_done: int):
+        super().__init__(f"{label} interrupted by {signal_name} after {steps_done} steps")
+        self.signal, self.label, self.steps_done = signal_name, label, steps_done
+
+
+def _interrupted(exc: BaseException, rows: list[dict[str, Any]], runs: list[tuple[str, str, list[str]]], *,
+                 out: Path, dev: torch.device, task: str, steps: int, seed: int, t0: float) -> CompareResult:
+    """The report of a comparison a signal stopped: which runs finished, which was cut short and
+    where; no verdict and no curves of a cut-short run (``agree`` is null)."""
+    name = exc.signal
+    finished = [r["precision"] for r in rows]
+    cut = {exc.label: exc.steps_done} if isinstance(exc, _RunInterrupted) else {}
+    not_run = [label for label, _, _ in runs if label not in finished and label not in cut]
+    report = {"device": str(dev), "torch": str(torch.__version__), "task": task, "steps": steps, "seed": seed,
+              "interrupted": name, "agree": None, "finished": finished, "cut_short": cut, "not_run": not_run,
+              "rows": rows,
+              "note": f"the comparison was interrupted by {name}: only the finished runs' rows are reported, "
+                      "no run is judged against fp32 and no plot is drawn"}
+    report_path = out / "report.json"
+    write_report(report_path, report)
+    return CompareResult(rows, False, "", "", time.perf_counter() - t0, str(report_path), None,
+                         f"plot skipped: the comparison was interrupted by {name}", {}, interrupted=name,
+                         finished=finished, cut_short=cut)
 
 
 @dataclass(frozen=True)
@@ -330,7 +381,8 @@ def _plot_gaps(ax: Any, curves: dict[str, _Curves], by_label: dict[str, dict[str
             continue
         gap = [a - b for a, b in zip(_smooth(c.train, band.window), ref)]
         top = max(top, max(abs(g) for g in gap))
-        ax.plot(steps, gap, color=colours[label], linewidth=_line_style(i)[0])
+        # zip stops at the shorter curve: a run with fewer steps than fp32's is drawn as far as it went.
+        ax.plot(range(1, len(gap) + 1), gap, color=colours[label], linewidth=_line_style(i)[0])
     ax.set_ylim(-1.1 * top, 1.1 * top)
     ax.set(title="difference from fp32 (moving averages, loss units); the band is the tolerance",
            xlabel="optimizer step", ylabel="loss - fp32's")

@@ -48,6 +48,8 @@ from torchimpl.optim import BuiltOptimizer, OptimizerConfig, adopt_optimizer, bu
 from torchimpl.precision import PrecisionDowngradeWarning, autocast_context, resolve_precision
 from torchimpl.lifecycle import Interrupts, outcome, preflight
 from torchimpl.records import StepRecord
+from torchimpl.fp32_modules import apply_fp32_modules
+from torchimpl.precision_stats import precision_stats_callbacks
 from torchimpl.reporting import Reporter, open_reporter
 from torchimpl.run_state import DataCursor, RunState, TrainState
 from torchimpl.scaler import make_grad_scaler
@@ -134,6 +136,8 @@ class RunSummary:
     """The run folder holding the metrics files (``logging.dir``), or None when none was written."""
     metrics_file: str | None = None
     """The run's ``metrics.csv`` (``torchimpl.metrics``), or None without one."""
+    fp32_modules: list[str] = dataclasses.field(default_factory=list)
+    """The modules run in fp32 islands (``precision.fp32_modules``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, valid JSON: a non-finite number becomes None."""
@@ -161,6 +165,7 @@ class _Fit:
     plan: Any = None
     downgrades: list[str] = dataclasses.field(default_factory=list)
     fp8_report: Any = None
+    fp32_modules: list[str] = dataclasses.field(default_factory=list)
     model: Any = None
     optimizer: Any = None
     optimizer_kind: str = ""
@@ -230,6 +235,7 @@ class Trainer:
         self.config = Config.from_kwargs(config, **kwargs)
         # One callback where a sequence belongs is what the user means.
         self.callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
+        self.callbacks += precision_stats_callbacks(self.config)  # logging.precision_stats
         self._fit: _Fit | None = None
 
     # ------------------------------------------------------------------ public helpers
@@ -245,6 +251,9 @@ class Trainer:
     engine = property(lambda self: self._fit.engine)
     loss_fn = property(lambda self: self._fit.loss_fn)
     fp8_report = property(lambda self: self._fit.fp8_report)
+    fp32_modules = property(lambda self: self._fit.fp32_modules)
+    log_dir = property(lambda self: self._fit.log_dir if self._fit else None)
+    reporter = property(lambda self: self._fit.reporter if self._fit else None)
     found_inf = property(lambda self: self.engine.found_inf)
     grad_norm = property(lambda self: self.engine.grad_norm)
     sync_free = property(lambda self: self.engine.skip.sync_free)
@@ -358,6 +367,7 @@ class Trainer:
                                                    skip_first_last=plan.fp8_skip_first_last)
             for line in fit.fp8_report.lines():
                 log.info("precision: %s", line)
+        fit.fp32_modules = apply_fp32_modules(model, cfg.precision.fp32_modules)  # before DDP wraps it
         fit.model, forward_model = fit.dist.wrap_model(model, plan)
         fit.model.train()
         built, fit.scheduler, schedule = _optimizer_and_schedule(cfg, fit)
@@ -390,11 +400,10 @@ class Trainer:
     def _resume(self, resume: str | Path | None) -> dict[str, Any] | None:
         """The checkpoint's contents restored into the run (generators and data come later):
         rule 10 of ``torchimpl.run_state``."""
-        found = self._fit.checkpointer.find(resume) if resume is not None else None
+        found = self._fit.checkpointer.find(resume, self._fit.run.restore) if resume is not None else None
         if found is None:
             return None
         contents, path = found
-        self._fit.run.restore(contents, path)
         log.info("resumed from %s at step %d", path, self.state.step)
         return contents
 
@@ -543,6 +552,7 @@ class Trainer:
             fp8=fit.fp8_report.to_dict() if fit.fp8_report is not None else None,
             precision_note=plan.spelling_note,
             log_dir=str(fit.log_dir) if fit.log_dir is not None else None, metrics_file=fit.metrics_file,
+            fp32_modules=fit.fp32_modules,
         )
         for cb in self.callbacks:
             cb.on_fit_end(self, summary)
