@@ -28,6 +28,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -67,13 +68,32 @@ def snapshot(dest: Path) -> str:
     return commit + ("+changes" if dirty.strip() else "")
 
 
+# When set (--stop-at), the wall-clock time at which running suites are interrupted.
+STOP_AT: _dt.datetime | None = None
+
+
 def run(cmd: list[str], cwd: Path, logfile: Path, env: dict[str, str] | None = None) -> tuple[int, float]:
-    """Run ``cmd`` with its output appended to ``logfile``; return (exit status, seconds)."""
+    """Run ``cmd`` with its output appended to ``logfile``; return (exit status, seconds).
+
+    Past STOP_AT the command gets SIGINT (pytest then writes its report of the tests run so far
+    and exits with 2); SIGINT is restored to its default in the child, since a shell may have
+    started this script with it ignored."""
     start = time.monotonic()
     with logfile.open("a") as out:
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
-        rc = subprocess.run(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        while proc.poll() is None:
+            if STOP_AT is not None and _dt.datetime.now(_dt.timezone.utc) >= STOP_AT:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=300)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                break
+            time.sleep(2)
+        rc = proc.wait()
     return rc, round(time.monotonic() - start, 1)
 
 
@@ -118,23 +138,24 @@ def junit_counts(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": ["no junit report"], "skips": {}}
     failures: list[str] = []
+    messages: dict[str, str] = {}
     skips: dict[str, int] = {}
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     for case in ET.parse(path).getroot().iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
-        if case.find("failure") is not None:
-            counts["failed"] += 1
+        bad = case.find("failure")
+        bad = case.find("error") if bad is None else bad
+        if bad is not None:
+            counts["failed" if bad.tag == "failure" else "errors"] += 1
             failures.append(name)
-        elif case.find("error") is not None:
-            counts["errors"] += 1
-            failures.append(name)
+            messages[name] = re.sub(r"\s+", " ", bad.get("message", ""))[:200]
         elif (skip := case.find("skipped")) is not None:
             counts["skipped"] += 1
             reason = re.sub(r"\s+", " ", skip.get("message", ""))[:160]
             skips[reason] = skips.get(reason, 0) + 1
         else:
             counts["passed"] += 1
-    return {**counts, "failures": failures, "skips": skips}
+    return {**counts, "failures": failures, "messages": messages, "skips": skips}
 
 
 def run_suite(suite: str, python: Path, project: Path, logfile: Path, work: Path, select: str) -> dict[str, Any]:
@@ -176,7 +197,7 @@ def measure_version(version: str, args: argparse.Namespace, project: Path, work:
                 f"{r['skipped']} skipped in {r['seconds']} s")
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=2 if args.suites_together else 1) as pool:
-            for future in [pool.submit(suite, name) for name in SUITES]:
+            for future in [pool.submit(suite, name) for name in args.suites]:
                 future.result()
     else:
         log(f"torch {version}: did not install (see {logfile})")
@@ -193,9 +214,23 @@ def _fact(value: Any) -> str:
 def _suite_cell(r: dict[str, Any] | None) -> str:
     if not r:
         return "not run"
+    if r.get("failures") == ["no junit report"]:
+        p = r.get("progress")
+        if not p:
+            return f"**not measured** (stopped after {r.get('seconds')} s, before its report)"
+        return (f"**stopped for time** after {sum(p.values())} tests: {p['passed']} passed, {p['skipped']} skipped, "
+                f"{p['failed']} failed, {p['errors']} errors (counted from pytest's progress line; "
+                "the rest did not run)")
     cell = f"{r['passed']} passed, {r['skipped']} skipped"
     if r["failed"] or r["errors"]:
         cell += f", **{r['failed']} failed, {r['errors']} errors**"
+        rerun = r.get("rerun")
+        if rerun:
+            cell += f" ({len(rerun['passed'])} of them passed when rerun alone)"
+    if r.get("exit_status") == 2:
+        cell += " (**interrupted** for time: the tests after these did not run)"
+    if r.get("commit"):  # measured in another run than the row's
+        cell += f" [run of {r.get('date')}, {r['commit']}]"
     return cell
 
 
@@ -260,9 +295,16 @@ def markdown(report: dict[str, Any]) -> str:
                    for reason in (r.get(s) or {}).get("skips", {})]
     lines += ["", "Skip reasons, per version and suite:", ""]
     lines += [f"- {v} {s}: {reason}" for v, s, reason in skipped_any] or ["- none"]
-    failed = [(r["version"], s, t) for r in report["versions"] for s in SUITES for t in (r.get(s) or {}).get("failures", [])]
+    failed = [(r["version"], s, t, r[s]) for r in report["versions"] for s in SUITES
+              for t in (r.get(s) or {}).get("failures", []) if t != "no junit report"]
     if failed:
-        lines += ["", "Failures:", ""] + [f"- {v} {s}: {t}" for v, s, t in failed]
+        lines += ["", "Failures:", ""]
+        for v, s, t, r in failed:
+            rerun = r.get("rerun") or {}
+            again = (" - passed when rerun alone" if t in rerun.get("passed", ()) else
+                     " - failed again when rerun alone" if t in rerun.get("failed", ()) else "")
+            why = f" ({r['messages'][t]})" if r.get("messages", {}).get(t) else ""
+            lines.append(f"- {v} {s}: {t}{why}{again}")
     if report.get("select"):
         lines += ["", f"**Only the tests matching `-k {report['select']}` ran** (a check of the command, not a measurement)."]
     if report.get("not_measured"):
@@ -287,7 +329,83 @@ def mark_torchao(record: dict[str, Any]) -> None:
     ao["matches_key"] = expected is not None and all(ao.get(k) == v for k, v in expected.items())
 
 
-def main(argv: list[str] | None = None) -> int:
+def progress_counts(logfile: Path, suite: str) -> dict[str, int] | None:
+    """Outcomes counted from the last ``pytest -q`` progress lines for ``suite`` in ``logfile``
+    (for a run stopped before pytest wrote its report): '.' passed, 'F' failed, 'E' error, 's' skipped."""
+    if not logfile.exists():
+        return None
+    text = logfile.read_text(errors="replace")
+    start = text.rfind(f" {suite}\n")
+    if start < 0:
+        return None
+    marks = "".join(m.group(1) for m in re.finditer(r"^([.FEsxX]+)(?:\s+\[\s*\d+%\])?$", text[start:], re.M))
+    return {"passed": marks.count("."), "failed": marks.count("F"), "errors": marks.count("E"),
+            "skipped": marks.count("s") + marks.count("x") + marks.count("X")}
+
+
+def salvage_stopped(report: dict[str, Any], root: Path) -> None:
+    """For suites stopped before their report, the outcomes their progress lines show."""
+    for record in report["versions"]:
+        for suite in SUITES:
+            r = record.get(suite)
+            if r and r.get("failures") == ["no junit report"] and "progress" not in r:
+                v = record["version"]
+                for log_name in (f"torch-{v}.{suite}.log", f"torch-{v}.log"):
+                    counts = progress_counts(root / log_name, suite)
+                    if counts and sum(counts.values()):
+                        r["progress"] = counts
+                        break
+
+
+def merge_suites(report: dict[str, Any], other: dict[str, Any]) -> None:
+    """Put the suite results of ``other`` (a report of another run) into ``report``'s rows, each
+    with the commit and date it was measured at; versions ``report`` lacks are added whole."""
+    rows = {r["version"]: r for r in report["versions"]}
+    for record in other["versions"]:
+        row = rows.get(record["version"])
+        if row is None:
+            report["versions"].append(record)
+            continue
+        for suite in SUITES:
+            if record.get(suite) and "commit" not in record[suite]:
+                row[suite] = {**record[suite], "commit": record.get("commit"), "date": record.get("date")}
+    report["versions"].sort(key=lambda r: tuple(int(x) for x in re.findall(r"\d+", r["version"])))
+    report["command"] += f"; then {other['command']}"
+
+
+def node_id(name: str, project: Path) -> str:
+    """A pytest node id from a JUnit ``classname::name`` (``tests.test_x.TestCase::test_y[p]``)."""
+    classname, test = name.split("::", 1)
+    parts = classname.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = "/".join(parts[:cut]) + ".py"
+        if (project / module).exists():
+            return "::".join([module, *parts[cut:], test])
+    return name
+
+
+def rerun_failed(report: dict[str, Any], args: argparse.Namespace, project: Path) -> None:
+    """Run each recorded failure of the given versions again, alone, in the kept environment."""
+    for record in report["versions"]:
+        if record["version"] not in args.versions:
+            continue
+        python = args.root / f"torch-{record['version']}" / "bin" / "python"
+        if not python.exists():
+            log(f"torch {record['version']}: no kept environment at {python.parent.parent}; not rerun")
+            continue
+        for suite in SUITES:
+            r = record.get(suite) or {}
+            if not r.get("failures"):
+                continue
+            r["rerun"] = {"commit": args.commit, "passed": [], "failed": []}
+            for name in r["failures"]:
+                cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", node_id(name, project)]
+                rc, seconds = run(cmd, project, args.root / f"torch-{record['version']}.rerun.log")
+                r["rerun"]["passed" if rc == 0 else "failed"].append(name)
+                log(f"torch {record['version']}: rerun {name}: {'passed' if rc == 0 else 'failed'} in {seconds} s")
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--versions", nargs="+", default=list(DEFAULT_VERSIONS), help="torch releases to measure")
     parser.add_argument("--keep", action="store_true", help="keep each environment (and reuse it next time)")
@@ -300,14 +418,53 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the unit tests and the conformance suite of a version at the same time")
     parser.add_argument("--select", default="",
                         help="only the tests matching this pytest -k expression (a quick check of the command itself)")
+    parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES),
+                        help="which suites to run (with --merge, a version's other suite keeps its earlier result)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other versions already in --out (each record names its own commit and date)")
+    parser.add_argument("--rerun-failed", action="store_true",
+                        help="rerun, one at a time, the failures --out records for --versions (kept environments)")
+    parser.add_argument("--table-only", action="store_true", help="rewrite the markdown table from --out")
+    parser.add_argument("--merge-from", type=Path, action="append", default=[],
+                        help="with --table-only or --rerun-failed: take the suites measured in this report of "
+                             "another run into --out (repeatable)")
+    parser.add_argument("--stop-at", default="",
+                        help="UTC time HH:MM at which running suites are interrupted (their results so far are kept)")
     parser.add_argument("--not-measured", default="", help="a line for the table: versions this machine cannot install")
+    return parser
+
+
+def _from_report(args: argparse.Namespace) -> None:
+    """--table-only and --rerun-failed: work on the report in --out (and --merge-from), write it back."""
+    report = json.loads(args.out.read_text())
+    for other in args.merge_from:
+        merge_suites(report, json.loads(other.read_text()))
+    salvage_stopped(report, args.root)
+    if args.rerun_failed:
+        with tempfile.TemporaryDirectory(prefix="ampspec-matrix-") as tmp:
+            args.commit = snapshot(Path(tmp))
+            rerun_failed(report, args, Path(tmp))
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(report))
+    log(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     args.root = args.root.expanduser().resolve()
     if args.root.is_relative_to(ROOT):
         parser.error(f"--root {args.root} is inside the checkout; the environments must live outside it")
     args.root.mkdir(parents=True, exist_ok=True)
+    if args.stop_at:
+        global STOP_AT
+        now = _dt.datetime.now(_dt.timezone.utc)
+        hour, minute = (int(x) for x in args.stop_at.split(":"))
+        STOP_AT = now.replace(hour=hour, minute=minute, second=0, microsecond=0)
+        STOP_AT += _dt.timedelta(days=1) if STOP_AT <= now else _dt.timedelta(0)
+    if args.table_only or args.rerun_failed:
+        _from_report(args)
+        return 0
     log(f"PyPI's Linux torch wheels pull several GB of CUDA libraries per version (5-8 GB of disk per "
         f"environment under {args.root}); environments are {'kept' if args.keep else 'removed after each version'}.")
     sys.path.insert(0, str(ROOT / "bench"))
@@ -318,9 +475,10 @@ def main(argv: list[str] | None = None) -> int:
         project.mkdir()
         work.mkdir()
         args.commit = snapshot(project)
-        kept = []
+        earlier: dict[str, dict[str, Any]] = {}
         if args.merge and args.out.exists():
-            kept = [r for r in json.loads(args.out.read_text())["versions"] if r["version"] not in args.versions]
+            earlier = {r["version"]: r for r in json.loads(args.out.read_text())["versions"]}
+        kept = [r for v, r in earlier.items() if v not in args.versions]
         report: dict[str, Any] = {
             "command": "python bench/torch_matrix.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": {**machine(), "platform": platform.platform()},
@@ -330,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
 
         def one(version: str) -> None:
             record = measure_version(version, args, project, work)
+            for name in set(SUITES) - set(args.suites):  # not run now: the earlier result, with its commit
+                if name in earlier.get(version, {}):
+                    record[name] = {**earlier[version][name], "commit": earlier[version].get("commit")}
             mark_torchao(record)
             with lock:  # written after every version, so an interrupted matrix keeps what it measured
                 report["versions"].append(record)

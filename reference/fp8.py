@@ -682,7 +682,7 @@ def mx_linear_forward(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None
     _same_dtype(x, w)
     y = mx_mm(_mx_operand(x.reshape(-1, x.shape[-1]), r), _mx_operand(w, r), x.dtype, gemm=gemm)
     if bias is not None:
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):  # inf + -inf is NaN, as in torch
             y = _out_cast(y.astype(np.float32) + _out_cast(bias, x.dtype).astype(np.float32), x.dtype)
     return y.reshape(*x.shape[:-1], w.shape[0])
 

@@ -531,3 +531,243 @@ def test_replay_refuses_a_bad_trace_naming_the_line_and_field(tmp_path, case):
 def test_replay_of_a_missing_trace_or_a_folder_is_named(tmp_path):
     refused(cli("replay", tmp_path / "missing.jsonl"), 2, "missing.jsonl")
     refused(cli("replay", tmp_path), 2, str(tmp_path))
+
+
+# ------------------------------------------------------------------ 9. user tasks
+
+TASK_HEAD = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class Model(nn.Module):
+        def __init__(self, width=4):
+            super().__init__()
+            self.lin = nn.Linear(width, 1)
+
+        def forward(self, x, y):
+            return ((self.lin(x) - y) ** 2).mean()
+
+    def batches(n=4, width=4):
+        g = torch.Generator().manual_seed(0)
+        return [(torch.randn(8, width, generator=g), torch.randn(8, 1, generator=g)) for _ in range(n)]
+""")
+
+# (module name, module body after TASK_HEAD, function, exit status, what the message must name)
+TASK_CASES = {
+    "raises KeyError": ("t_key", "def make():\n    return {}['model']\n", "make", 2,
+                        ["t_key:make", "make() raised KeyError", "t_key.py:"]),
+    "raises RuntimeError": ("t_rt", "def make():\n    raise RuntimeError('no GPU here')\n", "make", 2,
+                            ["t_rt:make", "RuntimeError: no GPU here", "t_rt.py:"]),
+    "syntax error": ("t_syntax", "def make(:\n    pass\n", "make", 2, ["t_syntax:make", "t_syntax.py:", "SyntaxError"]),
+    "raises at import": ("t_import", "1 / 0\n", "make", 2, ["t_import:make", "ZeroDivisionError", "t_import.py:"]),
+    "string batches": ("t_strings", "def make():\n    return Model(), ['a', 'b'], None\n", "make", 2,
+                       ["t_strings:make", "train_data[0] is a str"]),
+    "dict of strings": ("t_dicts", "def make():\n    return Model(), [{'x': 'a'}], None\n", "make", 2,
+                        ["train_data[0] is a dict holding no tensor"]),
+    "data a string": ("t_text", "def make():\n    return Model(), 'data.csv', None\n", "make", 2,
+                      ["train_data is a str"]),
+    "data an iterator": ("t_iter", "def make():\n    return Model(), iter(batches()), None\n", "make", 2,
+                         ["train_data is a list_iterator", "re-iterable"]),
+    "val data a string": ("t_val", "def make():\n    return Model(), batches(), 'val'\n", "make", 2,
+                          ["val_data is a str"]),
+    "returns None": ("t_none", "def make():\n    pass\n", "make", 2, ["t_none:make", "must return"]),
+    "returns no model": ("t_nomodel", "def make():\n    return 1, batches(), None\n", "make", 2, ["nn.Module first"]),
+    "loss_fn not callable": ("t_loss", "def make():\n    return Model(), batches(), None, 3\n", "make", 2,
+                             ["loss_fn is a int"]),
+    "needs arguments": ("t_args", "def make(size):\n    return Model(), batches(), None\n", "make", 2,
+                        ["make() needs the arguments ['size']"]),
+    "a class": ("t_class", "class make:\n    pass\n", "make", 2, ["make is a type, not a Python function"]),
+    "a builtin": ("t_builtin", "make = print\n", "make", 2, ["not a Python function"]),
+    "no such function": ("t_nofunc", "def other():\n    pass\n", "make", 2, ["has no function 'make'"]),
+    "fails while training": ("t_shape", "def make():\n    return Model(3), batches(), None\n", "make", 1,
+                             ["t_shape:make", "failed while training", "RuntimeError"]),
+    "non-scalar loss": ("t_vector", textwrap.dedent("""
+        class Vector(Model):
+            def forward(self, x, y):
+                return (self.lin(x) - y) ** 2
+
+        def make():
+            return Vector(), batches(), None
+        """), "make", 2, ["the loss must be a 0-d floating tensor", "loss.mean()"]),
+    "raises in forward": ("t_fwd", textwrap.dedent("""
+        class Broken(Model):
+            def forward(self, x, y):
+                raise KeyError('labels')
+
+        def make():
+            return Broken(), batches(), None
+        """), "make", 1, ["t_fwd:make", "KeyError", "t_fwd.py:"]),
+}
+
+
+@pytest.fixture
+def task_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # no __pycache__: the folder's checksum is the test
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    modules = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - modules:
+        if name.startswith("t_") or name in ("json", "yaml"):
+            sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("case", list(TASK_CASES))
+def test_a_bad_user_task_is_refused_naming_the_task(task_folder, case):
+    module, body, func, code, names = TASK_CASES[case]
+    (task_folder / f"{module}.py").write_text(TASK_HEAD + body)
+    before = checksums(task_folder)
+    err = refused(cli("train", *sets(f"task.name={module}:{func}", "train.steps=2", "logging.dir=null"),
+                      cwd=task_folder), code, *names)
+    assert len(err.strip().splitlines()) == 1, err
+    assert checksums(task_folder) == before
+
+
+@pytest.mark.parametrize("entry,names", [
+    ("os:system", ["'os' is a module of Python's standard library"]),
+    ("shutil:rmtree", ["'shutil' is a module of Python's standard library"]),
+    ("json:make", ["'json' is a module of Python's standard library", "json.py can never be imported",
+                   "rename it"]),
+    ("yaml:make", ["yaml.py is shadowed by the installed module 'yaml'"]),
+    ("t_missing:make", ["no module 't_missing'"]),
+])
+def test_a_task_that_is_not_the_users_own_function_is_refused_by_name(task_folder, entry, names):
+    (task_folder / "json.py").write_text(TASK_HEAD + "def make():\n    return Model(), batches(), None\n")
+    (task_folder / "yaml.py").write_text(TASK_HEAD + "def make():\n    return Model(), batches(), None\n")
+    before = checksums(task_folder)
+    refused(cli("train", *sets(f"task.name={entry}", "train.steps=2", "logging.dir=null"), cwd=task_folder), 2,
+            entry, *names)
+    assert checksums(task_folder) == before
+
+
+# ------------------------------------------------------------------ 10. export
+
+
+def _evil_pt(path: Path) -> None:
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch pwned",))
+
+    path.write_bytes(pickle.dumps({"w": Evil()}))
+
+
+def _export_source(kind: str, folder: Path) -> Path:
+    good = folder / "ck" / "step-00000002.ckpt"
+    if kind in DAMAGE:
+        bad = folder / "bad.ckpt"
+        _damage(kind, good, bad)
+        return bad
+    if kind == "evil .pt":
+        _evil_pt(folder / "evil.pt")
+        return folder / "evil.pt"
+    if kind == "torch.save of an object":
+        import torch
+
+        torch.save({"w": torch.nn.Linear(2, 2)}, folder / "module.pt")
+        return folder / "module.pt"
+    if kind == "text .pt":
+        (folder / "notes.pt").write_text("these are not weights\n")
+        return folder / "notes.pt"
+    if kind == "garbage .safetensors":
+        (folder / "w.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage}" + bytes(64))
+        return folder / "w.safetensors"
+    if kind == "garbage .dcp":
+        dcp = folder / "step-00000005.dcp"
+        dcp.mkdir()
+        (dcp / ".metadata").write_bytes(b"garbage")
+        (dcp / "meta.ckpt").write_bytes(good.read_bytes())
+        return dcp
+    if kind == "empty .dcp":
+        (folder / "step-00000006.dcp").mkdir()
+        return folder / "step-00000006.dcp"
+    if kind == "folder without checkpoints":
+        (folder / "empty").mkdir()
+        return folder / "empty"
+    if kind == "folder of damaged checkpoints":
+        (folder / "damaged").mkdir()
+        _damage("truncated", good, folder / "damaged" / "step-00000001.ckpt")
+        return folder / "damaged"
+    return folder / "missing.ckpt"
+
+
+EXPORT_SOURCES = [k for k in DAMAGE if k not in ("rng too short", "rng wrong dtype", "scaler malformed",
+                                                 "step negative", "step a word", "no optimizer", "data position")]
+EXPORT_SOURCES += ["evil .pt", "torch.save of an object", "text .pt", "garbage .safetensors", "garbage .dcp",
+                   "empty .dcp", "folder without checkpoints", "folder of damaged checkpoints", "missing"]
+
+
+@pytest.mark.parametrize("kind", EXPORT_SOURCES)
+def test_export_refuses_a_bad_source_naming_it_and_writes_nothing(run_copy, kind):
+    source = _export_source(kind, run_copy)
+    before = checksums(run_copy)
+    out = "weights.safetensors" if kind == "garbage .safetensors" else "weights.pt"
+    err = refused(cli("export", source, out, cwd=run_copy), 2, source.name)
+    assert len(err.strip().splitlines()) == 1, err
+    assert checksums(run_copy) == before and not (run_copy / "pwned").exists()
+
+
+@pytest.mark.parametrize("out,names", [
+    ("weights.bin", ["unknown format '.bin'"]),
+    ("exists.pt", ["exists.pt exists", "--force"]),
+    ("afolder.pt", ["afolder.pt", "folder"]),
+])
+def test_export_refuses_a_bad_output_naming_it(run_copy, out, names):
+    (run_copy / "exists.pt").write_text("keep me\n")
+    (run_copy / "afolder.pt").mkdir()
+    before = checksums(run_copy)
+    refused(cli("export", "ck", out, cwd=run_copy), 2, *names)
+    assert checksums(run_copy) == before
+
+
+# ------------------------------------------------------------------ 12. compare --out
+
+
+@pytest.mark.parametrize("present", ["report.json", "compare.png", "trace-fp32.jsonl"])
+def test_compare_refuses_an_out_folder_holding_another_comparison(tmp_path, present):
+    (tmp_path / "cmp").mkdir()
+    (tmp_path / "cmp" / present).write_text("the earlier comparison's\n")
+    before = checksums(tmp_path)
+    refused(cli("compare", "--task", "mlp", "--steps", "2", "--device", "cpu", "--out", "cmp", cwd=tmp_path), 2,
+            "--out cmp", present, "another --out", "--overwrite")
+    assert checksums(tmp_path) == before
+
+
+def test_compare_refuses_an_out_that_is_a_file(tmp_path):
+    (tmp_path / "cmp").write_text("a file\n")
+    before = checksums(tmp_path)
+    refused(cli("compare", "--task", "mlp", "--steps", "2", "--device", "cpu", "--out", "cmp", cwd=tmp_path), 2,
+            "cmp", "not a folder")
+    assert checksums(tmp_path) == before
+
+
+def test_compare_overwrite_replaces_the_earlier_report(tmp_path):
+    (tmp_path / "cmp").mkdir()
+    (tmp_path / "cmp" / "report.json").write_text('{"agree": true, "steps": 300}\n')
+    rc, out, err = cli("-q", "compare", "--task", "mlp", "--steps", "2", "--device", "cpu", "--out", "cmp",
+                       "--overwrite", cwd=tmp_path)
+    assert rc in (0, 1) and "Traceback" not in err, err
+    report = json.loads((tmp_path / "cmp" / "report.json").read_text())
+    assert report["steps"] == 2 and not (tmp_path / "cmp" / ".ampspec.lock").exists()
+
+
+# ------------------------------------------------------------------ 7. counters a callback changed
+
+
+@pytest.mark.parametrize("value", [-5, 2.5, 10**8])
+def test_a_step_counter_set_to_nonsense_by_a_callback_is_refused_at_the_save(tmp_path, value):
+    from torchimpl.config import load_config
+    from torchimpl.tasks import build_task
+    from torchimpl.trainer import Callback, Trainer
+
+    class Meddle(Callback):
+        def on_step_end(self, trainer, state):
+            state.step = value
+
+    cfg = load_config(overrides=[*TINY, "train.steps=3", f"checkpoint.folder={tmp_path / 'ck'}",
+                                 "checkpoint.interval=1", "logging.dir=null"])
+    task = build_task(cfg.task, seed=0, batch_size=4)
+    with pytest.raises(ValueError, match=r"trainer's step must be an integer in \[0, 100000000\), got "
+                                         + __import__("re").escape(repr(value)) + r".*trainer\.state\.step"):
+        Trainer(cfg, [Meddle()]).fit(task.model, task.train_data, loss_fn=task.loss_fn)
+    assert not list((tmp_path / "ck").glob("step-*")), "a checkpoint was written under a nonsense name"

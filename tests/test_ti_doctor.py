@@ -265,3 +265,25 @@ def test_precision_stats_are_off_by_default(tmp_path):
     c, task = _tiny_config(tmp_path)
     Trainer(c).fit(task.model, task.train_data)
     assert not (tmp_path / "ck" / FILE_NAME).exists()
+
+
+def test_fp8_without_torchao_is_refused_or_left_out_with_a_note(monkeypatch, capsys):
+    import torchimpl.fp8
+
+    monkeypatch.setattr(torchimpl.fp8, "torchao_available", lambda: False)
+    code, _, err = _cli(["doctor", "--task", "mlp", "--precision", "fp8", "--steps", "1"], monkeypatch, capsys)
+    assert code == 2 and "pip install 'ampspec[fp8]'" in err
+    code, out, _ = _cli(["doctor", "--task", "mlp", "--size", "tiny", "--steps", "1"], monkeypatch, capsys)
+    assert code == 0 and "fp8 left out: torchao is not installed" in out
+    assert "precision bf16" in out and "precision fp16" in out and "precision fp8" not in out
+
+
+def test_verdicts_are_a_fixed_vocabulary_ranked_by_harm():
+    from torchimpl.doctor_verdicts import Verdict, rank
+
+    with pytest.raises(ValueError, match="unknown verdict kind 'overflow'"):
+        Verdict("overflow", None, "m", "f")
+    vs = [Verdict("loss-in-low-precision", None, "m", "f"), Verdict("forward-overflow", "b", "m", "f"),
+          Verdict("forward-overflow", "a", "m", "f"), Verdict("not-precision", None, "m", "f")]
+    assert [(v.kind, v.module) for v in rank(vs)] == [("not-precision", None), ("forward-overflow", "a"),
+                                                      ("forward-overflow", "b"), ("loss-in-low-precision", None)]

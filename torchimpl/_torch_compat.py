@@ -86,7 +86,8 @@ TorchDispatchMode = _private(
     "API gives that per op")
 tree_leaves = _private(
     "torch.utils._pytree", "tree_leaves",
-    "flattens an op's (args, kwargs) and outputs, including torch's own containers, to find the tensors")
+    "flattens an op's (args, kwargs) and outputs, including torch's own containers, to find the "
+    "tensors (diagnostics' op scanner, the doctor's statistics)")
 
 
 # --- Private attributes, checked on fresh objects by missing_names --------------------------
@@ -116,7 +117,8 @@ PER_OPTIMIZER_STATE_KEYS: dict[str, str] = {
 }
 MODULE_HOOK_DICTS: dict[str, str] = {
     "_forward_hooks": "NonFiniteGuard removes its own forward hooks from a copied model by key",
-    "_forward_pre_hooks": "as _forward_hooks, for pre-hooks",
+    "_forward_pre_hooks": "as _forward_hooks, for pre-hooks; fp32_modules looks there for its own "
+                          "pre-hook before adding one, so an fp32 island is entered once",
     "_forward_hooks_with_kwargs": "the per-key flags torch keeps beside each forward hook, removed with it",
     "_forward_hooks_always_called": "as _forward_hooks_with_kwargs",
     "_forward_pre_hooks_with_kwargs": "as _forward_hooks_with_kwargs, for pre-hooks",

@@ -82,9 +82,13 @@ def _task_name(text: str) -> str:
 
 def _compare(args: argparse.Namespace) -> int:
     from torchimpl.compare import format_table, run_compare
+    from torchimpl.run_folder import claim_compare_folder
+    from torchimpl.run_lock import hold
 
     _plain_warnings()
-    res = run_compare(steps=args.steps, device=args.device, out=args.out, task=args.task, seed=args.seed)
+    with hold(Path(args.out), f"--out {args.out}"):
+        claim_compare_folder(args.out, overwrite=args.overwrite)
+        res = run_compare(steps=args.steps, device=args.device, out=args.out, task=args.task, seed=args.seed)
     if res.interrupted is not None:
         return _compare_interrupted(res)
     print(format_table(res.rows))
@@ -117,6 +121,7 @@ def _compare_interrupted(res: Any) -> int:
 def _train(args: argparse.Namespace) -> int:
     from torchimpl.config import load_config
     from torchimpl.run_folder import claim_run_folder
+    from torchimpl.task_checks import task_failure
     from torchimpl.tasks import build_task
     from torchimpl.trainer import Trainer
 
@@ -128,8 +133,15 @@ def _train(args: argparse.Namespace) -> int:
         if launch_rank() == 0:
             claim_run_folder(cfg, resume=args.resume, overwrite=args.overwrite)
         task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
-        summary = Trainer(cfg).fit(task.model, task.train_data, task.val_data, loss_fn=task.loss_fn,
-                                   resume="latest" if args.resume else None)
+        try:
+            summary = Trainer(cfg).fit(task.model, task.train_data, task.val_data, loss_fn=task.loss_fn,
+                                       resume="latest" if args.resume else None)
+        except Exception as exc:
+            # An exception from a user's task while it trains names the task (torchimpl.task_checks).
+            failed = task_failure(cfg.task.name, exc) if cfg.task.name not in ("lm", "mlp") else None
+            if failed is None:
+                raise
+            raise failed from exc
     # Under torchrun rank 0 alone prints; every rank's exit status still reports a stop (the
     # stop decision is the same on every rank).
     if launch_rank() == 0:
@@ -344,6 +356,8 @@ def _add_compare(sub: Any, common: argparse.ArgumentParser) -> None:
     c.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     c.add_argument("--seed", type=int, default=0, help="train.seed of every run (model initialisation, data, dropout)")
     c.add_argument("--out", default="ampspec-compare", help="folder for report.json, compare.png and the traces")
+    c.add_argument("--overwrite", action="store_true",
+                   help="replace the comparison already in --out (without it such a folder is refused)")
     c.set_defaults(func=_compare)
 
 

@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
+from torchimpl import health
+from torchimpl._torch_compat import tree_leaves
 from torchimpl.checkpoint import capture_rng_state, restore_rng_state
-from torchimpl.diagnostics import Finding, _OpScanner
+from torchimpl.diagnostics import Finding, _fp16_norm_problem, _OpScanner, _unsafe_problem
 from torchimpl.doctor_probe import Fp8Probe, Recorder
 from torchimpl.doctor_report import PrecisionReport
 from torchimpl.doctor_stats import Fp8Stats, LayerStats, ParamStats, dtype_name
@@ -76,23 +77,33 @@ class Observations:
 
 
 class _Scanner(_OpScanner):
-    """The diagnostics' op scanner, also noting the ops that ran on 16-bit floating inputs."""
+    """The diagnostics' op checks for unsafe math and fp16 normalisation (rule 4), without its
+    search for the first non-finite op (a check of every tensor of every op: the doctor compares
+    each layer with its shadow instead), and a note of the ops that ran on 16-bit inputs."""
 
     def __init__(self) -> None:
         super().__init__(unsafe=True, fp16_norm=True, limit=20)
         self.low_ops: dict[str, set[str]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        # torch has no isfinite for float8, and tensor subclasses (torchao's float8 tensors) refuse
-        # it: the casts into float8 and the ops on float8 operands are not scanned.
-        if kwargs and kwargs.get("dtype") in _FLOAT8 or any(
+        kwargs = kwargs or {}
+        # torch has no isfinite or comparisons for float8, and tensor subclasses (torchao's float8
+        # tensors) refuse them: the casts into float8 and the ops on float8 operands are not scanned.
+        if kwargs.get("dtype") in _FLOAT8 or any(
                 isinstance(a, torch.Tensor) and (a.dtype in _FLOAT8 or type(a) not in (torch.Tensor, nn.Parameter))
                 for a in tree_leaves(args)):
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        base = name[:-1] if name.endswith("_") and not name.endswith("__") else name
         first = args[0] if args else None
         if self.phase == "forward" and isinstance(first, torch.Tensor) and first.dtype in (torch.float16, torch.bfloat16):
-            self.low_ops.setdefault(func.overloadpacket.__name__, set()).add(self._where())
-        return super().__torch_dispatch__(func, types, args, kwargs)
+            self.low_ops.setdefault(name, set()).add(self._where())
+        for findings, check in ((self.unsafe_findings, _unsafe_problem), (self.norm_findings, _fp16_norm_problem)):
+            if len(findings) < self.limit:
+                problem = check(base, args)
+                if problem:
+                    findings.append(Finding(str(func), self._where(), self.phase, problem))
+        return func(*args, **kwargs)
 
 
 def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -256,17 +267,23 @@ class _Runner:
         shadow_loss, shadow_rec, _ = self._run(self.shadow, batch, False, rng, None)
         self.obs.steps += 1
         self.obs.loss_dtypes.add(dtype_name(loss.dtype))
-        self._layers(i, rec, shadow_rec, shadow_loss)
-        if probe is not None:
-            self._fp8_layers(probe)
+        with health.one_thread(self.device):
+            self._layers(i, rec, shadow_rec, shadow_loss)
+            if probe is not None:
+                self._fp8_layers(probe)
         self._params_and_update()
         restore_rng_state(rng)
 
     def _layers(self, i: int, rec: Recorder, shadow_rec: Recorder, shadow_loss: torch.Tensor) -> None:
-        first = None
+        first, outputs = None, {}
         for name in rec.order:
             stats = self.obs.layers.setdefault(name, LayerStats(name))
             for call, twin in zip(rec.calls[name], shadow_rec.calls.get(name, [])):
+                key = _identity(call.output)
+                if key in outputs:  # the same tensor as an inner module's (a container, a no-op dropout)
+                    stats.same_as = outputs[key]
+                    continue
+                outputs[key] = name
                 if stats.add_forward(call.output, twin.output) and first is None:
                     first = name
                 if call.grad is not None and twin.grad is not None:
@@ -303,10 +320,11 @@ class _Runner:
         if all(p.grad is None for p in shadow.values()):
             return
         self.shadow_opt.step()
-        for n, p in mixed.items():
-            sp = shadow.get(n)
-            update = (sp.detach() - before[n]) if sp is not None and sp.grad is not None else None
-            self.obs.params[n].add(stored[n], update, p.grad, sp.grad if sp is not None else None)
+        with health.one_thread(self.device):
+            for n, p in mixed.items():
+                sp = shadow.get(n)
+                update = (sp.detach() - before[n]) if sp is not None and sp.grad is not None else None
+                self.obs.params[n].add(stored[n], update, p.grad, sp.grad if sp is not None else None)
         if finite:
             self.opt.step()
         else:
@@ -328,6 +346,11 @@ class _Runner:
         if self.fp8_report is not None:
             out += self.fp8_report.lines()
         return out
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    """What makes two recorded outputs the same tensor (a container returns its last child's)."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) if t.numel() else (id(t),)
 
 
 def _scan_hooks(model: nn.Module, scanner: _Scanner) -> list[Any]:

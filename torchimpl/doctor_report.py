@@ -81,6 +81,9 @@ class PrecisionReport:
 def _table(layers: list[Any]) -> str:
     rows = [("layer", "dtype", "amax", "headroom bits", "underflow %", "SQNR dB", "grad underflow %")]
     for s in layers:
+        if s.same_as is not None and not s.dtype:
+            rows.append((s.name, f"= {s.same_as}", "", "", "", "", ""))
+            continue
         rows.append((s.name, s.dtype, _num(s.shadow_amax), _num(s.headroom_bits, ".1f"), _num(100 * s.underflow, ".2f"),
                      _num(s.sqnr_db, ".1f"), _num(100 * s.grad_underflow, ".2f")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -75,6 +75,8 @@ class LayerStats:
     grad_lost_at_scale: list[int] = field(default_factory=lambda: [0, 0])
     scale_low: int | None = None
     scale_high: int | None = None
+    same_as: str | None = None
+    """The inner module whose output tensor this one returns as is (its numbers are that one's)."""
     _dtype: torch.dtype | None = None
 
     @property
@@ -102,17 +104,18 @@ class LayerStats:
         self._dtype, self.dtype = mixed.dtype, dtype_name(mixed.dtype)
         self.amax = max(self.amax, health.amax(mixed))
         self.shadow_amax = max(self.shadow_amax, health.amax(shadow))
-        self.shadow_nonfinite |= health.nonfinite_fraction(shadow) > 0
-        self.mixed_nonfinite |= health.nonfinite_fraction(mixed) > 0
+        sqnr = health.sqnr_db(shadow, mixed) if mixed.shape == shadow.shape else math.nan
+        if math.isnan(sqnr):  # a non-finite value in either (or shapes that differ): which one
+            self.shadow_nonfinite |= health.nonfinite_fraction(shadow) > 0
+            self.mixed_nonfinite |= health.nonfinite_fraction(mixed) > 0
+        else:
+            self.sqnr_db = min(self.sqnr_db, sqnr)
         if mixed.shape != shadow.shape:
             return False
         over = health.overflow_count(shadow, mixed.dtype) if self.low_precision else 0
         self.overflow += over
         for i, n in enumerate(health.flushed_count(shadow, mixed)):
             self.flushed[i] += n
-        sqnr = health.sqnr_db(shadow, mixed)
-        if not math.isnan(sqnr):
-            self.sqnr_db = min(self.sqnr_db, sqnr)
         return over > 0
 
     def add_backward(self, mixed: torch.Tensor, shadow: torch.Tensor, scale: float, keep: float) -> None:
@@ -133,7 +136,7 @@ class LayerStats:
                 self.scale_high = r.high if self.scale_high is None else min(self.scale_high, r.high)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layer": self.name, "dtype": self.dtype, "amax": _finite_or_none(self.amax),
+        return {"layer": self.name, "same_as": self.same_as, "dtype": self.dtype, "amax": _finite_or_none(self.amax),
                 "shadow_amax": _finite_or_none(self.shadow_amax), "headroom_bits": _finite_or_none(self.headroom_bits),
                 "overflow_count": self.overflow, "overflow_steps": self.overflow_steps,
                 "underflow_fraction": self.underflow, "sqnr_db": _finite_or_none(self.sqnr_db),

@@ -5,7 +5,9 @@
 2. A user mistake found before work (``ValueError`` and its kinds: a bad configuration, a
    refused resume, a damaged file; ``OSError``; ``ImportError``): ``<command>: error: ...``,
    exit 2.
-3. Anything else (an exception from the user's task or model while it trains, a fault):
+3. The user's task failing while it trains (:class:`TaskFailed`):
+   ``<command>: error: task.name '...' failed while training: ...``, exit 1.
+4. Anything else (an unexpected fault):
    ``<command>: error: <type>: <message> (at file:line)``, exit 1; ``-v`` adds the traceback.
 """
 
@@ -17,10 +19,14 @@ from typing import Any, Callable
 
 from torchimpl.lifecycle import Interrupted
 
-__all__ = ["USAGE_ERRORS", "run_command", "where"]
+__all__ = ["TaskFailed", "USAGE_ERRORS", "run_command", "where"]
 
 USAGE_ERRORS = (ValueError, OSError, ImportError)
 """Exceptions that are the input's fault, found before work: exit status 2."""
+
+
+class TaskFailed(Exception):
+    """The user's task raised while it trained (rule 3; see ``torchimpl.task_checks``)."""
 
 
 def _one_line(text: str) -> str:
@@ -34,7 +40,7 @@ def where(exc: BaseException) -> str:
 
 
 def run_command(func: Callable[[Any], int], args: Any, name: str, *, verbose: bool = False) -> int:
-    """``func(args)``'s status, or the status of the error or signal that ended it (rules 1-3)."""
+    """``func(args)``'s status, or the status of the error or signal that ended it (rules 1-4)."""
     try:
         try:
             return func(args)
@@ -52,6 +58,9 @@ def run_command(func: Callable[[Any], int], args: Any, name: str, *, verbose: bo
     except USAGE_ERRORS + (RuntimeError,) as exc:
         print(f"{name}: error: {_one_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
         return 2
+    except TaskFailed as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:  # noqa: BLE001 - the last resort: a line, and the traceback on request
         if verbose:
             traceback.print_exc()

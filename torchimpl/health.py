@@ -25,7 +25,9 @@ Python numbers (one host sync each).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,7 @@ __all__ = [
     "headroom_bits",
     "lost_update_count",
     "nonfinite_fraction",
+    "one_thread",
     "overflow_count",
     "scale_range",
     "sqnr_db",
@@ -205,3 +208,19 @@ def scale_range(grad: torch.Tensor, dtype: torch.dtype, keep: float = 0.999) -> 
     f, e = math.frexp(t)
     low = p - e + (2 if f == 0.5 else 1)
     return ScaleRange(low, high)
+
+
+@contextlib.contextmanager
+def one_thread(device: torch.device | str) -> Iterator[None]:
+    """Compute statistics on one intra-op thread on a CPU: they are hundreds of small reductions
+    a step, for which a thread pool's hand-offs cost more than they save (much more on a shared
+    machine: ``bench/doctor_cost.py``). Elsewhere (CUDA) a no-op."""
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

@@ -97,10 +97,12 @@ class PrecisionStats:
             if t is None:
                 return
             self._seen.add(name)
-            amax = health.amax(t)
-            self.rows.append({"step": self._step, "module": name, "dtype": str(t.dtype).replace("torch.", ""),
-                              "amax": amax, "headroom_bits": health.headroom_bits(amax, t.dtype),
-                              "subnormal_fraction": health.subnormal_fraction(t, t.dtype)})
+            with health.one_thread(t.device):
+                amax = health.amax(t)
+                row = {"step": self._step, "module": name, "dtype": str(t.dtype).replace("torch.", ""), "amax": amax,
+                       "headroom_bits": health.headroom_bits(amax, t.dtype),
+                       "subnormal_fraction": health.subnormal_fraction(t, t.dtype)}
+            self.rows.append(row)
 
         return hook
 

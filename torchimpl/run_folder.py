@@ -9,7 +9,10 @@
    run killed before its first save) it starts afresh, with a warning, as a resume of that run.
 3. ``train.trace_file`` naming an existing file that is not a trace (the configuration file, a
    checkpoint, anything else) is refused whatever the options: ampspec overwrites only its own files.
-4. Nothing is changed by a refusal.
+4. ``ampspec compare --out`` follows rule 1: a folder holding another comparison's report,
+   plot or traces is refused unless ``--overwrite`` (which removes the old report and plot first,
+   so an interrupted comparison never leaves the old report beside the new traces).
+5. Nothing is changed by a refusal.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from typing import Any
 from torchimpl.checkpoint import list_checkpoints
 from torchimpl.safe_files import refuse_link
 
-__all__ = ["RunFolderError", "check_trace_target", "claim_run_folder", "fixed_log_folder", "other_run_files"]
+__all__ = ["RunFolderError", "check_trace_target", "claim_compare_folder", "claim_run_folder", "fixed_log_folder",
+           "other_run_files"]
 
 
 class RunFolderError(ValueError):
@@ -105,3 +109,20 @@ def claim_run_folder(config: Any, *, resume: bool, overwrite: bool) -> list[Path
             path.unlink()
     warnings.warn(f"--overwrite: removed the previous run's files from {where}: {_listing(found)}", stacklevel=2)
     return found
+
+
+def claim_compare_folder(out: str | Path, *, overwrite: bool) -> list[Path]:
+    """Rule 4 before ``compare`` runs; with ``overwrite``, the old report and plot removed (returned)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise RunFolderError(f"--out {out} exists and is not a folder; choose another --out")
+    found = sorted(p for pattern in ("report.json", "compare.png", "trace-*.jsonl") for p in out.glob(pattern))
+    if not found:
+        return []
+    if not overwrite:
+        raise RunFolderError(f"--out {out} holds another comparison ({_listing(found)}); choose another --out "
+                             "folder, or pass --overwrite to replace it")
+    removed = [p for p in found if p.name in ("report.json", "compare.png")]
+    for path in removed:
+        path.unlink()
+    return removed

@@ -77,6 +77,8 @@ def hold(target: str | Path, what: str, *, is_file: bool = False) -> Iterator[No
         yield
         return
     folder = target.parent if is_file else target
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{what}: {folder} exists and is not a folder; choose another path")
     made = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     path = lock_path(target, is_file=is_file)

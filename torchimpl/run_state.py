@@ -63,7 +63,7 @@ from torchimpl.checkpoint import CheckpointError, capture_rng_state, restore_rng
 from torchimpl.optim import qualified_name
 
 __all__ = ["CHECKPOINT_FORMAT", "DataCursor", "ResumeError", "RunState", "TrainState", "check_contents",
-           "config_changes"]
+           "config_changes", "model_problems"]
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def check_contents(ckpt: Any, path: Path) -> None:
         problems += [f"'trainer' lacks {missing}"] if missing else []
     if not problems:
         problems += _counter_problems(ckpt["trainer"]) + _stream_problems(ckpt["rng"], ckpt["data"])
-        problems += _tensor_problems(ckpt["model"], ckpt["model_signature"])
+        problems += model_problems(ckpt["model"], ckpt["model_signature"])
     if problems:
         raise CheckpointError(f"{path} is malformed: {'; '.join(problems)}")
 
@@ -134,9 +134,11 @@ def _stream_problems(rng: dict[str, Any], data: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _tensor_problems(model: dict[str, Any], signature: dict[str, Any]) -> list[str]:
+def model_problems(model: Any, signature: Any) -> list[str]:
     """Rule 1's signature must describe the tensors actually saved (a checksum proves only
     that the bytes are the ones written, not that they fit)."""
+    if not isinstance(model, dict) or not isinstance(signature, dict):
+        return ["'model' or 'model_signature' is missing or not a mapping"]
     actual = {k: list(v.shape) for k, v in model.items() if isinstance(v, torch.Tensor)}
     wrong = sorted(k for k in actual if k in signature and list(signature[k]) != actual[k])
     if wrong or set(actual) != set(signature):
