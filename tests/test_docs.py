@@ -14,16 +14,16 @@ _PARTS = ("reference", "torchimpl", "audit", "conformance", "tests", "bench", "d
 
 
 def _layout_section() -> str:
-    text = (_ROOT / "README.md").read_text()
+    text = (_ROOT / "docs" / "architecture.md").read_text()
     match = re.search(r"^## Layout\n(.*?)(?=^## |\Z)", text, re.S | re.M)
-    assert match, "README.md has no '## Layout' section"
+    assert match, "docs/architecture.md has no '## Layout' section"
     return match.group(1)
 
 
 def test_the_layout_names_every_part():
     layout = _layout_section()
     missing = [p for p in _PARTS if not re.search(rf"^{p}/", layout, re.M)]
-    assert not missing, f"the layout in README.md omits the parts {missing}"
+    assert not missing, f"the layout in docs/architecture.md omits the parts {missing}"
 
 
 def test_the_layout_names_every_module_of_torchimpl_and_audit():
@@ -31,7 +31,7 @@ def test_the_layout_names_every_module_of_torchimpl_and_audit():
     missing = [f"{pkg}/{path.name}" for pkg in ("torchimpl", "audit")
                for path in sorted((_ROOT / pkg).glob("*.py"))
                if path.name != "__init__.py" and f"`{path.name}`" not in layout]
-    assert not missing, f"the layout in README.md omits {missing}: add a row saying what each holds"
+    assert not missing, f"the layout in docs/architecture.md omits {missing}: add a row saying what each holds"
 
 
 _PATH_REF = re.compile(
@@ -54,7 +54,9 @@ def test_every_path_the_code_and_docs_cite_exists():
     dangling = []
     for rel, path in _tracked_text_files():
         for ref in _PATH_REF.findall(path.read_text(errors="replace")):
-            if not (_ROOT / ref).exists():
+            # bench/results/ holds what the benchmark scripts write: a script names its output
+            # file before a run of it is committed.
+            if not (_ROOT / ref).exists() and not ref.startswith("bench/results/"):
                 dangling.append(f"{rel}: {ref}")
     assert not dangling, "references to files that do not exist:\n" + "\n".join(dangling)
 
