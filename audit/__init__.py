@@ -5,11 +5,13 @@ records each optimizer step's calls and numbers (`audit.recorder`), checks the o
 the step contract (`audit.rules`) and replays the numbers through ``reference``
 (`audit.replay`). Three entries:
 
-- the command ``ampspec audit SCRIPT.py [ARGS...] [--report FILE.json] [--steps N] [--no-replay]``
-  (`audit.runner`);
+- the command ``ampspec audit SCRIPT.py [ARGS...] [--report FILE.json] [--steps N] [--no-replay]
+  [--strict]`` (`audit.runner`);
 - the context manager: ``with audit.audit() as session: train()``, then ``session.report``;
 - the pytest fixture ``ampspec_audit`` (`audit.pytest_plugin`), which fails a test whose loop
-  breaks a rule.
+  breaks a rule (an error; with ``strict``, any finding).
+
+Severities and exit status: `audit.rules`.
 
 Why a package of its own: the audit compares torch's behaviour with the specification's, so it
 must import both. ``reference`` may never import torch, and ``torchimpl`` imports ``reference``
@@ -22,13 +24,15 @@ loads the specification.
 
 from __future__ import annotations
 
+import os
 import traceback
 from typing import Any
 
 from audit.report import EXIT_FAILED, EXIT_FINDINGS, EXIT_OK, AuditReport
 from audit.rules import RULES, Finding
 
-__all__ = ["Audit", "AuditReport", "Finding", "RULES", "audit", "EXIT_OK", "EXIT_FINDINGS", "EXIT_FAILED"]
+__all__ = ["Audit", "AuditReport", "Finding", "RULES", "audit", "register_optimizer", "EXIT_OK", "EXIT_FINDINGS",
+           "EXIT_FAILED"]
 
 
 class Audit:
@@ -38,21 +42,28 @@ class Audit:
     each step); False checks the order rules only. ``steps``: stop the audited code at the first
     backward pass after this many optimizer steps (it raises ``StepLimitReached``, a
     BaseException, which the context manager absorbs). ``target``: how the report names what
-    was audited.
+    was audited. ``strict``: warnings and info fail the report too (`AuditReport.exit_status`).
+
+    A process forked by the audited program inherits the session; `stop` there only removes the
+    instrumentation (`forked`): the report is the starting process's.
     """
 
-    def __init__(self, replay: bool = True, steps: int | None = None, target: str = "the audited code") -> None:
+    def __init__(self, replay: bool = True, steps: int | None = None, target: str = "the audited code",
+                 strict: bool = False) -> None:
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise ValueError(f"steps must be None or an int >= 1, got {steps!r}")
         self.replay = replay
         self.steps = steps
         self.target = target
+        self.strict = bool(strict)
+        self.pid = os.getpid()
         self.argv: list[str] = []
         self._recorder: Any = None
         self._instr: Any = None
         self._report: AuditReport | None = None
 
     def start(self) -> "Audit":
+        global _CURRENT
         from audit.instrument import Instrumentation
         from audit.recorder import Recorder
 
@@ -66,7 +77,17 @@ class Audit:
         self._recorder = Recorder(replay=replayer, steps=self.steps)
         self._instr = Instrumentation(self._recorder)
         self._instr.install()
+        _CURRENT = self  # after the replay worker's fork: that child is no child of the audited program
         return self
+
+    def _detach_in_child(self) -> None:
+        """In a process the audited program forked: no instrumentation, nothing sent to the
+        replay worker, which belongs to the parent (it must neither be joined nor killed here)."""
+        self._instr.uninstall()
+        self._recorder.detached = True
+        r = self._recorder.replayer
+        if r is not None and r.process is not None:
+            r.process.forget_in_child()
 
     def stop(self, error: BaseException | None = None) -> AuditReport:
         """Remove the instrumentation and build the report. ``error``: the audited code's failure."""
@@ -74,9 +95,17 @@ class Audit:
             return self._report
         if self._recorder is None:
             raise RuntimeError("this audit session was never started")
+        global _CURRENT
+        if _CURRENT is self:
+            _CURRENT = None
         from audit.recorder import StepLimitReached
 
         self._instr.uninstall()
+        if self.forked:
+            # A child of the audited program: the replay worker and the copies are the parent's.
+            self._report = AuditReport(findings=[], steps=[], replay=None, target=self.target, argv=list(self.argv),
+                                       stopped="a forked process of the audited program: see its parent's report")
+            return self._report
         rec = self._recorder
         limited = isinstance(error, StepLimitReached) or rec.stopped_at_limit
         failed = error is not None and not isinstance(error, StepLimitReached)
@@ -96,8 +125,14 @@ class Audit:
         }
         self._report = AuditReport(findings=list(rec.findings), steps=list(rec.records), replay=replay,
                                    target=self.target, argv=list(self.argv), error=text,
-                                   stopped=f"stopped after {self.steps} steps as asked" if limited else None)
+                                   stopped=f"stopped after {self.steps} steps as asked" if limited else None,
+                                   strict=self.strict)
         return self._report
+
+    @property
+    def forked(self) -> bool:
+        """Whether this is a process forked from the one that started the audit."""
+        return os.getpid() != self.pid
 
     @property
     def report(self) -> AuditReport:
@@ -115,10 +150,33 @@ class Audit:
         return isinstance(exc, StepLimitReached)
 
 
-def audit(replay: bool = True, steps: int | None = None) -> Audit:
+_CURRENT: Audit | None = None
+
+
+def _after_fork_in_child() -> None:
+    if _CURRENT is not None and _CURRENT._report is None:
+        _CURRENT._detach_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def audit(replay: bool = True, steps: int | None = None, strict: bool = False) -> Audit:
     """The context manager: ``with audit() as session: train()``; then ``session.report``.
 
     The code inside runs unmodified; on leaving, torch is restored and ``session.report`` holds
     the findings (``report.ok``, ``report.text()``, ``report.to_dict()``).
     """
-    return Audit(replay=replay, steps=steps)
+    return Audit(replay=replay, steps=steps, strict=strict)
+
+
+def register_optimizer(cls: type, spec: Any, *, ulp: Any = None) -> None:
+    """Replay the user's own optimizer class ``cls`` (and its subclasses that keep or call its
+    ``step``) through ``spec``, a ``reference.optim.OptimizerSpec``; ``ulp``: per state field
+    (``"param"`` for the parameter) the bound on native kernels. The worked example (Lion in
+    NumPy) is in `audit.optimizers`. Imported here on call: an audit without replay never loads
+    the specification."""
+    from audit.optimizers import register_optimizer as register
+
+    register(cls, spec, ulp=ulp)

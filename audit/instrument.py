@@ -124,74 +124,8 @@ class Instrumentation:
     # ------------------------------------------------------------------ the wrappers
 
     def _install_scaler(self) -> None:
-        rec = self.rec
         cls = torch.amp.GradScaler
-
-        def init(orig):
-            def wrapper(self, *args, **kwargs):
-                orig(self, *args, **kwargs)
-                rec.on_scaler_created(self)
-            return wrapper
-
-        def scale(orig):
-            def wrapper(self, outputs):
-                out = orig(self, outputs)
-                rec.on_scale(self, outputs, out)
-                return out
-            return wrapper
-
-        def unscale(orig):
-            def wrapper(self, optimizer):
-                rec.on_unscale_begin(self, optimizer)
-                ok = False
-                try:
-                    out = orig(self, optimizer)
-                    ok = True
-                    return out
-                finally:
-                    rec.on_unscale_end(self, optimizer, ok)
-            return wrapper
-
-        def step(orig):
-            def wrapper(self, optimizer, *args, **kwargs):
-                rec.on_scaler_step_begin(self, optimizer)
-                ok = False
-                try:
-                    out = orig(self, optimizer, *args, **kwargs)
-                    ok = True
-                    return out
-                finally:
-                    rec.on_scaler_step_end(self, optimizer, ok)
-            return wrapper
-
-        def update(orig):
-            def wrapper(self, new_scale=None):
-                rec.on_update_begin(self, new_scale)
-                ok = False
-                try:
-                    out = orig(self, new_scale)
-                    ok = True
-                    return out
-                finally:
-                    rec.on_update_end(self, new_scale, ok)
-            return wrapper
-
-        def state_dict(orig):
-            def wrapper(self):
-                out = orig(self)
-                rec.on_scaler_state_dict(self)
-                return out
-            return wrapper
-
-        def load_state_dict(orig):
-            def wrapper(self, state_dict):
-                out = orig(self, state_dict)
-                rec.on_scaler_loaded(self)
-                return out
-            return wrapper
-
-        methods = (("scale", scale), ("unscale_", unscale), ("step", step), ("update", update),
-                   ("state_dict", state_dict), ("load_state_dict", load_state_dict))
+        init, methods = _scaler_wrappers(self.rec)
         self._patch(cls, "__init__", init)
         active: set[tuple[int, str]] = set()
         for owner in (cls, *_scaler_subclasses()):
@@ -314,8 +248,9 @@ class Instrumentation:
         rec = self.rec
 
         def tensor_backward(orig):
-            def wrapper(self, *args, **kwargs):
-                rec.on_backward_begin(self)
+            def wrapper(self, gradient=None, retain_graph=None, create_graph=False, *args, **kwargs):
+                rec.on_backward_begin(self, gradient, retain_graph if retain_graph is not None else create_graph)
+                args = (gradient, retain_graph, create_graph, *args)
                 ok = False
                 try:
                     out = orig(self, *args, **kwargs)
@@ -327,7 +262,10 @@ class Instrumentation:
 
         def autograd_backward(orig):
             def wrapper(tensors, *args, **kwargs):
-                rec.on_backward_begin(tensors)
+                grads = args[0] if args else kwargs.get("grad_tensors", kwargs.get("grad_variables"))
+                retain = args[1] if len(args) > 1 else kwargs.get("retain_graph")
+                create = args[2] if len(args) > 2 else kwargs.get("create_graph", False)
+                rec.on_backward_begin(tensors, grads, retain if retain is not None else create)
                 ok = False
                 try:
                     out = orig(tensors, *args, **kwargs)
@@ -356,6 +294,54 @@ class Instrumentation:
             if getattr(owner, "save", None) is original:
                 setattr(owner, "save", wrapped)
                 self._patches.append((owner, "save", original))
+
+
+def _bracketed(begin: Callable[..., None], end: Callable[..., None]) -> Callable[[Any], Any]:
+    """A wrapper maker: ``begin(self, *args, **kwargs)`` before the call, ``end(ok, self, *args,
+    **kwargs)`` after it (``ok``: whether it returned)."""
+
+    def make(orig):
+        def wrapper(self, *args, **kwargs):
+            begin(self, *args, **kwargs)
+            ok = False
+            try:
+                out = orig(self, *args, **kwargs)
+                ok = True
+                return out
+            finally:
+                end(ok, self, *args, **kwargs)
+        return wrapper
+
+    return make
+
+
+def _after(report: Callable[..., None]) -> Callable[[Any], Any]:
+    """A wrapper maker: the call, then ``report(self, *args, out=...)``."""
+
+    def make(orig):
+        def wrapper(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            report(self, *args, out=out)
+            return out
+        return wrapper
+
+    return make
+
+
+def _scaler_wrappers(rec: Any) -> tuple[Callable[[Any], Any], tuple[tuple[str, Callable[[Any], Any]], ...]]:
+    """The wrapper makers of GradScaler's ``__init__`` and of its reported methods, feeding ``rec``."""
+    init = _after(lambda s, *a, out=None, **k: rec.on_scaler_created(s))
+    scale = _after(lambda s, outputs, out=None: rec.on_scale(s, outputs, out))
+    unscale = _bracketed(lambda s, opt: rec.on_unscale_begin(s, opt),
+                         lambda ok, s, opt: rec.on_unscale_end(s, opt, ok))
+    step = _bracketed(lambda s, opt, *a, **k: rec.on_scaler_step_begin(s, opt),
+                      lambda ok, s, opt, *a, **k: rec.on_scaler_step_end(s, opt, ok))
+    update = _bracketed(lambda s, new_scale=None: rec.on_update_begin(s, new_scale),
+                        lambda ok, s, new_scale=None: rec.on_update_end(s, new_scale, ok))
+    state_dict = _after(lambda s, out=None: rec.on_scaler_state_dict(s))
+    load_state_dict = _after(lambda s, state, out=None: rec.on_scaler_loaded(s))
+    return init, (("scale", scale), ("unscale_", unscale), ("step", step), ("update", update),
+                  ("state_dict", state_dict), ("load_state_dict", load_state_dict))
 
 
 def _impl_cell(public: Any) -> Any:

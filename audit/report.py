@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from audit.rules import ERROR, RULES, Finding
+from audit.rules import ERROR, RULES, SEVERITIES, Finding
 
 __all__ = ["AuditReport", "EXIT_OK", "EXIT_FINDINGS", "EXIT_FAILED"]
 
@@ -20,10 +20,11 @@ _LINES_PER_RULE = 10
 
 @dataclass
 class AuditReport:
-    """What an audit found. ``error`` is the audited program's failure (its traceback), if any.
+    """What an audit found. ``error`` is the audited program's failure (its traceback), if any;
+    ``script_status`` the non-zero status it passed to ``sys.exit``.
 
-    ``exit_status``: 2 when the program failed, else 1 with any finding (warnings included),
-    else 0.
+    ``exit_status``, as linters do it: the script's own status when it exited with one, 2 when it
+    failed otherwise, else 1 when a finding is an error (with ``strict``: any finding), else 0.
     """
 
     findings: list[Finding]
@@ -33,16 +34,32 @@ class AuditReport:
     argv: list[str] = field(default_factory=list)
     error: str | None = None
     stopped: str | None = None
+    strict: bool = False
+    script_status: int | None = None
+
+    def counts(self) -> dict[str, int]:
+        """How many findings of each severity (every severity present, in the contract's order)."""
+        out = dict.fromkeys(SEVERITIES, 0)
+        for f in self.findings:
+            out[f.severity] += 1
+        return out
+
+    @property
+    def failing(self) -> list[Finding]:
+        """The findings that fail the audit: the errors; with ``strict``, every finding."""
+        return list(self.findings) if self.strict else [f for f in self.findings if f.severity == ERROR]
 
     @property
     def ok(self) -> bool:
-        return self.error is None and not self.findings
+        return self.error is None and self.script_status is None and not self.failing
 
     @property
     def exit_status(self) -> int:
+        if self.script_status is not None:
+            return self.script_status
         if self.error is not None:
             return EXIT_FAILED
-        return EXIT_FINDINGS if self.findings else EXIT_OK
+        return EXIT_FINDINGS if self.failing else EXIT_OK
 
     def rules(self) -> list[str]:
         """The rules found, in order of first occurrence."""
@@ -59,14 +76,15 @@ class AuditReport:
     def text(self, include_error: bool = True) -> str:
         """The text report; ``include_error``: end with the audited program's traceback."""
         n_steps = len(self.steps)
-        errors = sum(f.severity == ERROR for f in self.findings)
-        warnings = len(self.findings) - errors
         head = f"ampspec audit of {self.target}: {n_steps} optimizer step{'s' if n_steps != 1 else ''}"
         if self.stopped:
             head += f" ({self.stopped})"
-        head += f", {len(self.findings)} finding{'s' if len(self.findings) != 1 else ''}"
-        if self.findings:
-            head += f" ({errors} error{'s' if errors != 1 else ''}, {warnings} warning{'s' if warnings != 1 else ''})"
+        c = self.counts()
+        head += (f", {len(self.findings)} finding{'s' if len(self.findings) != 1 else ''} ({c[ERROR]} "
+                 f"error{'s' if c[ERROR] != 1 else ''}, {c['warning']} warning{'s' if c['warning'] != 1 else ''}, "
+                 f"{c['info']} info)")
+        if self.strict:
+            head += " [strict: warnings and info fail too]"
         lines = [head]
         if self.replay is None:
             lines.append("numeric replay: off (order rules only)")
@@ -81,8 +99,9 @@ class AuditReport:
                 lines.append(f"  {r['fallback']}")
         for rule, fs in self.by_rule().items():
             spec = RULES[rule]
+            levels = "/".join(dict.fromkeys(f.severity for f in fs))
             lines.append("")
-            lines.append(f"{rule} ({spec.severity}): {spec.summary}; {len(fs)} finding{'s' if len(fs) != 1 else ''}")
+            lines.append(f"{rule} ({levels}): {spec.summary}; {len(fs)} finding{'s' if len(fs) != 1 else ''}")
             first = fs[0]
             lines.append(f"  step {first.step}, {first.where}: {first.message}")
             if first.expected is not None or first.got is not None:
@@ -100,6 +119,9 @@ class AuditReport:
         elif not self.findings:
             lines.append("no findings: every audited step follows the step contract" +
                          (" (up to the failure)" if self.error is not None else ""))
+        if self.script_status is not None:
+            lines.append("")
+            lines.append(f"the audited program exited with status {self.script_status}")
         if self.error is not None and not include_error:
             lines.append("")
             lines.append("the audited program failed (its traceback follows on stderr)")
@@ -115,7 +137,11 @@ class AuditReport:
         return {
             "target": self.target,
             "argv": list(self.argv),
-            "status": ("failed" if self.error is not None else "findings" if self.findings else "ok"),
+            "status": ("failed" if self.error is not None or self.script_status is not None
+                       else "findings" if self.failing else "ok"),
+            "counts": self.counts(),
+            "strict": self.strict,
+            "script_status": self.script_status,
             "exit_status": self.exit_status,
             "stopped": self.stopped,
             "replay": self.replay,

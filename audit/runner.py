@@ -2,8 +2,11 @@
 
 The script runs as ``__main__`` (``runpy``), with ``sys.argv`` set to ``[SCRIPT, *ARGS]`` and its
 folder first on ``sys.path``, exactly as ``python SCRIPT.py ARGS`` would run it; both are
-restored afterwards. Exit status: 0 no findings, 1 findings, 2 the script failed (an exception,
-or ``sys.exit`` with a non-zero status; its traceback is printed) or could not be run.
+restored afterwards. Exit status: 0 when no finding is an error, 1 when one is (``--strict``:
+when there is any finding), 2 when the script raised (its traceback is printed as Python would,
+without the audit's frames) or could not be run; a script that ends with ``sys.exit(N)`` exits
+with its own N. The report is printed (and written) in every case; a process the script forked
+prints none (its parent's report covers it).
 """
 
 from __future__ import annotations
@@ -15,44 +18,53 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from audit import Audit
-from audit.report import EXIT_FAILED, AuditReport
+from audit.report import AuditReport
 
 __all__ = ["run_script", "split_audit_options", "main"]
 
 _OWN = ("--report", "--steps")
-_FLAGS = ("--no-replay",)
-
-
-class ScriptExit(Exception):
-    """The script called ``sys.exit`` with a non-zero status."""
+_FLAGS = ("--no-replay", "--strict")
 
 
 def run_script(script: str | os.PathLike, args: Sequence[str] = (), *, steps: int | None = None,
-               replay: bool = True) -> AuditReport:
-    """Audit one run of ``script`` with ``args``; raises FileNotFoundError when it does not exist."""
+               replay: bool = True, strict: bool = False) -> AuditReport:
+    """Audit one run of ``script`` with ``args``; raises FileNotFoundError when it does not exist.
+
+    ``sys.exit(N)`` in the script ends the run like its end, with ``script_status`` N (1 with
+    a message, which goes to stderr as Python prints it); it is not a failure of the audit."""
     path = Path(script)
     if not path.is_file():
         raise FileNotFoundError(f"no such script: {script}")
-    session = Audit(replay=replay, steps=steps, target=str(script))
+    session = Audit(replay=replay, steps=steps, target=str(script), strict=strict)
     session.argv = [str(script), *args]
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
     error: BaseException | None = None
+    status: int | None = None
     session.start()
     try:
         runpy.run_path(str(path), run_name="__main__")
     except SystemExit as exc:
-        if exc.code not in (None, 0):
-            error = ScriptExit(f"the script exited with status {exc.code!r}")
-            error.__traceback__ = exc.__traceback__
+        status = _exit_status(exc.code)
     except BaseException as exc:  # the script's failure, or the step limit: both end the run
         error = exc
     finally:
         report = session.stop(_trim(error))
         sys.argv = saved_argv
         sys.path[:] = saved_path
+    report.script_status = status
     return report
+
+
+def _exit_status(code: Any) -> int | None:
+    """The status Python exits with for ``sys.exit(code)`` (None for 0); a message is printed."""
+    if code is None or code == 0:
+        return None
+    if isinstance(code, int) and not isinstance(code, bool):
+        return (code & 0xFF) or None
+    print(code, file=sys.stderr)
+    return 1
 
 
 def _trim(error: BaseException | None) -> BaseException | None:
@@ -72,17 +84,18 @@ def _trim(error: BaseException | None) -> BaseException | None:
         if not noise(tb):
             frames.append(tb)
         tb = tb.tb_next
-    if frames:
-        for a, b in zip(frames, frames[1:] + [None]):
-            a.tb_next = b
-        error.__traceback__ = frames[0]
+    for a, b in zip(frames, frames[1:] + [None]):
+        a.tb_next = b
+    # No frame of the script (a SyntaxError raised while compiling it): Python shows only the
+    # error, with its file, line and caret.
+    error.__traceback__ = frames[0] if frames else None
     return error
 
 
 def split_audit_options(rest: Sequence[str]) -> tuple[list[str], dict[str, str | bool]]:
     """The script's arguments and the audit's own options found among them.
 
-    ``--report FILE``, ``--steps N`` (also ``--report=FILE``) and ``--no-replay`` are the audit's
+    ``--report FILE``, ``--steps N`` (also ``--report=FILE``), ``--no-replay`` and ``--strict`` are the audit's
     wherever they appear after the script, until a ``--``; everything after ``--`` goes to the
     script verbatim (for a script with options of the same names).
     """
@@ -112,7 +125,7 @@ def split_audit_options(rest: Sequence[str]) -> tuple[list[str], dict[str, str |
 
 
 def main(script: str, rest: Sequence[str], *, report: str | None = None, steps: int | None = None,
-         no_replay: bool = False) -> int:
+         no_replay: bool = False, strict: bool = False) -> int:
     """The ``ampspec audit`` subcommand: run, print the text report, write the JSON one."""
     args, own = split_audit_options(rest)
     report = own.get("report", report)  # type: ignore[assignment]
@@ -124,9 +137,13 @@ def main(script: str, rest: Sequence[str], *, report: str | None = None, steps: 
     if steps is not None and steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
     no_replay = bool(own.get("no_replay", no_replay))
+    strict = bool(own.get("strict", strict))
     if not Path(script).is_file():
         raise FileNotFoundError(f"no such script: {script}")
-    result = run_script(script, args, steps=steps, replay=not no_replay)
+    pid = os.getpid()
+    result = run_script(script, args, steps=steps, replay=not no_replay, strict=strict)
+    if os.getpid() != pid:  # a child the script forked came back here: its parent reports
+        return result.script_status or 0
     sys.stdout.flush()
     print(result.text(include_error=False))
     if result.error is not None:
@@ -134,4 +151,4 @@ def main(script: str, rest: Sequence[str], *, report: str | None = None, steps: 
     if report:
         path = result.write_json(report)
         print(f"report: {path}")
-    return result.exit_status if result.error is None else EXIT_FAILED
+    return result.exit_status

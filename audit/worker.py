@@ -26,6 +26,7 @@ How:
 
 from __future__ import annotations
 
+import gc
 import math
 import mmap
 import multiprocessing as mp
@@ -138,12 +139,20 @@ class ReplayProcess:
                 stream.flush()
             except (AttributeError, OSError, ValueError):
                 pass
-        with warnings.catch_warnings():
-            # Python 3.12+ warns on fork in a process with threads; the worker runs only the replay.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self._proc = mp.get_context("fork").Process(target=_serve, args=(there, here), daemon=True,
-                                                        name="ampspec-audit-replay")
-            self._proc.start()
+        # The program's garbage is collected here, and what lives is frozen across the fork, so
+        # that the worker never collects (and never runs the finalizers of) the program's objects:
+        # autograd graphs of an earlier training, freed in a forked child, can crash it.
+        gc.collect()
+        gc.freeze()
+        try:
+            with warnings.catch_warnings():
+                # Python 3.12+ warns on fork in a process with threads; the worker runs only the replay.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self._proc = mp.get_context("fork").Process(target=_serve, args=(there, here), daemon=True,
+                                                            name="ampspec-audit-replay")
+                self._proc.start()
+        finally:
+            gc.unfreeze()
         there.close()
         self._conn = here
         self._free: list[_Slab] = []
@@ -310,6 +319,20 @@ class ReplayProcess:
                     return
         except (EOFError, OSError):
             self._lost()
+
+    def forget_in_child(self) -> None:
+        """In a process forked from the audited program: this worker is the parent's. Nothing more
+        goes to it from here, and multiprocessing must not join or terminate it at this process's
+        exit (it would assert 'can only join a child process')."""
+        from multiprocessing import process as mp_process
+
+        mp_process._children.discard(self._proc)  # the registry multiprocessing joins at exit
+        self._result = (None, "a forked process of the audited program")
+        self._no_memory = True
+        try:
+            self._conn.close()  # this process's copy of the descriptor; the parent's stays open
+        except OSError:
+            pass
 
     def _lost(self) -> None:
         if self.error is None:

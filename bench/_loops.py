@@ -66,6 +66,7 @@ class Workload:
     clip_norm: float = 1.0
     lr: float = 1e-3
     weight_decay: float = 0.01
+    optimizer: str = "adamw"  # the Trainer's optimizer.name (the hand loops and peers run AdamW)
 
 
 def _adamw(model: nn.Module, w: Workload) -> torch.optim.Optimizer:
@@ -129,7 +130,7 @@ def trainer_config(w: Workload, steps: int, *, sync_free: bool = False, package:
         **quiet,
         device=w.device,
         precision=PrecisionConfig(mode="bf16" if w.autocast_dtype == torch.bfloat16 else "fp16"),
-        optimizer=OptimizerConfig(name="adamw", lr=w.lr, weight_decay=w.weight_decay, fused=w.fused),
+        optimizer=OptimizerConfig(name=w.optimizer, lr=w.lr, weight_decay=w.weight_decay, fused=w.fused),
         schedule=ScheduleConfig(name="constant"),
         # Production defaults otherwise: log_interval 10, no trace file, no guard, no checkpoints.
         train=TrainConfig(steps=steps, microbatches=w.k, clip_norm=w.clip_norm,

@@ -21,11 +21,18 @@ Candidates alternate within each repetition; reported are median times, the rati
 ``torch 1 thread`` (the like-for-like comparison with single-threaded NumPy), and ns per
 element, whose change from size to size shows how each grows.
 
+Part 3 (first in the output): one optimizer step of every registered optimizer
+(``reference.optim.SPECS``) and implementation on float32 parameters of the 1M-element shapes,
+from a state one step old: the spec's step function against torch's optimizer with the same
+implementation on 1 thread (``ratio`` = spec / torch, goal <= 3). The for-loop and foreach spec
+steps take NumPy's square root (torch's own only matters for bits, not for speed).
+
 Part 2: Hypothesis examples per second for each property of ``pytest conformance`` (CPU,
 the ``ci`` profile unless ``--profile`` says otherwise), from ``--hypothesis-show-statistics``:
 passing examples divided by the seconds of the generate phase (which includes running them).
 
     PYTHONPATH=. python bench/reference_speed.py           # ~1 minute on 2 cores
+    PYTHONPATH=. python bench/reference_speed.py --optimizers-only  # part 3 alone
     PYTHONPATH=. python bench/reference_speed.py --large   # adds 100M elements (~3 GB of RAM)
 """
 
@@ -46,6 +53,7 @@ import _harness  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from reference import optim  # noqa: E402
 from reference.clipping import clip_grad_norm, clip_grad_norm_  # noqa: E402
 from reference.scaling import ScalerState, unscale_gradients, unscale_gradients_  # noqa: E402
 
@@ -146,6 +154,51 @@ def bench_size(target: int, reps: int, threads_all: int) -> dict:
     return out
 
 
+def bench_optimizers(target: int, reps: int) -> dict:
+    """Part 3: the spec's step against torch's, per optimizer and implementation."""
+    shapes = transformer_shapes(target)
+    rng = np.random.default_rng(0)
+    params = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = make_grads(shapes)
+    out: dict = {}
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, row in optim.SPECS.items():
+            cls = getattr(torch.optim, name)
+            cfg = row.make_config()
+            for impl in row.steps:
+                state = tuple(row.init_state(p, cfg) for p in params)
+                _, _, state = row.step(impl, params, grads, state, cfg)  # moments one step old
+                tp = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in params]
+                flags = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
+                opt = cls(tp, **flags)
+                for p, g in zip(tp, grads):
+                    p.grad = torch.from_numpy(g)
+                opt.step()
+
+                def spec_step(state=state, row=row, impl=impl, cfg=cfg) -> float:
+                    t0 = time.perf_counter()
+                    row.step(impl, params, grads, state, cfg)
+                    return time.perf_counter() - t0
+
+                def torch_step(opt=opt) -> float:
+                    t0 = time.perf_counter()
+                    opt.step()
+                    return time.perf_counter() - t0
+
+                times: dict[str, list[float]] = {"spec": [], "torch": []}
+                for r in range(reps):
+                    for who in _harness.rotate(["spec", "torch"], r):
+                        times[who].append((spec_step if who == "spec" else torch_step)())
+                out[f"{name} {impl}"] = {
+                    "spec_ms": 1e3 * _harness.median(times["spec"]), "torch_ms": 1e3 * _harness.median(times["torch"]),
+                    "ratio_spec_vs_torch": _harness.paired_ratio(times, "spec", "torch")}
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
 _TEST = re.compile(r"^(\S+::\S+):\s*$")
 _PHASE = re.compile(r"during generate phase \(([\d.]+) seconds\)")
 _PASSING = re.compile(r"(\d+) passing")
@@ -194,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--profile", default="ci", help="Hypothesis profile for the conformance part")
     ap.add_argument("--skip-conformance", action="store_true")
+    ap.add_argument("--optimizers-only", action="store_true", help="only part 3, the optimizer steps")
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     args = ap.parse_args(argv)
 
@@ -202,6 +256,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.large:
         sizes.append(100_000_000)
     results: dict = {"machine": _harness.machine(), "settings": vars(args), "sizes": {}}
+    opt_res = bench_optimizers(1_000_000, args.reps)
+    results["optimizers_1M"] = opt_res
+    print("optimizer steps, 1M float32 elements, spec / torch (1 thread): " + ", ".join(
+        f"{k} {v['ratio_spec_vs_torch']['median']:.2f}x" for k, v in opt_res.items()), flush=True)
+    if args.optimizers_only:
+        path = _harness.write_result("reference_speed_optimizers", results, args.out)
+        print(f"-> {path}")
+        return 0
     for size in sizes:
         reps = args.reps if size <= 10_000_000 else max(3, args.reps // 2)
         res = bench_size(size, reps, threads_all)

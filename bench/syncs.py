@@ -23,6 +23,10 @@ log-point flush every 10 steps, amortised) and the step phase (unscale, clip, op
 scaler update, schedule). Candidates: the hand loop, the Trainer (host mode and, with a
 fused optimizer, the sync-free mode), Accelerate and Fabric; for-loop and fused AdamW;
 plain mixed precision and the loss-scaler path (bf16 + forced scaler on the CPU, fp16 on CUDA).
+Then the Trainer alone for every registered optimizer (``per_optimizer``) on the loss-scaler
+path: its default implementation and, where torch has one, its fused kernel (host and
+sync-free skip). The for-loop paths of torch's optimizers read their step counters with
+``.item()`` (``_get_value``), one sync per parameter per step; that is torch's, not the Trainer's.
 
     PYTHONPATH=. python bench/syncs.py                 # CPU, well under a minute
     PYTHONPATH=. python bench/syncs.py --device cuda   # also counts CUDA sync warnings
@@ -152,6 +156,29 @@ def count(runner, w: Workload, steps: int, warmup: int, on_cuda: bool) -> dict:
     return out
 
 
+def per_optimizer(built, batches, args, on_cuda: bool, lines: list[str]) -> dict:
+    """The Trainer's count for every registered optimizer (torchimpl.optim.REGISTRY), on the
+    loss-scaler path: its default implementation, and its fused kernel in both skip modes
+    where torch has one on this device."""
+    from torchimpl.optim import REGISTRY
+
+    dtype = torch.float16 if on_cuda else torch.bfloat16
+    out: dict = {}
+    for name, row in REGISTRY.items():
+        runs = {"default": (False, False)}
+        if args.device in row.fused_devices:
+            runs.update({"fused": (True, False), "fused sync_free": (True, True)})
+        out[name] = {}
+        for label, (fused, sync_free) in runs.items():
+            w = Workload(f"{name}/{label}", built.model, batches, args.k, use_scaler=True, fused=fused,
+                         autocast_dtype=dtype, device=args.device, optimizer=name)
+            out[name][label] = count(lambda w, s, m, sf=sync_free: run_trainer(w, s, m, sync_free=sf), w,
+                                     args.steps, args.warmup, on_cuda)
+        lines.append(f"{name}: " + ", ".join(f"{k} {v['local_scalar_dense_per_step']:g}" for k, v in out[name].items()))
+        print(lines[-1], flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -220,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                     parts.append(f"{name} {r['local_scalar_dense_per_step']:g}{extra} ({r['aten_ops_per_step']:.1f} ops)")
             lines.append(f"{label}: " + ", ".join(parts))
             print(lines[-1], flush=True)
+    results["per_optimizer"] = per_optimizer(built, batches, args, on_cuda, lines)
     path = _harness.write_result("syncs" if not on_cuda else "syncs_cuda", results, args.out)
     print(f"syncs ({args.device}): _local_scalar_dense per optimizer step, by candidate -> {path}")
     return 0

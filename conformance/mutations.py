@@ -7,7 +7,8 @@ Run from the repository root (a few minutes on 2 cores; not part of ``pytest``):
     PYTHONPATH=. python -m conformance.mutations tracker_not_reset loss_not_divided_by_k
 
 For each mutant the script copies ``reference/``, ``torchimpl/`` and ``conformance/`` into a
-temporary folder, applies one source edit to the copy of torchimpl (the edit must match the
+temporary folder, applies one source edit to the copy of torchimpl (``SPEC_MUTANTS``: of the
+specification's optimizers, each caught by its own conformance property) (the edit must match the
 production source exactly, else the script stops: a mutant that no longer applies is reported,
 never silently skipped), and runs ``pytest -x -q`` on the conformance files relevant to it, in
 the exact mode (``ATEN_CPU_CAPABILITY=default``) with the ``ci`` profile. The unmutated copy
@@ -104,6 +105,42 @@ MUTANTS = (
 )
 
 
+def _optimizer_property(name: str, impl: str) -> tuple[str, ...]:
+    return (f"conformance/test_optimizers.py::test_optimizer_steps_match_the_spec[cpu-{name}-{impl}]",)
+
+
+# Spec mutants: one deliberate error in each optimizer's spec function, which that optimizer's
+# conformance property must catch (it compares the spec with torch, so a wrong spec fails too).
+SPEC_MUTANTS = (
+    Mutant("sgd_dampening_on_first_step", "SGD dampens the first momentum buffer", "reference/optim/sgd.py",
+           "                buf = np.array(d, copy=True)\n",
+           "                buf = f(1 - config.dampening) * d\n", _optimizer_property("SGD", "for-loop")),
+    Mutant("adam_bias_correction2_skipped", "Adam forgets the second bias correction", "reference/optim/adam.py",
+           "    denom = root / f(bias_correction2_sqrt) + f(config.eps)\n", "    denom = root + f(config.eps)\n",
+           _optimizer_property("Adam", "foreach")),
+    Mutant("adagrad_lr_decay_from_step_one", "Adagrad decays the rate by step instead of step - 1",
+           "reference/optim/adagrad.py", "        clr = lr / (1 + (float(step) - 1) * config.lr_decay)\n",
+           "        clr = lr / (1 + float(step) * config.lr_decay)\n", _optimizer_property("Adagrad", "for-loop")),
+    Mutant("rmsprop_centered_adds_the_mean_square", "centered RMSprop adds grad_avg**2 instead of subtracting it",
+           "reference/optim/rmsprop.py", "            avg = root(addcmul(square_avg, grad_avg, grad_avg, -1))\n",
+           "            avg = root(addcmul(square_avg, grad_avg, grad_avg, 1))\n", _optimizer_property("RMSprop", "foreach")),
+    Mutant("adamax_eps_outside_the_max", "Adamax adds eps after the max instead of to |d| inside it",
+           "reference/optim/adamax.py", "        exp_inf = np.maximum(s.exp_inf * f(beta2), np.abs(d) + f(c.eps))\n",
+           "        exp_inf = np.maximum(s.exp_inf * f(beta2), np.abs(d)) + f(c.eps)\n",
+           _optimizer_property("Adamax", "for-loop")),
+    Mutant("adadelta_root_of_the_old_square_avg", "Adadelta's step takes the root of the old square average",
+           "reference/optim/adadelta.py", "        std = root(square_avg + f(c.eps))\n",
+           "        std = root(s.square_avg + f(c.eps))\n", _optimizer_property("Adadelta", "foreach")),
+    Mutant("nadam_mu_product_in_float64", "NAdam multiplies its mu_product in float64 and rounds once",
+           "reference/optim/nadam.py", "        mu_product = np.float32(s.mu_product * np.float32(mu))\n",
+           "        mu_product = np.float32(float(s.mu_product) * mu)\n", _optimizer_property("NAdam", "for-loop")),
+    Mutant("radam_true_division", "RAdam's for-loop divides sqrt(bc2) by the root (torch takes a reciprocal)",
+           "reference/optim/radam.py", "                adaptive = (f(1) / (root(exp_avg_sq) + f(c.eps))) * f(bc2**0.5)\n",
+           "                adaptive = f(bc2**0.5) / (root(exp_avg_sq) + f(c.eps))\n",
+           _optimizer_property("RAdam", "for-loop")),
+)
+
+
 def _copy_tree(dest: Path) -> None:
     for name in ("reference", "torchimpl", "conformance"):
         shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"))
@@ -168,7 +205,7 @@ def cli(prog: str, doc: str, mutants: tuple[Mutant, ...], argv: list[str] | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli("python -m conformance.mutations", __doc__, MUTANTS, argv)
+    return cli("python -m conformance.mutations", __doc__, MUTANTS + SPEC_MUTANTS, argv)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,16 @@ ties. Subnormals are never switched off: loss scaling lives there.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
 import ml_dtypes
 import numpy as np
+import torch
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as nps
+
+from torchimpl import optim as ti_optim
 
 FLT_MAX = float(np.finfo(np.float32).max)
 
@@ -171,23 +177,119 @@ def adam_config(draw) -> dict:
 
 
 @st.composite
-def optimizer_trajectory(draw, plant_nonfinite: bool = False, zero_d: bool = False) -> dict:
-    """Initial float32 parameters and the gradients recorded for each step (None: no gradient
-    that step). With ``plant_nonfinite`` some steps carry inf/NaN, as loss-scaled gradients do;
-    with ``zero_d`` parameters may be 0-d (where 0-d tensor hyperparameters promote)."""
-    dims = st.lists(st.integers(0, 33), min_size=0 if zero_d else 1, max_size=2).map(tuple)
+def adagrad_config(draw) -> dict:
+    """torch.optim.Adagrad keyword arguments: lr decay, weight decay, initial accumulator, eps, maximize."""
+    return dict(lr=draw(st.floats(1e-4, 1.0)), lr_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
+                weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
+                initial_accumulator_value=draw(st.sampled_from([0.0, 0.1, 1.0])),
+                eps=draw(st.sampled_from([1e-10, 1e-3, 0.0])), maximize=draw(st.booleans()))
+
+
+@st.composite
+def rmsprop_config(draw) -> dict:
+    """torch.optim.RMSprop keyword arguments: alpha, eps, weight decay, momentum, centered, maximize."""
+    return dict(lr=draw(st.floats(1e-4, 1.0)), alpha=draw(st.sampled_from([0.99, 0.9, 0.5, 0.0])),
+                eps=draw(st.sampled_from([1e-8, 1e-3, 0.0])), weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
+                momentum=draw(st.sampled_from([0.0, 0.5, 0.9])), centered=draw(st.booleans()),
+                maximize=draw(st.booleans()))
+
+
+@st.composite
+def adamax_config(draw) -> dict:
+    """torch.optim.Adamax keyword arguments: betas, eps, weight decay, maximize."""
+    return dict(lr=draw(st.floats(1e-5, 0.5)),
+                betas=(draw(st.sampled_from([0.9, 0.5, 0.0])), draw(st.sampled_from([0.999, 0.9, 0.5]))),
+                eps=draw(st.sampled_from([1e-8, 1e-3, 0.0])), weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
+                maximize=draw(st.booleans()))
+
+
+@st.composite
+def adadelta_config(draw) -> dict:
+    """torch.optim.Adadelta keyword arguments: rho, eps, weight decay, maximize."""
+    return dict(lr=draw(st.floats(1e-3, 1.0)), rho=draw(st.sampled_from([0.9, 0.5, 0.0, 1.0])),
+                eps=draw(st.sampled_from([1e-6, 1e-3, 0.0])), weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
+                maximize=draw(st.booleans()))
+
+
+@st.composite
+def nadam_config(draw) -> dict:
+    """torch.optim.NAdam keyword arguments: betas, eps, (decoupled) weight decay, momentum decay, maximize."""
+    return dict(lr=draw(st.floats(1e-5, 0.5)),
+                betas=(draw(st.sampled_from([0.9, 0.5, 0.0])), draw(st.sampled_from([0.999, 0.9, 0.5]))),
+                eps=draw(st.sampled_from([1e-8, 1e-3, 0.0])), weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
+                momentum_decay=draw(st.sampled_from([4e-3, 0.0, 0.5])),
+                decoupled_weight_decay=draw(st.booleans()), maximize=draw(st.booleans()))
+
+
+@st.composite
+def radam_config(draw) -> dict:
+    """torch.optim.RAdam keyword arguments: betas (some rectify from step 2, some after many steps,
+    some never), eps, (decoupled) weight decay, maximize. Large rates often: the rectified update
+    is a product of small factors, which a small rate would leave below the parameter's ULP."""
+    return dict(lr=draw(st.one_of(st.sampled_from([0.5, 0.1]), st.floats(1e-5, 0.5))),
+                betas=(draw(st.sampled_from([0.9, 0.5, 0.0])), draw(st.sampled_from([0.999, 0.9, 0.5, 0.1]))),
+                eps=draw(st.sampled_from([1e-8, 1e-3, 0.0])), weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
+                decoupled_weight_decay=draw(st.booleans()), maximize=draw(st.booleans()))
+
+
+@st.composite
+def optimizer_trajectory(draw, plant_nonfinite: bool = False, zero_d: bool = False,
+                         dtypes: tuple[np.dtype, ...] = (np.dtype(np.float32),), min_ndim: int = 0,
+                         steps: tuple[int, int] = (1, 6)) -> dict:
+    """Initial parameters of one of ``dtypes`` and the gradients recorded for each step (None: no
+    gradient that step). With ``plant_nonfinite`` some steps carry inf/NaN, as loss-scaled
+    gradients do; with ``zero_d`` parameters may be 0-d (where 0-d tensor hyperparameters
+    promote); ``min_ndim`` is the fewest dimensions a parameter has (Adafactor factors matrices);
+    ``steps``: the range of the number of steps."""
+    dtype = np.dtype(draw(st.sampled_from(dtypes)))
+    dims = st.lists(st.integers(0, 33), min_size=max(min_ndim, 0 if zero_d else 1), max_size=max(2, min_ndim)).map(tuple)
     shapes = draw(st.lists(st.one_of(st.just(()), dims) if zero_d else dims, min_size=1, max_size=3))
     param_magnitude = draw(st.sampled_from([1e-3, 1.0, 10.0]))
     grad_magnitude = draw(st.sampled_from([1e-6, 1e-2, 1.0, 1e2]))
-    params = [draw(gradient(np.dtype(np.float32), s, param_magnitude, plant_prob=0.0)) for s in shapes]
-    steps = draw(st.integers(1, 6))
+    params = [draw(gradient(dtype, s, param_magnitude, plant_prob=0.0)) for s in shapes]
     grads = []
-    for _ in range(steps):
+    for _ in range(draw(st.integers(*steps))):
         # The first parameter always has one: GradScaler.step refuses a step without any.
         grads.append([None if i > 0 and draw(st.integers(0, 9)) == 0 else
-                      draw(gradient(np.dtype(np.float32), s, grad_magnitude, plant_prob=0.3 if plant_nonfinite else 0.0))
+                      draw(gradient(dtype, s, grad_magnitude, plant_prob=0.3 if plant_nonfinite else 0.0))
                       for i, s in enumerate(shapes)])
     return dict(params=params, grads=grads)
+
+
+@dataclass(frozen=True)
+class OptimizerCase:
+    """The conformance row of one registered optimizer (by its spec row's name): torch's class,
+    the strategy of its keyword arguments, the implementations where torch takes a tensor lr
+    and the spec models it, the fewest dimensions a parameter must have, and the bounds."""
+
+    torch_class: type
+    config: Callable[[], st.SearchStrategy[dict]]
+    tensor_lr: tuple[str, ...] = ()
+    min_ndim: int = 0
+    steps: tuple[int, int] = (1, 6)
+    ulp: Mapping[str, int] | None = None
+    """Bounds on native kernels per field; None: ``expectations.OPTIMIZER_ULP[name]``."""
+
+
+OPTIMIZER_CASES: dict[str, OptimizerCase] = {}
+
+
+def optimizer_case(name: str, case: OptimizerCase) -> OptimizerCase:
+    """Add the conformance row of the spec row ``name``."""
+    OPTIMIZER_CASES[name] = case
+    return case
+
+
+optimizer_case("SGD", OptimizerCase(torch.optim.SGD, sgd_config, ("for-loop", "fused")))
+optimizer_case("Adam", OptimizerCase(torch.optim.Adam, adam_config, ("for-loop", "fused")))
+optimizer_case("AdamW", OptimizerCase(torch.optim.AdamW, adam_config, ("for-loop", "fused")))
+optimizer_case("Adagrad", OptimizerCase(torch.optim.Adagrad, adagrad_config))
+optimizer_case("RMSprop", OptimizerCase(torch.optim.RMSprop, rmsprop_config))
+optimizer_case("Adamax", OptimizerCase(torch.optim.Adamax, adamax_config))
+optimizer_case("Adadelta", OptimizerCase(torch.optim.Adadelta, adadelta_config))
+optimizer_case("NAdam", OptimizerCase(torch.optim.NAdam, nadam_config))
+# RAdam rectifies from about step 6 whatever beta2 (rho_t is 1 at step 1): its trajectories go past it.
+optimizer_case("RAdam", OptimizerCase(torch.optim.RAdam, radam_config, steps=(5, 9)))
 
 
 # ----------------------------------------------------------------------------- property 5: the trainer
@@ -234,16 +336,20 @@ def trainer_case(draw) -> dict:
     )
     if preset == "torch" and draw(st.booleans()):
         scaler["hysteresis"] = 2  # the torch preset through the extended update
-    name = draw(st.sampled_from(["sgd", "adamw", "adam"]))
-    # One draw for the optimizer call, so that each of the three modes gets its share.
-    mode = draw(st.sampled_from(["for-loop", "fused", "sync-free"]))
+    name = draw(st.sampled_from(list(ti_optim.REGISTRY)))
+    # One draw for the optimizer call, so that each of the three modes gets its share (the fused
+    # ones where torch has a fused kernel for this optimizer on the CPU).
+    fusable = "cpu" in ti_optim.REGISTRY[name].fused_devices
+    mode = draw(st.sampled_from(["for-loop", "fused", "sync-free"] if fusable else ["for-loop"]))
     fused = mode != "for-loop"
     optimizer = dict(name=name, lr=draw(st.sampled_from([1e-3, 0.01, 0.1])),
                      weight_decay=draw(st.sampled_from([0.0, 0.01, 0.5])), fused=fused,
                      no_decay_bias_and_norm=draw(st.booleans()))
-    if name == "sgd":
+    if "momentum" in ti_optim.REGISTRY[name].settings:
         momentum = draw(st.sampled_from([0.0, 0.9]))
-        optimizer.update(momentum=momentum, nesterov=momentum > 0 and draw(st.booleans()))
+        optimizer.update(momentum=momentum)
+        if "nesterov" in ti_optim.REGISTRY[name].settings:
+            optimizer.update(nesterov=momentum > 0 and draw(st.booleans()))
     schedule = dict(
         name=draw(st.sampled_from(["constant", "cosine"])),
         warmup_steps=draw(st.integers(0, 2)),

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.mutations import MUTANTS, ROOT
+from conformance.mutations import MUTANTS, ROOT, SPEC_MUTANTS
 
 
-@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])
+@pytest.mark.parametrize("mutant", MUTANTS + SPEC_MUTANTS, ids=[m.name for m in MUTANTS + SPEC_MUTANTS])
 def test_each_mutant_edit_applies_exactly_once(mutant):
     source = (ROOT / mutant.file).read_text()
     count = source.count(mutant.old)

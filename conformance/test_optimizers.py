@@ -1,37 +1,34 @@
-"""Property 4: SGD, Adam and AdamW, step by step, against `reference.optim`.
+"""Property 4: every registered optimizer, step by step, against `reference.optim`.
 
-Each optimizer (for-loop ``foreach=False``, ``foreach=True`` and ``fused=True``) runs a few steps
-from recorded gradients (None: no gradient that step). Before every step the spec is given
-torch's parameters and state, and after it every field must agree: parameters, momentum
-buffers, exp_avg, exp_avg_sq, max_exp_avg_sq, the step counter and, for fused Adam(W) under a
-real ``torch.amp.GradScaler``, the gradients the kernel leaves behind.
+One property per optimizer and implementation (``reference.optim.SPECS``: each row's for-loop,
+foreach and fused paths), each drawing float32 or float64 parameters (0-d among them), gradients
+that are sometimes None, and the optimizer's options (``strategies.OPTIMIZER_CASES``). Every step
+runs under a real ``torch.amp.GradScaler`` or without one: a fused kernel that unscales and
+skips by itself (``kernel_scaled``) gets the scaler's scale and found_inf, any other path is
+skipped by ``scaler.step`` when a gradient is not finite. Before every step the spec is given
+torch's parameters and state, and after it every field must agree: the parameter, every state
+field torch keeps (by name), and, under a scaler, the gradients left behind.
 
 Why from torch's state each step: with exact kernels the two trajectories are then equal by
 induction, so nothing is lost; with native kernels the per-step difference stays what one step
-makes, which is what the bounds below derive, instead of compounding (a chaotic trajectory
-would make any fixed bound either wrong or toothless).
+makes, which is what the bounds derive, instead of compounding (a chaotic trajectory would make
+any fixed bound either wrong or toothless).
 
-What is compared with which spec function:
-- SGD, every path: ``sgd_step`` (fused SGD on CPU rounds every operation like the for-loop);
-- Adam/AdamW for-loop and foreach: ``adam_step`` with ``sqrt=`` torch's own square root for that
-  path (``Tensor.sqrt``, ``torch._foreach_sqrt``): on x86 builds torch hands it to MKL's vector
-  math, which is faithful but not correctly rounded (reference.optim rule 9); the spec's IEEE
-  root would otherwise differ by an ULP in about 17% of elements. Everything else stays the
-  spec's own arithmetic;
-- fused Adam/AdamW: ``fused_adam_step`` with the scaler's scale as ``grad_scale`` and its
-  found_inf (1.0 when a gradient is non-finite) -- the kernel's root is correctly rounded.
+The for-loop and foreach paths take torch's own square root for that path (``Tensor.sqrt``,
+``torch._foreach_sqrt``): on x86 builds torch hands it to MKL's vector math, which is faithful but
+not correctly rounded (reference.optim rule 9). The fused kernels' roots are correctly rounded.
 
 Exactness (``expectations.exact_kernels``): bit for bit with exact kernels, every field. On
-native kernels the step counter, the skip and the unscaled gradients are still bit for bit
-(counting and one correctly rounded division); parameters and moments are within the ULP
-bounds derived in ``expectations`` and measured in ULPs of ``x_abs``, the field's formula
-evaluated on magnitudes (see ``_sgd_magnitudes``/``_adam_magnitudes``): a plain ULP distance
-explodes where a result cancels to near zero although the operands were large.
+native kernels the step counters, the skip and the unscaled gradients are still bit for bit
+(counting and one correctly rounded operation); parameters and state are within the bounds of
+``expectations.OPTIMIZER_ULP``, measured in ULPs of ``x_abs``, the field's formula evaluated on
+magnitudes (each spec row's ``magnitudes``): a plain ULP distance explodes where a result
+cancels to near zero although the operands were large.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 
 import numpy as np
 import pytest
@@ -45,25 +42,31 @@ from conformance.bridge import to_numpy, to_torch
 from reference import optim, scaling
 from reference import step as ref_step
 
-KINDS = ["SGD", "Adam", "AdamW"]
-IMPLS = ["for-loop", "foreach", "fused"]
+CASES = [(name, impl) for name, row in optim.SPECS.items() for impl in row.steps]
 REPRO = "rerun this test with the @reproduce_failure blob printed above"
-# Loss scales for fused Adam: powers of two, and others where a true division differs from a
-# multiplication by the reciprocal.
+# Loss scales: powers of two, and others where a true division differs from a multiplication by
+# the reciprocal.
 SCALES = [1.0, 1024.0, 65536.0, 1000.0, 3.0, 12345.678]
+DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def assert_within(actual: np.ndarray, expected: np.ndarray, x_abs: np.ndarray, max_ulp: int, where: Where) -> None:
-    """|torch - spec| <= max_ulp ULPs of x_abs, elementwise; NaN as a class, infinities exact."""
+def assert_within(actual: np.ndarray, expected: np.ndarray, x_abs: np.ndarray, max_ulp: int, where: Where,
+                  undetermined: np.ndarray | None = None) -> None:
+    """|torch - spec| <= max_ulp ULPs of x_abs, elementwise; NaN as a class, infinities exact;
+    elements the spec row marks ``undetermined`` on native kernels are not compared."""
+    unit_dtype = np.float64 if np.asarray(actual).dtype == np.float64 else np.float32  # ULPs of the field's dtype
     a = np.asarray(actual, np.float64)
     e = np.asarray(expected, np.float64)
     a_nan, e_nan = np.isnan(a), np.isnan(e)
     finite = np.isfinite(a) & np.isfinite(e)
     with np.errstate(invalid="ignore", over="ignore"):
-        unit = np.maximum(np.spacing(np.abs(np.asarray(x_abs, np.float64)).astype(np.float32)).astype(np.float64),
-                          2.0**-149)
+        unit = np.maximum(np.spacing(np.abs(np.asarray(x_abs, np.float64)).astype(unit_dtype)).astype(np.float64),
+                          float(np.finfo(unit_dtype).smallest_subnormal))
         dist = np.where(finite, np.abs(a - e) / unit, 0.0)
     bad = np.where(a_nan | e_nan, a_nan != e_nan, np.where(finite, dist > max_ulp, a != e))
+    if undetermined is not None and np.any(undetermined):
+        event("native kernels: a centered difference within its rounding error of 0 (not compared)")
+        bad = bad & ~np.broadcast_to(undetermined, bad.shape)
     if bad.any():
         lines = [f"{where.header()}: {int(bad.sum())} of {a.size} elements differ by more than {max_ulp} ULP of x_abs:"]
         for ix in np.argwhere(bad)[:5]:
@@ -74,63 +77,11 @@ def assert_within(actual: np.ndarray, expected: np.ndarray, x_abs: np.ndarray, m
         raise AssertionError("\n".join(lines + [where.footer()]))
 
 
-def compare(actual, expected, x_abs, bound: int, where: Where, exact: bool) -> None:
+def compare(actual, expected, x_abs, bound: int, where: Where, exact: bool, undetermined=None) -> None:
     if exact:
         assert_same(actual, expected, where)
     else:
-        assert_within(actual, expected, x_abs, bound, where)
-
-
-def _sgd_magnitudes(cfg: optim.SGDConfig, p, g, old_buf):
-    """x_abs of the momentum buffer and of the parameter (reference.optim rule 2 on magnitudes)."""
-    d = np.abs(g.astype(np.float64)) + cfg.weight_decay * np.abs(p.astype(np.float64))
-    buf = None
-    if cfg.momentum != 0:
-        buf = d if old_buf is None else cfg.momentum * np.abs(old_buf.astype(np.float64)) + abs(1 - cfg.dampening) * d
-        d = d + cfg.momentum * buf if cfg.nesterov else buf
-    return buf, np.abs(p.astype(np.float64)) + cfg.lr * d
-
-
-def _adam_magnitudes(cfg: optim.AdamConfig, p, g, old: optim.AdamParamState, new: optim.AdamParamState) -> dict:
-    """x_abs of each Adam field (rules 3-6 on magnitudes; the denominator is positive, taken
-    from the spec's new second moment)."""
-    beta1, beta2 = cfg.betas
-    p64 = np.abs(p.astype(np.float64))
-    d = np.abs(g.astype(np.float64)) + (0.0 if cfg.decoupled_weight_decay else cfg.weight_decay * p64)
-    m = beta1 * np.abs(old.exp_avg.astype(np.float64)) + (1 - beta1) * d
-    v = beta2 * old.exp_avg_sq.astype(np.float64) + (1 - beta2) * d * d
-    out = dict(exp_avg=m, exp_avg_sq=v)
-    root_of = new.exp_avg_sq
-    if cfg.amsgrad:
-        out["max_exp_avg_sq"] = np.maximum(old.max_exp_avg_sq.astype(np.float64), v)
-        root_of = new.max_exp_avg_sq
-    t = float(new.step)
-    step_size = cfg.lr / (1 - beta1**t)
-    denom = np.sqrt(root_of.astype(np.float64)) / math.sqrt(1 - beta2**t) + cfg.eps
-    with np.errstate(divide="ignore", invalid="ignore"):
-        update = np.where(denom > 0, step_size * m / denom, np.inf)
-    decay = 1 - cfg.lr * cfg.weight_decay if cfg.decoupled_weight_decay else 1.0
-    out["param"] = p64 * decay + update
-    return out
-
-
-def _late_first_gradient(cfg: optim.SGDConfig, grads, state) -> bool:
-    """A parameter gets its first gradient while another already has a momentum buffer."""
-    with_grad = [s for g, s in zip(grads, state) if g is not None]
-    return cfg.momentum != 0 and any(s.momentum_buffer is None for s in with_grad) and any(
-        s.momentum_buffer is not None for s in with_grad)
-
-
-def _torch_optimizer(kind: str, impl: str, params, config: dict):
-    flags = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[impl]
-    cls = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}[kind]
-    return cls(params, **config, **flags)
-
-
-def _spec_config(kind: str, config: dict):
-    if kind == "SGD":
-        return optim.SGDConfig(**config)
-    return optim.AdamConfig(**config) if kind == "Adam" else optim.adamw_config(**config)
+        assert_within(actual, expected, x_abs, bound, where, undetermined)
 
 
 def _torch_sqrt(impl: str, device: str):
@@ -139,116 +90,121 @@ def _torch_sqrt(impl: str, device: str):
     return lambda a: to_numpy(torch.sqrt(to_torch(a, device)))
 
 
-def _spec_state(kind: str, opt, p, spec_cfg):
-    """The spec state equal to torch's current state of parameter ``p``."""
-    state = opt.state.get(p, {})
-    if kind == "SGD":
-        buf = state.get("momentum_buffer")
-        return optim.SGDParamState(momentum_buffer=None if buf is None else to_numpy(buf))
-    if not state:
-        return optim.init_state([to_numpy(p)], spec_cfg)[0]
-    return optim.AdamParamState(
-        step=np.float32(to_numpy(state["step"]).reshape(())),
-        exp_avg=to_numpy(state["exp_avg"]),
-        exp_avg_sq=to_numpy(state["exp_avg_sq"]),
-        max_exp_avg_sq=to_numpy(state["max_exp_avg_sq"]) if spec_cfg.amsgrad else None,
-    )
+def _torch_state(opt, p) -> dict:
+    return {k: to_numpy(v) if isinstance(v, torch.Tensor) else v for k, v in opt.state.get(p, {}).items()}
 
 
-def run_optimizer_case(kind: str, impl: str, config: dict, trajectory: dict, scale: float, device: str,
+def _flags(impl: str) -> dict:
+    return {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[impl]
+
+
+def run_optimizer_case(name: str, impl: str, config: dict, trajectory: dict, scale: float | None, device: str,
                        lr_dtype: np.dtype | None = None, separate_unscale: bool = False) -> None:
-    """``lr_dtype``: give torch the learning rate as a 0-d tensor of that dtype (a tensor lr) and
-    the spec the same value as a 0-d array (reference.optim rule 11). ``separate_unscale``: a
-    fused optimizer's gradients are unscaled by ``scaler.unscale_`` before ``scaler.step``, so
-    the kernel must not unscale them again (``grad_scale=None`` in the spec)."""
-    spec_cfg = _spec_config(kind, config)
+    """``scale``: the GradScaler's initial scale, None for no scaler. ``lr_dtype``: give torch
+    the learning rate as a 0-d tensor of that dtype (a tensor lr) and the spec the same value as
+    a 0-d array (reference.optim rule 11). ``separate_unscale``: a kernel-scaled optimizer's
+    gradients are unscaled by ``scaler.unscale_`` before ``scaler.step``, so the kernel must not
+    unscale them again (``grad_scale=None`` in the spec)."""
+    row, case = optim.spec(name), strategies.OPTIMIZER_CASES[name]
+    spec_cfg = row.make_config(**config)
     exact = expectations.exact_kernels(device)
+    bounds = case.ulp if case.ulp is not None else expectations.OPTIMIZER_ULP[name]
+    kernel = impl in row.kernel_scaled
     params = [torch.nn.Parameter(to_torch(p, device)) for p in trajectory["params"]]
     spec_lr = None
     if lr_dtype is not None:
         spec_lr = np.asarray(config["lr"], dtype=lr_dtype)
         config = dict(config, lr=to_torch(spec_lr, device))
-    opt = _torch_optimizer(kind, impl, params, config)
-    scaled = kind != "SGD" and impl == "fused"
-    scaler = torch.amp.GradScaler(device, init_scale=scale, growth_interval=2) if scaled else None
+    opt = case.torch_class(params, **config, **_flags(impl))
+    scaler = None if scale is None else torch.amp.GradScaler(device, init_scale=scale, growth_interval=2)
+    sqrt = None if impl == "fused" else _torch_sqrt(impl, device)
 
     for step, grads in enumerate(trajectory["grads"]):
-        where = Where(f"{kind}[{impl}]", step=step, repro=REPRO)
+        where = Where(f"{name}[{impl}]", step=step, repro=REPRO)
         before = [to_numpy(p) for p in params]
-        state = tuple(_spec_state(kind, opt, p, spec_cfg) for p in params)
+        state = tuple(row.state_from(_torch_state(opt, p), b, spec_cfg) for p, b in zip(params, before))
         for p, g in zip(params, grads):
             p.grad = None if g is None else to_torch(g, device)
-        skipped = False
-        if kind == "SGD":
-            spec_params, spec_state = optim.sgd_step(before, grads, state, spec_cfg, lr=spec_lr)
-            spec_grads = grads
-            if impl == "fused" and _late_first_gradient(spec_cfg, grads, state) and \
-                    expectations.fused_sgd_fails_on_late_first_gradient(device):
-                with pytest.raises(TypeError, match="got NoneType"):
-                    opt.step()
-                event("fused SGD: late first gradient, keyed TypeError")
-                return
-            opt.step()
-        elif scaled:
+        known = expectations.known_optimizer_failure(name, impl, spec_cfg, grads, state, device)
+        if known is not None:
+            with pytest.raises(known[0], match=known[1]):
+                opt.step()
+            event(f"{name}[{impl}]: keyed expectation {known[0].__name__}")
+            return
+        with np.errstate(invalid="ignore"):
+            skipped = scaler is not None and any(g is not None and not np.isfinite(g).all() for g in grads)
+        grad_scale = None
+        if scaler is not None:
             scaler.scale(torch.ones((), device=device))  # the loss, as every iteration scales it
-            scale_now = float(scaler.get_scale())
-            with np.errstate(invalid="ignore"):
-                skipped = any(g is not None and not np.isfinite(g).all() for g in grads)
-            grad_scale = scale_now
-            if separate_unscale:
+            scale_now = np.float32(scaler.get_scale())
+            if kernel and not separate_unscale:
+                grad_scale = scale_now
+            else:
                 scaler.unscale_(opt)
                 present = [g for g in grads if g is not None]
                 unscaled = iter(scaling.unscale_gradients(present, scaling.ScalerState(scale_now, 0, 1))[0])
-                grads, grad_scale = [None if g is None else next(unscaled) for g in grads], None
-            spec_params, spec_grads, spec_state = optim.fused_adam_step(
-                before, grads, state, spec_cfg, grad_scale=grad_scale, found_inf=1.0 if skipped else 0.0, lr=spec_lr)
+                grads = [None if g is None else next(unscaled) for g in grads]
+        if skipped and not kernel:
+            spec_params, spec_grads, spec_state = [np.array(b, copy=True) for b in before], grads, state
+        else:
+            spec_params, spec_grads, spec_state = row.step(
+                impl, before, grads, state, spec_cfg, lr=spec_lr, sqrt=sqrt, grad_scale=grad_scale if kernel else None,
+                found_inf=(1.0 if skipped else 0.0) if kernel else 0.0)
+        if scaler is not None:
             scaler.step(opt)
             scaler.update()
         else:
-            spec_params, spec_state = optim.adam_step(before, grads, state, spec_cfg, sqrt=_torch_sqrt(impl, device),
-                                                      lr=spec_lr)
-            spec_grads = grads
             opt.step()
+        _compare_step(row, spec_cfg, opt, params, before, state, spec_params, spec_grads, spec_state, bounds,
+                      exact, skipped, scaler is not None, where)
 
-        for i, (p, old, new, g) in enumerate(zip(params, state, spec_state, spec_grads)):
-            if g is None:
-                assert_same(to_numpy(p), spec_params[i], where.at(f"params[{i}] (no grad)"))
+
+def _compare_step(row, cfg, opt, params, before, old_state, spec_params, spec_grads, spec_state, bounds, exact: bool,
+                  skipped: bool, scaled: bool, where: Where) -> None:
+    same = exact or skipped
+    for i, (p, old, new, g) in enumerate(zip(params, old_state, spec_state, spec_grads)):
+        if g is None:
+            assert_same(to_numpy(p), spec_params[i], where.at(f"params[{i}] (no grad)"))
+            continue
+        if scaled:
+            # One correctly rounded multiply or division (or nothing, on a skipped step): exact anywhere.
+            assert_same(to_numpy(p.grad), g, where.at(f"grads[{i}] after the step"))
+        x_abs = row.magnitudes(cfg, before[i], g, old, new) if not same else {}
+        undetermined = x_abs.get("undetermined")
+        torch_state = _torch_state(opt, p)
+        if not torch_state and skipped:
+            # A first step GradScaler skipped: torch creates its state lazily inside step(),
+            # which never ran; the spec's is the state init_state gives, the same starting point.
+            assert_same(to_numpy(p), spec_params[i], where.at(f"params[{i}] (skipped first step)"))
+            continue
+        for f in dataclasses.fields(new):
+            value, got = getattr(new, f.name), torch_state.get(f.name)
+            assert_equal(got is None, value is None, where.at(f"{f.name}[{i}] exists"))
+            if value is None:
                 continue
-            if scaled:
-                # One correctly rounded division (or nothing, on a skipped step): exact anywhere.
-                assert_same(to_numpy(p.grad), g, where.at(f"grads[{i}] after the step"))
-            same = exact or skipped
-            if kind == "SGD":
-                buf_abs, p_abs = _sgd_magnitudes(spec_cfg, before[i], g, old.momentum_buffer)
-                torch_buf = opt.state.get(p, {}).get("momentum_buffer")
-                if new.momentum_buffer is None or torch_buf is None:
-                    assert_equal(torch_buf is None, new.momentum_buffer is None, where.at(f"momentum_buffer[{i}] exists"))
-                else:
-                    compare(to_numpy(torch_buf), new.momentum_buffer, buf_abs, expectations.SGD_BUFFER_ULP,
-                            where.at(f"momentum_buffer[{i}]"), same)
-                compare(to_numpy(p), spec_params[i], p_abs, expectations.SGD_PARAM_ULP, where.at(f"params[{i}]"), same)
-                continue
-            torch_state = opt.state[p]
-            assert_same(np.float32(to_numpy(torch_state["step"]).reshape(())), new.step, where.at(f"step[{i}]"))
-            x_abs = _adam_magnitudes(spec_cfg, before[i], g, old, new) if not same else {}
-            for field in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if spec_cfg.amsgrad else ()):
-                compare(to_numpy(torch_state[field]), getattr(new, field), x_abs.get(field),
-                        expectations.ADAM_MOMENT_ULP, where.at(f"{field}[{i}]"), same)
-            compare(to_numpy(p), spec_params[i], x_abs.get("param"), expectations.ADAM_PARAM_ULP,
-                    where.at(f"params[{i}]"), same)
+            if isinstance(value, np.floating):  # a counter or a running product: exact anywhere
+                assert_same(value.dtype.type(np.asarray(got).reshape(())), value, where.at(f"{f.name}[{i}]"))
+            else:
+                compare(got, value, x_abs.get(f.name), bounds[f.name], where.at(f"{f.name}[{i}]"), same, undetermined)
+        compare(to_numpy(p), spec_params[i], x_abs.get("param"), bounds["param"], where.at(f"params[{i}]"), same,
+                undetermined)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("name", "impl"), CASES, ids=[f"{n}-{i}" for n, i in CASES])
 @given(data=st.data())
-def test_optimizer_steps_match_the_spec(kind, impl, device, data):
-    config_strategy = strategies.sgd_config() if kind == "SGD" else strategies.adam_config()
-    config = data.draw(config_strategy, label="config")
-    scaled = kind != "SGD" and impl == "fused"
-    trajectory = data.draw(strategies.optimizer_trajectory(plant_nonfinite=scaled), label="trajectory")
-    scale = data.draw(st.sampled_from(SCALES), label="init_scale") if scaled else 1.0
-    separate = scaled and data.draw(st.booleans(), label="separate unscale_")
-    run_optimizer_case(kind, impl, config, trajectory, scale, device, separate_unscale=separate)
+def test_optimizer_steps_match_the_spec(name, impl, device, data):
+    row, case = optim.spec(name), strategies.OPTIMIZER_CASES[name]
+    config = data.draw(case.config(), label="config")
+    kernel = impl in row.kernel_scaled
+    use_scaler = kernel or data.draw(st.booleans(), label="GradScaler")
+    # A configuration the kernel cannot skip safely (fused SGD with momentum) never sees a skip.
+    plant = use_scaler and not (kernel and row.kernel_skip_refused(row.make_config(**config)))
+    trajectory = data.draw(strategies.optimizer_trajectory(plant_nonfinite=plant, zero_d=True, dtypes=DTYPES,
+                                                           min_ndim=case.min_ndim, steps=case.steps),
+                           label="trajectory")
+    scale = data.draw(st.sampled_from(SCALES), label="init_scale") if use_scaler else None
+    separate = kernel and data.draw(st.booleans(), label="separate unscale_")
+    run_optimizer_case(name, impl, config, trajectory, scale, device, separate_unscale=separate)
 
 
 def test_fused_sgd_skipped_first_step_is_the_keyed_expectation(device):
@@ -279,19 +235,49 @@ def test_fused_sgd_late_first_gradient_is_the_keyed_expectation(device):
         f"suite expects {expected}; update conformance/expectations.py after checking the change")
 
 
-@pytest.mark.parametrize("impl", ["for-loop", "fused"])
-@pytest.mark.parametrize("kind", KINDS)
+TENSOR_LR_CASES = [(n, i) for n, c in strategies.OPTIMIZER_CASES.items() for i in c.tensor_lr]
+
+
+@pytest.mark.parametrize(("name", "impl"), TENSOR_LR_CASES, ids=[f"{n}-{i}" for n, i in TENSOR_LR_CASES])
 @given(data=st.data())
-def test_tensor_lrs_and_zero_d_parameters_match_the_spec(kind, impl, device, data):
+def test_tensor_lrs_and_zero_d_parameters_match_the_spec(name, impl, device, data):
     """reference.optim rule 11: a learning rate given as a float32 or float64 tensor (or a
     Python float), with 0-d parameters among the others: the for-loop Adam(W) computes its
     step size (and AdamW its decay factor) in the tensor's dtype, and a 0-d parameter meets a
     wider decay factor promoted; SGD and the fused kernels read the tensor's value."""
-    config = data.draw(strategies.sgd_config() if kind == "SGD" else strategies.adam_config(), label="config")
-    scaled = kind != "SGD" and impl == "fused"
-    trajectory = data.draw(strategies.optimizer_trajectory(plant_nonfinite=scaled, zero_d=True), label="trajectory")
+    row, case = optim.spec(name), strategies.OPTIMIZER_CASES[name]
+    config = data.draw(case.config(), label="config")
+    kernel = impl in row.kernel_scaled
+    plant = kernel and not row.kernel_skip_refused(row.make_config(**config))
+    trajectory = data.draw(strategies.optimizer_trajectory(plant_nonfinite=plant, zero_d=True), label="trajectory")
     lr_dtype = data.draw(st.sampled_from([np.dtype(np.float32), np.dtype(np.float64), None]), label="lr dtype")
     # Rates whose float32 and float64 quotients by the bias corrections part (not powers of two).
     config["lr"] = data.draw(st.one_of(st.sampled_from([0.37, 3e-4, 0.1, 0.013]), st.floats(1e-4, 0.5)), label="lr")
-    scale = data.draw(st.sampled_from(SCALES), label="init_scale") if scaled else 1.0
-    run_optimizer_case(kind, impl, config, trajectory, scale, device, lr_dtype=lr_dtype)
+    scale = data.draw(st.sampled_from(SCALES), label="init_scale") if kernel else None
+    run_optimizer_case(name, impl, config, trajectory, scale, device, lr_dtype=lr_dtype)
+
+
+@pytest.mark.parametrize("name", ["NAdam", "RAdam"])
+def test_the_for_loop_and_foreach_paths_differ_as_the_spec_says(name, device):
+    """torch's for-loop and foreach NAdam and RAdam compute the same formula rounded differently
+    (reference.optim.nadam rule 5, reference.optim.radam rule 5): a tested expectation. From the
+    same start, the two torch paths part in the last bits, and so do the spec's two functions;
+    with exact kernels each path equals its spec bit for bit."""
+    row, rng = optim.spec(name), np.random.default_rng(0)
+    cfg = dict(lr=0.01, weight_decay=0.0)
+    p0 = rng.standard_normal(4096).astype(np.float32)
+    grads = [rng.standard_normal(4096).astype(np.float32) for _ in range(8)]
+    out = {}
+    for impl in ("for-loop", "foreach"):
+        p = torch.nn.Parameter(to_torch(p0, device))
+        opt = getattr(torch.optim, name)([p], **cfg, **_flags(impl))
+        spec_p, spec_s = [p0], (row.init_state(p0, row.make_config(**cfg)),)
+        for g in grads:
+            p.grad = to_torch(g, device)
+            opt.step()
+            spec_p, _, spec_s = row.step(impl, spec_p, [g], spec_s, row.make_config(**cfg), sqrt=_torch_sqrt(impl, device))
+        out[impl] = (to_numpy(p), spec_p[0])
+        if expectations.exact_kernels(device):
+            assert_same(out[impl][0], out[impl][1], Where(f"{name}[{impl}]", field="params after 8 steps"))
+    assert not np.array_equal(out["for-loop"][0], out["foreach"][0]), f"torch's two {name} paths now agree"
+    assert not np.array_equal(out["for-loop"][1], out["foreach"][1]), f"the spec's two {name} paths agree"

@@ -66,7 +66,8 @@ import reference.step as ref_step
 from conformance import strategies
 from conformance.assertions import Where, assert_equal, assert_same_list
 from conformance.bridge import to_numpy, to_torch
-from reference import scaling
+from reference import optim, scaling
+from torchimpl import optim as ti_optim
 from torchimpl import spec_bridge
 from torchimpl.config import Config, ScheduleConfig
 from torchimpl.precision import autocast_context
@@ -182,7 +183,9 @@ class Lockstep(Callback):
         assert_equal(trainer.optimizer_kind, kind, Where("trainer", None, "optimizer kind", REPRO))
         # The sync-free mode is refused for fused SGD with momentum (see reference.step.StepConfig)
         # and with a user's scheduler (it steps on the host).
-        sync_free = cfg.train.sync_free and not (o.name == "sgd" and o.momentum > 0) and step_lr is None
+        spec_optimizer = spec_bridge.optimizer_config(o)
+        refused = optim.spec_for(spec_optimizer).kernel_skip_refused(spec_optimizer)
+        sync_free = cfg.train.sync_free and not refused and step_lr is None
         assert_equal(trainer.sync_free, sync_free, Where("trainer", None, "sync_free", REPRO))
         if self.ref_state is not None:
             return  # a resumed run: the spec simply continues
@@ -353,12 +356,9 @@ def _user_optimizer(case: dict, model: torch.nn.Module) -> dict:
     else:
         groups = [{"params": params, "weight_decay": wd}]
     impl = {"fused": True} if o.get("fused") else {"foreach": False}
-    if o["name"] == "sgd":
-        opt = torch.optim.SGD(groups, lr=o["lr"], momentum=o.get("momentum", 0.0), nesterov=o.get("nesterov", False),
-                              **impl)
-    else:
-        cls = torch.optim.AdamW if o["name"] == "adamw" else torch.optim.Adam
-        opt = cls(groups, lr=o["lr"], betas=tuple(o.get("betas", (0.9, 0.999))), eps=o.get("eps", 1e-8), **impl)
+    row = ti_optim.REGISTRY[o["name"]]
+    settings = {k: v for k, v in o.items() if k not in ("fused", "no_decay_bias_and_norm")}
+    opt = row.cls(groups, **row.kwargs(ti_optim.OptimizerConfig(**settings)), **impl)
     step_lr = case["user"]["scheduler"]
     if step_lr is None:
         return {"optimizer": opt}

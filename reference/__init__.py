@@ -7,7 +7,7 @@ the dtypes it takes and its edge cases.
 - `reference.formats`: number formats, casts, tf32 rounding, ULP distances.
 - `reference.scaling`: dynamic loss scaling (torch's rules, and the Megatron/DeepSpeed presets).
 - `reference.clipping`: gradient clipping by norm and by value, with torch's summation order.
-- `reference.optim`: SGD, Adam and AdamW as torch computes them, and fused Adam(W) under a scaler.
+- `reference.optim`: torch.optim's optimizers as torch computes them (for-loop, foreach, fused), one module each, and their registry.
 - `reference.step`: the training-step contract (parameter groups, fused and sync-free optimizer
   calls), its record, and the replay of a recorded trace.
 - `reference.precision`: which precision a device and a request resolve to.

@@ -62,7 +62,6 @@ __all__ = [
 ]
 
 _SCHEDULE_KINDS = ("constant", "cosine", "step")
-_OPTIMIZER_KINDS = ("for-loop", "fused")
 _UNSCALE = ("scaler", "kernel")
 
 
@@ -180,23 +179,25 @@ class StepConfig:
     defaults that each group's options override. ``param_groups`` None is one group of all
     parameters; otherwise the groups must cover every parameter exactly once.
 
-    ``optimizer_kind`` is the optimizer's arithmetic: ``"for-loop"`` (`reference.optim` rules
-    1-7, torch's CPU default) or ``"fused"`` (rule 8: Adam/AdamW by `fused_adam_step`; torch's
-    fused SGD rounds like the for-loop on CPU, so SGD keeps `sgd_step`).
+    ``optimizer`` is the configuration of a registered optimizer (`reference.optim.SPECS`);
+    ``optimizer_kind`` is the implementation its row's step runs: ``"for-loop"`` (torch's CPU
+    default), ``"foreach"`` or ``"fused"``, as far as the row has it.
 
     ``unscale``: who removes the loss scale. ``"scaler"`` (rule 2 of the module: a multiply by
-    the float32 inverse, before clipping) for every kind; ``"kernel"`` only for fused Adam/AdamW
-    with a scaler and without clipping, as ``GradScaler.step`` drives a fused optimizer that was
-    not unscaled first: the kernel divides by the scale (a true division), is called on every
-    step and skips by itself.
+    the float32 inverse, before clipping) for every kind; ``"kernel"`` only for a kind the row
+    lists as ``kernel_scaled`` (the fused kernels of SGD, Adam, AdamW, Adagrad), with a scaler
+    and without clipping, as ``GradScaler.step`` drives a fused optimizer that was not unscaled
+    first: the kernel divides by the scale (a true division), is called on every step and skips
+    by itself.
 
-    ``sync_free`` (fused only) models the trainer's mode without host syncs: the optimizer is
-    called on every step with the ``found_inf`` flag and skips inside its kernel, and the
-    learning rate lives in a float32 device tensor: the schedule's float64 rate is rounded once
-    to float32 (``lr_at``), the kernel reads that value back exactly (as a double), and the
-    record carries it. SGD with momentum is refused: torch's fused SGD creates its momentum
-    buffers with ``empty_like`` before the kernel checks the flag, so a skipped first step
-    leaves them uninitialised (measured on torch 2.13).
+    ``sync_free`` (kernel-scaled kinds only) models the trainer's mode without host syncs: the
+    optimizer is called on every step with the ``found_inf`` flag and skips inside its kernel,
+    and the learning rate lives in a float32 device tensor: the schedule's float64 rate is
+    rounded once to float32 (``lr_at``), the kernel reads that value back exactly (as a double),
+    and the record carries it. A configuration the row's ``kernel_skip_refused`` names is
+    refused in both kernel modes: torch's fused SGD with momentum creates its buffers with
+    ``empty_like`` before the kernel checks the flag, so a skipped first step leaves them
+    uninitialised (measured on torch 2.13).
 
     ``sqrt`` replaces the for-loop Adam's square root (`reference.optim.adam_step`): torch's
     CPU square root is not correctly rounded, so a bit-level comparison injects torch's own.
@@ -217,12 +218,14 @@ class StepConfig:
     sync_free: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.optimizer, (optim.SGDConfig, optim.AdamConfig)):
-            raise ValueError(f"optimizer must be an SGDConfig or AdamConfig, got {type(self.optimizer).__name__}")
+        row = optim.spec_for(self.optimizer)  # ValueError for a configuration of no registered optimizer
         if self.clip_norm is not None and not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
             raise ValueError(f"clip_norm must be None or a finite number > 0, got {self.clip_norm!r}")
-        if self.optimizer_kind not in _OPTIMIZER_KINDS:
-            raise ValueError(f"optimizer_kind must be one of {_OPTIMIZER_KINDS}, got {self.optimizer_kind!r}")
+        if self.optimizer_kind not in optim.IMPLEMENTATIONS:
+            raise ValueError(f"optimizer_kind must be one of {optim.IMPLEMENTATIONS}, got {self.optimizer_kind!r}")
+        if self.optimizer_kind not in row.steps:
+            raise ValueError(f"{row.name} has no {self.optimizer_kind!r} implementation in the specification "
+                             f"({', '.join(row.steps)})")
         if self.param_groups is not None:
             groups = tuple(self.param_groups)
             if not groups or not all(isinstance(g, ParamGroup) for g in groups):
@@ -237,20 +240,22 @@ class StepConfig:
             object.__setattr__(self, "param_groups", groups)
         if self.unscale not in _UNSCALE:
             raise ValueError(f"unscale must be one of {_UNSCALE}, got {self.unscale!r}")
-        if self.unscale == "kernel" and not (
-            self.optimizer_kind == "fused" and isinstance(self.optimizer, optim.AdamConfig)
-            and self.use_scaler and self.clip_norm is None
-        ):
-            raise ValueError("unscale 'kernel' needs optimizer_kind 'fused' with an AdamConfig, use_scaler=True and "
+        kernel_scaled = self.optimizer_kind in row.kernel_scaled
+        if self.unscale == "kernel" and not (kernel_scaled and self.use_scaler and self.clip_norm is None):
+            raise ValueError(f"unscale 'kernel' needs an optimizer_kind whose kernel unscales ({row.name}: "
+                             f"{', '.join(sorted(row.kernel_scaled)) or 'none'}), use_scaler=True and "
                              "clip_norm=None (clipping needs the gradients unscaled by the scaler first)")
         if not isinstance(self.sync_free, bool):
             raise ValueError(f"sync_free must be a bool, got {self.sync_free!r}")
-        if self.sync_free:
-            if self.optimizer_kind != "fused":
-                raise ValueError("sync_free needs optimizer_kind 'fused': only a fused kernel takes the skip flag")
-            if any(isinstance(c, optim.SGDConfig) and c.momentum != 0 for c in self._group_configs()):
-                raise ValueError("sync_free is refused for SGD with momentum: torch's fused SGD leaves its momentum "
-                                 "buffers uninitialised when the kernel skips the first step")
+        if self.sync_free and not kernel_scaled:
+            kinds = " or ".join(repr(k) for k in sorted(row.kernel_scaled)) or "that none of its paths has"
+            raise ValueError(f"sync_free needs optimizer_kind {kinds}: only a kernel takes the skip flag ({row.name})")
+        if self.kernel_skips:
+            for c in self._group_configs():
+                why = row.kernel_skip_refused(c)
+                if why:
+                    mode = "sync_free" if self.sync_free else "unscale 'kernel'"
+                    raise ValueError(f"{mode} is refused for {why}")
 
     def _group_configs(self) -> list[Any]:
         if self.param_groups is None:
@@ -493,31 +498,25 @@ def optimizer_step(
     found_inf: bool = False,
     grad_scale: np.float32 | None = None,
 ) -> tuple[tuple[np.ndarray, ...], list[np.ndarray], tuple[Any, ...]]:
-    """Rule 4: the optimizer call, group by group, each with its own configuration.
+    """Rule 4: the optimizer call, group by group, each with its own configuration, through its
+    registry row (`reference.optim.spec_for`).
 
-    Every group gets the same ``lr``. For-loop Adam uses ``config.sqrt``; fused Adam/AdamW runs
-    `reference.optim.fused_adam_step` with ``grad_scale`` and ``found_inf`` (it skips inside the
-    kernel when the flag is set); SGD of either kind runs `reference.optim.sgd_step`, left
-    unchanged when ``found_inf`` is set (a fused SGD kernel returns at once; the for-loop path is
-    never called then). Returns the parameters, the gradients as the kernel leaves them, and
-    the optimizer state, in parameter order.
+    Every group gets the same ``lr``. Non-fused kinds take ``config.sqrt``. A kind the row lists
+    as ``kernel_scaled`` gets ``grad_scale`` and ``found_inf`` and decides the skip itself; any
+    other is not called when ``found_inf`` is set (``GradScaler.step`` skips the call). Returns
+    the parameters, the gradients as the kernel leaves them, and the optimizer state, in
+    parameter order.
     """
     new_params, new_grads, new_state = list(params), list(grads), list(opt_state)
+    impl = config.optimizer_kind
     for idx, cfg in config.groups(len(params)):
-        p = [params[i] for i in idx]
-        g = [grads[i] for i in idx]
-        s = [opt_state[i] for i in idx]
-        if isinstance(cfg, optim.SGDConfig):
-            if found_inf:
-                continue
-            p, s = optim.sgd_step(p, g, s, cfg, lr=lr)
-        elif config.optimizer_kind == "fused":
-            p, g, s = optim.fused_adam_step(p, g, s, cfg, grad_scale=grad_scale,
-                                            found_inf=1.0 if found_inf else 0.0, lr=lr)
-        else:
-            if found_inf:
-                continue
-            p, s = optim.adam_step(p, g, s, cfg, lr=lr, sqrt=config.sqrt)
+        row = optim.spec_for(cfg)
+        kernel = impl in row.kernel_scaled
+        if found_inf and not kernel:
+            continue  # GradScaler.step does not call the optimizer
+        p, g, s = row.step(impl, [params[i] for i in idx], [grads[i] for i in idx], [opt_state[i] for i in idx], cfg,
+                           lr=lr, sqrt=None if impl == "fused" else config.sqrt,
+                           grad_scale=grad_scale if kernel else None, found_inf=float(found_inf) if kernel else 0.0)
         for j, i in enumerate(idx):
             new_params[i], new_grads[i], new_state[i] = p[j], g[j], s[j]
     return tuple(new_params), new_grads, tuple(new_state)

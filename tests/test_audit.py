@@ -43,9 +43,12 @@ def _loop(bug: str = "none", steps: int = 4, clip: float = 1.0, inf_at: int = -1
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = torch.nn.functional.mse_loss(model(x), y)
+            if bug == "backward-in-autocast":
+                scaler.scale(loss).backward()
         if step == inf_at:
             loss = loss * float("inf")
-        scaler.scale(loss).backward()
+        if bug != "backward-in-autocast":
+            scaler.scale(loss).backward()
         if bug == "clip-before-unscale":
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         scaler.unscale_(opt)
@@ -171,8 +174,11 @@ def test_audit_options_after_the_script_and_the_double_dash():
 
 
 def test_every_rule_has_a_severity_a_summary_and_a_fix():
-    assert {r.severity for r in RULES.values()} == {"error", "warning"}
+    assert {r.severity for r in RULES.values()} == {"error", "warning", "info"}
     assert all(r.summary and r.fix for r in RULES.values())
+    assert Finding("loss-not-divided", 0, "x:1", "m", level="warning").severity == "warning"
+    with pytest.raises(ValueError, match="level must be one of"):
+        Finding("loss-not-divided", 0, "x:1", "m", level="fatal")
     with pytest.raises(ValueError, match="unknown rule"):
         Finding("no-such-rule", 0, "x:1", "m")
     d = Finding("replay-divergence", 3, "t.py:9", "m", expected=float("nan"), got=np.float32(2.5)).to_dict()
@@ -337,16 +343,69 @@ def test_bad_scripts_exit_2_with_a_clear_message(tmp_path, capsys):
     assert status == 2 and "the audited program failed" in out
     assert "Traceback" in err and 'failing.py", line 4, in train' in err and "KeyError: 'no such column'" in err
     assert "runpy" not in err and "audit/runner.py" not in err
+    broken = tmp_path / "broken.py"
+    broken.write_text("x = 1\ndef f(:\n")
+    status, out, err = _cli(capsys, broken)
+    assert status == 2 and "the audited program failed" in out
+    # As Python shows it: the file, the line and the error; no traceback through runpy or the audit.
+    assert 'broken.py", line 2' in err and "SyntaxError" in err and "Traceback" not in err, err
+    assert "runpy" not in err and "audit/" not in err
+
+
+def test_a_script_exit_status_is_the_commands_and_the_report_is_still_written(tmp_path, capsys):
     exits = tmp_path / "exits.py"
-    exits.write_text("import sys\nsys.exit(3)\n")
+    exits.write_text("import sys\nsys.path.insert(0, %r)\nfrom test_audit import _loop\n_loop(steps=2)\n"
+                     "sys.exit(3)\n" % str(ROOT / "tests"))
+    report = tmp_path / "r.json"
+    status, out, err = _cli(capsys, exits, "--report", report)
+    assert status == 3 and "exited with status 3" in out
+    assert "Traceback" not in err and "ScriptExit" not in err + out
+    data = json.loads(report.read_text())
+    assert data["exit_status"] == 3 and data["script_status"] == 3 and len(data["steps"]) == 2
+    exits.write_text("import sys\nsys.exit('no data found')\n")
     status, _, err = _cli(capsys, exits)
-    assert status == 2 and "exited with status 3" in err
+    assert status == 1 and "no data found" in err
     exits.write_text("import sys\nsys.exit(0)\n")
     assert _cli(capsys, exits)[0] == 0
-    broken = tmp_path / "broken.py"
-    broken.write_text("def f(:\n")
-    status, _, err = _cli(capsys, broken)
-    assert status == 2 and "SyntaxError" in err
+
+
+def test_a_script_that_forks_gets_one_report_from_its_parent(tmp_path, capsys):
+    """The child inherits the audit: it must neither join nor kill the parent's replay worker
+    (multiprocessing asserts 'can only join a child process'), nor print or write a report."""
+    script = tmp_path / "forks.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        import torch
+        torch.set_num_threads(1)  # OpenMP's threads do not survive a fork (as in DataLoader workers)
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from test_audit import _loop
+        _loop(steps=2)
+        pid = os.fork()
+        if pid == 0:
+            _loop(steps=1)   # the child trains too, unaudited, and returns normally
+        else:
+            assert os.waitpid(pid, 0)[1] == 0
+    """))
+    report = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "-m", "torchimpl.cli", "audit", str(script), "--report", str(report)],
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "can only join a child process" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout.count("ampspec audit of") == 1, r.stdout
+    data = json.loads(report.read_text())
+    assert len(data["steps"]) == 2 and data["findings"] == []
+
+
+def test_exit_status_counts_errors_only_unless_strict(tmp_path, capsys):
+    """As linters do it: a warning is printed and reported, and fails only under --strict."""
+    loop = LOOPS / "scaler_loop.py"
+    status, out, _ = _cli(capsys, loop, "--steps", "2", "--bug", "backward-in-autocast")
+    assert status == 0 and "2 findings (0 errors, 2 warnings, 0 info)" in out
+    status, out, _ = _cli(capsys, "--strict", loop, "--steps", "2", "--bug", "backward-in-autocast")
+    assert status == 1 and "[strict" in out
+    status, out, _ = _cli(capsys, loop, "--steps", "2", "--bug", "clip-before-unscale", "--strict")
+    assert status == 1 and "2 findings (2 errors, 0 warnings, 0 info)" in out
 
 
 # ----------------------------------------------------------------------------- the pytest fixture
@@ -355,6 +414,7 @@ def test_bad_scripts_exit_2_with_a_clear_message(tmp_path, capsys):
 def test_the_pytest_fixture_fails_a_test_whose_loop_breaks_a_rule(tmp_path):
     (tmp_path / "test_user.py").write_text(textwrap.dedent(f"""
         import sys
+        import pytest
         sys.path.insert(0, {str(ROOT / "tests")!r})
         from test_audit import _loop
 
@@ -368,6 +428,13 @@ def test_the_pytest_fixture_fails_a_test_whose_loop_breaks_a_rule(tmp_path):
             _loop(bug="clip-before-unscale", steps=1)
             report = ampspec_audit.stop()
             assert report.rules() == ["clip-before-unscale"]
+
+        def test_warning_passes(ampspec_audit):
+            _loop(bug="backward-in-autocast", steps=1)
+
+        @pytest.mark.ampspec_audit(strict=True)
+        def test_warning_fails_when_strict(ampspec_audit):
+            _loop(bug="backward-in-autocast", steps=1)
     """))
     from importlib.metadata import entry_points
 
@@ -376,8 +443,10 @@ def test_the_pytest_fixture_fails_a_test_whose_loop_breaks_a_rule(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "test_user.py"],
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=180,
                        cwd=tmp_path)
-    assert "1 failed, 2 passed" in r.stdout, r.stdout + r.stderr
+    assert "2 failed, 3 passed" in r.stdout, r.stdout + r.stderr
     assert "FAILED test_user.py::test_bad" in r.stdout and "clip-before-unscale (error)" in r.stdout
+    assert "FAILED test_user.py::test_warning_fails_when_strict" in r.stdout
+    assert "AuditFindingsWarning" in r.stdout and "backward-in-autocast (warning)" in r.stdout
 
 
 # ----------------------------------------------------------------------------- the replay's worker
@@ -647,3 +716,117 @@ def test_a_step_that_cannot_be_sent_to_the_replay_process_is_named_not_replayed(
     (reason,) = r.replay["not_replayed"]
     assert reason.startswith("the step's data could not be sent to the replay process (TypeError")
     assert all(s.replay == f"not replayed: {reason}" for s in r.steps)
+
+
+# ----------------------------------------------------------------------------- the severity contract
+
+
+def test_a_checkpoint_without_the_scaler_is_a_warning_when_the_scaler_state_was_read(tmp_path):
+    """scaler.state_dict() called, but no torch.save holds it: it may be written by other means
+    (pickle here), so the audit cannot be certain."""
+    script = tmp_path / "pickled_scaler.py"
+    script.write_text(textwrap.dedent(f"""
+        import pickle, sys, torch
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        for step in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.ones(3, 4)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            torch.save({{"optimizer": opt.state_dict()}}, {str(tmp_path / "ckpt.pt")!r})
+            if sys.argv[1] == "pickle":
+                with open({str(tmp_path / "scaler.pkl")!r}, "wb") as f:
+                    pickle.dump(scaler.state_dict(), f)
+    """))
+    for mode, severity in (("pickle", "warning"), ("none", "error")):
+        report = run_script(script, [mode])
+        assert [(f.rule, f.severity, f.step) for f in report.findings] == \
+            [("checkpoint-without-scaler", severity, 0), ("checkpoint-without-scaler", severity, 1)], report.text()
+        assert report.exit_status == (1 if severity == "error" else 0)
+
+
+def test_an_infinite_clip_threshold_measures_the_norm_and_is_no_finding(tmp_path):
+    script = tmp_path / "norm_only.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        for step in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.ones(3, 4)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+            scaler.step(opt)
+            scaler.update()
+    """))
+    report = run_script(script)
+    assert report.findings == [] and report.error is None, report.text()
+
+
+def test_the_boundary_names_a_division_a_multiplication_a_numeric_difference_and_an_edit():
+    from audit import boundaries
+
+    scale = np.float32(65536.0)
+    e = np.linspace(-3, 3, 64, dtype=np.float32)
+    cases = {"unscale": e * np.float32(1 / 65536.0), "scale": e * scale,
+             "numeric": np.nextafter(e, np.float32(np.inf)), "edit": e * np.float32(0.5)}
+    for kind, got in cases.items():
+        ch = boundaries.measure([(0, got, e)], 0, scale)
+        assert ch.kind == kind, (kind, ch)
+    assert boundaries.measure([(0, e.copy(), e)], 0, scale).kind == "none"
+    assert boundaries.measure([(0, e * np.float32(0.5), e)], 0, scale).ratio == pytest.approx(0.5)
+    # Without a scaler a multiple of 65536 is an edit, not a second scale.
+    assert boundaries.measure([(0, e * scale, e)], 0, None).kind == "edit"
+
+
+@pytest.mark.parametrize("mode,finding", [("cached", None), ("microbatches", "error"), ("sum-root", "warning")])
+def test_several_backward_passes_are_an_accumulation_window_only_for_microbatches_of_one_loss(mode, finding):
+    """A full-batch loss recomputed per microbatch over cached (detached) representations is no
+    window; undivided microbatches of one loss are (an error); a root the audit does not know
+    as a loss cannot be decided (a warning)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    chunks = [torch.randn(3, 6) for _ in range(3)]
+    with audit() as session:
+        for step in range(2):
+            opt.zero_grad()
+            with torch.no_grad():
+                cached = [model(x) for x in chunks]
+            for j, x in enumerate(chunks):
+                out = model(x)
+                if mode == "cached":
+                    reps = torch.cat(cached[:j] + [out] + cached[j + 1:])
+                    loss = torch.nn.functional.cross_entropy(reps, torch.arange(9) % 4)
+                elif mode == "microbatches":
+                    loss = torch.nn.functional.cross_entropy(out, torch.arange(3))
+                else:
+                    loss = out.pow(2).sum()
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    got = [(f.rule, f.severity, f.step) for f in session.report.findings]
+    assert got == ([] if finding is None else [("loss-not-divided", finding, 0), ("loss-not-divided", finding, 1)]), \
+        session.report.text()
+
+
+def test_no_class_over_300_lines_and_no_function_over_60_in_the_audit():
+    import ast
+
+    too_long = []
+    for path in sorted((ROOT / "audit").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                limit = 300 if isinstance(node, ast.ClassDef) else 60
+                if node.end_lineno - node.lineno + 1 > limit:
+                    too_long.append(f"{path.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert too_long == []

@@ -297,3 +297,57 @@ def test_bad_step_inputs_raise_value_error():
         adam_step([p], [p], init_state([p], sgd), adam)
     with pytest.raises(ValueError, match="config"):
         init_state([p], object())
+
+
+# --- the registry ---------------------------------------------------------------------------
+
+from reference import optim as _optim  # noqa: E402
+
+
+def test_every_row_states_torchs_defaults_and_refuses_unknown_hyperparameters():
+    assert _optim.spec("AdamW").hyperparameters()["weight_decay"] == 1e-2
+    assert _optim.spec("Adam").hyperparameters()["weight_decay"] == 0.0
+    assert _optim.spec("Adagrad").hyperparameters()["eps"] == 1e-10
+    assert _optim.spec("Adadelta").hyperparameters()["lr"] == 1.0
+    with pytest.raises(ValueError, match="RMSprop has no hyperparameter betas; its hyperparameters: lr, alpha"):
+        _optim.spec("RMSprop").make_config(betas=(0.9, 0.99))
+    with pytest.raises(KeyError, match="'Lion' is not in the specification; registered: SGD, Adam"):
+        _optim.spec("Lion")
+    with pytest.raises(ValueError, match="is not the configuration of a registered optimizer"):
+        _optim.spec_for(object())
+
+
+def test_a_row_refuses_an_implementation_or_a_scaler_argument_it_does_not_have():
+    row, cfg = _optim.spec("RMSprop"), _optim.RMSpropConfig()
+    p = [arr(1.0)]
+    with pytest.raises(ValueError, match="RMSprop has no 'fused' implementation"):
+        row.step("fused", p, p, (row.init_state(p[0], cfg),), cfg)
+    with pytest.raises(ValueError, match="takes no grad_scale/found_inf"):
+        row.step("for-loop", p, p, (row.init_state(p[0], cfg),), cfg, found_inf=1.0)
+
+
+def test_fused_adagrad_skips_inside_its_kernel_and_keeps_its_counter():
+    """reference.optim.adagrad rule 5: found_inf == 1.0 leaves everything, the gradients still
+    scaled; an applied step divides them by the scale and stores them back."""
+    row, cfg = _optim.spec("Adagrad"), _optim.AdagradConfig(lr=0.1)
+    p, g = arr(1.0, 2.0), arr(3000.0, -6000.0)
+    state = (row.init_state(p, cfg),)
+    params, grads, new = row.step("fused", [p], [g], state, cfg, grad_scale=1000.0, found_inf=1.0)
+    assert same_bits(params[0], p) and same_bits(grads[0], g) and new[0].step == F32(0.0)
+    params, grads, new = row.step("fused", [p], [g], state, cfg, grad_scale=1000.0, found_inf=0.0)
+    assert same_bits(grads[0], g / F32(1000.0)) and new[0].step == F32(1.0)
+    expected, _, _ = row.step("for-loop", [p], [g / F32(1000.0)], state, cfg)
+    assert same_bits(params[0], expected[0]), "the applied kernel step is the for-loop step of the unscaled gradient"
+
+
+def test_nadam_mu_product_is_a_float32_running_product():
+    """reference.optim.nadam rule 3: f32(mu_product * f32(mu)), not a float64 product."""
+    row, cfg = _optim.spec("NAdam"), _optim.NAdamConfig()
+    state = (row.init_state(arr(1.0), cfg),)
+    for t in (1, 2, 3):
+        _, _, state = row.step("for-loop", [arr(1.0)], [arr(0.5)], state, cfg)
+    mus = [0.9 * (1 - 0.5 * 0.96 ** (t * 4e-3)) for t in (1, 2, 3)]
+    expected = F32(1.0)
+    for mu in mus:
+        expected = F32(expected * F32(mu))
+    assert state[0].mu_product == expected and isinstance(state[0].mu_product, np.float32)

@@ -333,8 +333,9 @@ def test_momentum_with_adamw_is_one_complete_sentence_naming_the_fix(tmp_path):
     r = ampspec("train", "--set", "optimizer.momentum=0.9", cwd=tmp_path)
     assert r.returncode == 2
     assert r.stderr.strip() == (
-        "ampspec train: error: invalid configuration: optimizer.momentum: only the 'sgd' optimizer uses momentum, "
-        "and this one is 'adamw' (got momentum=0.9); remove momentum, or set the optimizer's name to 'sgd'")
+        "ampspec train: error: invalid configuration: optimizer.momentum: only the 'sgd' and 'rmsprop' optimizers use "
+        "momentum, and this one is 'adamw' (got momentum=0.9); remove momentum, or set the optimizer's name to 'sgd' or "
+        "'rmsprop'")
 
 
 def test_nesterov_without_momentum_on_sgd_is_blamed_on_the_right_field(tmp_path):

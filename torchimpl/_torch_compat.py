@@ -23,6 +23,7 @@ __all__ = [
     "_amp_update_scale_",
     "_foreach_mul_",
     "_get_foreach_kernels_supported_devices",
+    "_get_fused_kernels_supported_devices",
     "_refresh_per_optimizer_state",
     "missing_names",
     "tree_leaves",
@@ -77,6 +78,10 @@ _get_foreach_kernels_supported_devices = _private(
     "torch.utils._foreach_utils", "_get_foreach_kernels_supported_devices",
     "whether torch's optimizers pick the foreach path by default on a device; optim.py "
     "falls back to ('cuda', 'xpu') when it is gone", required=False)
+_get_fused_kernels_supported_devices = _private(
+    "torch.utils._foreach_utils", "_get_fused_kernels_supported_devices",
+    "the device types where torch has fused Adam, AdamW and SGD kernels (optim.py's registry rows); "
+    "optim.py falls back to ('cpu', 'cuda', 'mps', 'xpu') when it is gone", required=False)
 
 # --- operator-level diagnostics (torchimpl.diagnostics) --------------------------------------
 

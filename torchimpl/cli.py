@@ -330,7 +330,8 @@ def _audit(args: argparse.Namespace) -> int:
     # imports both; imported here, lazily, like replay's spec_bridge.
     from audit.runner import main as audit_main
 
-    return audit_main(args.script, args.args, report=args.report, steps=args.steps, no_replay=args.no_replay)
+    return audit_main(args.script, args.args, report=args.report, steps=args.steps, no_replay=args.no_replay,
+                      strict=args.strict)
 
 
 def _verbosity(parser: argparse.ArgumentParser, default: object) -> None:
@@ -417,11 +418,13 @@ def _parser() -> argparse.ArgumentParser:
                        description="Run SCRIPT.py in this process under instrumentation of torch's AMP calls; "
                                    "report order-rule findings and numeric divergences from the specification. "
                                    "The audit's options may also follow the script's arguments; after '--' "
-                                   "everything goes to the script. Exit status: 0 no findings, 1 findings, "
-                                   "2 the script failed.")
+                                   "everything goes to the script. Exit status: 0 no error-level finding, 1 errors "
+                                   "(with --strict: any finding), 2 the script raised, or the script's own "
+                                   "sys.exit status.")
     a.add_argument("--report", metavar="FILE.json", help="also write the report as JSON")
     a.add_argument("--steps", type=int, metavar="N", help="stop the script after N optimizer steps")
     a.add_argument("--no-replay", action="store_true", help="order rules only: copy no numbers, replay nothing")
+    a.add_argument("--strict", action="store_true", help="warnings and info fail the audit too (exit status 1)")
     a.add_argument("script", metavar="SCRIPT.py")
     a.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
     a.set_defaults(func=_audit)

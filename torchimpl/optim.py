@@ -26,6 +26,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -33,11 +34,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchimpl._torch_compat import _get_foreach_kernels_supported_devices
+from torchimpl._torch_compat import _get_foreach_kernels_supported_devices, _get_fused_kernels_supported_devices
 from torchimpl.device import same_device
 
 __all__ = [
     "OPTIMIZERS",
+    "REGISTRY",
+    "TorchOptimizer",
+    "kernel_skip_refusal",
+    "register",
+    "row_for",
     "OptimizerConfig",
     "BuiltOptimizer",
     "FusedOptimizerWarning",
@@ -48,12 +54,97 @@ __all__ = [
     "parameter_groups",
 ]
 
-OPTIMIZERS = ("adamw", "adam", "sgd")
-_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
-    "adamw": torch.optim.AdamW,
-    "adam": torch.optim.Adam,
-    "sgd": torch.optim.SGD,
-}
+# Device types with torch's fused kernels for Adam, AdamW and SGD (torch's own list where it has one).
+_FUSED_DEVICES = frozenset(_get_fused_kernels_supported_devices() if _get_fused_kernels_supported_devices
+                           else ("cpu", "cuda", "mps", "xpu"))
+
+
+@dataclass(frozen=True)
+class TorchOptimizer:
+    """One registry row: the name a configuration gives (``optimizer.name``), torch's class, the
+    ``OptimizerConfig`` fields it takes besides ``lr`` and ``weight_decay`` (named as torch's
+    keyword arguments), and the device types where torch has a fused kernel for it.
+    ``check(config)`` returns ``(field, message)`` for settings valid alone but not together."""
+
+    name: str
+    cls: type[torch.optim.Optimizer]
+    settings: tuple[str, ...] = ()
+    fused_devices: frozenset[str] = frozenset()
+    check: Any = None
+    kernel_skip_refused: Any = None
+    """``(param_group) -> str | None``: why a kernel that skips by itself (the sync-free mode)
+    cannot run this group, or None."""
+
+    def kwargs(self, config: "OptimizerConfig") -> dict[str, Any]:
+        """torch's keyword arguments for ``config``: a setting left at ``None`` is torch's default."""
+        out: dict[str, Any] = {"lr": config.lr, "weight_decay": config.weight_decay}
+        for name in self.settings:
+            value = getattr(config, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+
+def _sgd_problems(config: "OptimizerConfig") -> list[tuple[str, str]]:
+    if config.nesterov and config.momentum <= 0.0:
+        return [("nesterov", f"Nesterov momentum needs momentum > 0, got momentum={config.momentum!r}; "
+                             "set momentum (e.g. 0.9), or remove nesterov")]
+    return []
+
+
+def _sgd_kernel_skip_refused(group: dict[str, Any]) -> str | None:
+    # torch's fused SGD creates its momentum buffers with empty_like before the kernel reads
+    # found_inf: a first step skipped inside the kernel would leave them uninitialised.
+    if group.get("momentum", 0) > 0:
+        return ("fused SGD with momentum (torch leaves its momentum buffers uninitialised when the kernel skips "
+                "the first step)")
+    return None
+
+
+REGISTRY: dict[str, TorchOptimizer] = {}
+
+
+def register(row: TorchOptimizer) -> TorchOptimizer:
+    """Add a row (its name must be new)."""
+    if row.name in REGISTRY:
+        raise ValueError(f"an optimizer named {row.name!r} is already registered")
+    REGISTRY[row.name] = row
+    return row
+
+
+for _row in (
+    TorchOptimizer("adamw", torch.optim.AdamW, ("betas", "eps", "amsgrad"), _FUSED_DEVICES),
+    TorchOptimizer("adam", torch.optim.Adam, ("betas", "eps", "amsgrad"), _FUSED_DEVICES),
+    TorchOptimizer("sgd", torch.optim.SGD, ("momentum", "dampening", "nesterov"), _FUSED_DEVICES, _sgd_problems,
+                   _sgd_kernel_skip_refused),
+    TorchOptimizer("adagrad", torch.optim.Adagrad, ("lr_decay", "initial_accumulator_value", "eps"),
+                   frozenset({"cpu"})),
+    TorchOptimizer("rmsprop", torch.optim.RMSprop, ("alpha", "eps", "momentum", "centered")),
+    TorchOptimizer("adamax", torch.optim.Adamax, ("betas", "eps")),
+    TorchOptimizer("adadelta", torch.optim.Adadelta, ("rho", "eps")),
+    TorchOptimizer("nadam", torch.optim.NAdam, ("betas", "eps", "momentum_decay", "decoupled_weight_decay")),
+    TorchOptimizer("radam", torch.optim.RAdam, ("betas", "eps", "decoupled_weight_decay")),
+):
+    register(_row)
+
+OPTIMIZERS = tuple(REGISTRY)
+"""The names ``optimizer.name`` accepts, in the registry's order."""
+
+
+def row_for(optimizer: torch.optim.Optimizer) -> TorchOptimizer | None:
+    """The registry row of a torch optimizer: the first class of its ``__mro__`` that a row
+    names (a subclass of AdamW is AdamW's), None for another optimizer."""
+    by_class = {row.cls: row for row in REGISTRY.values()}
+    return next((by_class[c] for c in type(optimizer).__mro__ if c in by_class), None)
+
+
+def kernel_skip_refusal(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the sync-free mode (the kernel skips by itself) cannot drive ``optimizer``, or None."""
+    row = row_for(optimizer)
+    if row is None or row.kernel_skip_refused is None:
+        return None
+    return next((why for g in optimizer.param_groups if (why := row.kernel_skip_refused(g))), None)
+
 # Raised by torch optimizers that refuse ``fused=True`` for a device, dtype or option.
 _FUSED_ERRORS = (TypeError, RuntimeError, ValueError)
 
@@ -74,8 +165,12 @@ def _finite_at_least(name: str, value: Any, low: float) -> None:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """Optimizer settings. ``name`` in adamw|adam|sgd; ``betas`` and ``eps`` apply to Adam(W),
-    ``momentum`` and ``nesterov`` to SGD; ``fused`` is None (probe), True (attempt) or False."""
+    """Optimizer settings. ``name``: a registered optimizer (``REGISTRY``: adamw, adam, sgd, ...).
+    ``lr`` and ``weight_decay`` apply to every optimizer; each other field only to the optimizers
+    whose row lists it (``betas`` and ``eps`` to Adam(W), ``momentum`` and ``nesterov`` to SGD,
+    ...), and a field set away from its default for another optimizer is an error naming it.
+    Fields that default to ``None`` mean torch's default for the optimizer. ``fused`` is None
+    (probe), True (attempt) or False."""
 
     name: str = "adamw"
     lr: float = 1e-3
@@ -86,11 +181,20 @@ class OptimizerConfig:
     nesterov: bool = False
     fused: bool | None = None
     no_decay_bias_and_norm: bool = True
+    amsgrad: bool | None = None
+    dampening: float | None = None
+    lr_decay: float | None = None
+    initial_accumulator_value: float | None = None
+    alpha: float | None = None
+    centered: bool | None = None
+    rho: float | None = None
+    momentum_decay: float | None = None
+    decoupled_weight_decay: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
+        if self.name not in REGISTRY:
             raise ValueError(
-                f"optimizer name must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}"
+                f"optimizer name must be one of {', '.join(REGISTRY)}, got {self.name!r}"
             )
         _finite_at_least("lr", self.lr, 0.0)
         if not 0.0 < float(self.lr) <= _F32_MAX:  # 0 trains nothing; torch keeps rates in float32 tensors too
@@ -98,6 +202,11 @@ class OptimizerConfig:
         _finite_at_least("weight_decay", self.weight_decay, 0.0)
         _finite_at_least("eps", self.eps, 0.0)
         _finite_at_least("momentum", self.momentum, 0.0)
+        if self.dampening is not None:
+            _finite_at_least("dampening", self.dampening, float("-inf"))
+        for name in _NONNEGATIVE:
+            if getattr(self, name) is not None:
+                _finite_at_least(name, getattr(self, name), 0.0)
         betas = self.betas
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair of numbers in [0, 1), got {betas!r}")
@@ -110,8 +219,9 @@ class OptimizerConfig:
         for name in ("nesterov", "no_decay_bias_and_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.fused is not None and not isinstance(self.fused, bool):
-            raise ValueError(f"fused must be None, True or False, got {self.fused!r}")
+        for name in ("fused", "amsgrad", "centered", "decoupled_weight_decay"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be None, True or False, got {getattr(self, name)!r}")
         problems = self._cross_field_problems()
         if problems:
             # Imported here: torchimpl.config imports this module. A ConfigError names each
@@ -122,17 +232,25 @@ class OptimizerConfig:
             raise ConfigError(problems)
 
     def _cross_field_problems(self) -> list[tuple[str, str]]:
-        """Settings that are valid alone but not together, as ``(field, message)``."""
+        """Settings that are valid alone but not together, as ``(field, message)``: a setting of
+        another optimizer away from its default, then the row's own checks."""
+        row = REGISTRY[self.name]
         out = []
-        if self.name != "sgd":
-            for field, value in (("momentum", self.momentum), ("nesterov", self.nesterov)):
-                if value not in (0.0, False):
-                    out.append((field, f"only the 'sgd' optimizer uses {field}, and this one is {self.name!r} "
-                                       f"(got {field}={value!r}); remove {field}, or set the optimizer's name to 'sgd'"))
-        elif self.nesterov and self.momentum <= 0.0:
-            out.append(("nesterov", f"Nesterov momentum needs momentum > 0, got momentum={self.momentum!r}; "
-                                    "set momentum (e.g. 0.9), or remove nesterov"))
-        return out
+        for f in dataclasses.fields(self):
+            if f.name in _COMMON or f.name in row.settings or getattr(self, f.name) == f.default:
+                continue
+            users = [r.name for r in REGISTRY.values() if f.name in r.settings]
+            who = " and ".join(repr(u) for u in users)
+            out.append((f.name, f"only the {who} optimizer{'s' if len(users) > 1 else ''} use{'' if len(users) > 1 else 's'} "
+                                f"{f.name}, and this one is {self.name!r} (got {f.name}={getattr(self, f.name)!r}); "
+                                f"remove {f.name}, or set the optimizer's name to {' or '.join(repr(u) for u in users)}"))
+        return out + (row.check(self) if row.check else [])
+
+
+# Optional settings that are finite numbers >= 0 when given.
+_NONNEGATIVE = ("lr_decay", "initial_accumulator_value", "alpha", "rho", "momentum_decay")
+# Fields every optimizer takes, or that choose how it is built rather than what it computes.
+_COMMON = frozenset({"name", "lr", "weight_decay", "fused", "no_decay_bias_and_norm"})
 
 
 @dataclass(frozen=True)
@@ -199,24 +317,8 @@ def _foreach_by_default(device: torch.device) -> bool:
 def _construct(
     config: OptimizerConfig, groups: list[dict[str, Any]], impl: dict[str, bool]
 ) -> torch.optim.Optimizer:
-    cls = _CLASSES[config.name]
-    if config.name == "sgd":
-        return cls(
-            groups,
-            lr=config.lr,
-            momentum=config.momentum,
-            nesterov=config.nesterov,
-            weight_decay=config.weight_decay,
-            **impl,
-        )
-    return cls(
-        groups,
-        lr=config.lr,
-        betas=config.betas,
-        eps=config.eps,
-        weight_decay=config.weight_decay,
-        **impl,
-    )
+    row = REGISTRY[config.name]
+    return row.cls(groups, **row.kwargs(config), **impl)
 
 
 def build_optimizer(
@@ -239,8 +341,13 @@ def build_optimizer(
     foreach = _foreach_by_default(dev)
     plain_kind = "foreach" if foreach else "for-loop"
 
-    attempt = config.fused is True or (config.fused is None and dev.type == "cuda")
-    if attempt:
+    has_fused = dev.type in REGISTRY[config.name].fused_devices
+    attempt = has_fused and (config.fused is True or (config.fused is None and dev.type == "cuda"))
+    if config.fused is True and not has_fused:
+        reason = (f"torch has no fused {config.name} kernel on {dev.type}; using the {plain_kind} implementation "
+                  "(set optimizer.fused to null or false)")
+        warnings.warn(reason, FusedOptimizerWarning, stacklevel=2)
+    elif attempt:
         try:
             opt = _construct(config, groups, {"fused": True})
         except _FUSED_ERRORS as exc:

@@ -12,8 +12,9 @@ Translations:
    ``reference.scaling.ScalerConfig``: the spec's preset of the same name with every shared
    field taken from the policy (the spec-only fields, such as DeepSpeed's growth since the last
    overflow, come with the preset);
-2. the optimizer (``torchimpl.optim.OptimizerConfig``) becomes ``reference.optim.SGDConfig`` or
-   ``AdamConfig`` (AdamW is Adam with decoupled weight decay);
+2. the optimizer (``torchimpl.optim.OptimizerConfig``) becomes the configuration of the spec's
+   registry row named as its torch class (``reference.optim.spec``), from the same keyword
+   arguments torchimpl's row gives torch;
 3. the schedule (``torchimpl.config.ScheduleConfig``) becomes ``reference.step.LRSchedule``,
    whose cosine spans ``schedule.decay_steps`` or else ``train.steps``;
 4. ``optimizer.no_decay_bias_and_norm`` (rule 4 of ``torchimpl.optim``) becomes two
@@ -45,13 +46,14 @@ def scaler_config(policy: Any) -> Any:
 
 
 def optimizer_config(o: Any) -> Any:
-    """Rule 2: the spec's optimizer configuration for a ``torchimpl.optim.OptimizerConfig``."""
+    """Rule 2: the spec's optimizer configuration for a ``torchimpl.optim.OptimizerConfig``: the
+    spec's row of the same torch class, given the keyword arguments torchimpl gives torch."""
     from reference import optim
 
-    if o.name == "sgd":
-        return optim.SGDConfig(lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay)
-    return optim.AdamConfig(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                            decoupled_weight_decay=o.name == "adamw")
+    from torchimpl.optim import REGISTRY
+
+    row = REGISTRY[o.name]
+    return optim.spec(row.cls.__name__).make_config(**row.kwargs(o))
 
 
 def schedule(config: Any) -> Any:

@@ -46,6 +46,7 @@ from torch import nn
 
 from torchimpl.batches import batch_size, to_device
 from torchimpl.clipping import check_nonfinite_, clip_grad_norm_, group_by_device_and_dtype
+from torchimpl.optim import kernel_skip_refusal
 from torchimpl.records import PendingRecords, StepRecord
 from torchimpl.scaler import DynamicLossScaler
 from torchimpl.schedule import AppliedStepSchedule, lr_from_table, lr_table
@@ -349,11 +350,9 @@ def choose_sync_free(requested: bool, optimizer_kind: str, optimizer: torch.opti
     if scheduler is not None:
         return False, (f"train.sync_free cannot run your scheduler ({type(scheduler).__name__}): it steps on the host "
                        f"after each applied step, which only a host sync tells; {fallback}")
-    if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) > 0 for g in optimizer.param_groups):
-        # torch's fused SGD creates its momentum buffers with empty_like before the kernel reads
-        # found_inf: a first step skipped inside the kernel would leave them uninitialised.
-        return False, ("train.sync_free is refused for fused SGD with momentum (torch leaves its momentum "
-                       f"buffers uninitialised when the kernel skips the first step); {fallback}")
+    refused = kernel_skip_refusal(optimizer)
+    if refused:
+        return False, f"train.sync_free is refused for {refused}; {fallback}"
     return True, None
 
 

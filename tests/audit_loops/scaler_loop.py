@@ -13,7 +13,7 @@ from _common import batches, make_model, parse
 
 BUGS = ("clip-before-unscale", "clip-threshold-scaled", "unscale-twice", "unscale-twice-call",
         "step-without-update", "update-without-step", "step-bypasses-scaler", "backward-in-autocast",
-        "gradients-altered")
+        "gradients-altered", "unscale-by-hand", "scale-twice", "gradients-masked")
 args = parse(BUGS, optimizer="adamw", clip="norm")
 bug = args.bug
 if args.clip == "split":
@@ -60,9 +60,20 @@ for step, (x, y) in enumerate(batches(args.steps)):
         scaler.unscale_(opt)
     elif bug == "gradients-altered":
         scaler.unscale_(opt)
-        next(model.parameters()).grad.mul_(0.5)  # something the step contract does not do
+        next(model.parameters()).grad.mul_(0.5)  # the loop's own edit, which torch's AMP notes allow
         clip_grad_norm_(model.parameters(), 1.0)
-    elif bug != "step-bypasses-scaler":
+    elif bug == "gradients-masked":
+        list(model.parameters())[-1].grad[:2].zero_()  # a mask on the scaled gradients, before unscale_
+        scaler.unscale_(opt)
+        clip_grad_norm_(model.parameters(), 1.0)
+    elif bug == "unscale-by-hand":
+        for p in model.parameters():  # e.g. to log the true norm; scaler.step below unscales again
+            p.grad.mul_(1.0 / scaler.get_scale())
+    elif bug == "scale-twice":
+        scaler.unscale_(opt)
+        for p in model.parameters():
+            p.grad.data.mul_(scaler.get_scale())
+    elif bug not in ("step-bypasses-scaler",):
         scaler.unscale_(opt)
         clip_grad_norm_(model.parameters(), 1.0)
 

@@ -1,0 +1,149 @@
+"""Comparing torch's arrays with the specification's: bit for bit, or within a bound in ULPs.
+
+NaN compares as a class; a bound is in ULPs of the value, or of ``x_abs`` (the formula evaluated
+on magnitudes) where an update cancels to near zero. Pure NumPy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Comparison", "compare", "ulp_distance"]
+
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_SINT = {2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def _bits_hex(x: Any) -> str:
+    a = np.asarray(x)
+    view = _UINT.get(a.dtype.itemsize)
+    return f"{int(a.view(view)):#0{2 + 2 * a.dtype.itemsize}x}" if view is not None else "?"
+
+
+def _ordinals(x: np.ndarray) -> np.ndarray:
+    """Each float's position on the number line (adjacent floats 1 apart, +0 and -0 both 0), as float64."""
+    s = x.view(_SINT[x.dtype.itemsize]).astype(np.int64)
+    mag = s & np.int64((1 << (8 * x.dtype.itemsize - 1)) - 1)
+    return np.where(s < 0, -mag, mag).astype(np.float64)
+
+
+@dataclass
+class Comparison:
+    """``problem`` None when the arrays agree at the bound; else the first mismatch described, with
+    its two values. ``worst``: the largest distance among the elements that agree (ULPs)."""
+
+    problem: str | None
+    worst: float = 0.0
+    expected: Any = None
+    got: Any = None
+
+
+def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound: int) -> tuple[np.ndarray, float]:
+    """Whole-array passes over flat ``g`` and ``e`` (``gi``, ``ei``: their bits as signed integers):
+    the flat indices the element-wise check must look at, and the largest ULP distance among the
+    others, which agree.
+
+    At ``bound`` 0 the pairs whose bits differ. Otherwise the pairs not plainly within ``bound // 2``
+    ULPs: the difference of the bit patterns, wrapping in their integer type, has a magnitude of
+    at most ``bound // 2``, and both values are finite. For two finite values that magnitude is
+    their ULP distance: exactly so for one sign; for opposite signs the true difference lies
+    between 1 and 2**bits - 1, and a wrapped magnitude within ``bound // 2`` needs a pattern within
+    ``bound // 2`` below the sign bit (a NaN) or below all ones (a negative NaN).
+    """
+    if bound == 0:
+        return (_NO_INDEX, 0.0) if np.array_equal(gi, ei) else (np.flatnonzero(gi != ei), 0.0)
+    half = bound // 2
+    d = np.subtract(gi, ei)
+    np.abs(d, out=d)  # the most negative difference stays negative: the unsigned view makes it huge
+    du = d.view(_UINT[g.dtype.itemsize])
+    if np.isfinite(g).all() and np.isfinite(e).all():
+        worst = int(du.max(initial=0))
+        if worst <= half:
+            return _NO_INDEX, float(worst)
+        idx = np.flatnonzero(du > half)
+    else:
+        near = du <= half
+        near &= np.isfinite(g)
+        near &= np.isfinite(e)
+        idx = np.flatnonzero(~near)
+    du[idx] = 0  # our own scratch: the largest distance left is that of the pairs that agree
+    return idx, float(du.max(initial=0))
+
+
+_NO_INDEX = np.zeros(0, np.intp)
+
+
+def compare(got: np.ndarray, expected: np.ndarray, bound: int, x_abs: Any = None) -> Comparison:
+    """``got`` against ``expected``: bit for bit (``bound`` 0), else within ``bound`` ULPs of the
+    value, or of ``x_abs`` when given (an array, or a function of flat indices returning the
+    magnitudes there). NaN compares as a class.
+
+    Work goes only where it is needed: the bits first; then the ULP distance of the values that
+    differ; ``x_abs`` only for those more than ``bound // 2`` ULPs apart. That is safe because
+    ``x_abs`` is at least the result's magnitude (the triangle inequality: the formula on
+    magnitudes bounds the formula's value), so one ULP of ``x_abs`` is at least half an ULP of
+    either value, and ``bound // 2`` ULPs of the values are within ``bound`` ULPs of ``x_abs``.
+    """
+    got = np.asarray(got)
+    expected = np.asarray(expected)
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return Comparison(f"shape/dtype {got.shape} {got.dtype} against the spec's {expected.shape} "
+                          f"{expected.dtype}", math.inf)
+    gflat, eflat = got.reshape(-1), expected.reshape(-1)
+    gi, ei = gflat.view(_SINT[got.dtype.itemsize]), eflat.view(_SINT[got.dtype.itemsize])
+    idx, fast_worst = _screen(gflat, eflat, gi, ei, bound)
+    if idx.size == 0:
+        return Comparison(None, fast_worst)
+    g, e = gflat[idx], eflat[idx]
+    g_nan, e_nan = np.isnan(g), np.isnan(e)
+    with np.errstate(invalid="ignore", over="ignore"):
+        finite = np.isfinite(g) & np.isfinite(e)
+        if bound == 0:
+            dist = np.where(g_nan & e_nan, 0.0, math.inf)
+        else:
+            dist = np.where(finite, np.abs(_ordinals(g) - _ordinals(e)), 0.0)
+            far = finite & (dist > bound // 2) if x_abs is not None else None
+            if far is not None and far.any():
+                sub = idx[far]
+                xa = np.abs(x_abs(sub) if callable(x_abs) else np.asarray(x_abs, np.float64).reshape(-1)[sub])
+                unit = np.maximum(np.spacing(xa.astype(got.dtype)).astype(np.float64),
+                                  float(np.finfo(got.dtype).smallest_subnormal))
+                dist[far] = np.abs(g[far].astype(np.float64) - e[far].astype(np.float64)) / unit
+    bad = np.where(g_nan | e_nan, g_nan != e_nan, np.where(finite, dist > bound, g != e))
+    good = dist[~bad]
+    worst = max(fast_worst, float(good.max()) if good.size else 0.0)
+    if not bad.any():
+        return Comparison(None, worst)
+    k = int(np.argmax(bad))
+    i = [int(v) for v in np.unravel_index(idx[k], got.shape)] if got.ndim else []
+    unit_text = "" if bound == 0 else (f", {dist[k]:.1f} ULP{' of x_abs' if x_abs is not None else ''} apart "
+                                       f"(bound {bound})")
+    return Comparison(f"{int(bad.sum())} of {got.size} elements differ; first at index {i}: torch {float(g[k])!r} "
+                      f"({_bits_hex(g[k])}), spec {float(e[k])!r} ({_bits_hex(e[k])}){unit_text}",
+                      math.inf, float(e[k]), float(g[k]))
+
+
+
+
+_compare = compare
+
+
+def ulp_distance(got: np.ndarray, expected: np.ndarray) -> float:
+    """The largest ULP distance between two finite arrays of one float dtype (inf where a value
+    is not finite in one and finite in the other, or the NaN classes differ)."""
+    g, e = np.asarray(got).reshape(-1), np.asarray(expected).reshape(-1)
+    if g.shape != e.shape or g.dtype != e.dtype or g.dtype.kind != "f":
+        return math.inf
+    gn, en = np.isnan(g), np.isnan(e)
+    if (gn != en).any():
+        return math.inf
+    fin = np.isfinite(g) & np.isfinite(e)
+    if ((g != e) & ~fin & ~gn).any():
+        return math.inf
+    if not fin.any():
+        return 0.0
+    return float(np.abs(_ordinals(g[fin]) - _ordinals(e[fin])).max())

@@ -1,0 +1,390 @@
+"""What the recorder keeps: call sites, the records of steps, the per-object tracks and the copies.
+
+Pure bookkeeping, no rules: `audit.recorder` and its parts (`audit.track_scaler`,
+`audit.track_optimizer`, `audit.track_program`) fill these as the instrumented calls arrive.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from audit import windows
+from audit.rules import Finding
+from audit.schedules import ScheduleWatch
+from audit.windows import Backward
+
+class StepLimitReached(BaseException):
+    """Raised into the audited program when the step limit is reached.
+
+    A BaseException, so that a loop's ``except Exception`` does not swallow it.
+    """
+
+
+# ---------------------------------------------------------------------------------- call sites
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_AUDIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_LIBRARY_DIRS = tuple(sorted({p + os.sep for p in (sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")) if p}))
+_site_cache: dict[str, int] = {}
+
+
+def _frame_class(filename: str) -> int:
+    """0: the user's code; 1: a library (stdlib, site-packages); 2: torch or this package."""
+    c = _site_cache.get(filename)
+    if c is None:
+        path = os.path.abspath(filename) if not filename.startswith("<") else filename
+        if path.startswith(_TORCH_DIR) or path.startswith(_AUDIT_DIR):
+            c = 2
+        elif path.startswith("<frozen") or any(path.startswith(d) for d in _LIBRARY_DIRS):
+            c = 1
+        else:
+            c = 0
+        _site_cache[filename] = c
+    return c
+
+
+def call_site() -> str:
+    """``file:line`` of the innermost frame of the user's code; else of the innermost library frame
+    outside torch and this package (a loop driven by an installed framework)."""
+    f = sys._getframe(1)
+    fallback = None
+    while f is not None:
+        c = _frame_class(f.f_code.co_filename)
+        if c == 0:
+            return _fmt(f)
+        if c == 1 and fallback is None:
+            fallback = _fmt(f)
+        f = f.f_back
+    return fallback or "<unknown>"
+
+
+_shown: dict[str, str] = {}
+
+
+def _fmt(f: Any) -> str:
+    name = f.f_code.co_filename
+    shown = _shown.get(name)
+    if shown is None:
+        try:
+            rel = os.path.relpath(name)
+            shown = rel if not rel.startswith("..") else name
+        except ValueError:
+            shown = name
+        _shown[name] = shown
+    return f"{shown}:{f.f_lineno}"
+
+
+# ---------------------------------------------------------------------------------- records
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step as the audit saw it (the JSON report's ``steps``).
+
+    The spec's ``StepRecord`` fields (``step, microbatches, scale_before, found_inf, applied,
+    grad_norm, clip_coef, scale_after, growth_tracker, lr``) where the loop makes them known, plus
+    the optimizer, the order of calls and each group's hyperparameters. ``scale_before`` is the
+    scale the window's losses were scaled by, None without a scaler; ``found_inf`` is the
+    scaler's flag, None when no scaler checked; ``grad_norm`` the first ``clip_grad_norm_``'s
+    returned norm (``clip_coef`` is not returned by torch: the replay computes it).
+    """
+
+    step: int
+    optimizer: str
+    microbatches: int
+    calls: list[str]
+    scale_before: float | None = None
+    found_inf: bool | None = None
+    applied: bool = True
+    grad_norm: float | None = None
+    max_norm: float | None = None
+    clip_coef: float | None = None
+    scale_after: float | None = None
+    growth_tracker: int | None = None
+    lr: float | None = None
+    hyperparameters: list[dict[str, Any]] = field(default_factory=list)
+    replay: str = "off"
+
+    def to_dict(self) -> dict[str, Any]:
+        from audit.rules import _jsonable
+
+        return {k: _jsonable(v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class ClipStage:
+    """One clipping call on an optimizer's parameters: the replay's clip stage."""
+
+    kind: str
+    indices: list[int]
+    arguments: dict[str, Any]
+    where: str
+    grads_in: list[Any] | None = None
+    total_norm: Any = None
+    threads: int = 1  # torch's intra-op threads at the call: its CPU norm's summation split follows them
+    before_unscale: bool = False  # on gradients an enabled scaler had not unscaled yet
+
+
+@dataclass
+class StepData:
+    """The numbers of one step for the replay (NumPy copies, bit for bit)."""
+
+    scaled: list[Any] | None = None  # gradients at the window's first step-phase call
+    scale: Any = None  # the float32 scale then, None without an enabled scaler
+    first_stage: str = ""  # which call that was
+    backward: list[Any] | None = None  # the gradients as the window's last scaled backward left them
+    hooks: str | None = None  # the optimizer's own step hooks, which may change what it computes
+    versions: list[Any] | None = None  # the gradients' (id, version counter) when ``backward`` was copied
+    unscaled: bool = False  # whether scaler.unscale_ ran (explicitly or inside scaler.step)
+    clips: list[ClipStage] = field(default_factory=list)
+    step_grads: list[Any] | None = None
+    params_before: list[Any] | None = None
+    state_before: list[dict[str, Any]] | None = None
+    groups: list[dict[str, Any]] | None = None
+    group_of: list[int] | None = None
+    params_after: list[Any] | None = None
+    state_after: list[dict[str, Any]] | None = None
+    torch_found_inf: float | None = None
+    kernel_unscale: bool = False  # an amp-aware (fused) optimizer received scaled gradients
+    amp_aware: bool = False
+    on_cpu: bool = True
+    unsupported: str | None = None  # why nothing of this step is copied (the replay names it)
+
+    @property
+    def copying(self) -> bool:
+        return self.unsupported is None
+
+
+@dataclass
+class Window:
+    backwards: list[Backward] = field(default_factory=list)
+    calls: list[str] = field(default_factory=list)
+    data: StepData | None = None
+    scaler: "ScalerTrack | None" = None  # the enabled scaler that scaled this window's losses
+    zero_flagged: bool = False
+    clip_flagged: bool = False
+    autocast_flagged: bool = False
+    clip_norms: list[tuple[float, float | None]] = field(default_factory=list)  # (total_norm, max_norm)
+
+
+class ScalerTrack:
+    def __init__(self, obj: Any, label: str, where: str | None) -> None:
+        self.obj = obj
+        self.label = label
+        self.where = where
+        self.used = False
+        self.loaded = False
+        self.updates = 0
+        self.stage: dict[int, str] = {}  # id(optimizer) -> "unscaled" | "stepped"
+        self.stepped: dict[int, "OptTrack"] = {}
+        self.bypass: dict[int, tuple["OptTrack", str]] = {}
+        self.reported_no_update: set[int] = set()
+        self.pending: list[tuple["OptTrack", StepData | None, StepRecord]] = []
+        self.update_before: tuple[Any, int] | None = None
+        self.expected_after: Any = None  # the spec's scale after this scaler's last checked update
+        # The parameters of every optimizer it unscaled or stepped (weakly: a finished training's
+        # model may go, and a new parameter may then reuse an old one's id).
+        self.params: dict[int, Any] = {}
+        self.driven: set[int] = set()  # id(optimizer) of those optimizers
+        self.mid_run: tuple[list["ScalerTrack"], str] | None = None  # earlier scalers, where it began
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.obj.is_enabled())
+
+
+class OptTrack:
+    def __init__(self, obj: Any, label: str, where: str | None) -> None:
+        self.obj = obj
+        self.label = label
+        self.where = where
+        self.meta: dict[int, tuple[Any, Any, Any]] = {}  # id(p) -> (p, device, dtype) when received
+        self.param_ids: frozenset[int] = frozenset()
+        self.steps = 0
+        self.window = Window()
+        self.last_record: StepRecord | None = None
+        self.applied_steps = 0
+        self.sched_mark: dict[int, int] = {}  # id(scheduler) -> applied_steps at its last step
+        self.moved_flagged = False
+        self.threshold: tuple[float, float, int] | None = None  # (max_norm / scale, scale, first step)
+        self.threshold_flagged = False
+        self.threshold_finding: Finding | None = None
+        self.hook_fired = False
+        self.scaler_step_where: str | None = None
+        self.schedule = ScheduleWatch()
+        self.skipped = 0
+
+    def params(self) -> list[Any]:
+        return [p for g in self.obj.param_groups for p in g["params"]]
+
+    def refresh_ids(self) -> None:
+        self.param_ids = frozenset(id(p) for p in self.params())
+
+
+# ---------------------------------------------------------------------------------- snapshots
+
+
+def plain_tensor(t: torch.Tensor) -> bool:
+    """A tensor NumPy can copy: not a subclass such as DTensor (a Parameter is plain)."""
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+
+
+def to_numpy(t: torch.Tensor) -> Any:
+    """A NumPy (ml_dtypes for bfloat16) copy of ``t`` with exactly its bits."""
+    import ml_dtypes
+
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.cpu().contiguous().view(torch.int16).numpy().copy().view(ml_dtypes.bfloat16)
+    return t.cpu().numpy().copy()
+
+
+class Snapshots:
+    """Bit-exact NumPy copies of tensors, taken when the recorder needs them, for the step data
+    ``owner`` they belong to.
+
+    Every copy is a new one: torch's in-place version counter cannot tell whether a tensor
+    changed since an earlier copy (the scaler's unscale kernel, for one, leaves it as it was).
+    ``pool``: where the copies go (the replay process's shared memory, `audit.worker`), None
+    for ordinary arrays.
+    """
+
+    def __init__(self, pool: Any = None) -> None:
+        self.pool = pool
+
+    def __call__(self, t: torch.Tensor, owner: Any) -> Any:
+        return self.many([t], owner)[0]
+
+    def many(self, tensors: list[torch.Tensor], owner: Any) -> list[Any]:
+        if self.pool is not None and tensors:
+            out = self.pool.copy(tensors, owner)
+            if out is not None:
+                return out
+        return [to_numpy(t) for t in tensors]
+
+    def grads(self, params: list[Any], owner: Any) -> list[Any]:
+        present = [p.grad for p in params if p.grad is not None]
+        copies = iter(self.many(present, owner))
+        return [None if p.grad is None else next(copies) for p in params]
+
+    def state(self, opt: Any, params: list[Any], owner: Any) -> list[dict[str, Any]]:
+        states = [opt.state.get(p, {}) for p in params]
+        tensors = [v for s in states for v in s.values() if isinstance(v, torch.Tensor)]
+        copies = iter(self.many(tensors, owner))
+        return [{k: (next(copies) if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for s in states]
+
+
+
+def _step_call(rec: StepRecord) -> str:
+    """Where the step of ``rec`` was taken (its scaler.step or optimizer.step)."""
+    return next((c.split("@", 1)[1] for c in reversed(rec.calls) if c.startswith(("scaler.step@", "optimizer.step@"))),
+                "?")
+
+
+def s_where(o: OptTrack) -> str:
+    """Where the optimizer's latest scaler.step was called."""
+    return o.scaler_step_where or "?"
+
+
+def _unwrap_optimizer(obj: Any) -> Any:
+    """The torch optimizer inside a framework's wrapper (Accelerate's and Lightning's keep it in
+    ``.optimizer``), else ``obj``."""
+    for _ in range(4):
+        inner = getattr(obj, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is obj:
+            return obj
+        obj = inner
+    return obj
+
+
+def _pairs(inputs: Any, out: Any) -> list[tuple[Any, Any]]:
+    if isinstance(inputs, torch.Tensor) and isinstance(out, torch.Tensor):
+        return [(inputs, out)]
+    if isinstance(inputs, (list, tuple)) and isinstance(out, (list, tuple)) and len(inputs) == len(out):
+        return [p for a, b in zip(inputs, out) for p in _pairs(a, b)]
+    return []
+
+
+def _loss_factor(t: Any) -> float | None:
+    """The product of the constant multiplications and divisions between ``t`` and the loss
+    (rule loss-not-divided in the module docstring); None when it cannot be read."""
+    return windows.describe(t, False, False)[0]
+
+
+def _signature(o: OptTrack) -> list[tuple[Any, int]]:
+    return [(None, -1) if p.grad is None else (id(p.grad), p.grad._version) for p in o.params()]
+
+
+def _touched(o: OptTrack, before: list[tuple[Any, int]] | None) -> list[int]:
+    """The ids of ``o``'s parameters whose gradient a backward pass changed (all with one, when
+    the state before is unknown)."""
+    params = o.params()
+    if before is None or len(before) != len(params):
+        return [id(p) for p in params if p.grad is not None]
+    return [id(p) for p, s in zip(params, before)
+            if p.grad is not None and (id(p.grad), p.grad._version) != s]
+
+
+def _classify(obj: Any) -> tuple[bool, bool]:
+    """(holds optimizer state, holds scaler state) for an object given to torch.save."""
+    holds_opt = holds_scaler = False
+    stack, seen, budget = [(obj, 0)], set(), 10000
+    scaler_keys = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+    while stack and budget > 0:
+        x, depth = stack.pop()
+        budget -= 1
+        if id(x) in seen or depth > 8:
+            continue
+        seen.add(id(x))
+        if isinstance(x, torch.optim.Optimizer):
+            holds_opt = True
+        elif isinstance(x, torch.amp.GradScaler):
+            holds_scaler = True
+        elif isinstance(x, dict):
+            keys = set(k for k in x.keys() if isinstance(k, str))
+            if {"state", "param_groups"} <= keys:
+                holds_opt = True
+                continue
+            if scaler_keys <= keys:
+                holds_scaler = True
+                continue
+            stack.extend((v, depth + 1) for v in x.values() if not isinstance(v, torch.Tensor))
+        elif isinstance(x, (list, tuple)):
+            stack.extend((v, depth + 1) for v in x if not isinstance(v, torch.Tensor))
+    return holds_opt, holds_scaler
+
+
+def _found_inf(scaler: Any, opt: Any) -> float | None:
+    state = scaler._per_optimizer_states.get(id(opt)) if hasattr(scaler, "_per_optimizer_states") else None
+    if not state or not state.get("found_inf_per_device"):
+        return None
+    return float(sum(float(v.item()) for v in state["found_inf_per_device"].values()))
+
+
+def _f32(x: Any) -> Any:
+    import numpy as np
+
+    return np.float32(x)
+
+
+def _num(v: Any) -> float | None:
+    try:
+        return float(v)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def _jsonish(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return float(v) if v.numel() == 1 else str(v)
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_jsonish(x) for x in v]
+    return str(v)

@@ -1,0 +1,247 @@
+"""torch.optim's optimizers as torch computes them on CPU, operation by operation, and their registry.
+
+One module per optimizer states its own rules (`reference.optim.sgd`, `reference.optim.adam`, ...);
+rules 1-11 below are the ones every optimizer follows, with SGD and Adam(W) as their first instances;
+`reference.optim._common` states the rounding of the elementwise operations they are made of.
+
+Rules ("f(x)" rounds x to the parameter dtype, float32 or float64; hyperparameters are Python
+floats, i.e. float64):
+
+1. The for-loop path. ``sgd_step`` and ``adam_step`` reproduce torch's single-tensor (for-loop)
+   implementation, the CPU default (``foreach=None, fused=None``). Every tensor operation rounds
+   its result to the parameter dtype, and every Python-float hyperparameter that meets a tensor
+   is first rounded to that dtype (``f(lr)``, ``f(beta2)``, ...). Arithmetic done on Python
+   floats (``1 - beta1``, ``1 - lr * weight_decay``, bias corrections, ``lr / bias_correction1``)
+   stays in float64 until it meets a tensor.
+2. SGD, per parameter with a gradient: ``d = -g if maximize else g``; with weight decay
+   ``d = f(d + f(f(wd) * p))``; with momentum, the buffer is a copy of ``d`` on its first step and
+   afterwards ``buf = f(f(buf * f(momentum)) + f(f(1 - dampening) * d))``; then ``d = f(d +
+   f(f(momentum) * buf))`` with Nesterov, else ``d = buf``; finally ``p = f(p + f(f(-lr) * d))``.
+   Without momentum no buffer is ever created.
+3. Adam, per parameter with a gradient: ``step = float32(step + 1)`` (the counter is a float32
+   tensor); ``d = -g if maximize else g``. Weight decay: AdamW (decoupled) multiplies the
+   parameter first, ``p = f(p * f(1 - lr * wd))``; Adam adds to the gradient,
+   ``d = f(d + f(f(wd) * p))``.
+4. First moment: ``exp_avg.lerp_(d, 1 - beta1)`` with ``w = f(1 - beta1)``: when ``|w| < 0.5``
+   ``m = f(m + f(w * f(d - m)))``, otherwise ``m = f(d - f(f(d - m) * f(1 - w)))``.
+5. Second moment: ``v = f(v * f(beta2))`` then ``v = f(v + f(f(f(1 - beta2) * d) * d))``
+   (``addcmul``: the value multiplies the first factor first).
+6. Update, with ``s = float(step)``: ``bc1 = 1 - beta1 ** s``, ``bc2 = 1 - beta2 ** s``,
+   ``step_size = lr / bc1``, ``bc2_sqrt = bc2 ** 0.5`` (all float64); with AMSGrad
+   ``vmax = maximum(vmax, v)`` (NaN propagates) and ``r = sqrt(vmax)``, else ``r = sqrt(v)``;
+   ``denom = f(f(r / f(bc2_sqrt)) + f(eps))``; ``p = f(p + f(f(f(-step_size) * m) / denom))``
+   (``addcdiv``: value times numerator, then the division, then the addition).
+7. Gradients that are ``None`` mean "no gradient": that parameter and its state are left exactly
+   as they are (its step counter does not move), as torch skips parameters whose ``.grad`` is
+   None. Zero-size parameters still count their steps.
+8. The fused variant under a GradScaler (``fused_adam_step``) models ``torch.optim.Adam(W)(...,
+   fused=True)`` driven by ``GradScaler.step``, which always calls the optimizer and lets the
+   kernel decide:
+   a. the step counter is incremented: ``step' = float32(step + 1)``;
+   b. if ``found_inf == 1.0`` EXACTLY, nothing else happens in the kernel: parameters and moments
+      are unchanged and the gradients are returned still SCALED;
+   c. otherwise, when ``grad_scale`` is given, every gradient is unscaled by a TRUE division,
+      ``g = f(g / f32(grad_scale))`` (not a multiplication by the reciprocal, so for scales that
+      are not powers of two it differs from ``GradScaler.unscale_``), and the unscaled gradient
+      is stored back (returned); then the Adam(W) update of rules 3-6 runs with ``step'``, the
+      only differences being that the kernel takes ``bc2_sqrt = sqrt(bc2)`` and that on native
+      SIMD kernels some multiply-adds are fused (see ``fused_adam_step``);
+   d. finally ``step = float32(step' - f32(found_inf))``. A skipped step therefore leaves the
+      counter where it was; a found_inf of 2.0 would apply the update AND move the counter back
+      by one, and 0.5 would apply it and advance the counter by 0.5. ``GradScaler`` only ever
+      passes 0.0 or 1.0 on one device.
+   torch creates the optimizer state lazily inside ``step()``; because the fused path always
+   calls it, a skipped FIRST step leaves the state ``init_state`` returns (step 0, zero
+   moments), where the for-loop path under a GradScaler (which skips the call) has none yet.
+   The two are numerically the same starting point.
+9. Square roots are correctly rounded (IEEE). torch's for-loop path computes
+   ``exp_avg_sq.sqrt()`` with ``Tensor.sqrt``, which x86 builds linked with MKL hand to MKL's
+   vector math library: faithful but NOT correctly rounded (measured on float32: errors up to
+   0.75 ULP, about 17% of inputs 1 ULP away from the correct root; float64 too). The fused
+   kernel uses the correctly rounded instruction. ``adam_step(..., sqrt=torch_sqrt)`` accepts
+   the implementation's square root so that everything else can still be compared bit for bit.
+10. Bit exactness. Under ``ATEN_CPU_CAPABILITY=default`` torch's CPU kernels round every
+   operation separately: ``sgd_step`` and ``fused_adam_step`` then match torch bit for bit, and
+   ``adam_step`` does too given torch's square root (rule 9); with the correctly rounded root
+   its parameters differ by a few ULPs per step. Native AVX2/AVX512 kernels fuse some
+   multiply-adds (``add`` with ``alpha``, ``lerp``, whatever the compiler contracts), so there
+   results differ by a few ULPs per step (measured, relative to the operands' magnitude: up to
+   10 for parameters, 3 for moments); compare with a tolerance, or generate goldens in the
+   default mode.
+
+11. A tensor learning rate (``lr`` passed as a 0-d float32 or float64 array, torch's 1-element
+   ``lr`` tensor). SGD (every path) and fused Adam(W) read it as the number it holds: the same
+   bits as a Python float of that value. The for-loop Adam(W) computes with it as a tensor, in
+   its own dtype ``L``: ``step_size = L(lr / L(bc1))`` (so a float32 lr gives a float32
+   step size where a Python float gives a float64 one), and AdamW's decay factor is
+   ``L(1 - L(lr * L(wd)))``, which multiplies a parameter with dimensions after conversion to
+   its dtype but a 0-d parameter (two 0-d tensors promote) in the wider of the two, rounded
+   once: ``f(f64(p) * factor)`` for a float32 0-d parameter and a float64 lr. Python-float
+   hyperparameters never promote a 0-d parameter (they are wrapped numbers). foreach Adam
+   refuses a tensor lr.
+12. The registry (`reference.optim._registry`): one `OptimizerSpec` row per torch class, by
+   torch's class name (`SPECS`, `spec(name)`, `spec_for(config)`), with its hyperparameters and
+   torch's defaults, ``init_state`` and a step function per implementation. Consumers call the
+   row; adding an optimizer is a module with its rules and step functions, and its row here.
+
+Parameters and gradients are float32 or float64 arrays of any shape (same shape and dtype per
+pair). Inputs are never modified; parameters come back as new arrays and states hold read-only
+copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from reference.optim._common import check_param
+from reference.optim._registry import IMPLEMENTATIONS, SPECS, OptimizerSpec, register, spec, spec_for
+from reference.optim.adam import (AdamConfig, AdamParamState, adam_init_state, adam_magnitudes, adam_step,
+                                  adamw_config, fused_adam_step)
+from reference.optim.adagrad import AdagradConfig, AdagradState, adagrad_init_state, adagrad_magnitudes, adagrad_step
+from reference.optim.adadelta import AdadeltaConfig, AdadeltaState, adadelta_init_state, adadelta_magnitudes, adadelta_step
+from reference.optim.adamax import AdamaxConfig, AdamaxState, adamax_init_state, adamax_magnitudes, adamax_step
+from reference.optim.nadam import NAdamConfig, NAdamState, nadam_init_state, nadam_magnitudes, nadam_step
+from reference.optim.radam import RAdamConfig, RAdamState, radam_init_state, radam_magnitudes, radam_step
+from reference.optim.rmsprop import RMSpropConfig, RMSpropState, rmsprop_init_state, rmsprop_magnitudes, rmsprop_step
+from reference.optim.sgd import SGDConfig, SGDParamState, fused_sgd_step, sgd_init_state, sgd_magnitudes, sgd_step
+
+__all__ = [
+    "AdagradConfig",
+    "AdagradState",
+    "adagrad_step",
+    "IMPLEMENTATIONS",
+    "NAdamConfig",
+    "RAdamConfig",
+    "nadam_step",
+    "radam_step",
+    "AdadeltaConfig",
+    "AdamaxConfig",
+    "adadelta_step",
+    "adamax_step",
+    "RMSpropConfig",
+    "RMSpropState",
+    "rmsprop_step",
+    "SPECS",
+    "AdamConfig",
+    "AdamParamState",
+    "OptimizerSpec",
+    "SGDConfig",
+    "SGDParamState",
+    "adam_step",
+    "adamw_config",
+    "fused_adam_step",
+    "fused_sgd_step",
+    "init_state",
+    "register",
+    "sgd_step",
+    "spec",
+    "spec_for",
+]
+
+
+def init_state(params: Sequence[np.ndarray], config: Any) -> tuple[Any, ...]:
+    """The state torch creates for each parameter before its first step, by the registry row of
+    ``config``. Raises ``ValueError`` for a configuration of no registered optimizer or a
+    parameter that is not float32/float64."""
+    row = spec_for(config)
+    arrays = [check_param(p, i) for i, p in enumerate(params)]
+    return tuple(row.init_state(a, config) for a in arrays)
+
+
+# --- the rows: one per torch.optim class ------------------------------------------------------
+
+
+def _sgd(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    new_params, new_state = sgd_step(params, grads, state, config, lr=lr)
+    return new_params, list(grads), new_state
+
+
+def _fused_sgd(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return fused_sgd_step(params, grads, state, config, grad_scale=grad_scale, found_inf=found_inf, lr=lr)
+
+
+def _sgd_kernel_skip_refused(config: SGDConfig) -> str | None:
+    if config.momentum != 0:
+        return ("SGD with momentum: torch's fused SGD creates its momentum buffers with empty_like before the kernel "
+                "checks the flag, so a skipped first step leaves them uninitialised")
+    return None
+
+
+def _adam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    new_params, new_state = adam_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+    return new_params, list(grads), new_state
+
+
+def _fused_adam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return fused_adam_step(params, grads, state, config, grad_scale=grad_scale, found_inf=found_inf, lr=lr)
+
+
+register(OptimizerSpec("SGD", SGDConfig, SGDConfig, sgd_init_state,
+                       {"for-loop": _sgd, "foreach": _sgd, "fused": _fused_sgd}, frozenset({"fused"}),
+                       _sgd_kernel_skip_refused, sgd_magnitudes))
+register(OptimizerSpec("Adam", AdamConfig, AdamConfig, adam_init_state,
+                       {"for-loop": _adam, "foreach": _adam, "fused": _fused_adam}, frozenset({"fused"}),
+                       magnitudes=adam_magnitudes))
+register(OptimizerSpec("AdamW", adamw_config, AdamConfig, adam_init_state,
+                       {"for-loop": _adam, "foreach": _adam, "fused": _fused_adam}, frozenset({"fused"}),
+                       magnitudes=adam_magnitudes))
+
+
+def _adagrad(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adagrad_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+def _fused_adagrad(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adagrad_step(params, grads, state, config, lr=lr, grad_scale=grad_scale, found_inf=found_inf, fused=True)
+
+
+register(OptimizerSpec("Adagrad", AdagradConfig, AdagradConfig, adagrad_init_state,
+                       {"for-loop": _adagrad, "foreach": _adagrad, "fused": _fused_adagrad}, frozenset({"fused"}),
+                       magnitudes=adagrad_magnitudes))
+
+
+def _rmsprop(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return rmsprop_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+register(OptimizerSpec("RMSprop", RMSpropConfig, RMSpropConfig, rmsprop_init_state,
+                       {"for-loop": _rmsprop, "foreach": _rmsprop}, magnitudes=rmsprop_magnitudes))
+
+
+def _adamax(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adamax_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+def _adadelta(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adadelta_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+register(OptimizerSpec("Adamax", AdamaxConfig, AdamaxConfig, adamax_init_state,
+                       {"for-loop": _adamax, "foreach": _adamax}, magnitudes=adamax_magnitudes))
+register(OptimizerSpec("Adadelta", AdadeltaConfig, AdadeltaConfig, adadelta_init_state,
+                       {"for-loop": _adadelta, "foreach": _adadelta}, magnitudes=adadelta_magnitudes))
+
+
+def _nadam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return nadam_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+def _foreach_nadam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return nadam_step(params, grads, state, config, lr=lr, sqrt=sqrt, foreach=True)
+
+
+def _radam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return radam_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+def _foreach_radam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return radam_step(params, grads, state, config, lr=lr, sqrt=sqrt, foreach=True)
+
+
+register(OptimizerSpec("NAdam", NAdamConfig, NAdamConfig, nadam_init_state,
+                       {"for-loop": _nadam, "foreach": _foreach_nadam}, magnitudes=nadam_magnitudes))
+register(OptimizerSpec("RAdam", RAdamConfig, RAdamConfig, radam_init_state,
+                       {"for-loop": _radam, "foreach": _foreach_radam}, magnitudes=radam_magnitudes))

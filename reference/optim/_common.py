@@ -1,0 +1,140 @@
+"""What every optimizer of the specification shares: input checks, the parameter loop, and the
+rounding of torch's elementwise operations on CPU.
+
+Rules (``f(x)`` rounds x to the parameter dtype; a Python-float hyperparameter that meets a
+tensor is first rounded to that dtype):
+
+1. ``add(x, y, alpha)`` is ``x.add(y, alpha=alpha)``: ``f(x + f(f(alpha) * y))``.
+2. ``addcmul(x, a, b, value)`` is ``x.addcmul(a, b, value=value)``: the value multiplies the
+   first factor first, ``f(x + f(f(f(value) * a) * b))``.
+3. ``addcdiv(x, a, b, value)`` is ``x.addcdiv(a, b, value=value)``: ``f(x + f(f(f(value) * a) / b))``.
+4. ``lerp(x, y, w)`` is ``x.lerp(y, w)`` with a scalar weight ``w = f(w)``: when ``|w| < 0.5``
+   ``f(x + f(w * f(y - x)))``, otherwise ``f(y - f(f(y - x) * f(1 - w)))``.
+5. A value of 1 in rules 1-3 multiplies exactly, so ``x.add(y)`` is ``f(x + y)``.
+
+Under ``ATEN_CPU_CAPABILITY=default`` torch rounds each of these operations separately, as
+written here; native AVX2/AVX512 kernels fuse some of the multiply-adds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def check_lr(lr: float) -> float:
+    value = float(lr)
+    require(value >= 0.0, f"lr must be >= 0, got {lr!r}")
+    return value
+
+
+def check_lr_or_tensor(lr: Any) -> float | np.ndarray:
+    """A Python-float lr, or a tensor lr (rule 11): a 0-d float32/float64 array, kept as it is."""
+    if isinstance(lr, np.ndarray):
+        require(lr.ndim == 0 and lr.dtype in DTYPES, f"a tensor lr must be a 0-d float32/float64 array, got {lr!r}")
+        check_lr(lr[()])
+        return lr
+    return check_lr(lr)
+
+
+def lr_value(config: Any, lr: Any) -> float:
+    """The step's rate as a Python float: ``config.lr`` when ``lr`` is None, else its value
+    (a tensor lr read as the number it holds, rule 11)."""
+    return float(config.lr) if lr is None else float(check_lr_or_tensor(lr))
+
+
+def check_nonnegative(**values: float) -> None:
+    for name, value in values.items():
+        require(value >= 0.0, f"{name} must be >= 0, got {value!r}")
+
+
+def frozen(a: np.ndarray) -> np.ndarray:
+    out = np.array(a, copy=True)
+    out.setflags(write=False)
+    return out
+
+
+def check_param(p: np.ndarray, i: int) -> np.ndarray:
+    arr = np.asarray(p)
+    require(arr.dtype in DTYPES, f"params[{i}] must be float32 or float64, got {arr.dtype}")
+    return arr
+
+
+def check_inputs(params, grads, state, config, config_type, state_type) -> list[np.ndarray]:
+    require(isinstance(config, config_type), f"config must be a {config_type.__name__}, got {type(config).__name__}")
+    require(len(params) == len(grads) == len(state),
+            f"params, grads and state must have the same length, got {len(params)}, {len(grads)}, {len(state)}")
+    arrays = [check_param(p, i) for i, p in enumerate(params)]
+    for i, (p, g, s) in enumerate(zip(arrays, grads, state)):
+        require(isinstance(s, state_type), f"state[{i}] must be a {state_type.__name__}, got {type(s).__name__}")
+        if g is None:
+            continue
+        g = np.asarray(g)
+        require(g.dtype == p.dtype and g.shape == p.shape,
+                f"grads[{i}] must match params[{i}] ({p.dtype}, shape {p.shape}), got {g.dtype}, shape {g.shape}")
+    return arrays
+
+
+def for_each_param(
+    arrays: list[np.ndarray],
+    grads: Sequence[np.ndarray | None],
+    state: Sequence[Any],
+    update: Callable[[np.ndarray, np.ndarray, Any], tuple[np.ndarray, Any, np.ndarray]],
+) -> tuple[list[np.ndarray], list[np.ndarray | None], tuple[Any, ...]]:
+    """Rule 7 of `reference.optim` for every optimizer: a parameter without a gradient keeps its
+    value (a copy) and its state; ``update(param, grad, state)`` gives ``(param, state, grad)``
+    for the others. Floating-point exceptions are IEEE results here, not errors."""
+    new_params: list[np.ndarray] = []
+    new_grads: list[np.ndarray | None] = []
+    new_state: list[Any] = []
+    with np.errstate(all="ignore"):
+        for p, g, s in zip(arrays, grads, state):
+            if g is None:
+                new_p, new_s, new_g = np.array(p, copy=True), s, None
+            else:
+                new_p, new_s, new_g = update(p, np.asarray(g), s)
+            new_params.append(new_p)
+            new_grads.append(new_g)
+            new_state.append(new_s)
+    return new_params, new_grads, tuple(new_state)
+
+
+def add(x: np.ndarray, y: np.ndarray, alpha: float = 1.0) -> np.ndarray:
+    """Rule 1: ``x.add(y, alpha=alpha)``."""
+    f = np.asarray(x).dtype.type
+    return x + y if alpha == 1 else x + f(alpha) * y
+
+
+def addcmul(x: np.ndarray, a: np.ndarray, b: np.ndarray, value: float = 1.0) -> np.ndarray:
+    """Rule 2: ``x.addcmul(a, b, value=value)``."""
+    f = np.asarray(x).dtype.type
+    return x + (f(value) * a) * b
+
+
+def addcdiv(x: np.ndarray, a: np.ndarray, b: np.ndarray, value: float = 1.0) -> np.ndarray:
+    """Rule 3: ``x.addcdiv(a, b, value=value)``."""
+    f = np.asarray(x).dtype.type
+    return x + (f(value) * a) / b
+
+
+def lerp(x: np.ndarray, y: np.ndarray, weight: float) -> np.ndarray:
+    """Rule 4: ``x.lerp(y, weight)`` with a Python-float weight."""
+    f = np.asarray(x).dtype.type
+    w = f(weight)
+    if abs(w) < 0.5:
+        return x + w * (y - x)
+    return y - (y - x) * (f(1) - w)
+
+
+def step_counter(step: np.float32) -> np.float32:
+    """torch's step counter: a float32 tensor incremented by one (it stops counting at 2**24)."""
+    return np.float32(step + np.float32(1.0))

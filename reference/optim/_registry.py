@@ -1,0 +1,149 @@
+"""The registry of the specification's optimizers: one row per torch.optim class.
+
+A row (`OptimizerSpec`) holds everything a consumer needs and nothing a consumer decides:
+torch's class name, the configuration (its hyperparameters are torch's keyword arguments, with
+torch's defaults), the state torch creates before a first step, and one pure step function per
+implementation torch has on the CPU (``for-loop``, ``foreach``, ``fused``). Consumers
+(`reference.step`, the audit, torchimpl's bridge, the conformance suite) look a row up and call
+it; none of them names an optimizer.
+
+Every step function has one signature:
+``step(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0)``
+returning ``(params, grads, state)``: the new parameters, the gradients as the optimizer leaves
+them in ``.grad``, and the new per-parameter states. ``sqrt`` is the elementwise square root to
+use (rule 9 of `reference.optim`; ``None``: the correctly rounded one), ``grad_scale`` and
+``found_inf`` are what ``GradScaler.step`` hands a kernel that does its own unscaling and
+skipping; implementations not in ``kernel_scaled`` are never called on a skipped step and take
+neither.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["IMPLEMENTATIONS", "OptimizerSpec", "SPECS", "register", "spec", "spec_for"]
+
+IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
+
+StepFunction = Callable[..., tuple[list[np.ndarray], list[Any], tuple[Any, ...]]]
+
+
+def _never(config: Any) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """One optimizer of the specification.
+
+    ``name``: torch's class name. ``config``: builds the configuration from torch's keyword
+    arguments (its signature's defaults are torch's defaults); ``config_type`` is what it returns.
+    ``init_state(param, config)``: one parameter's state before its first step; the state is a
+    frozen dataclass whose fields are named as torch's ``optimizer.state[p]`` keys.
+    ``steps``: implementation name -> step function (module docstring). ``kernel_scaled``: the
+    implementations whose kernel takes ``grad_scale``/``found_inf`` and is called on every
+    step. ``kernel_skip_refused(config)``: why the spec cannot model this configuration in a kernel
+    that skips by itself (``None`` when it can). ``magnitudes(config, param, grad, old, new)``:
+    ``x_abs`` of every compared field (the field's formula on magnitudes, float64), the scale of
+    the ULP bounds on native kernels.
+    """
+
+    name: str
+    config: Callable[..., Any]
+    config_type: type
+    init_state: Callable[[np.ndarray, Any], Any]
+    steps: Mapping[str, StepFunction]
+    kernel_scaled: frozenset[str] = frozenset()
+    kernel_skip_refused: Callable[[Any], str | None] = _never
+    magnitudes: Callable[..., dict[str, np.ndarray]] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.steps) - set(IMPLEMENTATIONS)
+        if unknown or not self.steps:
+            raise ValueError(f"{self.name}: implementations must be some of {IMPLEMENTATIONS}, got {sorted(self.steps)}")
+        if not set(self.kernel_scaled) <= set(self.steps):
+            raise ValueError(f"{self.name}: kernel_scaled {sorted(self.kernel_scaled)} are not implementations")
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """Hyperparameter name -> torch's default."""
+        return {n: p.default for n, p in inspect.signature(self.config).parameters.items()}
+
+    def make_config(self, **hyperparameters: Any) -> Any:
+        """The configuration; a name torch's class does not take is a ValueError naming it."""
+        unknown = sorted(set(hyperparameters) - set(self.hyperparameters()))
+        if unknown:
+            raise ValueError(f"{self.name} has no hyperparameter {', '.join(unknown)}; "
+                             f"its hyperparameters: {', '.join(self.hyperparameters())}")
+        return self.config(**hyperparameters)
+
+    def state_fields(self, config: Any) -> tuple[str, ...]:
+        """The state's fields torch keeps for this configuration (those ``init_state`` fills, and
+        the ones created at the first step, such as SGD's momentum buffer)."""
+        probe = self.init_state(np.zeros(2, np.float32), config)
+        stepped = self.step("for-loop" if "for-loop" in self.steps else next(iter(self.steps)),
+                            [np.zeros(2, np.float32)], [np.ones(2, np.float32)], (probe,), config)[2][0]
+        return tuple(f.name for f in dataclasses.fields(probe) if getattr(stepped, f.name) is not None)
+
+    def state_from(self, mapping: Mapping[str, Any], param: np.ndarray, config: Any) -> Any:
+        """The spec's state equal to torch's ``optimizer.state[p]`` given as NumPy values by key
+        (an empty mapping: the state before a first step). Scalar fields (the step counter) are
+        read as float32 scalars, as torch keeps them."""
+        init = self.init_state(param, config)
+        if not mapping:
+            return init
+        values = {}
+        for f in dataclasses.fields(init):
+            value = mapping.get(f.name)
+            if value is None:
+                continue
+            base = getattr(init, f.name)
+            values[f.name] = np.float32(np.asarray(value).reshape(())) if isinstance(base, np.floating) else value
+        return dataclasses.replace(init, **values)
+
+    def step(self, implementation: str, params: Any, grads: Any, state: Any, config: Any, *, lr: Any = None,
+             sqrt: Callable[[np.ndarray], np.ndarray] | None = None, grad_scale: float | None = None,
+             found_inf: float = 0.0) -> tuple[list[np.ndarray], list[Any], tuple[Any, ...]]:
+        """One step of ``implementation`` (module docstring)."""
+        if implementation not in self.steps:
+            raise ValueError(f"{self.name} has no {implementation!r} implementation in the specification; "
+                             f"it has {', '.join(self.steps)}")
+        if implementation not in self.kernel_scaled and (grad_scale is not None or found_inf != 0.0):
+            raise ValueError(f"{self.name}'s {implementation} path takes no grad_scale/found_inf: "
+                             "GradScaler unscales its gradients and skips the call")
+        return self.steps[implementation](params, grads, state, config, lr=lr, sqrt=sqrt, grad_scale=grad_scale,
+                                          found_inf=found_inf)
+
+
+SPECS: dict[str, OptimizerSpec] = {}
+
+
+def register(row: OptimizerSpec) -> OptimizerSpec:
+    """Add a row (its name must be new)."""
+    if row.name in SPECS:
+        raise ValueError(f"an optimizer named {row.name!r} is already registered")
+    SPECS[row.name] = row
+    return row
+
+
+def spec(name: str) -> OptimizerSpec:
+    """The row of torch's class ``name``; a KeyError naming the registered ones otherwise."""
+    try:
+        return SPECS[name]
+    except KeyError:
+        raise KeyError(f"{name!r} is not in the specification; registered: {', '.join(SPECS)}") from None
+
+
+def spec_for(config: Any) -> OptimizerSpec:
+    """The first row whose configuration type is ``config``'s (Adam and AdamW share theirs, and
+    their steps): a ValueError for a configuration of no registered optimizer."""
+    for row in SPECS.values():
+        if isinstance(config, row.config_type):
+            return row
+    raise ValueError(f"{type(config).__name__} is not the configuration of a registered optimizer "
+                     f"({', '.join(SPECS)})")

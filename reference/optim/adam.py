@@ -1,0 +1,254 @@
+"""``torch.optim.Adam`` and ``AdamW`` as torch computes them on CPU: `reference.optim` rules 3-11.
+
+The for-loop and foreach paths round alike on CPU (the foreach ops fall back to the per-tensor
+kernels, and the foreach path takes its bias corrections as Python floats too); they differ only
+in the square root torch hands to MKL (rule 9), which ``sqrt=`` injects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from reference.optim._common import (check_inputs, check_lr, check_lr_or_tensor, check_param, for_each_param,
+                                     frozen, require)
+
+__all__ = ["AdamConfig", "AdamParamState", "adam_init_state", "adam_step", "adamw_config", "fused_adam_step"]
+
+
+@dataclass(frozen=True)
+class AdamConfig:
+    """``torch.optim.Adam`` hyperparameters; ``decoupled_weight_decay=True`` is AdamW.
+
+    ``lr >= 0``, ``0 <= beta < 1`` for both betas, ``eps >= 0``, ``weight_decay >= 0``.
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    amsgrad: bool = False
+    maximize: bool = False
+    decoupled_weight_decay: bool = False
+
+    def __post_init__(self) -> None:
+        check_lr(self.lr)
+        require(
+            len(self.betas) == 2, f"betas must be a pair (beta1, beta2), got {self.betas!r}"
+        )
+        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+        for name, beta in zip(("betas[0]", "betas[1]"), self.betas):
+            require(0.0 <= beta < 1.0, f"{name} must be in [0, 1), got {beta!r}")
+        require(self.eps >= 0.0, f"eps must be >= 0, got {self.eps!r}")
+        require(
+            self.weight_decay >= 0.0, f"weight_decay must be >= 0, got {self.weight_decay!r}"
+        )
+
+
+def adamw_config(
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+    maximize: bool = False,
+) -> AdamConfig:
+    """``torch.optim.AdamW``'s defaults: decoupled weight decay, ``weight_decay=1e-2``."""
+    return AdamConfig(
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=amsgrad,
+        maximize=maximize,
+        decoupled_weight_decay=True,
+    )
+
+
+
+@dataclass(frozen=True)
+class AdamParamState:
+    """One parameter's Adam(W) state, as torch keeps it.
+
+    ``step`` is a float32 scalar (torch's step counter is a float32 tensor, so it stops
+    counting at 2**24); ``max_exp_avg_sq`` exists only with AMSGrad.
+    """
+
+    step: np.float32
+    exp_avg: np.ndarray
+    exp_avg_sq: np.ndarray
+    max_exp_avg_sq: np.ndarray | None = None
+
+
+
+def adam_init_state(p: np.ndarray, config: AdamConfig) -> AdamParamState:
+    """``step = 0`` and zero moments of the parameter's shape and dtype (plus ``max_exp_avg_sq``
+    with AMSGrad)."""
+    a = check_param(p, 0)
+    return AdamParamState(step=np.float32(0.0), exp_avg=frozen(np.zeros_like(a)), exp_avg_sq=frozen(np.zeros_like(a)),
+                          max_exp_avg_sq=frozen(np.zeros_like(a)) if config.amsgrad else None)
+
+
+def _adam_update(
+    p: np.ndarray,
+    d: np.ndarray,
+    s: AdamParamState,
+    step: np.float32,
+    config: AdamConfig,
+    lr: float,
+    fused: bool,
+    sqrt: Callable[[np.ndarray], np.ndarray] = np.sqrt,
+) -> tuple[np.ndarray, AdamParamState]:
+    """Rules 3-6 for one parameter, given the (maximize-applied) gradient and the new step."""
+    f = p.dtype.type
+    beta1, beta2 = config.betas
+    tensor_lr = lr if isinstance(lr, np.ndarray) else None  # rule 11
+    if tensor_lr is not None:
+        lr = tensor_lr.dtype.type(tensor_lr[()])
+    if config.weight_decay != 0:
+        if config.decoupled_weight_decay and tensor_lr is not None:
+            L = tensor_lr.dtype.type
+            factor = L(L(1) - L(lr * L(config.weight_decay)))
+            if p.ndim == 0 and np.dtype(L).itemsize > p.dtype.itemsize:
+                p = np.asarray(p.astype(np.dtype(L)) * factor).astype(p.dtype)  # two 0-d tensors promote
+            else:
+                p = p * f(factor)
+        elif config.decoupled_weight_decay:
+            p = p * f(1 - lr * config.weight_decay)
+        else:
+            d = d + f(config.weight_decay) * p
+    m = s.exp_avg
+    w = f(1 - beta1)
+    if abs(w) < 0.5:
+        m = m + w * (d - m)
+    else:
+        m = d - (d - m) * (f(1) - w)
+    v = s.exp_avg_sq * f(beta2)
+    v = v + (f(1 - beta2) * d) * d
+    t = float(step)
+    bias_correction1 = 1 - beta1**t
+    bias_correction2 = 1 - beta2**t
+    # A tensor lr divides in its own dtype (rule 11); a Python float in float64.
+    step_size = float(lr / type(lr)(bias_correction1)) if tensor_lr is not None else lr / bias_correction1
+    # The for-loop path takes bc2 ** 0.5 (libm pow), the fused kernel std::sqrt.
+    bias_correction2_sqrt = math.sqrt(bias_correction2) if fused else bias_correction2**0.5
+    vmax = s.max_exp_avg_sq
+    if config.amsgrad:
+        vmax = np.maximum(vmax, v)
+        root = sqrt(vmax)
+    else:
+        root = sqrt(v)
+    denom = root / f(bias_correction2_sqrt) + f(config.eps)
+    p = p + (f(-step_size) * m) / denom
+    return p, AdamParamState(
+        step=step,
+        exp_avg=frozen(m),
+        exp_avg_sq=frozen(v),
+        max_exp_avg_sq=frozen(vmax) if vmax is not None else None,
+    )
+
+
+
+def adam_step(
+    params: Sequence[np.ndarray],
+    grads: Sequence[np.ndarray | None],
+    state: Sequence[AdamParamState],
+    config: AdamConfig,
+    lr: float | None = None,
+    *,
+    sqrt: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> tuple[list[np.ndarray], tuple[AdamParamState, ...]]:
+    """One step of torch's for-loop Adam or AdamW (rules 1, 3-7, 9).
+
+    ``lr=None`` uses ``config.lr``; passing ``lr`` lets a schedule drive it (must be >= 0); a 0-d
+    float32/float64 array is a tensor lr (rule 11). ``sqrt``: the elementwise square root of rule 6, returning the input's dtype; ``None``
+    means the correctly rounded ``np.sqrt`` (rule 9 says when torch differs).
+    Returns the new parameters and the new per-parameter states.
+    """
+    arrays = check_inputs(params, grads, state, config, AdamConfig, AdamParamState)
+    step_lr = config.lr if lr is None else check_lr_or_tensor(lr)
+    root = np.sqrt if sqrt is None else sqrt
+
+    def update(p: np.ndarray, g: np.ndarray, s: AdamParamState) -> tuple[np.ndarray, AdamParamState, np.ndarray]:
+        step = np.float32(s.step + np.float32(1.0))
+        new_p, new_s = _adam_update(p, -g if config.maximize else g, s, step, config, step_lr, fused=False, sqrt=root)
+        return new_p, new_s, g
+
+    new_params, _, new_state = for_each_param(arrays, grads, state, update)
+    return new_params, new_state
+
+
+
+def fused_adam_step(
+    params: Sequence[np.ndarray],
+    grads: Sequence[np.ndarray | None],
+    state: Sequence[AdamParamState],
+    config: AdamConfig,
+    *,
+    grad_scale: float | None = None,
+    found_inf: float = 0.0,
+    lr: float | None = None,
+) -> tuple[list[np.ndarray], list[np.ndarray | None], tuple[AdamParamState, ...]]:
+    """One step of fused Adam/AdamW as ``GradScaler.step`` drives it (rule 8).
+
+    ``grad_scale``: the loss scale the gradients still carry (float32 in torch), or ``None``
+    when they were already unscaled by ``GradScaler.unscale_``. ``found_inf``: the scaler's
+    flag (normally 0.0 or 1.0); the step is skipped only when it equals 1.0 exactly.
+    Returns ``(params, grads, state)``: the grads are the ones the kernel leaves in ``.grad``,
+    unscaled by true division on an applied step, still scaled on a skipped one.
+
+    Bit exactness: under ``ATEN_CPU_CAPABILITY=default`` the fused CPU kernel rounds every
+    operation separately (its square root is correctly rounded) and this matches it bit for
+    bit. Its native AVX2/AVX512 build computes the first-moment lerp with a fused multiply-add
+    and lets the compiler contract other multiply-adds, which no NumPy expression reproduces:
+    there, one step from the same state differed by up to 7 ULPs on parameters and 2 ULPs on
+    moments (measured relative to the operands' magnitude), compounding over steps like any
+    rounding difference.
+    """
+    arrays = check_inputs(params, grads, state, config, AdamConfig, AdamParamState)
+    step_lr = config.lr if lr is None else float(check_lr_or_tensor(lr))  # rule 11: its value
+    inf_flag = np.float32(found_inf)
+    skip = float(found_inf) == 1.0
+
+    def update(p: np.ndarray, g: np.ndarray, s: AdamParamState) -> tuple[np.ndarray, AdamParamState, np.ndarray]:
+        f = p.dtype.type
+        step = np.float32(s.step + np.float32(1.0))
+        g = np.array(g, copy=True)
+        if skip:
+            new_p, new_s = np.array(p, copy=True), s
+        else:
+            if grad_scale is not None:
+                g = g / f(np.float32(grad_scale))
+            new_p, new_s = _adam_update(p, -g if config.maximize else g, s, step, config, step_lr, fused=True)
+        # The kernel advances the step counter by 1 - found_inf, applied or not.
+        return new_p, dataclasses.replace(new_s, step=np.float32(step - inf_flag)), g
+
+    return for_each_param(arrays, grads, state, update)
+
+
+def adam_magnitudes(config: AdamConfig, p: np.ndarray, g: np.ndarray, old: AdamParamState,
+                    new: AdamParamState) -> dict[str, np.ndarray]:
+    """``x_abs`` of each Adam field: rules 3-6 on magnitudes, float64 (the denominator is
+    positive, taken from the spec's new second moment)."""
+    beta1, beta2 = config.betas
+    p64 = np.abs(np.asarray(p, np.float64))
+    d = np.abs(np.asarray(g, np.float64)) + (0.0 if config.decoupled_weight_decay else config.weight_decay * p64)
+    m = beta1 * np.abs(np.asarray(old.exp_avg, np.float64)) + (1 - beta1) * d
+    v = beta2 * np.asarray(old.exp_avg_sq, np.float64) + (1 - beta2) * d * d
+    out = {"exp_avg": m, "exp_avg_sq": v}
+    root_of = new.exp_avg_sq
+    if config.amsgrad:
+        out["max_exp_avg_sq"] = np.maximum(np.asarray(old.max_exp_avg_sq, np.float64), v)
+        root_of = new.max_exp_avg_sq
+    t = float(new.step)
+    step_size = config.lr / (1 - beta1**t)
+    denom = np.sqrt(np.asarray(root_of, np.float64)) / math.sqrt(1 - beta2**t) + config.eps
+    with np.errstate(divide="ignore", invalid="ignore"):
+        update = np.where(denom > 0, step_size * m / denom, np.inf)
+    decay = 1 - config.lr * config.weight_decay if config.decoupled_weight_decay else 1.0
+    out["param"] = p64 * decay + update
+    return out

@@ -1,0 +1,150 @@
+"""``torch.optim.RAdam`` as torch computes it on CPU (with ``decoupled_weight_decay``).
+
+Rules (``f`` rounds to the parameter dtype; `reference.optim._common` states the operations;
+``t`` is the new step as a Python float; every scalar is float64):
+
+1. State: ``step`` (a float32 counter), ``exp_avg`` and ``exp_avg_sq`` (zeros).
+2. ``d = -g if maximize else g``; weight decay: decoupled ``p = f(p * f(1 - lr * wd))``, else
+   ``d = add(d, p, wd)``; ``exp_avg = lerp(exp_avg, d, 1 - beta1)``;
+   ``exp_avg_sq = addcmul(f(exp_avg_sq * f(beta2)), d, d, 1 - beta2)``.
+3. ``bc1 = 1 - beta1 ** t``, ``bc2 = 1 - beta2 ** t``, ``rho_inf = 2 / (1 - beta2) - 1``,
+   ``rho_t = rho_inf - 2 * t * beta2 ** t / bc2``; when ``rho_t > 5`` the variance is
+   rectified by ``rect = ((rho_t - 4) (rho_t - 2) rho_inf / ((rho_inf - 4) (rho_inf - 2) rho_t)) ** 0.5``.
+4. The for-loop path: ``m_hat = f(exp_avg / f(bc1))``; rectified,
+   ``a = f(f(1 / f(sqrt(exp_avg_sq) + f(eps))) * f(bc2 ** 0.5))`` (a Python float divided by a
+   tensor is torch's reciprocal times the float) and ``p = f(p - f(f(f(m_hat * f(lr)) * a) * f(rect)))``;
+   otherwise ``p = f(p - f(m_hat * f(lr)))``.
+5. The foreach path computes another expression of the same update: ``s = -(bc2 ** 0.5) *
+   (lr * rect / bc1)`` (``-0.0`` when not rectified) and ``u = -lr * (0 if rectified else 1) / bc1``;
+   ``b = f(f(1 / f(f(sqrt(exp_avg_sq) + f(eps)) / f(s))) + f(u))`` (not rectified, the division
+   by ``-0.0`` gives ``-inf``, its reciprocal ``-0.0``, so ``b = f(u)``) and ``p = f(p + f(exp_avg * b))``.
+   So torch's two paths differ in the last bits, even unrectified (a tested expectation).
+6. The learning rate is read as a Python float (a tensor lr is not modelled). torch has no
+   fused RAdam.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from reference.optim._common import (add, addcmul, check_inputs, check_lr, check_nonnegative, check_param,
+                                     for_each_param, frozen, lerp, lr_value, require, step_counter)
+
+__all__ = ["RAdamConfig", "RAdamState", "radam_init_state", "radam_magnitudes", "radam_step"]
+
+
+@dataclass(frozen=True)
+class RAdamConfig:
+    """``torch.optim.RAdam`` hyperparameters, torch's defaults and checks."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled_weight_decay: bool = False
+    maximize: bool = False
+
+    def __post_init__(self) -> None:
+        check_lr(self.lr)
+        require(len(self.betas) == 2, f"betas must be a pair (beta1, beta2), got {self.betas!r}")
+        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+        for name, beta in zip(("betas[0]", "betas[1]"), self.betas):
+            require(0.0 <= beta < 1.0, f"{name} must be in [0, 1), got {beta!r}")
+        check_nonnegative(eps=self.eps, weight_decay=self.weight_decay)
+
+
+@dataclass(frozen=True)
+class RAdamState:
+    """One parameter's state, named as torch's keys."""
+
+    step: np.float32
+    exp_avg: np.ndarray
+    exp_avg_sq: np.ndarray
+
+
+def radam_init_state(p: np.ndarray, config: RAdamConfig) -> RAdamState:
+    """Rule 1."""
+    a = check_param(p, 0)
+    return RAdamState(step=np.float32(0.0), exp_avg=frozen(np.zeros_like(a)), exp_avg_sq=frozen(np.zeros_like(a)))
+
+
+def rectification(beta2: float, t: float) -> float:
+    """Rule 3: ``rect`` at step ``t``, 0 when ``rho_t <= 5`` (not rectified)."""
+    rho_inf = 2 / (1 - beta2) - 1
+    rho_t = rho_inf - 2 * t * (beta2**t) / (1 - beta2**t)
+    if rho_t > 5.0:
+        return ((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) ** 0.5
+    return 0.0
+
+
+def radam_step(
+    params: Sequence[np.ndarray],
+    grads: Sequence[np.ndarray | None],
+    state: Sequence[RAdamState],
+    config: RAdamConfig,
+    *,
+    lr: float | None = None,
+    sqrt: Callable[[np.ndarray], np.ndarray] | None = None,
+    grad_scale: float | None = None,
+    found_inf: float = 0.0,
+    foreach: bool = False,
+) -> tuple[list[np.ndarray], list[np.ndarray | None], tuple[RAdamState, ...]]:
+    """One step of the for-loop path, or with ``foreach`` the foreach path (rules 2-5)."""
+    arrays = check_inputs(params, grads, state, config, RAdamConfig, RAdamState)
+    require(grad_scale is None and found_inf == 0.0, "RAdam has no kernel that unscales (GradScaler does)")
+    require(not isinstance(lr, np.ndarray), "a tensor lr is not modelled for RAdam (rule 6)")
+    rate, root, c, (beta1, beta2) = lr_value(config, lr), np.sqrt if sqrt is None else sqrt, config, config.betas
+
+    def update(p: np.ndarray, g: np.ndarray, s: RAdamState) -> tuple[np.ndarray, RAdamState, np.ndarray]:
+        f = p.dtype.type
+        step = step_counter(s.step)
+        t = float(step)
+        d = -g if c.maximize else g
+        if c.weight_decay != 0:
+            if c.decoupled_weight_decay:
+                p = p * f(1 - rate * c.weight_decay)
+            else:
+                d = add(d, p, c.weight_decay)
+        exp_avg = lerp(s.exp_avg, d, 1 - beta1)
+        exp_avg_sq = addcmul(s.exp_avg_sq * f(beta2), d, d, 1 - beta2)
+        bc1, bc2 = 1 - beta1**t, 1 - beta2**t
+        rect = rectification(beta2, t)
+        if foreach:
+            scale = ((1 - beta2**t) ** 0.5) * (rate * rect / bc1) * -1
+            unrect = (rate * (0 if rect > 0 else 1.0) / bc1) * -1
+            buffer = f(1) / ((root(exp_avg_sq) + f(c.eps)) / f(scale)) + f(unrect)
+            p = addcmul(p, exp_avg, buffer, 1.0)
+        else:
+            m_hat = exp_avg / f(bc1)
+            if rect > 0:
+                adaptive = (f(1) / (root(exp_avg_sq) + f(c.eps))) * f(bc2**0.5)
+                p = add(p, ((m_hat * f(rate)) * adaptive) * f(rect), -1.0)
+            else:
+                p = add(p, m_hat * f(rate), -1.0)
+        return p, RAdamState(step, frozen(exp_avg), frozen(exp_avg_sq)), g
+
+    return for_each_param(arrays, grads, state, update)
+
+
+def radam_magnitudes(config: RAdamConfig, p: np.ndarray, g: np.ndarray, old: RAdamState,
+                     new: RAdamState) -> dict[str, np.ndarray]:
+    """``x_abs`` of each field: rules 2-5 on magnitudes, float64 (the denominator is positive,
+    taken from the spec's new second moment)."""
+    c, a64, (beta1, beta2) = config, (lambda x: np.abs(np.asarray(x, np.float64))), config.betas
+    p64 = a64(p)
+    d = a64(g) + (0.0 if c.decoupled_weight_decay else c.weight_decay * p64)
+    m = beta1 * a64(old.exp_avg) + (1 - beta1) * d
+    v = beta2 * a64(old.exp_avg_sq) + (1 - beta2) * d * d
+    t = float(new.step)
+    rect, bc1 = rectification(beta2, t), 1 - beta1**t
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if rect > 0:
+            denom = np.sqrt(np.asarray(new.exp_avg_sq, np.float64)) + c.eps
+            update = np.where(denom > 0, m / bc1 * c.lr * (1 - beta2**t) ** 0.5 * rect / denom, np.inf)
+        else:
+            update = m / bc1 * c.lr
+    decay = 1 - c.lr * c.weight_decay if c.decoupled_weight_decay else 1.0
+    return {"exp_avg": m, "exp_avg_sq": v, "param": p64 * abs(decay) + update}

@@ -1,0 +1,149 @@
+"""``torch.optim.SGD`` as torch computes it on CPU (`reference.optim` rules 1, 2, 7, 11).
+
+Rules (``f`` rounds to the parameter dtype):
+
+1. Per parameter with a gradient: ``d = -g if maximize else g``; with weight decay
+   ``d = f(d + f(f(wd) * p))``; with momentum, the buffer is a copy of ``d`` on its first step
+   and afterwards ``buf = f(f(buf * f(momentum)) + f(f(1 - dampening) * d))``; then
+   ``d = f(d + f(f(momentum) * buf))`` with Nesterov, else ``d = buf``; finally
+   ``p = f(p + f(f(-lr) * d))``. Without momentum no buffer is ever created.
+2. The for-loop, foreach and fused paths round alike on CPU (foreach ops fall back to the
+   per-tensor kernels; the fused kernel does the same operations in the same order), so one
+   function states all three.
+3. The fused kernel under a GradScaler (``fused_sgd_step``): when ``found_inf == 1.0`` exactly
+   nothing changes (the gradients stay scaled); otherwise, with ``grad_scale``, the gradients are
+   unscaled by a true division ``g = f(g / f32(grad_scale))`` and stored back, then rule 1 runs.
+   SGD has no step counter. torch also creates (uninitialised) momentum buffers on a skipped
+   first step; the spec refuses that case (`reference.step` refuses the sync-free mode for SGD
+   with momentum) rather than model undefined memory.
+4. A tensor lr is read as the number it holds (rule 11 of `reference.optim`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from reference.optim._common import (check_inputs, check_lr, check_param, for_each_param, frozen, lr_value,
+                                     require)
+
+__all__ = ["SGDConfig", "SGDParamState", "fused_sgd_step", "sgd_init_state", "sgd_step"]
+
+
+@dataclass(frozen=True)
+class SGDConfig:
+    """``torch.optim.SGD`` hyperparameters (validated as torch validates them).
+
+    ``lr >= 0``, ``momentum >= 0``, ``weight_decay >= 0``; ``nesterov`` requires
+    ``momentum > 0`` and ``dampening == 0``.
+    """
+
+    lr: float = 1e-3
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    maximize: bool = False
+
+    def __post_init__(self) -> None:
+        check_lr(self.lr)
+        require(self.momentum >= 0.0, f"momentum must be >= 0, got {self.momentum!r}")
+        require(math.isfinite(self.dampening), f"dampening must be finite, got {self.dampening!r}")
+        require(self.weight_decay >= 0.0, f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.nesterov:
+            require(self.momentum > 0.0 and self.dampening == 0.0,
+                    "nesterov requires momentum > 0 and dampening == 0, got "
+                    f"momentum={self.momentum!r}, dampening={self.dampening!r}")
+
+
+@dataclass(frozen=True)
+class SGDParamState:
+    """One parameter's SGD state: the momentum buffer, ``None`` until the first step with
+    momentum (torch's ``state['momentum_buffer']``)."""
+
+    momentum_buffer: np.ndarray | None = None
+
+
+def sgd_init_state(p: np.ndarray, config: SGDConfig) -> SGDParamState:
+    """No momentum buffer before the first step."""
+    check_param(p, 0)
+    return SGDParamState()
+
+
+def _update(config: SGDConfig, lr: float):
+    def update(p: np.ndarray, g: np.ndarray, s: SGDParamState) -> tuple[np.ndarray, SGDParamState, np.ndarray]:
+        f = p.dtype.type
+        d = -g if config.maximize else g
+        if config.weight_decay != 0:
+            d = d + f(config.weight_decay) * p
+        buf = s.momentum_buffer
+        if config.momentum != 0:
+            if buf is None:
+                buf = np.array(d, copy=True)
+            else:
+                buf = buf * f(config.momentum)
+                buf = buf + f(1 - config.dampening) * d
+            d = d + f(config.momentum) * buf if config.nesterov else buf
+            buf = frozen(buf)
+        return p + f(-lr) * d, SGDParamState(momentum_buffer=buf), g
+    return update
+
+
+def sgd_step(
+    params: Sequence[np.ndarray],
+    grads: Sequence[np.ndarray | None],
+    state: Sequence[SGDParamState],
+    config: SGDConfig,
+    lr: float | None = None,
+) -> tuple[list[np.ndarray], tuple[SGDParamState, ...]]:
+    """One step of torch's SGD, any path (rules 1, 2, 4).
+
+    ``lr=None`` uses ``config.lr``; passing ``lr`` lets a schedule drive it (must be >= 0).
+    Returns the new parameters and the new per-parameter states.
+    """
+    arrays = check_inputs(params, grads, state, config, SGDConfig, SGDParamState)
+    new_params, _, new_state = for_each_param(arrays, grads, state, _update(config, lr_value(config, lr)))
+    return new_params, new_state
+
+
+def fused_sgd_step(
+    params: Sequence[np.ndarray],
+    grads: Sequence[np.ndarray | None],
+    state: Sequence[SGDParamState],
+    config: SGDConfig,
+    *,
+    grad_scale: float | None = None,
+    found_inf: float = 0.0,
+    lr: float | None = None,
+) -> tuple[list[np.ndarray], list[np.ndarray | None], tuple[SGDParamState, ...]]:
+    """One step of fused SGD as ``GradScaler.step`` drives it (rule 3); returns
+    ``(params, grads, state)`` with the gradients the kernel leaves in ``.grad``."""
+    arrays = check_inputs(params, grads, state, config, SGDConfig, SGDParamState)
+    if float(found_inf) == 1.0:
+        return [np.array(p, copy=True) for p in arrays], [None if g is None else np.array(g, copy=True)
+                                                           for g in grads], tuple(state)
+    inner = _update(config, lr_value(config, lr))
+
+    def update(p: np.ndarray, g: np.ndarray, s: SGDParamState) -> tuple[np.ndarray, SGDParamState, np.ndarray]:
+        g = np.array(g, copy=True) if grad_scale is None else g / p.dtype.type(np.float32(grad_scale))
+        return inner(p, g, s)
+
+    return for_each_param(arrays, grads, state, update)
+
+
+def sgd_magnitudes(config: SGDConfig, p: np.ndarray, g: np.ndarray, old: SGDParamState,
+                   new: SGDParamState) -> dict[str, np.ndarray]:
+    """``x_abs`` of the momentum buffer and the parameter: rule 1 on magnitudes, float64."""
+    d = np.abs(np.asarray(g, np.float64)) + config.weight_decay * np.abs(np.asarray(p, np.float64))
+    out: dict[str, np.ndarray] = {}
+    if config.momentum != 0:
+        old_buf = old.momentum_buffer
+        buf = d if old_buf is None else \
+            config.momentum * np.abs(np.asarray(old_buf, np.float64)) + abs(1 - config.dampening) * d
+        out["momentum_buffer"] = buf
+        d = d + config.momentum * buf if config.nesterov else buf
+    out["param"] = np.abs(np.asarray(p, np.float64)) + config.lr * d
+    return out

@@ -1,0 +1,139 @@
+"""The optimizer registries: every registered optimizer is covered by every consumer, and adding
+one touches four places only (its spec function, its spec row, its torchimpl row, its
+conformance row) -- shown with a toy optimizer added in this test and nowhere else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import strategies as st
+
+from audit import optimizers as audit_optimizers
+from conformance import expectations, strategies
+from conformance.test_optimizers import run_optimizer_case
+from reference import optim
+from reference import step as ref_step
+from reference.optim._common import check_inputs, for_each_param
+from torchimpl import optim as ti_optim
+from torchimpl import spec_bridge
+from torchimpl.config import Config
+
+
+def test_every_spec_row_is_covered_by_every_consumer():
+    torch_rows = {row.cls.__name__: row for row in ti_optim.REGISTRY.values()}
+    for name, row in optim.SPECS.items():
+        assert name in strategies.OPTIMIZER_CASES, f"{name}: no conformance row in conformance/strategies.py"
+        case = strategies.OPTIMIZER_CASES[name]
+        assert case.torch_class.__name__ == name, f"{name}: the conformance row's class is {case.torch_class}"
+        bounds = case.ulp if case.ulp is not None else expectations.OPTIMIZER_ULP.get(name)
+        assert bounds is not None, f"{name}: no native-kernel bounds in conformance/expectations.py"
+        cfg = row.make_config()
+        init = row.init_state(np.zeros(2, np.float32), cfg)
+        # Scalar fields (step counters) are compared bit for bit everywhere: no bound.
+        fields = {f for f in row.state_fields(cfg) if not isinstance(getattr(init, f), np.floating)} | {"param"}
+        assert fields <= set(bounds), f"{name}: bounds missing for {sorted(fields - set(bounds))}"
+        entry, why = audit_optimizers.lookup(case.torch_class)
+        assert entry is not None and entry.spec is row, f"{name}: the audit does not find it ({why})"
+        assert fields <= set(entry.ulp) and all(entry.bound(f) == bounds[f] for f in fields), \
+            f"{name}: the audit's bounds {dict(entry.ulp)} are not the conformance suite's {dict(bounds)}"
+        assert name in torch_rows, f"{name}: no torchimpl row (torchimpl/optim.py REGISTRY)"
+        assert row.magnitudes is not None, f"{name}: no magnitudes (x_abs) for the native-kernel bounds"
+    for row in ti_optim.REGISTRY.values():
+        spec_row = optim.spec(row.cls.__name__)
+        assert set(row.settings) <= set(spec_row.hyperparameters()), \
+            f"{row.name}: settings {sorted(set(row.settings) - set(spec_row.hyperparameters()))} are not the spec's"
+        # The bridge builds the spec's configuration from the trainer's for every row.
+        cfg = spec_bridge.optimizer_config(ti_optim.OptimizerConfig(name=row.name))
+        assert optim.spec_for(cfg).config_type is spec_row.config_type
+
+
+# --- a toy optimizer, in the four places -------------------------------------------------------
+
+class SignSGD(torch.optim.Optimizer):
+    """The toy's torch side: ``p -= lr * sign(g)``."""
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.0, foreach=None):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, foreach=foreach))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["step"] = self.state[p].get("step", torch.tensor(0.0)) + 1
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+
+
+@dataclass(frozen=True)
+class SignSGDConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class SignSGDState:
+    step: np.float32
+
+
+def sign_sgd(params, grads, state, config, *, lr=None, **_):
+    """1. (place one: the spec function) ``p = f(p + f(f(-lr) * sign(g)))``; ``step += 1``."""
+    arrays = check_inputs(params, grads, state, config, SignSGDConfig, SignSGDState)
+    rate = config.lr if lr is None else float(lr)
+
+    def update(p, g, s):
+        return p + p.dtype.type(-rate) * np.sign(g), SignSGDState(np.float32(s.step + 1)), g
+
+    return for_each_param(arrays, grads, state, update)
+
+
+def _magnitudes(config, p, g, old, new):
+    return {"param": np.abs(np.asarray(p, np.float64)) + config.lr}
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    monkeypatch.setattr(optim._registry, "SPECS", dict(optim.SPECS))
+    monkeypatch.setattr(optim, "SPECS", optim._registry.SPECS)
+    monkeypatch.setattr(ti_optim, "REGISTRY", dict(ti_optim.REGISTRY))
+    monkeypatch.setattr(strategies, "OPTIMIZER_CASES", dict(strategies.OPTIMIZER_CASES))
+    # Place two: the spec row.
+    optim.register(optim.OptimizerSpec("SignSGD", SignSGDConfig, SignSGDConfig,
+                                       lambda p, cfg: SignSGDState(np.float32(0)),
+                                       {"for-loop": sign_sgd}, magnitudes=_magnitudes))
+    # Place three: the torchimpl row.
+    ti_optim.register(ti_optim.TorchOptimizer("signsgd", SignSGD))
+    # Place four: the conformance row.
+    strategies.optimizer_case("SignSGD", strategies.OptimizerCase(
+        SignSGD, lambda: st.fixed_dictionaries({"lr": st.floats(1e-4, 1.0)}), ulp={"param": 2}))
+
+
+def test_a_toy_optimizer_added_in_four_places_reaches_every_consumer(toy):
+    row = optim.spec("SignSGD")
+    assert row.hyperparameters() == {"lr": 1e-3, "weight_decay": 0.0}
+    # The trainer's configuration accepts its name, builds torch's class and bridges to the spec.
+    config = Config.from_dict({"optimizer": {"name": "signsgd", "lr": 0.1, "weight_decay": 0.0}})
+    built = ti_optim.build_optimizer(torch.nn.Linear(2, 2), config.optimizer, "cpu")
+    assert type(built.optimizer) is SignSGD and built.kind == "for-loop"
+    step_config = spec_bridge.step_config(config, scaler_policy=None, optimizer_kind="for-loop", sync_free=False,
+                                          param_ndims=[2, 1])
+    assert step_config.optimizer == SignSGDConfig(lr=0.1, weight_decay=0.0)
+    assert step_config.param_groups[1].config_for(step_config.optimizer).weight_decay == 0.0
+    # The spec's training step runs it, skipping on an overflow as for any optimizer.
+    state = ref_step.init_train_state([np.ones((2, 2), np.float32), np.ones(2, np.float32)], step_config)
+    grads = [np.full((2, 2), 0.5, np.float32), np.array([-1.0, 0.0], np.float32)]
+    result = ref_step.train_step(state, grads, step_config)
+    expected = np.float32(1) + np.float32(-0.1) * np.sign(grads[1])
+    assert result.record.applied and np.array_equal(result.state.params[1], expected)
+    # The conformance property compares it with torch step by step.
+    trajectory = {"params": [np.ones(3, np.float32)], "grads": [[np.array([1.0, -2.0, 0.0], np.float32)]] * 2}
+    run_optimizer_case("SignSGD", "for-loop", {"lr": 0.25}, trajectory, 1024.0, "cpu")
+    # A wrong spec fails that property: the consumers are really using the row.
+    optim._registry.SPECS["SignSGD"] = optim.OptimizerSpec(
+        "SignSGD", SignSGDConfig, SignSGDConfig, lambda p, cfg: SignSGDState(np.float32(0)),
+        {"for-loop": lambda *a, **k: (lambda p, g, s: ([x * 2 for x in p], g, s))(*sign_sgd(*a, **k))},
+        magnitudes=_magnitudes)
+    with pytest.raises(AssertionError, match="params"):
+        run_optimizer_case("SignSGD", "for-loop", {"lr": 0.25}, trajectory, None, "cpu")
