@@ -4,7 +4,7 @@ The only module of the audit that imports the specification (an audit with ``rep
 never loads it).
 
 Input: what the recorder copied during the step, bit for bit: the scaled gradients as backward
-left them (the conformance boundary, DESIGN 3.4: autograd is not re-implemented), the scale,
+left them (``reference.step``'s conformance boundary: autograd is not re-implemented), the scale,
 the gradients entering each clipping call and the optimizer step, the parameters and optimizer
 state before and after, the hyperparameters of every group, the scaler's state around
 ``update``.

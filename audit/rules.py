@@ -1,6 +1,6 @@
 """The audit's rules: a short name, a severity, what it means and the fix.
 
-Each rule is a clause of the step contract (``reference.step``, DESIGN 3.4) that a user's loop can
+Each rule is a clause of the step contract (``reference.step``, rules 1-6) that a user's loop can
 break by the order or the arguments of its calls, or a change to the numbers that the replay
 measures between two stages. Pure data: no torch, no reference.
 

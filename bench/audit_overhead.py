@@ -15,7 +15,7 @@ training's with the parameters times the batch: the replay's ratio falls as the 
 Method: R rounds; in each round every candidate runs one block of S steps (the order rotating
 from round to round); the first W steps of a block are warm-up. A block's time is its median
 step time (the time between consecutive step-end stamps); the ratio to ``plain`` is taken per
-round and its median over rounds reported (bench/_harness.py). Targets (issue 16): replay
+round and its median over rounds reported (bench/_harness.py). Targets: replay
 under 2x, order rules under 1.1x.
 
     PYTHONPATH=. python bench/audit_overhead.py            # a few minutes on 2 cores

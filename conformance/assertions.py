@@ -1,7 +1,8 @@
 """Comparisons of torch results against the specification, with self-contained failure messages.
 
 Every failure names the property, the step and the field, prints both values with their bit
-patterns and ULP distance, and ends with a one-line reproduction. Rules (DESIGN §4):
+patterns and ULP distance, and ends with a one-line reproduction. Rules (the conformance
+method in docs/architecture.md):
 
 1. Finite values, signed zeros and subnormals must match bit for bit.
 2. NaN is compared as a class, never by bits: encodings differ between libraries and between

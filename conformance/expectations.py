@@ -146,7 +146,7 @@ def exact_kernels(device: str) -> bool:
 # 1/2 ULP of that square, hence <= 2^-24 relative of the sum of squares) and the square root
 # halves the relative error of the sum, so the norm moves by about 1 ULP at most before its own
 # rounding, which can add 1. Measured: <= 1 ULP (per-tensor and total, 1,000 random pipelines
-# in research and 12,000 norms here). A 2-ULP difference in float32 becomes at most 1 ULP after
+# when the bound was set, 12,000 here). A 2-ULP difference in float32 becomes at most 1 ULP after
 # the final rounding to float16/bfloat16. Not valid where float32 squares are subnormal: there
 # one dropped rounding is a sizeable part of the sum (strategies.CLIP_MAGNITUDES avoids it).
 NORM_ULP = 2

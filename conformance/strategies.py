@@ -384,7 +384,7 @@ def user_optimizer() -> st.SearchStrategy:
     return st.one_of(st.none(), st.fixed_dictionaries({"scheduler": st.one_of(st.none(), step_lr)}))
 
 
-# --- Reaching the rounding: scales, thresholds, 0-d tensors, lifecycles (issue 18) ---------------
+# --- Reaching the rounding: scales, thresholds, 0-d tensors, lifecycles ------------------------
 
 # Every gradient/loss dtype, for the properties that drive torch's kernels directly (the unscale
 # kernel accepts float16, which only GradScaler.unscale_ refuses).

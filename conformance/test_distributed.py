@@ -161,7 +161,7 @@ def _same(a: float | None, b: float | None) -> bool:
 
 
 def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    """Finite values, zeros and infinities bit for bit; NaN as a class (DESIGN section 4)."""
+    """Finite values, zeros and infinities bit for bit; NaN as a class (assertions.py rule 2)."""
     na, nb = np.isnan(a), np.isnan(b)
     return bool((na == nb).all()) and a[~na].tobytes() == b[~nb].tobytes()
 

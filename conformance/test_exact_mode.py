@@ -2,7 +2,7 @@
 
 ``ATEN_CPU_CAPABILITY=default`` makes ATen round every operation separately, and the thread
 count is pinned: there clipping, the optimizers (every path), the scaler and the casts must
-match the spec bit for bit (DESIGN §4). This test reruns those properties in a subprocess with
+match the spec bit for bit (docs/architecture.md). This reruns those properties in a subprocess with
 that environment, so that one ``pytest conformance`` covers both the native and the exact
 kernels. The subprocess is marked with ``expectations.EXACT_MODE_ENV`` and does not recurse.
 """

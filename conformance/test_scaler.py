@@ -121,7 +121,7 @@ def test_scaler_state_machine_matches_the_spec(kind, device, data):
     run_case(kind, data.draw(scaler_case(kind), label="case"), device)
 
 
-# --- issue 18: the rounding, the kernels, the call sequence and the lifecycle ---------------------
+# --- The rounding, the kernels, the call sequence and the lifecycle -------------------------------
 
 PRESET_NAMES = sorted(scaling.PRESETS)
 

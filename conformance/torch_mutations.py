@@ -22,8 +22,8 @@ Kernels replaced by a Python reimplementation have a *control*: the same reimple
 without the bug, which must survive (else the reimplementation, not the bug, would be what
 the suite catches).
 
-Measured before the properties of issue 18 (lifecycle, call sequence, 0-d promotion, raw kernels,
-error_if_nonfinite) were added: 50/77 killed (of the two mutants added later, that suite kills
+Measured before the lifecycle, call-sequence, 0-d promotion, raw-kernel and error_if_nonfinite
+properties were added: 50/77 killed (of the two mutants added later, that suite kills
 clip_eps_kept_in_float32 and not adam_tensor_lr_read_as_float), the 27 survivors being the latter
 and the scale() dtype mutants,
 every argument check of unscale_/step, fused_step_unscales_twice, update(new_scale),

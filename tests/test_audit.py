@@ -305,7 +305,7 @@ def _cli(capsys, *args):
     (["-q", "{script}", "--lr", "1"], ["--lr", "1"]),
 ])
 def test_after_a_double_dash_everything_goes_to_the_script(tmp_path, capsys, argv, script_sees):
-    """The README's ``ampspec audit --steps 50 train.py -- --steps 10000``: the script gets its own
+    """docs/audit.md's ``ampspec audit --steps 50 train.py -- --steps 10000``: the script gets its own
     ``--steps``, the audit keeps its limit."""
     script = tmp_path / "show_argv.py"
     script.write_text("import json, sys\nprint('ARGV ' + json.dumps(sys.argv[1:]))\n")

@@ -134,7 +134,7 @@ def test_format_argument_of_wrong_type():
         get_format(np.float16)  # type: ignore[arg-type]
 
 
-# --- DESIGN §3.1 facts ----------------------------------------------------------------------
+# --- Facts every format table must reproduce (reference/formats.py) ------------------------
 
 
 def test_underflow_and_subnormal_in_fp16():

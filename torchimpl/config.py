@@ -336,10 +336,10 @@ class Config:
         # A mapping (or precision's string) where a section belongs is what the user means:
         # convert it through from_dict's validation rather than fail later, at fit.
         for name, tp in _section_types().items():
-            value = getattr(self, name)
+            value = _section_as_written(name, getattr(self, name))
             if isinstance(value, tp):
                 continue
-            if not isinstance(value, Mapping) and tp not in _SHORTHAND:
+            if not isinstance(value, Mapping):
                 errors.append((name, f"must be a {tp.__name__} or a mapping of its fields, got {value!r}"))
                 continue
             section = _build(tp, value, name, errors)
@@ -458,19 +458,27 @@ def _coerce(tp: Any, value: Any) -> Any:
     return value
 
 
-# A section that may be written as one value, and the field that value sets:
-# ``precision: bf16-mixed`` is ``precision: {mode: bf16-mixed}``.
-_SHORTHAND: dict[type, str] = {PrecisionConfig: "mode"}
-# Fields whose values their own class reads as written (precision spellings include numbers).
-_AS_WRITTEN = {(PrecisionConfig, "mode")}
+def _section_as_written(path: str, value: Any) -> Any:
+    """The one place a section may be written as one value: ``precision: bf16-mixed`` (a file,
+    ``Config(precision=...)``, ``--set precision=...``, ``Trainer(precision=...)``) is
+    ``precision: {mode: bf16-mixed}``; :class:`PrecisionConfig` reads the spelling (its rule 8).
+    Anything else comes back as it is."""
+    if path == "precision" and not isinstance(value, (Mapping, PrecisionConfig)):
+        return {"mode": value}
+    return value
+
+
+def _wrong_type(tp: Any, value: Any) -> str:
+    hint = ""
+    if value is False and _coerce(tp, "no") is not _NO:
+        hint = " (YAML reads an unquoted no as false: write 'no' in quotes)"
+    return f"must be {_describe(tp)}, got {value!r}{hint}"
 
 
 def _build(cls: type, data: Any, prefix: str, errors: list[tuple[str, str]]) -> Any:
     where = "configuration"
     if isinstance(data, cls):
         return data
-    if cls in _SHORTHAND and not isinstance(data, Mapping):
-        data = {_SHORTHAND[cls]: data}
     if not isinstance(data, Mapping):
         errors.append((prefix, f"must be a mapping of keys to values, got {data!r}") if prefix else
                       ("", f"{where} must be a mapping of keys to values, got {data!r}"))
@@ -491,16 +499,13 @@ def _build(cls: type, data: Any, prefix: str, errors: list[tuple[str, str]]) -> 
             continue
         tp, value, path = hints[name], data[name], _join(prefix, name)
         if dataclasses.is_dataclass(tp):
-            sub = _build(tp, value, path, errors)
+            sub = _build(tp, _section_as_written(path, value), path, errors)
             if sub is not None:
                 kwargs[name] = sub
             continue
-        if (cls, name) in _AS_WRITTEN:
-            kwargs[name] = value
-            continue
         out = _coerce(tp, value)
         if out is _NO:
-            errors.append((path, f"must be {_describe(tp)}, got {value!r}"))
+            errors.append((path, _wrong_type(tp, value)))
         else:
             kwargs[name] = out
     # Construct with the well-typed values even after an error, so that range errors in
@@ -578,24 +583,25 @@ def _parse_overrides(overrides: Sequence[str], bad: list[tuple[str, str]]) -> li
     return pairs
 
 
-def _expand_shorthand(tree: dict[str, Any]) -> dict[str, Any]:
-    """``tree`` with a section written as one value as the mapping it stands for, so that a
-    dotted override can go inside it (``precision: bf16-mixed`` then ``precision.dtype=fp16``)."""
-    for name, tp in _section_types().items():
-        if tp in _SHORTHAND and name in tree and not isinstance(tree[name], (Mapping, tp)):
-            tree[name] = {_SHORTHAND[tp]: tree[name]}
-    return tree
+def _dotted_pairs(key: str, value: Any) -> list[tuple[str, Any]]:
+    """A section written as one value sets its fields one by one, so that ``precision=16-mixed``
+    keeps the section's other fields; any other value sets ``key`` itself."""
+    written = _section_as_written(key, value)
+    if written is value:
+        return [(key, value)]
+    return [(_join(key, name), v) for name, v in written.items()]
 
 
 def _apply_dotted(tree: dict[str, Any], pairs: Sequence[tuple[str, Any]], bad: list[tuple[str, str]]) -> None:
     """Set each ``(dotted key, value)`` in ``tree``; problems are added to ``bad``."""
-    _expand_shorthand(tree)
-    shorthand = {name: _SHORTHAND[tp] for name, tp in _section_types().items() if tp in _SHORTHAND}
+    for name in _section_types():
+        # So that a dotted key can go inside it: ``precision: bf16-mixed``, ``precision.dtype=fp16``.
+        if name in tree:
+            tree[name] = _section_as_written(name, tree[name])
     for key, value in pairs:
-        if key in shorthand and not isinstance(value, (Mapping, _section_types()[key])):
-            key = f"{key}.{shorthand[key]}"  # precision=16-mixed keeps the section's other fields
         try:
-            _set_dotted(tree, key, value)
+            for dotted, v in _dotted_pairs(key, value):
+                _set_dotted(tree, dotted, v)
         except ConfigError as exc:
             bad.extend(exc.errors)
 
@@ -684,7 +690,7 @@ def _keyword_pairs(kwargs: Mapping[str, Any], bad: list[tuple[str, str]]) -> lis
         elif key == "precision" and isinstance(value, Mapping):
             out += [(f"precision.{k}", v, key) for k, v in value.items()]
         else:
-            out.append((KEYWORDS[key], value, key))
+            out += [(dotted, v, key) for dotted, v in _dotted_pairs(KEYWORDS[key], value)]
     return out
 
 
@@ -724,29 +730,20 @@ def _from_kwargs(base: Config | None, kwargs: dict[str, Any]) -> Config:
             continue
         by_key[key] = source
         unique.append((key, value))
-    tree = base.to_dict() if base is not None else {}
+    # The base's own section objects: a section no key goes into is kept as it is (a dotted key
+    # opens its section into a mapping, see _set_dotted).
+    tree = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)} if base is not None else {}
     _apply_dotted(tree, unique, bad)
     try:
         result = Config.from_dict(tree)
     except ConfigError as exc:
         # Name a bad value by the keyword it was given as: "max_steps (train.steps): ...".
         named = {key: source for key, source in by_key.items() if source != "overrides"}
-        named.update({f"{k}.mode": s for k, s in named.items() if k == "precision"})
         bad += [(f"{named[p]} ({p})" if p in named and named[p] != p else p, m) for p, m in exc.errors]
         raise ConfigError(bad) from None
     if bad:
         raise ConfigError(bad)
-    return _keep_untouched_sections(result, base, by_key)
-
-
-def _keep_untouched_sections(result: Config, base: Config | None, keys: Mapping[str, str]) -> Config:
-    """``result`` with ``base``'s own section objects where no keyword touched them, so that what
-    a section's object carries beyond its fields (a precision's ``spelling_note``) survives."""
-    if base is None:
-        return result
-    keep = {name: getattr(base, name) for name in _section_types()
-            if not any(k == name or k.startswith(name + ".") for k in keys)}
-    return dataclasses.replace(result, **keep) if keep else result
+    return result
 
 
 def load_config(

@@ -156,7 +156,8 @@ class PrecisionConfig:
     bf16|fp16 is the preferred mixed dtype, consulted only when ``mode`` is ``auto``;
     ``fp8_recipe`` and ``fp8_skip_first_last`` apply to ``mode: fp8`` only."""
 
-    mode: str = "auto"
+    mode: str | int = "auto"
+    """A mode or a spelling (rule 8; ``16`` as a number too); always a mode once constructed."""
     dtype: str = "bf16"
     fp8_recipe: str = "tensorwise"
     """torchao's float8 recipe: tensorwise, rowwise, rowwise_with_gw_hp, or mxfp8 (MX blocks)."""

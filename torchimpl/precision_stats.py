@@ -70,7 +70,7 @@ class PrecisionStats:
         self._tb: Any = None
 
     def on_fit_start(self, trainer: Any) -> None:
-        folder = getattr(trainer, "_log_dir", None)
+        folder = getattr(trainer, "log_dir", None)
         if folder is None:
             return
         self.path = Path(folder) / FILE_NAME
@@ -80,7 +80,7 @@ class PrecisionStats:
         else:
             with open(self.path, "w", encoding="utf-8", newline="") as f:
                 csv.writer(f).writerow(COLUMNS)
-        self._tb = next((s for s in getattr(trainer._reporter, "metrics", ()) if hasattr(s, "_writer")), None)
+        self._tb = next((s for s in getattr(trainer.reporter, "metrics", ()) if hasattr(s, "_writer")), None)
         for name, module in trainer.model.named_modules():
             if name:
                 self._handles.append(module.register_forward_hook(self._hook(name)))

@@ -23,12 +23,13 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
-from torchimpl.metrics import MetricsSink, rows_for
+from torchimpl.metrics import CsvMetrics, MetricsSink, open_metrics, open_run_folder, rows_for
 from torchimpl.records import StepRecord, TraceWriter
 
-__all__ = ["PROGRESS_LOGGER", "Reporter", "progress_mode"]
+__all__ = ["PROGRESS_LOGGER", "Reporter", "open_reporter", "progress_mode"]
 
 log = logging.getLogger("torchimpl.trainer")
 
@@ -159,6 +160,30 @@ class Reporter:
             sink.close()
         if self.bar is not None:
             self.bar.close()
+
+
+def open_reporter(trainer: Any, cfg: Any, *, is_main: bool, resume_at: int | None,
+                  header: Callable[[], dict[str, Any]]) -> tuple[Reporter, Path | None, str | None]:
+    """A run's reporter with its trace (``header()`` its first line) and, on the main rank, its
+    run folder and metrics files; also the run folder and the ``metrics.csv`` path (or None).
+    A resumed run (``resume_at``) continues files that hold fewer steps with a warning."""
+    writer, sinks, log_dir = None, [], None
+    if cfg.train.trace_file and is_main:
+        writer = TraceWriter(cfg.train.trace_file, resume_at=resume_at, header=header())
+        if resume_at is not None and writer.kept < resume_at:
+            log.warning("trace %s holds %d of the %d steps before the resumed step %d (it was not written by "
+                        "the runs before); it continues from step %d", cfg.train.trace_file, writer.kept,
+                        resume_at, resume_at, resume_at)
+    if is_main:
+        log_dir = open_run_folder(cfg)
+        sinks = open_metrics(cfg, log_dir, resume_at=resume_at)
+        csv = next((s for s in sinks if isinstance(s, CsvMetrics)), None)
+        if resume_at is not None and csv is not None and csv.kept < resume_at:
+            log.warning("metrics file %s holds %d of the %d steps before the resumed step %d; it continues "
+                        "from step %d", csv.path, csv.kept, resume_at, resume_at, resume_at)
+    metrics_file = next((str(s.path) for s in sinks if isinstance(s, CsvMetrics)), None)
+    reporter = Reporter(trainer, writer, metrics=sinks, progress=progress_mode(cfg.logging.progress, is_main=is_main))
+    return reporter, log_dir, metrics_file
 
 
 def _progress_bar(total: int, initial: int) -> Any:

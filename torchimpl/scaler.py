@@ -295,6 +295,24 @@ def _config_problems(c: ResolvedScalerConfig) -> list[str]:
         )
     if not _is_int(c.hysteresis) or not 1 <= c.hysteresis <= _INT32_MAX:
         problems.append(f"hysteresis must be an int >= 1 (and < 2**31), got {c.hysteresis!r}")
+    problems += _bounds_problems(c)
+    if not isinstance(c.raise_at_min_scale, bool):
+        problems.append(f"raise_at_min_scale must be a bool, got {c.raise_at_min_scale!r}")
+    elif c.raise_at_min_scale and c.min_scale is None:
+        problems.append("raise_at_min_scale=True needs a min_scale (got min_scale=None)")
+    if not isinstance(c.consecutive_hysteresis, bool):
+        problems.append(
+            f"consecutive_hysteresis must be a bool, got {c.consecutive_hysteresis!r}"
+        )
+    for name in ("enabled", "dynamic", "skip_on_overflow"):
+        if not isinstance(getattr(c, name), bool):
+            problems.append(f"{name} must be a bool, got {getattr(c, name)!r}")
+    return problems
+
+
+def _bounds_problems(c: ResolvedScalerConfig) -> list[str]:
+    """The floor and the ceiling: each a positive float32, in order, around ``init_scale``."""
+    problems: list[str] = []
     bounds_ok = True
     for name, v in (("min_scale", c.min_scale), ("max_scale", c.max_scale)):
         if v is not None:
@@ -322,17 +340,6 @@ def _config_problems(c: ResolvedScalerConfig) -> list[str]:
                     f"init_scale must be <= max_scale, got init_scale={c.init_scale!r}, "
                     f"max_scale={c.max_scale!r}"
                 )
-    if not isinstance(c.raise_at_min_scale, bool):
-        problems.append(f"raise_at_min_scale must be a bool, got {c.raise_at_min_scale!r}")
-    elif c.raise_at_min_scale and c.min_scale is None:
-        problems.append("raise_at_min_scale=True needs a min_scale (got min_scale=None)")
-    if not isinstance(c.consecutive_hysteresis, bool):
-        problems.append(
-            f"consecutive_hysteresis must be a bool, got {c.consecutive_hysteresis!r}"
-        )
-    for name in ("enabled", "dynamic", "skip_on_overflow"):
-        if not isinstance(getattr(c, name), bool):
-            problems.append(f"{name} must be a bool, got {getattr(c, name)!r}")
     return problems
 
 

@@ -1,5 +1,6 @@
-"""The trainer: the run's cadence (log, evaluate, save, stop), callbacks and the summary.
+"""The trainer: the run's loop (step, then the periodic work due, stop), callbacks and the summary.
 
+Everything one ``fit`` builds and changes is held in one object made at its start (``_Fit``).
 Where the rest lives:
 
 - ``torchimpl.step``: the step engine, one optimizer step by the step contract of
@@ -7,7 +8,10 @@ Where the rest lives:
   update, schedule, the record), its loss scaling and its skip decision;
 - ``torchimpl.run_state``: the counters, the data cursor, and what a checkpoint holds and how
   a run is restored from it;
-- ``torchimpl.records``: the step record, read from the device at log points, and the trace;
+- ``torchimpl.cadence``: the log points, the evaluation, the checkpoints (each deciding when it
+  is due) and the step clock;
+- ``torchimpl.reporting``, ``torchimpl.records``: the log point's reading and writing, the step
+  record and the trace;
 - ``torchimpl.distributed``: the multi-process hooks (identities in a single process).
 
 A run, as :meth:`Trainer.fit` tells it: resolve the device and the precision plan; move the
@@ -24,7 +28,6 @@ import dataclasses
 import logging
 import math
 import random
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,14 +38,8 @@ import torch
 from torch import nn
 
 from torchimpl.batches import to_device
-from torchimpl.checkpoint import (
-    CheckpointError,
-    check_loadable,
-    checkpoint_name,
-    list_checkpoints,
-    prune_checkpoints,
-    remove_stale_temporaries,
-)
+from torchimpl.cadence import Checkpointer, Evaluator, LogPoints, StepClock
+from torchimpl.checkpoint import check_loadable, remove_stale_temporaries
 from torchimpl.config import Config, ScheduleConfig
 from torchimpl.device import resolve_device
 from torchimpl.diagnostics import NonFiniteError, report_nonfinite
@@ -50,15 +47,14 @@ from torchimpl.distributed import init_distributed
 from torchimpl.optim import BuiltOptimizer, OptimizerConfig, adopt_optimizer, build_optimizer
 from torchimpl.precision import PrecisionDowngradeWarning, autocast_context, resolve_precision
 from torchimpl.lifecycle import Interrupts, outcome, preflight
-from torchimpl.records import StepRecord, TraceWriter
+from torchimpl.records import StepRecord
 from torchimpl.fp32_modules import apply_fp32_modules
 from torchimpl.precision_stats import precision_stats_callbacks
-from torchimpl.metrics import CsvMetrics, open_metrics, open_run_folder
-from torchimpl.reporting import Reporter, progress_mode
-from torchimpl.run_state import DataCursor, RunState, TrainState, check_contents
+from torchimpl.reporting import Reporter, open_reporter
+from torchimpl.run_state import DataCursor, RunState, TrainState
 from torchimpl.scaler import make_grad_scaler
 from torchimpl.schedule import AppliedStepSchedule, UserSchedule, adopt_scheduler
-from torchimpl.step import StepEngine, bind_hooks, build_step_engine, choose_sync_free
+from torchimpl.step import bind_hooks, build_step_engine, choose_sync_free
 
 __all__ = ["Callback", "RunSummary", "StopTraining", "Trainer", "TrainState", "default_loss_fn"]
 
@@ -149,6 +145,78 @@ class RunSummary:
                 for k, v in dataclasses.asdict(self).items()}
 
 
+@dataclass
+class _Fit:
+    """Everything one ``fit`` builds and changes, made at its start: the trainer keeps only its
+    configuration and callbacks between runs, and a second ``fit`` starts from nothing."""
+
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    device: torch.device
+    user: tuple[Any, Any] | None
+    """Your optimizer and scheduler (or functions building them), when ``fit`` was given them."""
+    dist: Any = None
+    stop_requested: str | None = None
+    fault: str | None = None
+    """Why the run stops on a fault (a non-finite value, a collapsed scale), else None."""
+    diagnosis: str | None = None
+    save_refused: str | None = "before fit has set the run up"
+    stopped: str | None = None
+    train_data: Any = None
+    plan: Any = None
+    downgrades: list[str] = dataclasses.field(default_factory=list)
+    fp8_report: Any = None
+    fp32_modules: list[str] = dataclasses.field(default_factory=list)
+    model: Any = None
+    optimizer: Any = None
+    optimizer_kind: str = ""
+    optimizer_reason: str | None = None
+    scheduler: Any = None
+    scaler: Any = None
+    sync_free: bool = False
+    state: TrainState = dataclasses.field(default_factory=TrainState)
+    engine: Any = None
+    run: Any = None
+    interrupts: Any = None
+    reporter: Reporter | None = None
+    log_dir: Path | None = None
+    metrics_file: str | None = None
+    guard: Any = None
+    logs: Any = None
+    evaluator: Any = None
+    checkpointer: Any = None
+    clock: Any = None
+
+
+def _optimizer_and_schedule(cfg: Config, fit: _Fit) -> tuple[BuiltOptimizer, Any, Any]:
+    """The optimizer (the configuration's, built after the move so that the fused probe sees
+    the real parameters, or the user's, checked), the user's scheduler, and the schedule the
+    engine runs (``None``: the configuration's), with the sync-free decision they allow."""
+    if fit.user is None:
+        built = build_optimizer(fit.model, cfg.optimizer, fit.device)
+        scheduler = schedule = None
+    else:
+        built = adopt_optimizer(fit.model, fit.user[0], fit.device)
+        scheduler = adopt_scheduler(built.optimizer, fit.user[1])
+        check_loadable(built.optimizer.state_dict(), "the optimizer")
+        if scheduler is not None:
+            check_loadable(scheduler.state_dict(), "the scheduler")
+        unused = [name for name, default in (("optimizer", OptimizerConfig()), ("schedule", ScheduleConfig()))
+                  if getattr(cfg, name) != default]
+        if unused:
+            warnings.warn(f"the configuration's {' and '.join(unused)} section{'s are' if len(unused) > 1 else ' is'} "
+                          f"not used: fit() was given your optimizer{' and scheduler' if scheduler else ''}",
+                          stacklevel=4)
+    fit.sync_free, why = choose_sync_free(cfg.train.sync_free, built.kind, built.optimizer, scheduler=scheduler)
+    if why:
+        fit.downgrades.append(why)
+        warnings.warn(why, stacklevel=4)
+    if fit.user is not None:
+        # The sync-free mode tabulates its rates on the host: a constant one for your optimizer.
+        schedule = (AppliedStepSchedule(built.optimizer, ScheduleConfig(name="constant"), cfg.train.steps)
+                    if fit.sync_free else UserSchedule(built.optimizer, scheduler))
+    return built, scheduler, schedule
+
+
 class Trainer:
     """Trains a model by the step contract; see the module docstring.
 
@@ -168,45 +236,52 @@ class Trainer:
         # One callback where a sequence belongs is what the user means.
         self.callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
         self.callbacks += precision_stats_callbacks(self.config)  # logging.precision_stats
-        self._stop_requested: str | None = None
-        self._reporter: Reporter | None = None
+        self._fit: _Fit | None = None
 
     # ------------------------------------------------------------------ public helpers
 
+    model = property(lambda self: self._fit.model)
+    optimizer = property(lambda self: self._fit.optimizer)
+    optimizer_kind = property(lambda self: self._fit.optimizer_kind)
+    scheduler = property(lambda self: self._fit.scheduler)
+    scaler = property(lambda self: self._fit.scaler)
+    plan = property(lambda self: self._fit.plan)
+    device = property(lambda self: self._fit.device)
+    state = property(lambda self: self._fit.state)
+    engine = property(lambda self: self._fit.engine)
+    loss_fn = property(lambda self: self._fit.loss_fn)
+    fp8_report = property(lambda self: self._fit.fp8_report)
+    fp32_modules = property(lambda self: self._fit.fp32_modules)
+    log_dir = property(lambda self: self._fit.log_dir if self._fit else None)
+    reporter = property(lambda self: self._fit.reporter if self._fit else None)
     found_inf = property(lambda self: self.engine.found_inf)
     grad_norm = property(lambda self: self.engine.grad_norm)
     sync_free = property(lambda self: self.engine.skip.sync_free)
     schedule = property(lambda self: self.engine.skip.schedule)
     params = property(lambda self: self.engine.params)
-    loss_history = property(lambda self: self._reporter.loss_history if self._reporter else [])
-    scale_history = property(lambda self: self._reporter.scale_history if self._reporter else [])
+    loss_history = property(lambda self: self._fit.reporter.loss_history if self._fit and self._fit.reporter else [])
+    scale_history = property(lambda self: self._fit.reporter.scale_history if self._fit and self._fit.reporter else [])
 
     def request_stop(self, reason: str = "requested") -> None:
         """End ``fit`` after the current hook returns (callable from any callback)."""
-        self._stop_requested = reason
+        if self._fit is not None:
+            self._fit.stop_requested = reason
 
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
         """Save now: between steps, inside an accumulation window, or after its last backward
         (from ``on_microbatch_end``, ``on_after_backward``, ``on_step_end``, ``on_log``,
         ``on_fit_end``); every such checkpoint resumes bit for bit. The records pending on the
         device are flushed first, so that the trace holds every step before the checkpoint's."""
-        refused = self._save_refused or self.engine.save_refused
+        fit = self._fit
+        refused = "before fit" if fit is None else fit.save_refused or fit.engine.save_refused
         if refused is not None:
             raise RuntimeError(f"save_checkpoint() cannot be called {refused}")
-        folder = self.config.checkpoint.folder
-        if path is None and folder is None:
+        if path is None and fit.checkpointer.folder is None:
             raise ValueError("no path given and checkpoint.folder is not set")
         self._log_point()
-        if self._fault is not None:
-            raise RuntimeError(f"save_checkpoint(): not saved, the run is stopping on a fault: {self._fault}")
-        if path is None:
-            path = Path(folder) / checkpoint_name(self.state.step, self.state.window_done)
-        written = self._dist.save_checkpoint(self._run.contents(), Path(path))
-        self._last_checkpoint = str(written)
-        log.info("saved checkpoint %s", written)
-        if folder is not None and Path(written).parent == Path(folder) and self._dist.is_main:
-            prune_checkpoints(folder, self.config.checkpoint.keep_last)
-        return written
+        if fit.fault is not None:
+            raise RuntimeError(f"save_checkpoint(): not saved, the run is stopping on a fault: {fit.fault}")
+        return fit.checkpointer.save(fit.run.contents(), fit.state, path)
 
     @torch.no_grad()
     def evaluate(self, val_data: Iterable[Any]) -> float:
@@ -252,102 +327,67 @@ class Trainer:
             raise ValueError("train.distributed=fsdp2 replaces the model's parameters with sharded ones, so an "
                              "optimizer built before fit would update the old ones: pass a function "
                              "params -> Optimizer instead (e.g. optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))")
-        self._user = (optimizer, scheduler) if optimizer is not None else None
-        self._stop_requested = self._last_checkpoint = self._diagnosis = self._fault = None
-        self._save_refused: str | None = "before fit has set the run up"
-        self.loss_fn = loss_fn or default_loss_fn
-        self.device = resolve_device(cfg.device)
+        fit = self._fit = _Fit(loss_fn=loss_fn or default_loss_fn, device=resolve_device(cfg.device),
+                               user=(optimizer, scheduler) if optimizer is not None else None)
         # Multi-process hooks (torchimpl.distributed); identities with train.distributed=none.
-        self._dist = init_distributed(cfg.train.distributed, device=self.device,
-                                      timeout_s=cfg.train.distributed_timeout_s)
+        fit.dist = init_distributed(cfg.train.distributed, device=fit.device, timeout_s=cfg.train.distributed_timeout_s)
         try:
-            preflight(cfg, val_data, is_main=self._dist.is_main)
+            preflight(cfg, val_data, is_main=fit.dist.is_main)
             self._set_up(model, train_data)
             self._seed()
             resumed = self._resume(resume)
-            if cfg.checkpoint.folder is not None and self._dist.is_main:  # only once the run is accepted
+            if cfg.checkpoint.folder is not None and fit.dist.is_main:  # only once the run is accepted
                 remove_stale_temporaries(cfg.checkpoint.folder)
-            guard = self._open(resumed)
-            with Interrupts() as self._interrupts:
-                stopped, elapsed = self._loop(val_data, guard)
-            return self._summarise(stopped, elapsed)
+            self._open(resumed, val_data)
+            with Interrupts() as fit.interrupts:
+                self._loop()
+            return self._summarise()
         finally:
-            self._dist.close()
+            fit.dist.close()
 
     def _set_up(self, model: nn.Module, train_data: Iterable[Any]) -> None:
         """The plan, the model on its device, the optimizer built on it, the step engine."""
-        cfg = self.config
-        self._dist.check_config(cfg.to_dict())
-        self.device = self._dist.place(self.device)
-        self.train_data = self._dist.shard_data(train_data, cfg.train.seed)
+        cfg, fit = self.config, self._fit
+        fit.dist.check_config(cfg.to_dict())
+        fit.device = device = fit.dist.place(fit.device)
+        fit.train_data = fit.dist.shard_data(train_data, cfg.train.seed)
         with warnings.catch_warnings():
             # resolve_precision warns from inside the trainer; the warning below names the
             # caller's fit() instead, so the downgrade is reported once.
             warnings.simplefilter("ignore", PrecisionDowngradeWarning)
-            self.plan = resolve_precision(cfg.precision, self.device)
-        self._downgrades = [self.plan.reason] if self.plan.reason else []
-        if self.plan.reason:
-            warnings.warn(f"precision: {self.plan.reason}", PrecisionDowngradeWarning, stacklevel=3)
-        model = model.to(self.device)
-        self.fp8_report = None
-        if self.plan.mode == "fp8":  # torchao swaps the linear layers: keep the module it returns
+            fit.plan = plan = resolve_precision(cfg.precision, device)
+        fit.downgrades = [plan.reason] if plan.reason else []
+        if plan.reason:
+            warnings.warn(f"precision: {plan.reason}", PrecisionDowngradeWarning, stacklevel=3)
+        model = model.to(device)
+        if plan.mode == "fp8":  # torchao swaps the linear layers: keep the module it returns
             from torchimpl.fp8 import convert_to_fp8
 
-            model, self.fp8_report = convert_to_fp8(model, self.plan.fp8_recipe, self.device,
-                                                    skip_first_last=self.plan.fp8_skip_first_last)
-            for line in self.fp8_report.lines():
+            model, fit.fp8_report = convert_to_fp8(model, plan.fp8_recipe, device,
+                                                   skip_first_last=plan.fp8_skip_first_last)
+            for line in fit.fp8_report.lines():
                 log.info("precision: %s", line)
-        self.fp32_modules = apply_fp32_modules(model, cfg.precision.fp32_modules)  # before DDP wraps it
-        self.model, forward_model = self._dist.wrap_model(model, self.plan)
-        self.model.train()
-        built, self.scheduler, schedule = self._optimizer_and_schedule()
-        self.optimizer, self.optimizer_kind, self._optimizer_reason = built.optimizer, built.kind, built.reason
+        fit.fp32_modules = apply_fp32_modules(model, cfg.precision.fp32_modules)  # before DDP wraps it
+        fit.model, forward_model = fit.dist.wrap_model(model, plan)
+        fit.model.train()
+        built, fit.scheduler, schedule = _optimizer_and_schedule(cfg, fit)
+        fit.optimizer, fit.optimizer_kind, fit.optimizer_reason = built.optimizer, built.kind, built.reason
         if built.reason:
             log.info("optimizer: %s (%s)", built.kind, built.reason)
-        self.scaler = make_grad_scaler(self.plan, cfg.scaler, force=cfg.train.force_scaler)
-        self.state = TrainState()
-        self._dist.attach(self.model, self.optimizer)
+        fit.scaler = make_grad_scaler(plan, cfg.scaler, force=cfg.train.force_scaler)
+        fit.dist.attach(fit.model, fit.optimizer)
         if cfg.train.compile:
             forward_model = torch.compile(forward_model)
-        self.engine: StepEngine = build_step_engine(
-            config=cfg, sync_free=self._sync_free, model=self.model, forward_model=forward_model,
-            optimizer=self.optimizer, optimizer_kind=built.kind, scaler=self.scaler, dist=self._dist,
-            loss_fn=self.loss_fn, autocast=autocast_context(self.plan, self.device), device=self.device,
-            state=self.state, hooks=bind_hooks((), self, Callback), stop_requested=lambda: self._stop_requested,
+        fit.engine = build_step_engine(
+            config=cfg, sync_free=fit.sync_free, model=fit.model, forward_model=forward_model,
+            optimizer=fit.optimizer, optimizer_kind=built.kind, scaler=fit.scaler, dist=fit.dist,
+            loss_fn=fit.loss_fn, autocast=autocast_context(plan, device), device=device,
+            state=fit.state, hooks=bind_hooks((), self, Callback), stop_requested=lambda: fit.stop_requested,
             schedule=schedule)
-        self._run = RunState(config=cfg, model=self.model, optimizer=self.optimizer, optimizer_kind=built.kind,
-                             engine=self.engine, cursor=DataCursor(self.train_data, self.state),
-                             plan_mode=self.plan.mode, user_optimizer=self._user is not None)
-
-    def _optimizer_and_schedule(self) -> tuple[BuiltOptimizer, Any, Any]:
-        """The optimizer (the configuration's, built after the move so that the fused probe sees
-        the real parameters, or the user's, checked), the user's scheduler, and the schedule the
-        engine runs (``None``: the configuration's), with the sync-free decision they allow."""
-        cfg = self.config
-        if self._user is None:
-            built = build_optimizer(self.model, cfg.optimizer, self.device)
-            scheduler = schedule = None
-        else:
-            built = adopt_optimizer(self.model, self._user[0], self.device)
-            scheduler = adopt_scheduler(built.optimizer, self._user[1])
-            check_loadable(built.optimizer.state_dict(), "the optimizer")
-            if scheduler is not None:
-                check_loadable(scheduler.state_dict(), "the scheduler")
-            unused = [name for name, default in (("optimizer", OptimizerConfig()), ("schedule", ScheduleConfig()))
-                      if getattr(cfg, name) != default]
-            if unused:
-                warnings.warn(f"the configuration's {' and '.join(unused)} section{'s are' if len(unused) > 1 else ' is'} "
-                              f"not used: fit() was given your optimizer{' and scheduler' if scheduler else ''}",
-                              stacklevel=4)
-        self._sync_free, why = choose_sync_free(cfg.train.sync_free, built.kind, built.optimizer, scheduler=scheduler)
-        if why:
-            self._downgrades.append(why)
-            warnings.warn(why, stacklevel=4)
-        if self._user is not None:
-            # The sync-free mode tabulates its rates on the host: a constant one for your optimizer.
-            schedule = (AppliedStepSchedule(built.optimizer, ScheduleConfig(name="constant"), cfg.train.steps)
-                        if self._sync_free else UserSchedule(built.optimizer, scheduler))
-        return built, scheduler, schedule
+        fit.run = RunState(config=cfg, model=fit.model, optimizer=fit.optimizer, optimizer_kind=built.kind,
+                           engine=fit.engine, cursor=DataCursor(fit.train_data, fit.state),
+                           plan_mode=plan.mode, user_optimizer=fit.user is not None)
+        fit.checkpointer = Checkpointer(cfg.checkpoint, fit.dist)
 
     def _seed(self) -> None:
         """Every generator from ``train.seed`` (a resume overwrites them with the saved states)."""
@@ -355,82 +395,43 @@ class Trainer:
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
-        self._dist.seed(seed)
+        self._fit.dist.seed(seed)
 
     def _resume(self, resume: str | Path | None) -> dict[str, Any] | None:
         """The checkpoint's contents restored into the run (generators and data come later):
         rule 10 of ``torchimpl.run_state``."""
-        if resume is None:
+        found = self._fit.checkpointer.find(resume, self._fit.run.restore) if resume is not None else None
+        if found is None:
             return None
-        folder = self.config.checkpoint.folder
-        if str(resume) != "latest":
-            paths = [Path(resume)]
-        elif folder is None:
-            raise ValueError("resume='latest' needs checkpoint.folder")
-        else:
-            paths = list_checkpoints(folder)[::-1]
-            if not paths:
-                log.warning("no checkpoint in %s to resume from; starting a fresh run", folder)
-                return None
-        rejected = []
-        for path in paths:
-            try:
-                contents = self._dist.load_checkpoint(path)
-                check_contents(contents, path)
-                # Inside the try: a checkpoint that fails to restore is passed over like a damaged one
-                # (the next one's restore overwrites all that this one set).
-                self._run.restore(contents, path)
-            except CheckpointError as exc:
-                if len(paths) == 1 and str(resume) != "latest":
-                    raise
-                rejected.append(str(exc))
-                log.warning("cannot resume from %s: %s", path.name, exc)
-                continue
-            log.info("resumed from %s at step %d", path, self.state.step)
-            return contents
-        raise CheckpointError(f"none of the {len(paths)} checkpoints in {folder} can be resumed from, so the run is "
-                              f"refused and nothing in the folder was changed: {'; '.join(rejected)}. Move the "
-                              "damaged files away to start afresh, or resume from a good copy")
+        contents, path = found
+        log.info("resumed from %s at step %d", path, self.state.step)
+        return contents
 
-    def _open(self, resumed: dict[str, Any] | None) -> Any:
-        """The guard, the trace and the metrics files, ``on_fit_start``, then the restored
-        generators and data."""
-        cfg, st = self.config, self.state
-        self.engine.scaling.materialise(self.device)
-        guard = None
+    def _open(self, resumed: dict[str, Any] | None, val_data: Iterable[Any] | None) -> None:
+        """The guard, the periodic parts, the trace and the metrics files, ``on_fit_start``, then
+        the restored generators and data."""
+        cfg, fit = self.config, self._fit
+        fit.engine.scaling.materialise(fit.device)
         if cfg.train.guard:
             from torchimpl.diagnostics import NonFiniteGuard
 
-            guard = NonFiniteGuard(self.model)
-        writer, sinks, self._log_dir = None, [], None
-        resume_at = st.step if resumed is not None else None
-        if cfg.train.trace_file and self._dist.is_main:
-            writer = TraceWriter(cfg.train.trace_file, resume_at=resume_at, header=self._trace_header())
-            if resumed is not None and writer.kept < st.step:
-                log.warning("trace %s holds %d of the %d steps before the resumed step %d (it was not written by "
-                            "the runs before); it continues from step %d", cfg.train.trace_file, writer.kept,
-                            st.step, st.step, st.step)
-        if self._dist.is_main:
-            self._log_dir = open_run_folder(cfg)
-            sinks = open_metrics(cfg, self._log_dir, resume_at=resume_at)
-            csv = next((s for s in sinks if isinstance(s, CsvMetrics)), None)
-            if resumed is not None and csv is not None and csv.kept < st.step:
-                log.warning("metrics file %s holds %d of the %d steps before the resumed step %d; it continues "
-                            "from step %d", csv.path, csv.kept, st.step, st.step, st.step)
-        self._metrics_file = next((str(s.path) for s in sinks if isinstance(s, CsvMetrics)), None)
-        self._reporter = Reporter(self, writer, metrics=sinks,
-                                  progress=progress_mode(cfg.logging.progress, is_main=self._dist.is_main))
-        self._save_refused = None if resumed is None else (
+            fit.guard = NonFiniteGuard(fit.model)
+        fit.logs = LogPoints(cfg.train.log_interval)
+        fit.evaluator = Evaluator(val_data, cfg.train.eval_interval, fit.guard)
+        fit.clock = StepClock(fit.device)
+        fit.reporter, fit.log_dir, fit.metrics_file = open_reporter(
+            self, cfg, is_main=fit.dist.is_main, resume_at=fit.state.step if resumed is not None else None,
+            header=self._trace_header)
+        fit.save_refused = None if resumed is None else (
             "from on_fit_start of a resumed run: its data position and random streams are restored only after "
             "on_fit_start; save from on_step_end or later")
         for cb in self.callbacks:
             cb.on_fit_start(self)
-        self._save_refused = None
+        fit.save_refused = None
         # The step hooks that do something, bound once (Callback's own are no-ops).
-        self.engine.hooks = bind_hooks(self.callbacks, self, Callback)
+        fit.engine.hooks = bind_hooks(self.callbacks, self, Callback)
         if resumed is not None:
-            self._run.restore_rng_and_data(resumed)
-        return guard
+            fit.run.restore_rng_and_data(resumed)
 
     def _trace_header(self) -> dict[str, Any]:
         """What ``ampspec replay`` needs to judge the trace alone (``torchimpl.records``)."""
@@ -441,83 +442,68 @@ class Trainer:
                              "precision_mode": self.plan.mode, "optimizer_kind": self.optimizer_kind,
                              "sync_free": self.sync_free, "torch": torch.__version__}}
 
-    def _loop(self, val_data: Iterable[Any] | None, guard: Any) -> tuple[str | None, float]:
-        """Steps until done or stopped, with log points, evaluations and checkpoints at their
-        intervals; the stop reason and the step time (evaluation and saving left out)."""
-        cfg, st = self.config, self.state
-        self._start = (st.step, st.samples)
-        t0, excluded, stopped = time.perf_counter(), 0.0, None
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        steps, log_interval = cfg.train.steps, cfg.train.log_interval
-        # None without val_data/checkpoint.folder, 0 for "at the end only".
-        ei = cfg.train.eval_interval if val_data is not None else None
-        ci = cfg.checkpoint.interval if cfg.checkpoint.folder is not None else None
+    def _loop(self) -> None:
+        """Steps until done or stopped, each followed by the periodic work due after it."""
+        fit = self._fit
+        fit.clock.start(fit.state)
         try:
-            while st.step < steps:
+            while fit.state.step < self.config.train.steps:
                 try:
                     self._one_step()
                 except NonFiniteError as err:  # raised by the guard's hooks (train.guard)
                     self._guard_hit(err)
-                step, last = st.step, st.step >= steps
-                interrupted = self._interrupts.received
-                log_due = step % log_interval == 0 or last or self._stop_requested or interrupted
-                eval_due = ei is not None and ((ei and step % ei == 0) or last)
-                save_due = ci is not None and ((ci and step % ci == 0) or last or interrupted)
-                val_loss = None
-                if eval_due:
-                    # Collected first: a fault the records show (sync-free) is not evaluated; the
-                    # loss then goes on the line of the step it follows, written just after.
-                    self._collect()
-                    if self._fault is None:
-                        te = time.perf_counter()
-                        val_loss = self._evaluate(val_data, guard)
-                        excluded += time.perf_counter() - te
-                if log_due or eval_due:
-                    self._log_point(val_loss)
-                if save_due and self._fault is None:
-                    te = time.perf_counter()
-                    self.save_checkpoint()
-                    excluded += time.perf_counter() - te
-                if interrupted:
-                    stopped = f"interrupted by {interrupted} at step {step}"
-                    break
-                if self._stop_requested:
-                    stopped = self._stop_requested
+                if self._after_step():
                     break
         except StopTraining as exc:
-            stopped = str(exc) or "StopTraining"
+            fit.stopped = str(exc) or "StopTraining"
         finally:
             self._log_point()
-            self._reporter.close()
-            if guard is not None:
-                guard.remove()
-        return stopped, time.perf_counter() - t0 - excluded
+            fit.reporter.close()
+            if fit.guard is not None:
+                fit.guard.remove()
+        fit.clock.stop()
+
+    def _after_step(self) -> bool:
+        """The log point, evaluation and checkpoint due after this step; whether to stop here."""
+        fit, step = self._fit, self._fit.state.step
+        last, interrupted = step >= self.config.train.steps, fit.interrupts.received
+        val_loss = None
+        eval_due = fit.evaluator.due(step, last=last)
+        if eval_due:
+            # Collected first: a fault the records show (sync-free) is not evaluated; the loss
+            # then goes on the line of the step it follows, written just after.
+            self._on_problem(fit.reporter.collect())
+            if fit.fault is None:
+                with fit.clock.paused():
+                    val_loss = fit.evaluator.run(self.evaluate, fit.state)
+        if eval_due or fit.logs.due(step, last=last, stopping=bool(fit.stop_requested or interrupted)):
+            self._log_point(val_loss)
+        if fit.checkpointer.due(step, last=last, interrupted=bool(interrupted)) and fit.fault is None:
+            with fit.clock.paused():
+                self.save_checkpoint()
+        if interrupted:
+            fit.stopped = f"interrupted by {interrupted} at step {step}"
+        elif fit.stop_requested:
+            fit.stopped = fit.stop_requested
+        return bool(interrupted or fit.stop_requested)
 
     def _log_point(self, val_loss: float | None = None) -> None:
-        self._on_problem(self._reporter.flush(val_loss))
-
-    def _collect(self) -> None:
-        self._on_problem(self._reporter.collect())
+        self._on_problem(self._fit.reporter.flush(val_loss))
 
     def _on_problem(self, problem: str | None) -> None:
         if problem is not None:
-            self._fault = problem
+            self._fit.fault = problem
             self.request_stop(problem)
 
     def _one_step(self) -> None:
-        st, engine = self.state, self.engine
+        st, engine, cursor = self.state, self.engine, self._fit.run.cursor
         if st.window_size == 0:
-            window = self._run.cursor.fetch(self.config.train.microbatches)
+            window = cursor.fetch(self.config.train.microbatches)
             st.window_size, st.window_done = len(window), 0
             engine.begin_window()
         else:  # resumed inside a window: the rest of it
-            window = self._run.cursor.fetch(st.window_size - st.window_done)
-        if engine.run_window(window, st.window_size):
-            self._handle(engine.finish_step(st.window_size), window)
-
-    def _handle(self, problem: str | None, window: list[Any]) -> None:
-        if problem is not None:
+            window = cursor.fetch(st.window_size - st.window_done)
+        if engine.run_window(window, st.window_size) and (problem := engine.finish_step(st.window_size)):
             self._stop_on_nonfinite(window, problem)
 
     def _guard_hit(self, err: NonFiniteError) -> None:
@@ -534,57 +520,39 @@ class Trainer:
         if self.config.train.on_nonfinite == "stop":
             self._stop_on_nonfinite(rest, f"non-finite value ({err})")
             return
-        self._handle(self.engine.skip_window(rest), rest)
+        if (problem := self.engine.skip_window(rest)) is not None:
+            self._stop_on_nonfinite(rest, problem)
 
     def _stop_on_nonfinite(self, window: list[Any], what: str) -> None:
         """A fault: write the diagnosis of ``window``'s first batch and stop, saving nothing."""
-        cfg = self.config
+        cfg, fit = self.config, self._fit
         folder = Path(cfg.checkpoint.folder or (Path(cfg.train.trace_file).parent if cfg.train.trace_file else "."))
-        self._diagnosis = report_nonfinite(
-            folder / f"nonfinite-step{self.state.step:08d}.json", step=self.state.step, what=what,
-            model=self.model, batch=to_device(window[0], self.device), loss_fn=self.loss_fn, plan=self.plan,
-            optimizer=self.optimizer, scaler=self.scaler, dist=self._dist)
-        self.state.window_size = self.state.window_done = 0
-        self._fault = f"{what} at step {self.state.step}"
-        self.request_stop(self._fault)
+        fit.diagnosis = report_nonfinite(
+            folder / f"nonfinite-step{fit.state.step:08d}.json", step=fit.state.step, what=what,
+            model=fit.model, batch=to_device(window[0], fit.device), loss_fn=fit.loss_fn, plan=fit.plan,
+            optimizer=fit.optimizer, scaler=fit.scaler, dist=fit.dist)
+        fit.state.window_size = fit.state.window_done = 0
+        fit.fault = f"{what} at step {fit.state.step}"
+        self.request_stop(fit.fault)
 
-    def _evaluate(self, val_data: Iterable[Any], guard: Any) -> float:
-        # The guard watches training steps; a non-finite validation loss is recorded as is.
-        if guard is not None:
-            guard.remove()
-        try:
-            value = self.evaluate(val_data)
-        finally:
-            if guard is not None:
-                guard.install()
-        st = self.state
-        st.last_val_loss = value
-        if math.isfinite(value) and (st.best_val_loss is None or value < st.best_val_loss):
-            st.best_val_loss = value
-        return value
-
-    def _summarise(self, stopped: str | None, elapsed: float) -> RunSummary:
-        st, plan = self.state, self.plan
-        st.applied_steps, st.skipped_steps = self.engine.skip.counters(st)
-        start_step, start_samples = self._start
+    def _summarise(self) -> RunSummary:
+        fit, st, plan = self._fit, self._fit.state, self._fit.plan
+        st.applied_steps, st.skipped_steps = fit.engine.skip.counters(st)
         summary = RunSummary(
-            device=str(self.device), precision_mode=plan.mode,
+            device=str(fit.device), precision_mode=plan.mode,
             autocast_dtype=str(plan.dtype).replace("torch.", "") if plan.autocast_enabled else None,
-            use_scaler=self.scaler is not None, downgrades=self._downgrades, optimizer_kind=self.optimizer_kind,
-            optimizer_reason=self._optimizer_reason, sync_free=self.sync_free, compiled=self.config.train.compile,
+            use_scaler=fit.scaler is not None, downgrades=fit.downgrades, optimizer_kind=fit.optimizer_kind,
+            optimizer_reason=fit.optimizer_reason, sync_free=self.sync_free, compiled=self.config.train.compile,
             steps=st.step, steps_applied=st.applied_steps, steps_skipped=st.skipped_steps,
-            final_scale=self.engine.scaling.final_scale(),
-            time_per_step_s=elapsed / max(st.step - start_step, 1),
-            samples_per_s=(st.samples - start_samples) / elapsed if elapsed > 0 else 0.0,
-            peak_memory_bytes=int(torch.cuda.max_memory_allocated(self.device)) if self.device.type == "cuda" else None,
+            final_scale=fit.engine.scaling.final_scale(), **fit.clock.rates(st),
             final_train_loss=st.last_train_loss, final_val_loss=st.last_val_loss, best_val_loss=st.best_val_loss,
-            stopped=stopped, last_checkpoint=self._last_checkpoint, diagnosis_report=self._diagnosis,
-            outcome=outcome(stopped=stopped, fault=self._fault is not None, interrupted=self._interrupts.received,
+            stopped=fit.stopped, last_checkpoint=fit.checkpointer.last, diagnosis_report=fit.diagnosis,
+            outcome=outcome(stopped=fit.stopped, fault=fit.fault is not None, interrupted=fit.interrupts.received,
                             steps_applied=st.applied_steps, final_loss=st.last_train_loss),
-            fp8=self.fp8_report.to_dict() if self.fp8_report is not None else None,
+            fp8=fit.fp8_report.to_dict() if fit.fp8_report is not None else None,
             precision_note=plan.spelling_note,
-            log_dir=str(self._log_dir) if self._log_dir is not None else None, metrics_file=self._metrics_file,
-            fp32_modules=self.fp32_modules,
+            log_dir=str(fit.log_dir) if fit.log_dir is not None else None, metrics_file=fit.metrics_file,
+            fp32_modules=fit.fp32_modules,
         )
         for cb in self.callbacks:
             cb.on_fit_end(self, summary)
