@@ -20,38 +20,42 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-from torchimpl.distributed import launch_rank
-from torchimpl.lifecycle import EXIT_CODES
+# Nothing here imports torch at module level (nor does torchimpl/__init__.py): --help, --version
+# and argument errors answer without it; each command imports what it needs when it runs.
+from torchimpl.embedded import is_task_name
+from torchimpl.messages import configure_logging, launch_rank, plain_warnings
+from torchimpl.messages import line as message_line
 
 __all__ = ["main"]
 
 log = logging.getLogger("torchimpl.cli")
 
-
-def _plain_warnings() -> None:
-    """Show this package's warnings as one line, ``ampspec: warning: <message>``.
-
-    Their ``file.py:123: Category:`` prefix points into ampspec's own code, which tells a
-    command-line user nothing; warnings raised elsewhere (torch, the user's task) keep theirs.
-    """
-    package = str(Path(__file__).resolve().parent)
-    prefix = f"[rank {launch_rank()}] " if "RANK" in os.environ else ""
-    default = warnings.showwarning
-
-    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 - warnings' signature
-        if not str(Path(filename).resolve()).startswith(package):
-            return default(message, category, filename, lineno, file, line)
-        print(f"{prefix}ampspec: warning: {message}", file=file or sys.stderr)
-
-    warnings.showwarning = show
+_plain_warnings = plain_warnings
 
 
 def _version_text() -> str:
-    import torch
+    from torchimpl import __version__
 
-    from torchimpl.run_state import ampspec_version
+    return f"ampspec {__version__} (torch {_torch_version()}, python {sys.version.split()[0]})"
 
-    return f"ampspec {ampspec_version()} (torch {torch.__version__}, python {sys.version.split()[0]})"
+
+def _torch_version() -> str:
+    """torch's version from its ``torch/version.py``, read as text: importing torch takes
+    seconds, and importlib.metadata's search of every installed distribution most of one."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        try:
+            found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", (Path(folder) / "version.py").read_text(), re.M)
+        except OSError:
+            continue
+        if found:
+            return found.group(1)
+    import torch  # a layout without version.py
+
+    return str(torch.__version__)
 
 
 class _VersionAction(argparse.Action):
@@ -67,14 +71,10 @@ class _VersionAction(argparse.Action):
 
 def _task_name(text: str) -> str:
     """argparse type for ``--task``: ``lm``, ``mlp`` or ``module:function``."""
-    from torchimpl.config import ConfigError, TaskConfig
-
-    try:
-        TaskConfig(name=text)
-    except ConfigError:
+    if not is_task_name(text):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a task: use 'lm', 'mlp' or module:function (a function in a module in the "
-            "working directory or on PYTHONPATH that returns (model, train_data, val_data))") from None
+            "working directory or on PYTHONPATH that returns (model, train_data, val_data))")
     return text
 
 
@@ -101,6 +101,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from torchimpl.config import load_config
+    from torchimpl.lifecycle import EXIT_CODES
     from torchimpl.tasks import build_task
     from torchimpl.trainer import Trainer
 
@@ -227,8 +228,9 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _replay_policy(args: argparse.Namespace, header: dict | None) -> object:
-    """The scaler policy to replay with: the one given by ``--config``/``--set``, else the
-    trace header's, else the defaults; a warning when the choice is not the trace's own."""
+    """The scaler policy to replay with: ``--config``'s (with its ``--set``s), else the trace
+    header's with the fields ``--set`` names changed, else the defaults; a warning when the
+    choice is not the trace's own."""
     from torchimpl.config import load_config
 
     recorded = _header_policy(args.trace, header) if header is not None else None
@@ -240,12 +242,27 @@ def _replay_policy(args: argparse.Namespace, header: dict | None) -> object:
                     "the default policy (%s); pass the run's --config if it set the scaler", args.trace,
                     _policy_text(default))
         return default
-    given = load_config(args.config, args.set).scaler.resolved()
+    if args.config is None and recorded is not None:
+        given = _recorded_with_sets(recorded, args.set)
+    else:
+        given = load_config(args.config, args.set).scaler.resolved()
     if recorded is not None and given != recorded:
         log.warning("the scaler policy given by --config/--set differs from the one %s records; replaying with "
                     "the given one: %s (given) vs %s (recorded)", args.trace,
                     _policy_text(given, recorded), _policy_text(recorded, given))
     return given
+
+
+def _recorded_with_sets(recorded: object, sets: list[str]) -> object:
+    """The recorded policy with the fields ``--set scaler.NAME=VALUE`` names changed, and only
+    those (``--set`` without ``--config`` edits the run's policy, it does not start from the
+    defaults); every ``--set`` is still validated as a configuration override."""
+    from torchimpl.config import apply_overrides, load_config
+    from torchimpl.scaler import with_fields
+
+    checked = load_config(None, sets).scaler
+    section = apply_overrides({}, sets).get("scaler") or {}
+    return with_fields(recorded, {name: getattr(checked, name) for name in section})
 
 
 def _header_policy(trace: str, header: dict) -> object:
@@ -344,7 +361,9 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", parents=[common], help="recompute a trace's scale history with the reference")
     r.add_argument("trace")
     r.add_argument("--config", help="the scaler settings to replay with (default: those the trace's header records)")
-    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="change one field of the policy replayed, e.g. scaler.growth_interval=7 (repeatable): of "
+                        "the trace's recorded policy, or of --config's when given")
     r.set_defaults(func=_replay)
     a = sub.add_parser("audit", parents=[common],
                        help="run your own training script and check it against the specification",
@@ -396,20 +415,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verbose and args.quiet:
         parser.error("-v/--verbose and -q/--quiet contradict each other; give one")
     # Under torchrun, the ranks other than 0 log warnings and errors only, each line naming its rank.
-    rank = launch_rank()
-    prefix = f"[rank {rank}] " if "RANK" in os.environ else ""
-    level = logging.INFO if args.verbose and rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format=prefix + "%(levelname)s %(name)s: %(message)s")
+    level = logging.INFO if args.verbose and launch_rank() == 0 else logging.WARNING
+    configure_logging(level)
     # The progress lines have their own handler (torchimpl.reporting): -q silences them here.
     logging.getLogger("torchimpl.progress").setLevel(logging.WARNING if args.quiet else logging.INFO)
     try:
         return args.func(args)
     except KeyboardInterrupt as exc:  # a second Ctrl-C: abort without a traceback
-        print(f"{prefix}ampspec {args.command}: {exc or 'interrupted'}", file=sys.stderr)
+        print(message_line(None, str(exc) or "interrupted", args.command), file=sys.stderr)
         return 130
     except (ValueError, RuntimeError, OSError, ImportError) as exc:
         msg = str(exc).splitlines()
-        print(f"{prefix}ampspec {args.command}: error: {' '.join(m.strip() for m in msg)}", file=sys.stderr)
+        print(message_line("error", " ".join(m.strip() for m in msg), args.command), file=sys.stderr)
         return 2
 
 

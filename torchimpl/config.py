@@ -31,6 +31,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 import yaml
 
+from torchimpl.embedded import is_task_name, with_task_defaults
 from torchimpl.optim import OptimizerConfig
 from torchimpl.precision import PrecisionConfig
 from torchimpl.scaler import ScalerConfig
@@ -93,14 +94,9 @@ class TaskConfig(_Checked):
 
     def _problems(self) -> list[tuple[str, str]]:
         name = self.name
-        if not isinstance(name, str) or not (name in ("lm", "mlp") or _is_entry_point(name)):
+        if not is_task_name(name):
             return [("name", f"must be 'lm', 'mlp' or 'module:function', got {name!r}")]
         return []
-
-
-def _is_entry_point(text: str) -> bool:
-    module, sep, func = text.partition(":")
-    return bool(sep) and bool(module) and func.isidentifier()
 
 
 @dataclass(frozen=True)
@@ -737,7 +733,8 @@ def load_config(
     overrides: Sequence[str] = (),
     data: Mapping[str, Any] | None = None,
 ) -> Config:
-    """Defaults < ``path`` (YAML) or ``data`` < ``overrides``; raises :class:`ConfigError`."""
+    """Defaults < the embedded task's settings (``torchimpl.embedded``) < ``path`` (YAML) or
+    ``data`` < ``overrides``; raises :class:`ConfigError`."""
     tree: dict[str, Any] = {}
     if path is not None:
         try:
@@ -754,4 +751,4 @@ def load_config(
     if data is not None:
         tree = {**tree, **_plain(dict(data))}
     tree = apply_overrides(tree, overrides)
-    return Config.from_dict(tree)
+    return Config.from_dict(with_task_defaults(tree))
