@@ -60,7 +60,7 @@ _EXPORTS = {
     "check_placement": "diagnostics",
     "configure_reduced_precision_reduction": "precision",
     "configure_tf32": "precision",
-    "default_loss_fn": "trainer",
+    "default_loss_fn": "loss_protocol",
     "diagnose_nonfinite": "diagnostics",
     "fp32_island": "precision",
     "latest_checkpoint": "checkpoint",

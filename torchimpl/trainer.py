@@ -50,6 +50,7 @@ from torchimpl.distributed import init_distributed
 from torchimpl.optim import BuiltOptimizer, OptimizerConfig, adopt_optimizer, build_optimizer
 from torchimpl.precision import PrecisionDowngradeWarning, autocast_context, resolve_precision
 from torchimpl.lifecycle import Interrupts, outcome, preflight
+from torchimpl.loss_protocol import default_loss_fn
 from torchimpl.records import StepRecord, TraceWriter
 from torchimpl.metrics import CsvMetrics, open_metrics, open_run_folder
 from torchimpl.reporting import Reporter, progress_mode
@@ -61,15 +62,6 @@ from torchimpl.step import StepEngine, bind_hooks, build_step_engine, choose_syn
 __all__ = ["Callback", "RunSummary", "StopTraining", "Trainer", "TrainState", "default_loss_fn"]
 
 log = logging.getLogger(__name__)
-
-
-def default_loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
-    """The loss protocol: a batch ``(inputs, targets)``; ``model(inputs, targets)`` is the loss."""
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    if isinstance(batch, dict):
-        return model(**batch)
-    return model(batch)
 
 
 class StopTraining(Exception):

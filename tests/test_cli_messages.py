@@ -1,0 +1,34 @@
+"""The command line's one message format (torchimpl.messages): ``ampspec: warning: ...``."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from torchimpl.cli import main
+from torchimpl.messages import CliFormatter
+
+RECORD = {"step": 0, "microbatches": 1, "scale_before": 65536.0, "found_inf": False, "applied": True,
+          "grad_norm": 1.0, "clip_coef": None, "scale_after": 65536.0, "growth_tracker": 1, "lr": 0.001}
+
+
+def test_a_logged_warning_prints_as_ampspec_warning(tmp_path, capsys):
+    trace = tmp_path / "old.jsonl"
+    trace.write_text(json.dumps(RECORD) + "\n")  # no header: replay warns that it uses the defaults
+    assert main(["replay", str(trace)]) == 0
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "has no header" in ln]
+    assert len(lines) == 1 and lines[0].startswith(f"ampspec: warning: {trace} has no header"), err
+    assert "WARNING" not in err and "torchimpl.cli" not in err, err
+
+
+def test_the_format_by_level_and_under_torchrun(monkeypatch):
+    def fmt(level: int, msg: str) -> str:
+        return CliFormatter().format(logging.LogRecord("torchimpl.trainer", level, __file__, 1, msg, (), None))
+
+    monkeypatch.delenv("RANK", raising=False)
+    assert fmt(logging.WARNING, "precision: bf16 unsupported") == "ampspec: warning: precision: bf16 unsupported"
+    assert fmt(logging.ERROR, "x") == "ampspec: error: x"
+    assert fmt(logging.INFO, "saved checkpoint c") == "ampspec: saved checkpoint c"
+    monkeypatch.setenv("RANK", "1")
+    assert fmt(logging.WARNING, "y") == "[rank 1] ampspec: warning: y"
