@@ -107,9 +107,9 @@ def _train(args: argparse.Namespace) -> int:
 
     _plain_warnings()
     cfg = load_config(args.config, args.set)
-    task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
-    if args.resume and cfg.checkpoint.folder is None:
+    if args.resume and cfg.checkpoint.folder is None:  # before make() runs
         raise ValueError("--resume needs checkpoint.folder in the configuration")
+    task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
     summary = Trainer(cfg).fit(task.model, task.train_data, task.val_data, loss_fn=task.loss_fn,
                                resume="latest" if args.resume else None)
     # Under torchrun rank 0 alone prints; every rank's exit status still reports a stop (the
@@ -367,7 +367,8 @@ def _parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_replay)
     a = sub.add_parser("audit", parents=[common],
                        help="run your own training script and check it against the specification",
-                       description="Run SCRIPT.py in this process under instrumentation of torch's AMP calls; "
+                       description="Run SCRIPT.py as __main__ in the ampspec process itself (runpy, not a subprocess) "
+                                   "under instrumentation of torch's AMP calls; "
                                    "report order-rule findings and numeric divergences from the specification. "
                                    "The audit's options may also follow the script's arguments; after '--' "
                                    "everything goes to the script. Exit status: 0 no findings, 1 findings, "

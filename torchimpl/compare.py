@@ -32,7 +32,7 @@ from torchimpl.config import Config, load_config
 from torchimpl.device import resolve_device
 from torchimpl.records import read_trace
 from torchimpl.reporting import progress_log
-from torchimpl.tasks import build_task
+from torchimpl.tasks import build_task, check_task
 from torchimpl.trainer import Trainer
 
 __all__ = ["CompareResult", "run_compare", "format_table", "gap_explained"]
@@ -167,11 +167,16 @@ def run_compare(*, steps: int = 200, device: str = "auto", out: str | Path = "am
         raise ValueError(f"steps must be >= 1, got {steps}")
     t0 = time.perf_counter()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     dev = resolve_device(device)
     eval_every = max(steps // 20, 1)  # about 20 points: a validation curve, not a final number
     rows, curves, left_out = [], {}, {}
     runs = _runs(dev)
+    # Everything that can be checked before the first run is: every run's configuration and the
+    # task's module and function (not called: that is the runs' work).
+    configs = [run_config(label, mode, extra, dev=str(dev), task=task, steps=steps, seed=seed,
+                          eval_every=eval_every, out=out) for label, mode, extra in runs]
+    check_task(configs[0].task)
+    out.mkdir(parents=True, exist_ok=True)
     for number, (label, mode, extra) in enumerate(runs, 1):
         # One line as each run starts and ends, on a terminal or not (ampspec -q silences them).
         progress_log.info("compare: run %d of %d, %s, %d steps of task %s", number, len(runs), label, steps, task)
