@@ -167,6 +167,9 @@ def _doctor(args: argparse.Namespace) -> int:
         feats = {f: (f in flags) for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")}
         print("CPU features: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in feats.items()))
     print(f"TF32: {tf32_settings()}")
+    from torchimpl.threads import current, report_lines
+
+    print("\n".join(report_lines(current())))
     for dev in devices:
         print(f"precision on {dev}:")
         for mode in ("auto", "fp32", "bf16", "fp16"):
