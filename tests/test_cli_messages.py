@@ -32,3 +32,18 @@ def test_the_format_by_level_and_under_torchrun(monkeypatch):
     assert fmt(logging.INFO, "saved checkpoint c") == "ampspec: saved checkpoint c"
     monkeypatch.setenv("RANK", "1")
     assert fmt(logging.WARNING, "y") == "[rank 1] ampspec: warning: y"
+
+
+def test_a_failed_run_says_error_in_the_same_format(tmp_path, monkeypatch, capsys):
+    (tmp_path / "always_inf_task.py").write_text(
+        "import math, torch\nfrom torch import nn\n\n"
+        "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.lin = nn.Linear(2, 1)\n\n"
+        "    def forward(self, x, y):\n        return ((self.lin(x) - y) ** 2).mean() * math.inf\n\n"
+        "def make():\n    data = [(torch.ones(4, 2), torch.zeros(4, 1))] * 4\n    return M(), data, None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--set", "device=cpu", "--set", "task.name=always_inf_task:make", "--set", "train.steps=2",
+                 "--set", "logging.dir=null", "-q"])
+    err = capsys.readouterr().err
+    assert code == 3
+    assert any(ln.startswith("ampspec train: error: no step was applied") for ln in err.splitlines()), err

@@ -117,8 +117,9 @@ def _train(args: argparse.Namespace) -> int:
     if launch_rank() == 0:
         print(json.dumps(summary.to_dict(), indent=2, allow_nan=False))
         problem = _outcome_message(summary)
-        if problem:
-            print(f"ampspec train: {problem}", file=sys.stderr)
+        if problem:  # a stop on a signal is not an error: the run can go on with --resume
+            level = None if summary.outcome.startswith("interrupted") else "error"
+            print(message_line(level, problem, "train"), file=sys.stderr)
     return EXIT_CODES[summary.outcome]
 
 
