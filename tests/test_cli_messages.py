@@ -37,7 +37,8 @@ def test_the_format_by_level_and_under_torchrun(monkeypatch):
 def test_a_failed_run_says_error_in_the_same_format(tmp_path, monkeypatch, capsys):
     (tmp_path / "always_inf_task.py").write_text(
         "import math, torch\nfrom torch import nn\n\n"
-        "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.lin = nn.Linear(2, 1)\n\n"
+        "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.lin = nn.Linear(2, 1)\n\n"
         "    def forward(self, x, y):\n        return ((self.lin(x) - y) ** 2).mean() * math.inf\n\n"
         "def make():\n    data = [(torch.ones(4, 2), torch.zeros(4, 1))] * 4\n    return M(), data, None\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -48,9 +48,10 @@ def _torch_version() -> str:
     spec = importlib.util.find_spec("torch")
     for folder in (spec.submodule_search_locations or []) if spec else []:
         try:
-            found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", (Path(folder) / "version.py").read_text(), re.M)
+            text = (Path(folder) / "version.py").read_text()
         except OSError:
             continue
+        found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.M)
         if found:
             return found.group(1)
     import torch  # a layout without version.py

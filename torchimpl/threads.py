@@ -52,8 +52,8 @@ def report_lines(s: ThreadSituation) -> list[str]:
         lines.append(f"  more threads than cores: set OMP_NUM_THREADS={s.cores} (or torch.set_num_threads({s.cores}))")
     elif others is not None and others + s.threads > s.cores and s.threads > 1:
         free = max(int(s.cores - others), 1)
-        lines.append(f"  the cores are busy (load {s.load:.1f} on {s.cores} cores, about {others:.1f} of it other work): "
-                     f"torch's {s.threads} "
+        lines.append(f"  the cores are busy (load {s.load:.1f} on {s.cores} cores, about {others:.1f} of it other "
+                     f"work): torch's {s.threads} "
                      f"threads will wait for each other; for a small model set OMP_NUM_THREADS={free} before "
                      f"starting (or torch.set_num_threads({free})), and compare the ms/step")
     return lines
