@@ -107,7 +107,7 @@ def _train(args: argparse.Namespace) -> int:
     from torchimpl.trainer import Trainer
 
     _plain_warnings()
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, args.set, task_defaults=True)
     if args.resume and cfg.checkpoint.folder is None:  # before make() runs
         raise ValueError("--resume needs checkpoint.folder in the configuration")
     task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)

@@ -122,7 +122,7 @@ def run_config(label: str, mode: str, extra: list[str], *, dev: str, task: str, 
         f"train.seed={seed}", "train.log_interval=50", f"train.eval_interval={eval_every}",
         f"train.trace_file={out / f'trace-{label}.jsonl'}", f"logging.dir={out / label}",
         f"logging.progress={_progress()}", *extra,
-    ])
+    ], task_defaults=True)
 
 
 def _train_one(label: str, mode: str, extra: list[str], *, dev: torch.device, task: str, steps: int, seed: int,

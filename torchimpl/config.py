@@ -732,9 +732,15 @@ def load_config(
     path: str | Path | None = None,
     overrides: Sequence[str] = (),
     data: Mapping[str, Any] | None = None,
+    *,
+    task_defaults: bool = False,
 ) -> Config:
-    """Defaults < the embedded task's settings (``torchimpl.embedded``) < ``path`` (YAML) or
-    ``data`` < ``overrides``; raises :class:`ConfigError`."""
+    """Defaults < ``path`` (YAML) or ``data`` < ``overrides``; raises :class:`ConfigError`.
+
+    ``task_defaults``: lay the embedded task's own settings (``torchimpl.embedded``) under the
+    file and the overrides when ``task.name`` is ``lm`` or ``mlp``, as ``ampspec train`` and
+    ``ampspec compare`` do, which build that task. Off by default: a configuration loaded to
+    train one's own model keeps the general defaults whatever ``task.name`` says."""
     tree: dict[str, Any] = {}
     if path is not None:
         try:
@@ -751,4 +757,4 @@ def load_config(
     if data is not None:
         tree = {**tree, **_plain(dict(data))}
     tree = apply_overrides(tree, overrides)
-    return Config.from_dict(with_task_defaults(tree))
+    return Config.from_dict(with_task_defaults(tree) if task_defaults else tree)

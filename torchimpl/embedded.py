@@ -3,9 +3,10 @@
 ``lm`` and ``mlp`` (built by :mod:`torchimpl.tasks`) train well with a larger learning rate
 than the general default of ``optimizer.lr`` (1e-3, meant for a user's model) and a short
 warmup. These settings are the one source for ``ampspec train`` and ``ampspec compare``:
-``load_config`` lays them under the configuration file and ``--set`` when ``task.name`` is an
-embedded task, so a value the user writes always wins, and a user's ``module:function`` task
-gets none of them.
+``load_config(..., task_defaults=True)`` (what both commands call) lays them under the
+configuration file and ``--set`` when ``task.name`` is an embedded task, so a value the user
+writes always wins, and a user's ``module:function`` task gets none of them; nor does a
+configuration loaded without the flag to train one's own model from Python.
 """
 
 from __future__ import annotations
