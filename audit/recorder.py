@@ -72,6 +72,7 @@ from typing import Any, Iterable
 
 import torch
 
+from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
 from audit.rules import Finding
 
 __all__ = ["Recorder", "StepRecord", "StepLimitReached"]

@@ -61,6 +61,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
 from audit.rules import Finding
 from reference import clipping, optim, scaling
 

@@ -43,6 +43,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
+
 __all__ = ["available", "ReplayProcess", "SlabArray"]
 
 _ALIGN = 64

@@ -98,6 +98,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"torch threads {torch.get_num_threads()}, devices {_devices(config)}",
         f"hypothesis profile: {settings._current_profile}",
         f"float8: {expectations.torchao_provenance()}",
+        f"keyed facts: {expectations.version_status()}",
     ]
 
 

@@ -3,19 +3,90 @@
 A difference listed here is expected and tested as such; anything else is a failure. When torch
 changes behaviour the keyed expectation fails loudly with the version, so the change is noticed
 rather than absorbed.
+
+Every version-keyed fact is measured, never assumed: ``bench/torch_matrix.py`` installs each torch
+release, probes every fact (``python -m conformance.expectations``) and runs both suites; the
+versions it measured are the keys of ``MEASURED``, and every table below has exactly those keys
+(a unit test checks it). On a torch version that is not measured the suite does not skip: it
+expects the newest measured version's facts and says so (an ``UnmeasuredTorchVersion`` warning
+and a line in the report header), so a new release shows its differences on the first run.
 """
 
 from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import TypeVar
 
 import torch
 
 TORCH_VERSION = ".".join(torch.__version__.split("+")[0].split(".")[:2])
 
-# float32/float16/bfloat16 -> float8_e4m3fn on overflow and ±inf. torch's CPU conversion started
-# to saturate to ±448 with pytorch/pytorch#178817 (April 2026); before that it produced NaN, like
-# ml_dtypes and the OFP8 non-saturating mode. Measured on CPU for the versions listed; other
-# versions are probed and reported.
-E4M3FN_SATURATES_ON_CPU: dict[str, bool] = {"2.13": True, "2.14": True}
+# Where each version's facts were measured: bench/torch_matrix.py on this project's CPU machine
+# (PyPI's Linux wheels, which carry CUDA, run on the CPU; 2.13.0 is the CPU-only build). The table
+# with every fact per version is bench/results/torch_matrix.md.
+MEASURED: dict[str, str] = {
+    "2.11": "torch 2.11.0+cu130, PyPI's Linux wheel, on the CPU, 2026-12-03",
+    "2.12": "torch 2.12.1+cu130, PyPI's Linux wheel, on the CPU, 2026-12-03",
+    "2.13": "torch 2.13.0+cpu, the CPU build, 2026-12-03",
+    "2.14": "torch 2.14.1+cu130, PyPI's Linux wheel, on the CPU, 2026-12-03",
+}
+
+_T = TypeVar("_T")
+
+
+class UnmeasuredTorchVersion(UserWarning):
+    """The installed torch is not a measured version: the newest measured version's facts are expected."""
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+NEWEST_MEASURED = max(MEASURED, key=_version_key)
+
+
+def version_status(version: str | None = None) -> str:
+    """One line for the report header: is ``version`` (the installed torch's by default) measured,
+    and what the suite expects if not."""
+    version = version or TORCH_VERSION
+    measured = ", ".join(sorted(MEASURED, key=_version_key))
+    if version in MEASURED:
+        return f"torch {version}: keyed facts measured ({MEASURED[version]}; measured versions {measured})"
+    return (f"torch {version} is NOT measured (measured: {measured}): the suite expects torch "
+            f"{NEWEST_MEASURED}'s keyed facts; a failure may be a change in torch, see bench/torch_matrix.py")
+
+
+def keyed(table: Mapping[str, _T], fact: str, version: str | None = None) -> _T:
+    """``table``'s value for torch ``version`` (the installed one by default); for a version not
+    measured, the newest measured version's value, with an ``UnmeasuredTorchVersion`` warning
+    that says so (never a skip)."""
+    version = version or TORCH_VERSION
+    if version in table:
+        return table[version]
+    newest = max(table, key=_version_key)
+    warnings.warn(UnmeasuredTorchVersion(
+        f"torch {version} is not measured for '{fact}': expecting torch {newest}'s {table[newest]!r} "
+        "(conformance/expectations.py; measure it with bench/torch_matrix.py)"), stacklevel=2)
+    return table[newest]
+
+
+def keyed_device(device: str) -> bool:
+    """Are the version-keyed tables measurements of ``device``? Only the CPU's are; on another
+    device each fact is probed and the suite follows the probe (the keyed-fact tests skip there)."""
+    return device == "cpu"
+
+
+# float32/float16/bfloat16 -> float8_e4m3fn on overflow and ±inf, on the CPU. The rule is the
+# spec's (reference.formats.torch_cpu_e4m3fn_saturates, rule 9): NaN up to 2.12, ±448 from 2.13,
+# when torch's CPU conversion started to saturate (pytorch/pytorch#178817, April 2026). This
+# table is what was measured; the test checks the probe, this table and the spec's rule agree.
+# Measured beyond the probe on 2.11, 2.12 and 2.14 (float32 within 70,000 ULPs of ±464 as long and
+# one-element tensors, every float16 and bfloat16 pattern; 2.11 with the AVX512 and default
+# kernels, 2.12 with AVX512, AVX2 and default, 2.14 with AVX512): up to 2.12 exactly rule 4, i.e.
+# ml_dtypes' bits (464, the tie, goes to even 448; anything above it, 480 included, and ±inf to
+# NaN 0x7f/0xff); from 2.13 exactly rule 5 (±448).
+E4M3FN_SATURATES_ON_CPU: dict[str, bool] = {"2.11": False, "2.12": False, "2.13": True, "2.14": True}
 
 
 def probe_e4m3fn_saturates(device: str) -> bool:
@@ -26,17 +97,18 @@ def probe_e4m3fn_saturates(device: str) -> bool:
 
 def e4m3fn_saturates(device: str) -> bool:
     """The saturation behaviour the suite expects on ``device`` with the installed torch."""
-    if device == "cpu" and TORCH_VERSION in E4M3FN_SATURATES_ON_CPU:
-        return E4M3FN_SATURATES_ON_CPU[TORCH_VERSION]
+    if device == "cpu":
+        return keyed(E4M3FN_SATURATES_ON_CPU, "float32 -> float8_e4m3fn saturates on the CPU")
     # CUDA picks an intrinsic or the C++ path by toolkit and architecture: probed, not assumed.
     return probe_e4m3fn_saturates(device)
 
 
 # Autocast op policy (reference.autocast.POLICY): the torch versions, per device type, whose output
-# dtypes were compared op by op against the table and matched. The CPU table was measured on
-# 2.13; the CUDA table follows PyTorch's documented lists and has not yet been run on a GPU. No
-# version-dependent difference is known; one found later is keyed here by version, not absorbed.
-AUTOCAST_POLICY_CONFIRMED: dict[str, tuple[str, ...]] = {"cpu": ("2.13",), "cuda": ()}
+# dtypes were compared op by op against the table and matched (conformance/test_autocast.py in
+# bench/torch_matrix.py's run of each version, bench/results/torch_matrix.md); the CUDA table
+# follows PyTorch's documented lists and has not yet been run on a GPU. No version-dependent
+# difference is known; one found later is keyed here by version, not absorbed.
+AUTOCAST_POLICY_CONFIRMED: dict[str, tuple[str, ...]] = {"cpu": ("2.11", "2.12", "2.13", "2.14"), "cuda": ()}
 
 
 def autocast_policy_provenance(device: str) -> str:
@@ -120,8 +192,16 @@ def cuda_norm_rtol(n: int) -> float:
 
 # clip_grad_value_ with no gradient at all raises in torch (its foreach grouping refuses an
 # empty list: "Expected !nested_tensorlist[0].empty() to be true"); the spec returns an empty
-# list. Measured on CPU for the versions listed; other versions are probed and reported.
-CLIP_GRAD_VALUE_RAISES_WITHOUT_GRADS: dict[str, bool] = {"2.13": True}
+# list. Measured on CPU for the versions keyed; other devices are probed.
+CLIP_GRAD_VALUE_RAISES_WITHOUT_GRADS: dict[str, bool] = {"2.11": True, "2.12": True, "2.13": True, "2.14": True}
+
+
+def clip_grad_value_raises_without_grads(device: str) -> bool:
+    """Does torch's clip_grad_value_ raise for parameters without gradients on ``device``?"""
+    if device == "cpu":
+        return keyed(CLIP_GRAD_VALUE_RAISES_WITHOUT_GRADS, "clip_grad_value_ without gradients raises")
+    return probe_clip_grad_value_raises_without_grads(device)
+
 
 # torch's L2 norm of a ONE-element tensor is |x|, never squared: linalg_vector_norm_out (ATen's
 # LinearAlgebra.cpp, code shared by all devices) returns abs() when every reduced dimension has
@@ -131,15 +211,15 @@ CLIP_GRAD_VALUE_RAISES_WITHOUT_GRADS: dict[str, bool] = {"2.13": True}
 # bfloat16, float32, float64]. CUDA's fused multi-tensor norm kernel (ForeachReduceOp.cu) sums
 # squares with no one-element case [read in the source, not measured]: there a one-element
 # gradient whose square under- or overflows (float32 [1e30]) gets a different per-tensor norm
-# inside clipping than linalg.vector_norm gives. Measured on CPU for the versions listed; other
-# devices and versions are probed.
-CLIP_ONE_ELEMENT_L2_NORM_IS_ABS: dict[str, bool] = {"2.13": True}
+# inside clipping than linalg.vector_norm gives. Measured on CPU for the versions keyed; other
+# devices are probed.
+CLIP_ONE_ELEMENT_L2_NORM_IS_ABS: dict[str, bool] = {"2.11": True, "2.12": True, "2.13": True, "2.14": True}
 
 
 def clip_one_element_l2_norm_is_abs(device: str) -> bool:
     """Does torch's clipping path (get_total_norm) give |x| for a one-element gradient on ``device``?"""
-    if device == "cpu" and TORCH_VERSION in CLIP_ONE_ELEMENT_L2_NORM_IS_ABS:
-        return CLIP_ONE_ELEMENT_L2_NORM_IS_ABS[TORCH_VERSION]
+    if device == "cpu":
+        return keyed(CLIP_ONE_ELEMENT_L2_NORM_IS_ABS, "the clipping path's one-element L2 norm is |x|")
     return probe_clip_one_element_l2_norm_is_abs(device)
 
 
@@ -155,16 +235,17 @@ def probe_clip_one_element_l2_norm_is_abs(device: str) -> bool:
 # _foreach_mul_ falls back to mul_ per tensor on a dtype mismatch (ForeachBinaryOpScalarTensor.cu),
 # and mul_ casts a 0-d device tensor to the gradient's dtype before multiplying (Loops.cuh,
 # opmath_symmetric_gpu_kernel_with_scalars) [read in the source, not measured]: the spec's
-# coef_in_grad_dtype rule. Measured on CPU for the versions listed; other devices and versions
-# are probed.
-CLIP_COEF_IN_GRAD_DTYPE: dict[str, dict[str, bool]] = {"cpu": {"2.13": False}}
+# coef_in_grad_dtype rule. Measured on CPU for the versions keyed; a device without keys is probed.
+CLIP_COEF_IN_GRAD_DTYPE: dict[str, dict[str, bool]] = {
+    "cpu": {"2.11": False, "2.12": False, "2.13": False, "2.14": False},
+}
 
 
 def clip_coef_in_grad_dtype(device: str) -> bool:
     """Does torch's clip multiply round the coefficient to a 16-bit gradient's dtype on ``device``?"""
-    known = CLIP_COEF_IN_GRAD_DTYPE.get(device, {})
-    if TORCH_VERSION in known:
-        return known[TORCH_VERSION]
+    known = CLIP_COEF_IN_GRAD_DTYPE.get(device)
+    if known:
+        return keyed(known, f"the clip multiply rounds the coefficient to the gradient's dtype on {device}")
     return probe_clip_coef_in_grad_dtype(device)
 
 
@@ -180,14 +261,14 @@ def probe_clip_coef_in_grad_dtype(device: str) -> bool:
 # another one already has a momentum buffer (a parameter whose gradient was None earlier):
 # _fused_sgd passes the None buffer on ("TypeError: expected Tensor as element 1 in argument 2,
 # but got NoneType"). The for-loop and foreach paths, and the spec, start that buffer as a copy
-# of the gradient. Measured on CPU for the versions listed; other versions are probed.
-FUSED_SGD_FAILS_ON_LATE_FIRST_GRADIENT: dict[str, bool] = {"2.13": True}
+# of the gradient. Measured on CPU for the versions keyed; other devices are probed.
+FUSED_SGD_FAILS_ON_LATE_FIRST_GRADIENT: dict[str, bool] = {"2.11": True, "2.12": True, "2.13": True, "2.14": True}
 
 
 def fused_sgd_fails_on_late_first_gradient(device: str) -> bool:
     """Does fused SGD with momentum raise TypeError when a parameter's first gradient comes late?"""
-    if device == "cpu" and TORCH_VERSION in FUSED_SGD_FAILS_ON_LATE_FIRST_GRADIENT:
-        return FUSED_SGD_FAILS_ON_LATE_FIRST_GRADIENT[TORCH_VERSION]
+    if device == "cpu":
+        return keyed(FUSED_SGD_FAILS_ON_LATE_FIRST_GRADIENT, "fused SGD fails on a late first gradient")
     return probe_fused_sgd_fails_on_late_first_gradient(device)
 
 
@@ -211,14 +292,16 @@ def probe_fused_sgd_fails_on_late_first_gradient(device: str) -> bool:
 # the buffer instead of starting it as a copy of the gradient (the spec, and the for-loop path
 # that a host skip never calls, have no buffer until a step applies). reference.step refuses
 # sync_free for SGD with momentum and the trainer keeps the host skip there. Measured on CPU for
-# the versions listed; other versions are probed.
-FUSED_SGD_SKIPPED_FIRST_STEP_STORES_A_BUFFER: dict[str, bool] = {"2.13": True}
+# the versions keyed; other devices are probed.
+FUSED_SGD_SKIPPED_FIRST_STEP_STORES_A_BUFFER: dict[str, bool] = {
+    "2.11": True, "2.12": True, "2.13": True, "2.14": True,
+}
 
 
 def fused_sgd_skipped_first_step_stores_a_buffer(device: str) -> bool:
     """Does fused SGD with momentum store a momentum buffer on a first step its kernel skips?"""
-    if device == "cpu" and TORCH_VERSION in FUSED_SGD_SKIPPED_FIRST_STEP_STORES_A_BUFFER:
-        return FUSED_SGD_SKIPPED_FIRST_STEP_STORES_A_BUFFER[TORCH_VERSION]
+    if device == "cpu":
+        return keyed(FUSED_SGD_SKIPPED_FIRST_STEP_STORES_A_BUFFER, "fused SGD stores a buffer on a skipped first step")
     return probe_fused_sgd_skipped_first_step_stores_a_buffer(device)
 
 
@@ -308,3 +391,52 @@ def probe_torchao_internals() -> dict[str, object]:
         "rowwise_float32_output": "via bfloat16" if rowwise == 1.0 else "float32",
         "casts_input_under_cpu_autocast": casts,
     }
+
+
+# --- Every keyed fact, measured on the installed torch (bench/torch_matrix.py records these) ----
+
+# float32 values at and beyond e4m3fn's largest finite 448: 464 is the tie between 448 and the
+# first pattern past it (0x7f, NaN), 480 that pattern's own value.
+E4M3FN_OVERFLOW_PROBES = (464.0, 465.0, 480.0, 1e6, float("inf"), float("-inf"), -464.0)
+
+
+def probe_e4m3fn_cpu_bits() -> dict[str, str]:
+    """The float8_e4m3fn bits torch's CPU cast gives for each of E4M3FN_OVERFLOW_PROBES."""
+    bits = torch.tensor(E4M3FN_OVERFLOW_PROBES).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+    return {repr(v): f"0x{b:02x}" for v, b in zip(E4M3FN_OVERFLOW_PROBES, bits)}
+
+
+def probe_clip_grad_value_raises_without_grads(device: str) -> bool:
+    """What the installed torch does: does clip_grad_value_ raise for a parameter list with no gradient?"""
+    param = torch.nn.Parameter(torch.zeros(3, device=device))
+    try:
+        torch.nn.utils.clip_grad_value_([param], 1.0)
+    except RuntimeError:
+        return True
+    return False
+
+
+def measure_facts(device: str = "cpu") -> dict[str, object]:
+    """Every version-keyed fact as the installed torch (and torchao, if any) shows it on ``device``."""
+    facts: dict[str, object] = {
+        "e4m3fn_saturates": probe_e4m3fn_saturates(device),
+        "clip_grad_value_raises_without_grads": probe_clip_grad_value_raises_without_grads(device),
+        "clip_coef_in_grad_dtype": probe_clip_coef_in_grad_dtype(device),
+        "clip_one_element_l2_norm_is_abs": probe_clip_one_element_l2_norm_is_abs(device),
+        "fused_sgd_fails_on_late_first_gradient": probe_fused_sgd_fails_on_late_first_gradient(device),
+        "fused_sgd_skipped_first_step_stores_a_buffer": probe_fused_sgd_skipped_first_step_stores_a_buffer(device),
+    }
+    if device == "cpu":
+        facts["e4m3fn_cpu_bits"] = probe_e4m3fn_cpu_bits()
+    if torchao_version() is not None:
+        facts["torchao"] = {"version": torchao_version(), **probe_torchao_internals()}
+    return facts
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    json.dump({"torch": torch.__version__, "facts": measure_facts(sys.argv[1] if len(sys.argv) > 1 else "cpu")},
+              sys.stdout, indent=1)
+    print()

@@ -115,13 +115,49 @@ def mx_input(draw, dtype: np.dtype) -> np.ndarray:
     return x
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(2, n // 2 + 1) if n % d == 0 and n // d >= 2]
+
+
 @st.composite
-def linear_case(draw, dtype: np.dtype, max_dim: int = 24, specials: bool = True, min_dim: int = 1) -> dict:
-    """x (M, K) in ``dtype``, a float32 weight (N, K) and bias (N,), grad_output (M, N) in
-    ``dtype``: each tensor's values from an exponent window of its own (its magnitude drawn
-    between 2^-20 and 2^20), sometimes a zero row or a planted subnormal, zero or inf."""
+def leading_axes(draw, min_dim: int = 1, max_rows: int = 24, row_multiple: int = 1) -> tuple[int, ...]:
+    """The leading axes of an activation (everything but the features): (M,) for a 2-d input,
+    (batch, sequence) for a 3-d one, (batch, heads, sequence) for a 4-d one.
+
+    With ``row_multiple`` > 1 (MX: the flattened rows are blocked in grad_weight) the product
+    of the axes, the flattened row count, is ``row_multiple`` or twice that, factored into
+    axes of at least 2 each; otherwise each axis lies in [min_dim, a cap] (at most 36 rows).
+    """
+    rank = draw(st.integers(2, 4))
+    if row_multiple == 1:
+        caps = {2: (max_rows,), 3: (4, 8), 4: (3, 3, 4)}[rank]
+        return tuple(draw(st.integers(min_dim, max(min_dim, cap))) for cap in caps)
+    left = row_multiple * draw(st.integers(1, 2))
+    axes: list[int] = []
+    for _ in range(rank - 2):
+        choices = _divisors(left)
+        if not choices:
+            break
+        d = draw(st.sampled_from(choices))
+        axes.append(d)
+        left //= d
+    return (*axes, left)
+
+
+@st.composite
+def linear_case(draw, dtype: np.dtype, max_dim: int = 24, specials: bool = True, min_dim: int = 1, *,
+                feature_multiple: int = 1, row_multiple: int = 1) -> dict:
+    """x (..., K) in ``dtype`` (2-d, 3-d or 4-d: ``leading_axes``), a float32 weight (N, K) and
+    bias (N,), grad_output (..., N) in ``dtype``: each tensor's values from an exponent window
+    of its own (its magnitude drawn between 2^-20 and 2^20), sometimes a zero row or a planted
+    subnormal, zero or inf. ``feature_multiple`` > 1 draws K and N as one or two times it (the
+    dimensions a converted layer takes); ``row_multiple`` constrains the flattened rows."""
     dtype = np.dtype(dtype)
-    m, k, n = (draw(st.integers(min_dim, max_dim)) for _ in range(3))
+    if feature_multiple > 1:
+        k, n = (feature_multiple * draw(st.integers(1, 2)) for _ in range(2))
+    else:
+        k, n = (draw(st.integers(min_dim, max_dim)) for _ in range(2))
+    lead = draw(leading_axes(min_dim, max_dim, row_multiple))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
 
     def tensor(dt: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
@@ -133,11 +169,66 @@ def linear_case(draw, dtype: np.dtype, max_dim: int = 24, specials: bool = True,
             t = _plant(rng, t, [0.0, -0.0, 2.0**-140, float("inf")], 1)
         return t
 
-    x, go = tensor(dtype, (m, k)), tensor(dtype, (m, n))
+    x, go = tensor(dtype, (*lead, k)), tensor(dtype, (*lead, n))
     if specials and draw(st.integers(0, 5)) == 0:
-        x[draw(st.integers(0, m - 1))] = 0
+        x.reshape(-1, k)[draw(st.integers(0, int(np.prod(lead)) - 1))] = 0
     return {"x": x, "weight": tensor(np.dtype(np.float32), (n, k)), "bias": tensor(np.dtype(np.float32), (n,)),
             "grad_output": go}
+
+
+SCALE_BYTE_REGIMES = ("any byte", "near 2^0", "edges of e8m0")
+
+
+def _scale_bytes(draw, rng: np.random.Generator, shape: tuple[int, ...], regime: str) -> np.ndarray:
+    if regime == "any byte":
+        b = rng.integers(0, 256, shape)
+    elif regime == "near 2^0":
+        lo = 127 + draw(st.integers(-20, 16))
+        b = rng.integers(lo, lo + draw(st.integers(0, 4)) + 1, shape)
+    else:  # 2^-127 (a float32 subnormal), 2^-126, 2^126, 2^127 and the NaN byte
+        b = rng.choice(np.array([0, 1, 2, 125, 126, 127, 253, 254, 255]), shape)
+    return b.astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
+
+
+def _elements(draw, rng: np.random.Generator, elem: str, shape: tuple[int, ...], any_bytes: bool) -> np.ndarray:
+    dt = np.dtype(getattr(ml_dtypes, elem))
+    if any_bytes and draw(st.booleans()):  # any byte: NaN encodings, subnormals, the largest values
+        return rng.integers(0, 256, shape).astype(np.uint8).view(dt)
+    exp_bits, man_bits = (4, 3) if elem == "float8_e4m3fn" else (5, 2)
+    lo = draw(st.integers(0, 2**exp_bits - 2))
+    exp = rng.integers(lo, min(lo + 3, 2**exp_bits - 2) + 1, shape).astype(np.uint8)
+    bits = (rng.integers(0, 2, shape).astype(np.uint8) << np.uint8(7)) | (exp << np.uint8(man_bits)) | \
+        rng.integers(0, 2**man_bits, shape).astype(np.uint8)
+    return bits.astype(np.uint8).view(dt)
+
+
+@st.composite
+def mx_blocks(draw, elem: str, rows: int | None = None, blocks: int | None = None, *,
+              finite: bool = False) -> fp8.MXBlocks:
+    """An MX tensor as bytes, blocks of 32 along the last axis: element bytes of ``elem`` (any
+    byte, NaN encodings included, or an exponent window) and e8m0 scale bytes from a regime
+    (any byte, a window near 2^0, the range's edges and the NaN byte 0xff); sometimes whole
+    blocks of zeros. ``finite``: element windows only and scales mostly near 2^0 (three cases
+    in four), so that most matmuls have finite, nonzero sums to compare."""
+    rows = draw(st.integers(1, 6)) if rows is None else rows
+    blocks = draw(st.integers(1, 3)) if blocks is None else blocks
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    data = _elements(draw, rng, elem, (rows, 32 * blocks), any_bytes=not finite)
+    regimes = ("near 2^0",) * 6 + SCALE_BYTE_REGIMES if finite else SCALE_BYTE_REGIMES
+    scale = _scale_bytes(draw, rng, (rows, blocks), draw(st.sampled_from(regimes)))
+    if draw(st.integers(0, 3)) == 0:
+        zero = rng.random((rows, blocks)) < 0.5
+        data = np.where(np.repeat(zero, 32, axis=1), np.zeros((), data.dtype), data).astype(data.dtype)
+    return fp8.MXBlocks(data, scale, 32)
+
+
+@st.composite
+def mx_matmul_case(draw, elem: str) -> tuple[fp8.MXBlocks, fp8.MXBlocks]:
+    """Two MX operands (M, K) and (N, K) blocked along K with the same K; M, N >= 2 (with a
+    size-1 dimension torch's mm takes a vector kernel, another summation order)."""
+    blocks = draw(st.integers(1, 3))
+    return (draw(mx_blocks(elem, draw(st.integers(2, 8)), blocks, finite=True)),
+            draw(mx_blocks(elem, draw(st.integers(2, 8)), blocks, finite=True)))
 
 
 def _fp8_window(rng: np.random.Generator, shape: tuple[int, ...], lo: int, hi: int, zero_prob: float) -> np.ndarray:

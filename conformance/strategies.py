@@ -440,3 +440,107 @@ def clipping_clip_case(draw) -> dict:
         if np.isfinite(total) and total > 0:
             case["max_norm"] = total * draw(st.floats(min_value=0.01, max_value=0.99))
     return case
+
+
+# ---------------------------------------------------------------- precision health (reference.health)
+
+HEALTH_FORMATS = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+"""The formats the doctor judges activations, gradients and weights in."""
+
+
+def _format_edges(fmt: str) -> np.ndarray:
+    """float32 values at a format's edges and their float32 neighbours: max, the overflow tie
+    (max + half the spacing at max), the smallest normal and subnormal, half the smallest subnormal."""
+    fi = ml_dtypes.finfo(getattr(ml_dtypes, fmt) if fmt != "float16" else np.float16)
+    top = float(fi.max)
+    spacing = 2.0 ** (np.floor(np.log2(top)) - np.log2(1 / float(fi.eps)))
+    centres = np.array([top, top + spacing / 2, float(fi.tiny), float(fi.smallest_subnormal),
+                        float(fi.smallest_subnormal) / 2, 1.0], np.float64)
+    c32 = centres.astype(np.float32)
+    around = [c32, np.nextafter(c32, np.float32(np.inf)), np.nextafter(c32, np.float32(0))]
+    edges = np.concatenate(around)
+    return np.concatenate([edges, -edges])
+
+
+@st.composite
+def health_values(draw) -> dict:
+    """float32 values around every format's edges (ties at max, half the smallest subnormal), times
+    a magnitude, with a format and a scale: the inputs of the overflow/underflow/amax rules. The
+    format's own edges are always included, divided by a power-of-two scale so that the scaled
+    values land on them exactly."""
+    fmt = draw(st.sampled_from(HEALTH_FORMATS))
+    x = draw(float32_neighbourhoods(48))
+    magnitude = draw(st.sampled_from([1.0, 1.0, 2.0**-20, 2.0**10, 3.0]))
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = (x * np.float32(magnitude)).astype(np.float32)
+    k = draw(st.one_of(st.just(0), st.integers(-20, 20)))
+    power = 2.0**k
+    with np.errstate(over="ignore", invalid="ignore"):
+        edges = (_format_edges(fmt).astype(np.float64) / power).astype(np.float32)
+    scale = draw(st.one_of(st.just(power), st.floats(2.0**-10, 2.0**10, allow_nan=False)))
+    return {"x": np.concatenate([edges, x]), "fmt": fmt, "scale": scale}
+
+
+def _log_spread(draw, size: st.SearchStrategy[int], low: int, high: int) -> np.ndarray:
+    """float32 values m * 2^k spread over binades low..high, exact powers of two among them."""
+    exps = draw(nps.arrays(np.int32, size, elements=st.integers(low, high)))
+    mant = draw(nps.arrays(np.float64, exps.shape, elements=st.sampled_from(
+        [0.5, 0.75, 0.5000001, 0.999, -0.5, -0.9, 0.0])))
+    return np.ldexp(mant, exps).astype(np.float32)
+
+
+@st.composite
+def shadow_pair(draw) -> dict:
+    """An fp32 shadow's tensor and the mixed run's same tensor: the shadow rounded to a format
+    (so values flush, overflow and differ by rounding), with a few entries planted to ±0. The
+    values span float32's subnormals to beyond float16's max, powers of two included (every
+    smallest normal)."""
+    ref = _log_spread(draw, st.integers(1, 64), -150, 17)
+    noise = draw(nps.arrays(np.float32, ref.shape, elements=st.floats(-1e5, 1e5, width=32)))
+    ref = np.concatenate([ref, noise]).astype(np.float32)
+    fmt = draw(st.sampled_from(HEALTH_FORMATS[:2]))
+    from reference.formats import cast
+
+    obs = cast(ref, fmt).astype(np.float32)
+    zero = draw(nps.arrays(np.bool_, ref.shape))
+    obs = np.where(zero, np.float32(0), obs)
+    return {"reference": ref, "observed": obs, "fmt": fmt}
+
+
+_MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23, "float8_e4m3fn": 3}
+
+
+@st.composite
+def weight_update(draw) -> dict:
+    """Stored weights (arbitrary bit patterns of a format, many cut to exact powers of two) and
+    updates at and around a quarter, a half and one of the exact gap above them, in either
+    direction: the ties and the halved gap below a power of two of the half-ULP rule."""
+    fmt = draw(st.sampled_from(tuple(_MANTISSA_BITS)))
+    dtype = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+             "float32": np.dtype(np.float32), "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn)}[fmt]
+    n = draw(st.integers(1, 40))
+    w = draw(bit_patterns(dtype, n))
+    uint = np.dtype(f"uint{8 * dtype.itemsize}")
+    power = draw(nps.arrays(np.bool_, n))
+    cut = ~np.array((1 << _MANTISSA_BITS[fmt]) - 1, dtype=uint)
+    w = np.where(power, w.view(uint) & cut, w.view(uint)).astype(uint).view(dtype)
+    factors = draw(nps.arrays(np.float64, n, elements=st.sampled_from(
+        [0.0, 0.2, 0.25, 0.3, 0.49, 0.5, 0.51, 1.0, -0.2, -0.25, -0.3, -0.49, -0.5, -0.51, -1.0])))
+    finfo = ml_dtypes.finfo(dtype)
+    w64 = w.astype(np.float32).astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        finite = np.where(np.isfinite(w64), np.abs(w64), 0.0)
+        _, e = np.frexp(finite)
+        gap = np.maximum(np.ldexp(1.0, e - 1 - _MANTISSA_BITS[fmt]), float(finfo.smallest_subnormal))
+        u = (gap * factors).astype(np.float32)
+    return {"weight": w, "update": u, "fmt": fmt}
+
+
+@st.composite
+def gradient_magnitudes(draw) -> dict:
+    """Unscaled gradients spread over many binades, for the loss-scale range."""
+    exps = draw(nps.arrays(np.int32, st.integers(1, 64), elements=st.integers(-60, 20)))
+    mant = draw(nps.arrays(np.float32, exps.shape, elements=st.sampled_from([0.5, 0.75, 0.5000001, 0.999, -0.5, -0.9])))
+    g = np.ldexp(mant.astype(np.float64), exps).astype(np.float32)
+    return {"grad": g, "fmt": draw(st.sampled_from(("float16", "bfloat16"))),
+            "keep": draw(st.sampled_from([0.999, 0.9, 0.5, 1.0]))}

@@ -62,6 +62,17 @@ def test_e4m3fn_saturation_is_the_keyed_expectation(device):
         f"torch {torch.__version__} on {device}: float32 -> float8_e4m3fn saturates={probed}, "
         f"the suite expects {expected}; update conformance/expectations.py after checking the change"
     )
+    if expectations.keyed_device(device):
+        version = expectations.TORCH_VERSION if expectations.TORCH_VERSION in expectations.MEASURED \
+            else expectations.NEWEST_MEASURED
+        assert formats.torch_cpu_e4m3fn_saturates(version) == expected, (
+            f"reference.formats rule 9 says torch {version}'s CPU cast saturates="
+            f"{formats.torch_cpu_e4m3fn_saturates(version)}, torch {torch.__version__} does {probed}")
+    # At and past the threshold: 464 (the tie between 448 and the NaN pattern), 465, 480 and ±inf.
+    x = np.array(expectations.E4M3FN_OVERFLOW_PROBES, np.float32)
+    assert_same(torch_cast(x, "float8_e4m3fn", device), spec_cast(x, "float8_e4m3fn", device),
+                Where("casts", field="float32 -> float8_e4m3fn at the overflow threshold",
+                      repro=f"pytest conformance/test_casts.py -k 'keyed and {device}'"))
     # The spec names both behaviours; the non-saturating one is ml_dtypes'.
     x = np.array([1e6, np.inf, -np.inf, 464.0, 465.0], np.float32)
     assert np.isnan(formats.cast(x, "float8_e4m3fn", saturate=False)[[0, 1, 2, 4]].astype(np.float32)).all()

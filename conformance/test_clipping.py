@@ -221,17 +221,13 @@ def test_clip_grad_value_matches_the_spec_bit_for_bit(device, data):
 def test_clip_grad_value_without_gradients_is_the_keyed_expectation(device):
     """The spec clips an empty list to an empty list; torch's behaviour is a keyed fact."""
     assert clipping.clip_grad_value([], 1.0) == []
-    param = torch.nn.Parameter(torch.zeros(3, device=device))
-    try:
-        torch.nn.utils.clip_grad_value_([param], 1.0)
-        raised = False
-    except RuntimeError:
-        raised = True
-    expected = expectations.CLIP_GRAD_VALUE_RAISES_WITHOUT_GRADS.get(expectations.TORCH_VERSION)
-    if expected is None:
-        pytest.skip(f"torch {expectations.TORCH_VERSION} not measured: clip_grad_value_ without grads raises={raised}")
-    assert raised == expected, (f"torch {expectations.TORCH_VERSION}: clip_grad_value_ without grads raises={raised}, "
-                                f"expected {expected}: update expectations.CLIP_GRAD_VALUE_RAISES_WITHOUT_GRADS")
+    raised = expectations.probe_clip_grad_value_raises_without_grads(device)
+    if not expectations.keyed_device(device):
+        pytest.skip(f"no {device} measurement is keyed: the other tests follow the probe ({raised})")
+    expected = expectations.clip_grad_value_raises_without_grads(device)
+    assert raised == expected, (f"torch {torch.__version__} on {device}: clip_grad_value_ without grads raises="
+                                f"{raised}, the suite expects {expected}; update "
+                                "expectations.CLIP_GRAD_VALUE_RAISES_WITHOUT_GRADS after checking the change")
 
 
 # Values whose squares overflow, are subnormal or underflow in float32 or float64, and the
@@ -292,11 +288,9 @@ def test_one_element_norm_is_abs_for_any_bits(device, dtype, bits_type, data):
 def test_clip_coef_in_grad_dtype_is_the_keyed_expectation(device):
     """Whether torch's clip multiply rounds the coefficient to a 16-bit gradient's dtype is a keyed fact."""
     probed = expectations.probe_clip_coef_in_grad_dtype(device)
-    known = expectations.CLIP_COEF_IN_GRAD_DTYPE.get(device, {})
-    if expectations.TORCH_VERSION not in known:
-        pytest.skip(f"torch {expectations.TORCH_VERSION} on {device} not measured: the clip multiply rounds the "
-                    f"coefficient to the gradient's dtype = {probed} (the other tests follow the probe)")
-    expected = known[expectations.TORCH_VERSION]
+    if not expectations.keyed_device(device):
+        pytest.skip(f"no {device} measurement is keyed: the other tests follow the probe ({probed})")
+    expected = expectations.clip_coef_in_grad_dtype(device)
     assert probed == expected, (
         f"torch {torch.__version__} on {device}: bfloat16 255 * float32 1/255 rounds the coefficient = {probed}, "
         f"the suite expects {expected}; update conformance/expectations.py after checking the change")
@@ -305,9 +299,8 @@ def test_clip_coef_in_grad_dtype_is_the_keyed_expectation(device):
 def test_clip_one_element_norm_is_the_keyed_expectation(device):
     """Whether torch's clipping path takes |x| for a one-element gradient is a keyed fact."""
     probed = expectations.probe_clip_one_element_l2_norm_is_abs(device)
-    if device != "cpu" or expectations.TORCH_VERSION not in expectations.CLIP_ONE_ELEMENT_L2_NORM_IS_ABS:
-        pytest.skip(f"torch {expectations.TORCH_VERSION} on {device} not measured: the clipping path gives "
-                    f"|x| for a one-element gradient = {probed} (the other tests follow the probe)")
+    if not expectations.keyed_device(device):
+        pytest.skip(f"no {device} measurement is keyed: the other tests follow the probe ({probed})")
     expected = expectations.clip_one_element_l2_norm_is_abs(device)
     assert probed == expected, (
         f"torch {torch.__version__} on {device}: get_total_norm of [1e30] is |x|={probed}, the suite "

@@ -20,6 +20,16 @@ Exactness, per property (inputs drawn as bit patterns, `conformance.fp8_strategi
   `reference.fp8.accumulation_bound`); bfloat16 results within the bfloat16 roundings of the
   interval's ends (rounding is monotonic). The fraction bit-equal to the correctly rounded sum
   and the share of the bound used are reported as Hypothesis statistics and targets;
+- torchimpl's converted layers as a user gets them (``torchimpl.fp8.convert_to_fp8``), every
+  recipe, mxfp8 included: the layer's configuration (float8) or each of its six MX casts
+  (element format, block size, scale mode, shape) read back and compared with the spec's
+  recipe, then output, grad_input and grad_weight bit for bit given torch's GEMM;
+- rule 12: MX dequantize over any element and scale bytes (the NaN byte, 2^-127, zero blocks)
+  bit for bit; the emulated MX matmul bit for bit given torch's GEMM and, in float32, within
+  rule 7's bound of the exact sum wherever no partial sum can overflow;
+- every recipe property draws 2-d, 3-d and 4-d activations (the backward flattens the leading
+  axes and pairs rows); the embedded transformer trained three steps in float8 by the trainer
+  is checked layer by layer against the spec at every step (bit for bit);
 - compiled equals eager bit for bit (one example; ``slow``: a cold compile takes about a minute).
 
 The matmul properties run on the CPU with mkldnn off (AMX machines route `_scaled_mm` through
@@ -54,7 +64,10 @@ from torchao.float8.float8_ops import addmm_float8_unwrapped  # noqa: E402
 from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic  # noqa: E402
 from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig  # noqa: E402
 from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
-from torchao.prototype.mx_formats.mx_tensor import to_mx  # noqa: E402
+from torchao.prototype.mx_formats.mx_tensor import MXTensor, to_mx  # noqa: E402
+from torchao.quantization.quantize_.common.kernel_preference import KernelPreference  # noqa: E402
+
+from conformance import fp8_layers  # noqa: E402  (imports torchao)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -176,6 +189,7 @@ def test_recipe_matmuls_match_torchao_given_torchs_gemm(recipe, dtype, data):
     # views produced there, and MKL picks its kernel (so its summation order) by the strides.
     # Size-1 dimensions are covered by the exact-sum and the accumulation-bound properties.
     case = data.draw(fs.linear_case(dtype, min_dim=2))
+    event(f"{case['x'].ndim}-d input")
     got = _run_linear(case, recipe, bias=True)
     y = fp8.linear_forward(case["x"], case["weight"], case["bias"], recipe, gemm=torch_gemm)
     g = fp8.linear_backward(case["x"], case["weight"], case["grad_output"], recipe, gemm=torch_gemm)
@@ -237,6 +251,9 @@ def test_tensorwise_matmuls_are_within_the_accumulation_bound(dtype, data):
     got = _run_linear(case, "tensorwise", bias=False)
     ops = fp8.linear_operands(case["x"], case["weight"], case["grad_output"], "tensorwise")
     got["grad_weight"] = got.pop("weight.grad").astype(dtype)  # exact: computed in grad_output's dtype
+    # 3-d and 4-d activations: the matmuls multiply the flattened rows.
+    got = {name: v.reshape(-1, v.shape[-1]) for name, v in got.items()}
+    event(f"{case['x'].ndim}-d input")
     where = Where("fp8 tensorwise bound", field=f"{dtype}", repro=REPRO)
     worst = 0.0
     for name, (a, b) in ops.items():
@@ -256,6 +273,168 @@ def test_the_bound_check_fails_outside_the_bound():
     with pytest.raises(AssertionError, match="outside the accumulation bound"):
         _within_bound(too_far.astype(np.float32), a, b, Where("meta", field="bound"))
     _within_bound(exact.astype(np.float32), a, b, Where("meta", field="bound"))
+
+
+# ----------------------------------------------------------------------------- torchimpl's layers
+
+LAYER_RECIPES = RECIPES + ("mxfp8",)
+
+
+def _torchimpl_layer(case: dict, recipe: str) -> torch.nn.Module:
+    """One nn.Linear with the case's weight and bias, converted by torchimpl as a user's model."""
+    from torchimpl.fp8 import convert_to_fp8
+
+    w = case["weight"]
+    lin = torch.nn.Linear(w.shape[1], w.shape[0])
+    with torch.no_grad():
+        lin.weight.copy_(to_torch(w))
+        lin.bias.copy_(to_torch(case["bias"]))
+    model, report = convert_to_fp8(torch.nn.Sequential(lin), recipe, "cpu", skip_first_last=False)
+    assert report.converted == ("0",), f"torchimpl kept the layer in high precision: {report.kept}"
+    return model
+
+
+def _check_layer_settings(layer: torch.nn.Module, recipe: str, casts: list, case: dict, where: Where) -> None:
+    """The converted layer is the spec's recipe: its configuration, or (MX) each cast it made."""
+    if recipe != "mxfp8":
+        got = fp8_layers.float8_recipe_of(layer, recipe)
+        assert got == fp8.RECIPES[recipe], (f"{where.header()}: the converted layer is configured as {got}, "
+                                            f"the spec's recipe is {fp8.RECIPES[recipe]}\n{where.footer()}")
+        return
+    spec = fp8.MX_RECIPES[recipe]
+    mode = fp8_layers.mx_layer_mode(layer, recipe)
+    assert mode == spec.mode, f"{where.header()}: torchimpl built the MX layer with {mode} scales, the recipe names {spec.mode}"
+    k, n = case["weight"].shape[1], case["weight"].shape[0]
+    shapes = fp8_layers.mx_cast_shapes(case["x"].size // k, k, n)
+    assert [c.shape for c in casts] == shapes, f"{where.header()}: MX casts of shapes {[c.shape for c in casts]}, spec {shapes}"
+    for i, c in enumerate(casts):
+        assert c.recipe == spec, f"{where.header()}: MX cast {i} (shape {c.shape}) used {c.recipe}, the spec's recipe is {spec}"
+
+
+def _layer_io(model: torch.nn.Module, x: np.ndarray, grad_output: np.ndarray) -> dict[str, np.ndarray]:
+    xt = to_torch(x).requires_grad_()
+    y = model(xt)
+    y.backward(to_torch(grad_output))
+    return {"output": to_numpy(y), "grad_input": to_numpy(xt.grad), "weight.grad": to_numpy(model[0].weight.grad)}
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("recipe", LAYER_RECIPES)
+@given(data=st.data())
+def test_torchimpl_layers_follow_the_spec(recipe, dtype, data):
+    """torchimpl's converted layer, as a user gets it, against rules 8-12 (torch's GEMM handed over).
+
+    2-d, 3-d and 4-d activations: the layer flattens the leading axes to rows and its backward
+    pairs row i of grad_output with row i of the input. The MX layer multiplies in its weight's
+    dtype (torchimpl's pre-hook casts a bfloat16 input up, exactly; autograd casts grad_input
+    back), so its rows must be a multiple of 32 (grad_weight blocks along them).
+    """
+    mx = recipe == "mxfp8"
+    case = data.draw(fs.linear_case(dtype, min_dim=2, feature_multiple=32 if mx else 16, row_multiple=32 if mx else 1))
+    event(f"{case['x'].ndim}-d input")
+    model = _torchimpl_layer(case, recipe)
+    where = Where("fp8 torchimpl layer", field=f"{recipe} {dtype} x{case['x'].shape}", repro=REPRO)
+    go = case["grad_output"].astype(np.float32) if mx else case["grad_output"]
+    with fp8_layers.recorded_mx_casts(recipe) as casts:
+        got = _layer_io(model, case["x"], go)
+    _check_layer_settings(model[0], recipe, casts, case, where)
+    w, b = case["weight"], case["bias"]
+    if mx:
+        x = case["x"].astype(np.float32)
+        y = fp8.mx_linear_forward(x, w, b, recipe, gemm=torch_gemm)
+        g = fp8.mx_linear_backward(x, w, go, recipe, gemm=torch_gemm)
+    else:
+        y = fp8.linear_forward(case["x"], w, b, recipe, gemm=torch_gemm)
+        g = fp8.linear_backward(case["x"], w, go, recipe, gemm=torch_gemm)
+    assert_same(got["output"], y, where.at(where.field + " output"))
+    assert_same(got["grad_input"], g.grad_input.astype(dtype), where.at(where.field + " grad_input"))
+    assert_same(got["weight.grad"], g.grad_weight.astype(np.float32), where.at(where.field + " grad_weight"))
+
+
+def _spec_layer(rec: dict, recipe: str) -> tuple[np.ndarray, fp8.LinearGrads]:
+    if recipe == "mxfp8":
+        return (fp8.mx_linear_forward(rec["x"], rec["weight"], rec["bias"], recipe, gemm=torch_gemm),
+                fp8.mx_linear_backward(rec["x"], rec["weight"], rec["grad_output"], recipe, gemm=torch_gemm))
+    return (fp8.linear_forward(rec["x"], rec["weight"], rec["bias"], recipe, gemm=torch_gemm),
+            fp8.linear_backward(rec["x"], rec["weight"], rec["grad_output"], recipe, gemm=torch_gemm))
+
+
+TRANSFORMER_STEPS = 3
+
+
+@pytest.mark.parametrize("recipe", LAYER_RECIPES)
+def test_float8_training_on_the_transformer_follows_the_spec(recipe):
+    """The embedded transformer trained in float8 by the trainer, a few steps: each converted
+    layer's (batch, sequence, features) forward and backward against the spec at every step.
+
+    The layers get 3-d inputs (batch 32, 16 positions: 512 rows, a multiple of MX's 32) under
+    the trainer's bf16 autocast, after torchimpl's pre-hook (bfloat16 for the float8 recipes,
+    the weight's float32 for MX); the weights are the ones each step trained.
+    """
+    from torchimpl.config import load_config
+    from torchimpl.tasks import build_task
+    from torchimpl.trainer import Trainer
+
+    cfg = load_config(overrides=["device=cpu", "task.name=lm", "train.batch_size=32", f"train.steps={TRANSFORMER_STEPS}",
+                                 "train.log_interval=1", "precision.mode=fp8", f"precision.fp8_recipe={recipe}"])
+    task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
+    recorder = fp8_layers.LayerRecorder()
+    summary = Trainer(cfg, [recorder]).fit(task.model, task.train_data, loss_fn=task.loss_fn)
+    assert summary.steps_applied == TRANSFORMER_STEPS and len(recorder.steps) == TRANSFORMER_STEPS
+    assert summary.fp8["converted"], "no layer of the transformer ran in float8"
+    for step, layers in enumerate(recorder.steps, 1):
+        assert sorted(layers) == sorted(summary.fp8["converted"]), f"step {step}: layers recorded {sorted(layers)}"
+        for name, rec in layers.items():
+            assert rec["x"].ndim == 3, f"step {step} {name}: input of shape {rec['x'].shape}, expected 3-d"
+            where = Where("fp8 transformer training", step=step, field=f"{recipe} {name}",
+                          repro=f"pytest conformance/test_fp8.py -k 'transformer and {recipe}'")
+            y, g = _spec_layer(rec, recipe)
+            assert_same(rec["output"], y, where.at(f"{where.field} output"))
+            assert_same(rec["grad_input"], g.grad_input, where.at(f"{where.field} grad_input"))
+            assert_same(rec["grad_weight"], g.grad_weight.astype(np.float32), where.at(f"{where.field} grad_weight"))
+
+
+# ----------------------------------------------------------------------------- rule 12
+
+
+def _mx_tensor(t: fp8.MXBlocks, orig_dtype: np.dtype) -> MXTensor:
+    return MXTensor(to_torch(t.data), to_torch(t.scale), torch_dtype(t.data.dtype), t.block_size,
+                    torch_dtype(orig_dtype), KernelPreference.EMULATED, None, False)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("elem", ["float8_e4m3fn", "float8_e5m2"])
+@given(data=st.data())
+def test_mx_dequantize_matches_torchao(elem, dtype, data):
+    """Rule 12's dequantization over any block contents: every element byte (NaN encodings
+    included), every scale byte (2^-127, the range's top, the NaN byte), zero blocks."""
+    t = data.draw(fs.mx_blocks(elem))
+    got = to_numpy(_mx_tensor(t, dtype).dequantize(torch_dtype(dtype)))
+    event(f"scale bytes 0xff: {'some' if (t.scale.view(np.uint8) == 255).any() else 'none'}")
+    assert_same(got, fp8.mx_dequantize(t, dtype), Where("fp8 MX dequantize", field=f"{elem} -> {dtype}", repro=REPRO))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("elem", ["float8_e4m3fn", "float8_e5m2"])
+@given(data=st.data())
+def test_mx_emulated_matmul_matches_torchao(elem, dtype, data):
+    """Rule 12's matmul a @ b.T through torchao's MX dispatch (b transposed as the layers hand
+    it): bit for bit given torch's GEMM, and for float32 within rule 7's bound of the exact sum
+    of the spec's dequantized operands."""
+    a, b = data.draw(fs.mx_matmul_case(elem))
+    got = to_numpy(torch.mm(_mx_tensor(a, dtype), _mx_tensor(b, dtype).t()))
+    where = Where("fp8 MX matmul", field=f"{elem} {dtype} {a.data.shape} @ {b.data.shape}.T", repro=REPRO)
+    assert_same(got, fp8.mx_mm(a, b, dtype, gemm=torch_gemm), where)
+    a_hp, b_hp = fp8.mx_dequantize(a, dtype), fp8.mx_dequantize(b, dtype).T
+    with np.errstate(invalid="ignore", over="ignore"):
+        magnitudes = np.abs(a_hp.astype(np.float64)) @ np.abs(b_hp.astype(np.float64))
+    # Where no partial sum in any order can reach float32's range (every |partial| is at most
+    # sum |a||b|), the order-free bound applies; beyond it an order may give inf - inf = NaN.
+    no_overflow = bool(np.isfinite(magnitudes).all() and magnitudes.max(initial=0) < 2.0**127)
+    if dtype == F32:  # a bfloat16 GEMM's own rounding is not rule 7's float32 bound
+        event(f"float32 MX matmul bound checked: {no_overflow}")
+    if dtype == F32 and no_overflow:
+        _within_bound(got, a_hp, b_hp, where.at(where.field + " bound"))
 
 
 # ----------------------------------------------------------------------------- compile, versions

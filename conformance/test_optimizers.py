@@ -267,6 +267,18 @@ def test_fused_sgd_skipped_first_step_is_the_keyed_expectation(device):
         ref_step.StepConfig(optimizer=cfg, optimizer_kind="fused", sync_free=True)
 
 
+def test_fused_sgd_late_first_gradient_is_the_keyed_expectation(device):
+    """torch's fused SGD raising on a parameter whose first gradient comes late is a keyed fact
+    (the optimizer properties expect that TypeError where it is keyed True)."""
+    probed = expectations.probe_fused_sgd_fails_on_late_first_gradient(device)
+    if not expectations.keyed_device(device):
+        pytest.skip(f"no {device} measurement is keyed: the optimizer properties follow the probe ({probed})")
+    expected = expectations.fused_sgd_fails_on_late_first_gradient(device)
+    assert probed == expected, (
+        f"torch {torch.__version__} on {device}: fused SGD raises on a late first gradient={probed}, the "
+        f"suite expects {expected}; update conformance/expectations.py after checking the change")
+
+
 @pytest.mark.parametrize("impl", ["for-loop", "fused"])
 @pytest.mark.parametrize("kind", KINDS)
 @given(data=st.data())

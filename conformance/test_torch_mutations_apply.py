@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.torch_mutations import MUTANTS, TorchMutant, _resolve, install
+from conformance.torch_mutations import MUTANTS, Edit, MutantDoesNotApply, TorchMutant, _resolve, install
 
 
 def _targets(mutant: TorchMutant) -> list[tuple[object, str, object]]:
@@ -44,3 +44,31 @@ def test_the_catalogue_is_large_and_its_names_unique():
     real = [m for m in MUTANTS if not m.control and not m.equivalent]
     assert len(real) >= 40, f"the catalogue has {len(real)} non-equivalent mutants"
     assert all(m.equivalent or m.control or m.bug for m in MUTANTS)
+
+
+def _one_edit(old: str) -> TorchMutant:
+    return TorchMutant("anchor_check", "an edit for this test", (), edits=(
+        Edit("torch.nn.utils.clip_grad", "_clip_grads_with_norm_", old, "pass\n"),))
+
+
+def test_an_anchor_that_matches_nowhere_names_itself_the_torch_version_and_the_line_to_read():
+    import torch
+
+    with pytest.raises(MutantDoesNotApply) as e:
+        install(_one_edit("    clip_coef_clamped = torch.clamp(clip_coef, max=1.0)  # moved in torch 9\n"))
+    message = str(e.value)
+    assert "'anchor_check'" in message and f"torch {torch.__version__}" in message
+    assert "# moved in torch 9" in message and "clip_grad.py, line " in message and "nearest line" in message
+
+
+def test_an_anchor_that_matches_twice_names_both_lines():
+    import inspect
+
+    from torch.nn.utils import clip_grad
+
+    with pytest.raises(MutantDoesNotApply, match=r"matches \d+ places") as e:
+        install(_one_edit("device"))
+    assert int(str(e.value).split(" matches ")[1].split()[0]) > 1
+    lines, first = inspect.getsourcelines(inspect.unwrap(clip_grad._clip_grads_with_norm_))
+    first_match = first + next(i for i, ln in enumerate(lines) if "device" in ln)
+    assert f"clip_grad.py, lines {first_match}, " in str(e.value)

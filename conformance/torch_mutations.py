@@ -52,6 +52,7 @@ line is ``K/N killed`` over the mutants not marked equivalent; exit status 0 whe
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import inspect
 import math
@@ -136,15 +137,38 @@ def _function(owner: Any, name: str) -> Any:
     return inspect.unwrap(raw)
 
 
+def _where_to_look(fn: Any, source: str, first_line: int, anchor: str) -> str:
+    """The torch file and line(s) to read when ``anchor`` does not match ``source`` exactly once:
+    each match, or else the line of the function most like the anchor's first line."""
+    path = inspect.getsourcefile(fn) or "<unknown file>"
+    starts = sorted({source.count("\n", 0, i) for i in range(len(source)) if source.startswith(anchor, i)})
+    if starts:
+        return f"{path}, lines {', '.join(str(first_line + n) for n in starts)}"
+    lines = source.splitlines()
+    head = anchor.strip().splitlines()[0] if anchor.strip() else anchor
+    close = difflib.get_close_matches(head.strip(), [ln.strip() for ln in lines], n=1, cutoff=0.0)
+    if not close:
+        return f"{path}, lines {first_line}-{first_line + len(lines) - 1} (the whole function)"
+    n = next(i for i, ln in enumerate(lines) if ln.strip() == close[0])
+    return f"{path}, line {first_line + n}, the nearest line: {close[0]!r}"
+
+
 def _mutated_code(edits: list[Edit], mutant: str) -> tuple[Any, Any]:
     """(function, mutated code object) for the edits of one function; raises MutantDoesNotApply."""
     fn = _function(_resolve(edits[0].owner), edits[0].func)
-    source = inspect.getsource(fn)  # edits are written with the indentation of torch's file
+    lines, first_line = inspect.getsourcelines(fn)  # edits are written with the indentation of torch's file
+    source = "".join(lines)
+    original = source
     for edit in edits:
         count = source.count(edit.old)
         if count != 1:
-            raise MutantDoesNotApply(f"mutant {mutant!r}: its edit of {edit.owner}.{edit.func} matches {count} "
-                                     "places in torch's source (must be exactly 1): update conformance/torch_mutations.py")
+            import torch
+
+            raise MutantDoesNotApply(
+                f"mutant {mutant!r}: its edit of {edit.owner}.{edit.func} matches {count} places in the source of "
+                f"torch {torch.__version__} (must be exactly 1). Anchor: {edit.old!r}. Look at "
+                f"{_where_to_look(fn, original, first_line, edit.old)}, then update the anchor in "
+                "conformance/torch_mutations.py")
         source = source.replace(edit.old, edit.new)
     lines = textwrap.dedent(source).splitlines(keepends=True)
     start = next(i for i, ln in enumerate(lines) if ln.startswith("def "))  # drop decorators

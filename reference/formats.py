@@ -39,6 +39,12 @@ Rules:
 8. Distances between values are counted in representable values of the format (ULPs) by mapping
    the sign-magnitude bit pattern to a monotonic integer, so -0 and +0 are 0 apart and inf is one
    step beyond max. NaN is a class: NaN to NaN is 0, NaN to anything else is ``NAN_DISTANCE``.
+9. torch's CPU conversion to float8_e4m3fn (from float32, float16 and bfloat16) depends on its
+   release: up to 2.12 it is rule 4, from 2.13 on it is rule 5 (pytorch/pytorch#178817).
+   ``torch_cpu_e4m3fn_saturates(version)`` says which; ``cast(x, "float8_e4m3fn",
+   saturate=torch_cpu_e4m3fn_saturates(version))`` is that release's CPU cast. On a machine with
+   torch 2.11 or 2.12, overflow and ±inf give NaN (0x7f/0xff), not ±448. The conformance suite
+   checks each release it measured against this rule (``conformance/expectations.py``).
 
 Facts of each format (checked against ``numpy.finfo`` / ``ml_dtypes.finfo`` by the tests):
 
@@ -240,6 +246,21 @@ def cast(
         return _to_e8m0(x32, torch_e8m0).view(f.dtype)
     with np.errstate(over="ignore", invalid="ignore"):
         return x32.astype(f.dtype)
+
+
+def torch_cpu_e4m3fn_saturates(torch_version: str) -> bool:
+    """Rule 9: does torch ``torch_version``'s CPU cast to float8_e4m3fn saturate (rule 5)?
+
+    ``torch_version`` is "major.minor" or a full version ("2.12.1", "2.13.0+cpu"). False (rule 4,
+    overflow and ±inf to NaN) up to 2.12, True from 2.13. Raises ``ValueError`` for a version
+    string without a numeric major and minor.
+    """
+    parts = torch_version.split("+")[0].split(".")
+    try:
+        major, minor = int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        raise ValueError(f"torch_version must look like '2.13' or '2.13.0', got {torch_version!r}") from None
+    return (major, minor) >= (2, 13)
 
 
 def _to_e8m0(x32: np.ndarray, torch_e8m0: bool) -> np.ndarray:

@@ -48,8 +48,13 @@ block quantization. A scale ``s`` multiplies a high-precision value into float8 
     and the elements are fp8(clamp(x / max(2^e, 2^-126))). rceil: e = ceil(log2(amax / fp8_max))
     (float32), clamped to [-127, 127], inf amax gives byte 0xfe, the elements
     fp8(clamp(x * 2^-e)) with 2^-e taken as 1 at e = -127.
-12. The MX matmul (emulated) dequantizes each operand in its original dtype, q * 2^e, and
-    multiplies in that dtype.
+12. The MX matmul (emulated) dequantizes each operand in its original dtype: f(q) * f(2^(byte - 127))
+    with both factors and the product in that dtype f (the byte 0xff gives NaN), then a GEMM of
+    that dtype multiplies a @ b.T, both operands blocked along K. The ``mxfp8`` recipe (torchao's
+    MXFP8Linear) casts all six operands to e4m3 in blocks of 32 with rceil scales: the input
+    rows and the weight rows for the output, grad_output rows and the weight's columns for
+    grad_input, grad_output's columns and the input's columns (blocks along the flattened rows)
+    for grad_weight; each in its operand's dtype, the bias added after in the output's dtype.
 13. Transformer Engine's delayed scaling quantizes with the scale computed from earlier steps
     and records this step's amax in slot 0 of an amax history. The update rolls the history by
     one (slot 0 goes to the end, then slot 0 is zeroed), takes the history's max (NaN ignored) or
@@ -64,8 +69,11 @@ block quantization. A scale ``s`` multiplies a high-precision value into float8 
     partial sum by s_a then s_b in float32 and adds it to a float32 accumulator (the promotion
     interval of 128); the tensor cores' narrower accumulation inside a slice is not modelled.
 
-The float8 arithmetic of rules 2-6 and 11 is exact and the conformance suite compares it bit for
-bit; so are rules 8-10 when the spec is handed the float32 GEMM whose summation order torch uses.
+The float8 arithmetic of rules 2-6 and 11, and rule 12's dequantization, is exact and the
+conformance suite compares it bit for bit; so are rules 8-10 and rule 12's matmuls when the spec
+is handed the GEMM whose summation order torch uses. Inputs of any rank (..., K) are flattened
+to rows, (M, K) with M the product of the leading axes in C order, and the result reshaped back;
+grad_weight pairs row i of the flattened grad_output with row i of the flattened input.
 """
 
 from __future__ import annotations
@@ -92,6 +100,8 @@ __all__ = [
     "Gemm",
     "LinearGrads",
     "MXBlocks",
+    "MXRecipe",
+    "MX_RECIPES",
     "Quantized",
     "RECIPES",
     "RULES",
@@ -113,6 +123,9 @@ __all__ = [
     "linear_forward",
     "linear_operands",
     "mx_dequantize",
+    "mx_linear_backward",
+    "mx_linear_forward",
+    "mx_mm",
     "prescale",
     "quantize",
     "round_scale_down_to_power_of_2",
@@ -595,10 +608,99 @@ def mx_dequantize(t: MXBlocks, dtype) -> np.ndarray:
     k = t.data.shape[-1]
     s_full = np.repeat(s.astype(np.float32), t.block_size, axis=-1).reshape(*t.data.shape[:-1], k)
     q = t.data.astype(np.float32)
-    if dtype == _F32:
-        return (q * s_full).astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
+        if dtype == _F32:
+            return (q * s_full).astype(np.float32)
         return (q.astype(dtype).astype(np.float32) * s_full.astype(dtype).astype(np.float32)).astype(dtype)
+
+
+@dataclass(frozen=True)
+class MXRecipe:
+    """An MX training recipe, as far as the arithmetic goes: the element format, the block size
+    and the scale mode of every cast (rule 12)."""
+
+    name: str
+    elem_fmt: str = "float8_e4m3fn"
+    block_size: int = 32
+    mode: MXMode = "rceil"
+
+    def __post_init__(self) -> None:
+        if self.elem_fmt not in _MX_EMAX:
+            raise ValueError(f"elem_fmt must be float8_e4m3fn or float8_e5m2, got {self.elem_fmt!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
+        if self.mode not in ("floor", "ceil", "rceil"):
+            raise ValueError(f"mode must be floor, ceil or rceil, got {self.mode!r}")
+
+
+MX_RECIPES: Mapping[str, MXRecipe] = types.MappingProxyType({
+    # Rule 12: torchao 0.18's MXFP8Linear with its defaults.
+    "mxfp8": MXRecipe("mxfp8", "float8_e4m3fn", 32, "rceil"),
+})
+
+
+def mx_mm(a: MXBlocks, b: MXBlocks, dtype, *, gemm: Gemm = gemm_exact) -> np.ndarray:
+    """Rule 12: the emulated MX matmul a @ b.T, ``a`` (M, K) and ``b`` (N, K) both blocked along
+    K, each dequantized in ``dtype`` and multiplied by a GEMM of that dtype, rounded to it.
+
+    ``gemm`` receives the dequantized ``a`` row-major and ``b`` transposed (a (K, N) view of a
+    row-major (N, K) array), the layouts torchao's emulation hands torch's GEMM.
+    """
+    if a.data.ndim != 2 or b.data.ndim != 2 or a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(f"mx_mm takes (M, K) and (N, K) blocks, got {a.data.shape} and {b.data.shape}")
+    a_hp = np.ascontiguousarray(mx_dequantize(a, dtype))
+    b_hp = np.ascontiguousarray(mx_dequantize(b, dtype))
+    return _out_cast(np.asarray(gemm(a_hp, b_hp.T)).astype(np.float32), dtype)
+
+
+def _mx_recipe(recipe: str | MXRecipe) -> MXRecipe:
+    if isinstance(recipe, MXRecipe):
+        return recipe
+    if recipe not in MX_RECIPES:
+        raise ValueError(f"MX recipe must be one of {', '.join(MX_RECIPES)}, got {recipe!r}")
+    return MX_RECIPES[recipe]
+
+
+def _mx_operand(x: np.ndarray, r: MXRecipe) -> MXBlocks:
+    return to_mx(np.ascontiguousarray(x), r.elem_fmt, r.block_size, r.mode)
+
+
+def _same_dtype(x: np.ndarray, weight: np.ndarray) -> None:
+    if x.dtype != weight.dtype:
+        raise ValueError(f"an MX linear layer multiplies in one dtype: x is {x.dtype}, weight {weight.dtype}")
+
+
+def mx_linear_forward(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, recipe: str | MXRecipe = "mxfp8",
+                      *, gemm: Gemm = gemm_exact) -> np.ndarray:
+    """Rule 12, forward of an MX linear layer: y = x @ weight.T (+ bias) in x's dtype.
+
+    ``x`` (..., K) is flattened to rows and cast in blocks along K, the weight (N, K) along K;
+    the bias is cast to the output's dtype and added after the matmul, in that dtype.
+    """
+    r = _mx_recipe(recipe)
+    x, w = _float_array(x), _float_array(weight, "weight")
+    _same_dtype(x, w)
+    y = mx_mm(_mx_operand(x.reshape(-1, x.shape[-1]), r), _mx_operand(w, r), x.dtype, gemm=gemm)
+    if bias is not None:
+        with np.errstate(over="ignore", invalid="ignore"):  # inf + -inf is NaN, as in torch
+            y = _out_cast(y.astype(np.float32) + _out_cast(bias, x.dtype).astype(np.float32), x.dtype)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def mx_linear_backward(x: np.ndarray, weight: np.ndarray, grad_output: np.ndarray, recipe: str | MXRecipe = "mxfp8",
+                       *, gemm: Gemm = gemm_exact) -> LinearGrads:
+    """Rule 12, backward of an MX linear layer: grad_input = grad_output @ weight (grad_output
+    blocked along N, the weight's columns along N) and grad_weight = grad_output.T @ x (both
+    blocked along the flattened rows M, row i of one paired with row i of the other); both in
+    grad_output's dtype. The flattened row count must be a multiple of the block size."""
+    r = _mx_recipe(recipe)
+    x, w, go = _float_array(x), _float_array(weight, "weight"), _float_array(grad_output, "grad_output")
+    _same_dtype(x, w)
+    _same_dtype(go, w)
+    x2, go2 = x.reshape(-1, x.shape[-1]), go.reshape(-1, go.shape[-1])
+    grad_input = mx_mm(_mx_operand(go2, r), _mx_operand(w.T, r), go.dtype, gemm=gemm)
+    grad_weight = mx_mm(_mx_operand(go2.T, r), _mx_operand(x2.T, r), go.dtype, gemm=gemm)
+    return LinearGrads(grad_input.reshape(*go.shape[:-1], w.shape[1]), grad_weight)
 
 
 # ----------------------------------------------------------------------------- rules 13-14
@@ -763,6 +865,9 @@ RULES = (
     linear_backward,
     to_mx,
     mx_dequantize,
+    mx_mm,
+    mx_linear_forward,
+    mx_linear_backward,
     delayed_update,
     current_scale,
     blockwise_quantize,

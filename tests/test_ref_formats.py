@@ -16,6 +16,7 @@ from reference.formats import (
     cast,
     get_format,
     round_to_tf32,
+    torch_cpu_e4m3fn_saturates,
     ulp_distance,
 )
 
@@ -172,6 +173,21 @@ def test_e4m3fn_overflow_nan_without_saturation_and_max_with_it():
     x = f32(1e6, np.inf, -1e6, -np.inf)
     assert np.isnan(cast(x, "e4m3fn").astype(np.float32)).all()
     assert cast(x, "e4m3fn", saturate=True).astype(np.float32).tolist() == [448, 448, -448, -448]
+
+
+@pytest.mark.parametrize("version, saturates", [("2.11", False), ("2.12.1", False), ("2.13", True),
+                                                 ("2.13.0+cpu", True), ("2.14.1", True), ("3.0", True)])
+def test_torch_cpu_e4m3fn_rule_by_release(version, saturates):
+    """Rule 9: NaN on overflow up to 2.12, ±448 from 2.13."""
+    assert torch_cpu_e4m3fn_saturates(version) is saturates
+    got = cast(f32(1e6, -np.inf), "e4m3fn", saturate=torch_cpu_e4m3fn_saturates(version)).astype(np.float32)
+    assert got.tolist() == [448, -448] if saturates else np.isnan(got).all()
+
+
+@pytest.mark.parametrize("bad", ["", "2", "two.13", "2.x"])
+def test_torch_cpu_e4m3fn_rule_refuses_a_malformed_version(bad):
+    with pytest.raises(ValueError, match="torch_version must look like"):
+        torch_cpu_e4m3fn_saturates(bad)
 
 
 def test_saturation_keeps_nan_and_in_range_values():

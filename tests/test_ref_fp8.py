@@ -281,6 +281,44 @@ def test_mx_dequantize_scales_back_exactly():
     assert np.isnan(fp8.mx_dequantize(fp8.to_mx(_block(np.nan)), np.float32)).all()
 
 
+def test_mx_dequantize_reads_the_e8m0_bias_as_127():
+    t = fp8.MXBlocks(np.full((1, 32), 1.5, ml_dtypes.float8_e4m3fn),
+                     np.array([[127 + 3]], np.uint8).view(ml_dtypes.float8_e8m0fnu), 32)
+    assert (fp8.mx_dequantize(t, np.float32) == 12.0).all()  # 1.5 * 2^3
+    low = fp8.MXBlocks(t.data, np.array([[0]], np.uint8).view(ml_dtypes.float8_e8m0fnu), 32)
+    assert (fp8.mx_dequantize(low, np.float32) == np.float32(1.5 * 2.0**-127)).all()  # a float32 subnormal
+
+
+def test_mx_mm_multiplies_the_dequantized_operands():
+    a = fp8.to_mx(np.arange(64, dtype=np.float32).reshape(2, 32) / 8)
+    b = fp8.to_mx(np.ones((3, 32), np.float32))
+    c = fp8.mx_mm(a, b, np.float32)
+    assert c.shape == (2, 3) and c.dtype == np.float32
+    assert c[1, 2] == np.float32(fp8.mx_dequantize(a, np.float32)[1].astype(np.float64).sum())
+    with pytest.raises(ValueError, match=r"\(M, K\) and \(N, K\)"):
+        fp8.mx_mm(a, fp8.to_mx(np.ones((3, 64), np.float32)), np.float32)
+
+
+def test_mx_linear_flattens_leading_axes_and_pairs_rows():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 16, 32)).astype(np.float32)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    go = rng.standard_normal((2, 16, 64)).astype(np.float32)
+    y = fp8.mx_linear_forward(x, w, None)
+    flat = fp8.mx_linear_forward(x.reshape(32, 32), w, None)
+    assert y.shape == (2, 16, 64) and np.array_equal(y.reshape(32, 64), flat)
+    g = fp8.mx_linear_backward(x, w, go)
+    g2 = fp8.mx_linear_backward(x.reshape(32, 32), w, go.reshape(32, 64))
+    assert g.grad_input.shape == (2, 16, 32) and np.array_equal(g.grad_weight, g2.grad_weight)
+    swapped = fp8.mx_linear_backward(x.swapaxes(0, 1).copy(), w, go)  # rows paired with other rows
+    assert not np.array_equal(swapped.grad_weight, g.grad_weight)
+    with pytest.raises(ValueError, match="one dtype"):
+        fp8.mx_linear_forward(x.astype(BF16), w, None)
+    assert fp8.MX_RECIPES["mxfp8"] == fp8.MXRecipe("mxfp8", "float8_e4m3fn", 32, "rceil")
+    with pytest.raises(ValueError, match="mode"):
+        fp8.MXRecipe("x", mode="even")
+
+
 # ----------------------------------------------------------------------------- rules 13-14
 
 

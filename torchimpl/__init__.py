@@ -13,7 +13,8 @@ Train a model: ``Trainer(precision="bf16-mixed", max_steps=200).fit(model, train
 - training: `Trainer` (the run's cadence; the step itself is `torchimpl.step`'s engine, the
   checkpoint contents `torchimpl.run_state`), `Callback`, `RunSummary`, `TrainState`,
   `default_loss_fn`, step records and checkpoints (`ResumeError` for a refused resume);
-- diagnostics: `NonFiniteGuard`, `check_placement`, `diagnose_nonfinite`;
+- diagnostics: `NonFiniteGuard`, `check_placement`, `diagnose_nonfinite`; before a failure,
+  `inspect_precision` (``ampspec doctor --task``: verdicts and fixes, a `PrecisionReport`);
 - the trained weights: `load_weights` (a checkpoint's model ``state_dict``).
 """
 
@@ -42,6 +43,7 @@ _EXPORTS = {
     "PrecisionConfig": "precision",
     "PrecisionDowngradeWarning": "precision",
     "PrecisionPlan": "precision",
+    "PrecisionReport": "doctor_report",
     "ResumeError": "run_state",
     "RunSummary": "trainer",
     "ScaleAtMinimumError": "scaler",
@@ -63,6 +65,7 @@ _EXPORTS = {
     "default_loss_fn": "loss_protocol",
     "diagnose_nonfinite": "diagnostics",
     "fp32_island": "precision",
+    "inspect_precision": "doctor",
     "latest_checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",
     "load_config": "config",
@@ -93,6 +96,7 @@ __all__ = [
     "PrecisionConfig",
     "PrecisionDowngradeWarning",
     "PrecisionPlan",
+    "PrecisionReport",
     "ResumeError",
     "RunSummary",
     "ScaleAtMinimumError",
@@ -114,6 +118,7 @@ __all__ = [
     "default_loss_fn",
     "diagnose_nonfinite",
     "fp32_island",
+    "inspect_precision",
     "latest_checkpoint",
     "load_checkpoint",
     "load_config",
@@ -162,6 +167,8 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
         load_config,
     )
     from torchimpl.device import resolve_device
+    from torchimpl.doctor import inspect_precision
+    from torchimpl.doctor_report import PrecisionReport
     from torchimpl.export import load_weights
     from torchimpl.diagnostics import (
         DiagnosisReport,

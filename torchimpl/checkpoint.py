@@ -61,6 +61,11 @@ class CheckpointError(ValueError):
 
 def checkpoint_name(step: int, microbatch: int = 0) -> str:
     """``step-00000012.ckpt``, or ``step-00000012-mb002.ckpt`` inside an accumulation window."""
+    for name, value, top in (("step", step, 10**8), ("microbatch", microbatch, 1000)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < top:
+            raise ValueError(f"checkpoint name: the trainer's {name} must be an integer in [0, {top}), got "
+                             f"{value!r} (was trainer.state.{'step' if name == 'step' else 'window_done'} "
+                             "changed by a callback?)")
     return f"step-{step:08d}" + (f"-mb{microbatch:03d}" if microbatch else "") + ".ckpt"
 
 

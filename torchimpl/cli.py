@@ -11,6 +11,7 @@ code but 0 comes with a line on stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -23,7 +24,9 @@ from typing import Any, Sequence
 # Nothing here imports torch at module level (nor does torchimpl/__init__.py): --help, --version
 # and argument errors answer without it; each command imports what it needs when it runs.
 from torchimpl.embedded import is_task_name
-from torchimpl.messages import configure_logging, launch_rank, plain_warnings
+from torchimpl.errors import run_command
+from torchimpl.lifecycle import EXIT_CODES, command_interrupts
+from torchimpl.messages import configure_logging, launch_rank, plain_warnings, rank_prefix
 from torchimpl.messages import line as message_line
 
 __all__ = ["main"]
@@ -80,10 +83,18 @@ def _task_name(text: str) -> str:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from torchimpl.compare import format_table, run_compare
+    from torchimpl.compare import check_inputs, format_table, run_compare
+    from torchimpl.run_folder import claim_compare_folder
+    from torchimpl.run_lock import hold
 
     _plain_warnings()
-    res = run_compare(steps=args.steps, device=args.device, out=args.out, task=args.task, seed=args.seed)
+    # A bad --task, device or setting is named before --out is made, locked or claimed.
+    check_inputs(steps=args.steps, device=args.device, task=args.task, seed=args.seed, out=args.out)
+    with hold(Path(args.out), f"--out {args.out}"):
+        claim_compare_folder(args.out, overwrite=args.overwrite)
+        res = run_compare(steps=args.steps, device=args.device, out=args.out, task=args.task, seed=args.seed)
+    if res.interrupted is not None:
+        return _compare_interrupted(res)
     print(format_table(res.rows))
     print()
     print(f"max gap: {res.gap_note}.")
@@ -100,9 +111,21 @@ def _compare(args: argparse.Namespace) -> int:
     return 0 if res.agree else 1
 
 
+def _compare_interrupted(res: Any) -> int:
+    """What an interrupted comparison says: the runs that finished, the one cut short; no verdict."""
+    from torchimpl.lifecycle import EXIT_CODES
+
+    finished = ", ".join(res.finished) or "none"
+    cut = "; ".join(f"{label} stopped after {n} steps" for label, n in res.cut_short.items())
+    print(f"ampspec compare: interrupted by {res.interrupted}: runs finished: {finished}"
+          f"{'; ' + cut if cut else ''}; no verdict (report: {res.report_path})", file=sys.stderr)
+    return EXIT_CODES[f"interrupted:{res.interrupted}"]
+
+
 def _train(args: argparse.Namespace) -> int:
     from torchimpl.config import load_config
-    from torchimpl.lifecycle import EXIT_CODES
+    from torchimpl.run_folder import claim_run_folder
+    from torchimpl.task_checks import task_failure
     from torchimpl.tasks import build_task
     from torchimpl.trainer import Trainer
 
@@ -110,9 +133,19 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set, task_defaults=True)
     if args.resume and cfg.checkpoint.folder is None:  # before make() runs
         raise ValueError("--resume needs checkpoint.folder in the configuration")
-    task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
-    summary = Trainer(cfg).fit(task.model, task.train_data, task.val_data, loss_fn=task.loss_fn,
-                               resume="latest" if args.resume else None)
+    with _run_locks(cfg):
+        if launch_rank() == 0:
+            claim_run_folder(cfg, resume=args.resume, overwrite=args.overwrite)
+        task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
+        try:
+            summary = Trainer(cfg).fit(task.model, task.train_data, task.val_data, loss_fn=task.loss_fn,
+                                       resume="latest" if args.resume else None)
+        except Exception as exc:
+            # An exception from a user's task while it trains names the task (torchimpl.task_checks).
+            failed = task_failure(cfg.task.name, exc) if cfg.task.name not in ("lm", "mlp") else None
+            if failed is None:
+                raise
+            raise failed from exc
     # Under torchrun rank 0 alone prints; every rank's exit status still reports a stop (the
     # stop decision is the same on every rank).
     if launch_rank() == 0:
@@ -122,6 +155,23 @@ def _train(args: argparse.Namespace) -> int:
             level = None if summary.outcome.startswith("interrupted") else "error"
             print(message_line(level, problem, "train"), file=sys.stderr)
     return EXIT_CODES[summary.outcome]
+
+
+def _run_locks(cfg: Any) -> contextlib.ExitStack:
+    """The locks on this run's folders and trace (``torchimpl.run_lock``), held by rank 0 alone."""
+    from torchimpl.run_folder import fixed_log_folder
+    from torchimpl.run_lock import hold
+
+    stack = contextlib.ExitStack()
+    if launch_rank() != 0:
+        return stack
+    folders = {Path(f).resolve(): field for f, field in ((fixed_log_folder(cfg), "logging.dir"),
+                                                       (cfg.checkpoint.folder, "checkpoint.folder")) if f is not None}
+    for folder, field in folders.items():
+        stack.enter_context(hold(folder, f"{field} {folder}"))
+    if cfg.train.trace_file is not None:
+        stack.enter_context(hold(Path(cfg.train.trace_file), f"train.trace_file {cfg.train.trace_file}", is_file=True))
+    return stack
 
 
 def _outcome_message(summary) -> str | None:
@@ -151,6 +201,11 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    if args.task is not None:
+        from torchimpl.doctor_cli import run_doctor
+
+        _plain_warnings()
+        return run_doctor(args)
     import torch
 
     from torchimpl.device import available_devices
@@ -211,15 +266,17 @@ def _cpu_flags() -> set[str] | None:
 def _replay(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from torchimpl.records import read_trace, read_trace_header
+    from torchimpl.records import check_step_order, read_numbered_trace, read_trace_header
     from torchimpl.spec_bridge import scaler_config
 
     # The CLI's boundary with the specification: the spec judges the recorded run.
     from reference.step import replay
 
-    records = read_trace(args.trace)
-    if not records:
+    numbered = read_numbered_trace(args.trace)
+    if not numbered:
         raise ValueError(f"{args.trace} holds no step records")
+    check_step_order(args.trace, numbered)
+    records = [record for _, record in numbered]
     if all(r.scale_before == r.scale_after == 1.0 for r in records):
         print(f"{len(records)} steps with the scale fixed at 1 (no loss scaler): nothing to replay")
         return 0
@@ -323,6 +380,8 @@ def _add_compare(sub: Any, common: argparse.ArgumentParser) -> None:
     c.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     c.add_argument("--seed", type=int, default=0, help="train.seed of every run (model initialisation, data, dropout)")
     c.add_argument("--out", default="ampspec-compare", help="folder for report.json, compare.png and the traces")
+    c.add_argument("--overwrite", action="store_true",
+                   help="replace the comparison already in --out (without it such a folder is refused)")
     c.set_defaults(func=_compare)
 
 
@@ -336,6 +395,9 @@ def _add_train(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="override one field, e.g. train.steps=100 (repeatable; values are YAML)")
     t.add_argument("--resume", action="store_true",
                    help="continue from the newest good checkpoint in checkpoint.folder")
+    t.add_argument("--overwrite", action="store_true",
+                   help="train afresh into folders that hold another run's files, removing those files first "
+                        "(without it such a run is refused)")
     t.set_defaults(func=_train)
 
 
@@ -361,7 +423,13 @@ def _parser() -> argparse.ArgumentParser:
     _add_compare(sub, common)
     _add_train(sub, common)
     _add_export(sub, common)
-    d = sub.add_parser("doctor", parents=[common], help="what this machine supports")
+    d = sub.add_parser("doctor", parents=[common], help="what this machine supports; with --task, a model's precision",
+                       description="Without --task: what this machine supports. With --task: run the model in each "
+                                   "precision beside an fp32 shadow and give verdicts with fixes (exit status 1 when "
+                                   "a verdict is an error).")
+    from torchimpl.doctor_cli import add_options
+
+    add_options(d, _task_name)
     d.set_defaults(func=_doctor)
     r = sub.add_parser("replay", parents=[common], help="recompute a trace's scale history with the reference")
     r.add_argument("trace")
@@ -413,6 +481,9 @@ def _audit_split(argv: list[str]) -> tuple[list[str], list[str] | None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # First, so that a Ctrl-C or SIGTERM during the start-up (parsing, imports) ends with a line,
+    # not a traceback or a silent kill (torchimpl.lifecycle, rule 2).
+    command_interrupts()
     parser = _parser()
     head, tail = _audit_split(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(head)
@@ -420,20 +491,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.args = tail
     if args.verbose and args.quiet:
         parser.error("-v/--verbose and -q/--quiet contradict each other; give one")
+    if getattr(args, "resume", False) and getattr(args, "overwrite", False):
+        parser.error("--resume and --overwrite contradict each other: --resume continues the run in the folder, "
+                     "--overwrite replaces it; give one")
     # Under torchrun, the ranks other than 0 log warnings and errors only, each line naming its rank.
     level = logging.INFO if args.verbose and launch_rank() == 0 else logging.WARNING
     configure_logging(level)
     # The progress lines have their own handler (torchimpl.reporting): -q silences them here.
     logging.getLogger("torchimpl.progress").setLevel(logging.WARNING if args.quiet else logging.INFO)
-    try:
-        return args.func(args)
-    except KeyboardInterrupt as exc:  # a second Ctrl-C: abort without a traceback
-        print(message_line(None, str(exc) or "interrupted", args.command), file=sys.stderr)
-        return 130
-    except (ValueError, RuntimeError, OSError, ImportError) as exc:
-        msg = str(exc).splitlines()
-        print(message_line("error", " ".join(m.strip() for m in msg), args.command), file=sys.stderr)
-        return 2
+    return run_command(args.func, args, f"{rank_prefix()}ampspec {args.command}", verbose=args.verbose)
 
 
 if __name__ == "__main__":

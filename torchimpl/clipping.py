@@ -27,6 +27,8 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
+from torchimpl._torch_compat import _amp_foreach_non_finite_check_and_unscale_, _foreach_mul_
+
 __all__ = ["ParamGroup", "check_nonfinite_", "clip_grad_norm_", "group_by_device_and_dtype"]
 
 # Device types whose gradients torch's clipping multiplies with one _foreach_mul_ per group.
@@ -61,7 +63,7 @@ def check_nonfinite_(groups: list[ParamGroup], found: torch.Tensor, one: torch.T
         # A sharded (DTensor) gradient is checked on this rank's shard; the ranks then agree.
         grads = [_local(p.grad) for p in params if p.grad is not None]
         if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+            _amp_foreach_non_finite_check_and_unscale_(grads, found, one)
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
@@ -87,12 +89,12 @@ def clip_grad_norm_(groups: list[ParamGroup], params: list[nn.Parameter], max_no
         if found is not None and foreach and coef.dtype == torch.float32 and device == found.device \
                 and group_params[0].dtype in _CHECK_AND_SCALE_DTYPES \
                 and (device.type == "cpu" or group_params[0].dtype == coef.dtype):
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, coef_here)  # rule 5
+            _amp_foreach_non_finite_check_and_unscale_(grads, found, coef_here)  # rule 5
             continue
         if found is not None:
             check_nonfinite_([group], found, one)
         if foreach:
-            torch._foreach_mul_(grads, coef_here)
+            _foreach_mul_(grads, coef_here)
         else:
             for g in grads:
                 g.mul_(coef_here)

@@ -30,12 +30,14 @@ import torch
 from torchimpl.agreement import Band, moving_average
 from torchimpl.config import Config, load_config
 from torchimpl.device import resolve_device
+from torchimpl.lifecycle import Interrupted
+from torchimpl.safe_files import write_report
 from torchimpl.records import read_trace
 from torchimpl.reporting import progress_log
 from torchimpl.tasks import build_task, check_task
 from torchimpl.trainer import Trainer
 
-__all__ = ["CompareResult", "run_compare", "format_table", "gap_explained"]
+__all__ = ["CompareResult", "check_inputs", "run_compare", "format_table", "gap_explained"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,12 @@ class CompareResult:
     png_note: str | None
     left_out: dict[str, str]
     """Runs that could not be made, with the reason (fp8 on a model with no convertible layer)."""
+    interrupted: str | None = None
+    """The signal that stopped the comparison (SIGINT, SIGTERM), or None when it ran to the end."""
+    finished: list[str] | None = None
+    """With ``interrupted``: the runs that finished."""
+    cut_short: dict[str, int] | None = None
+    """With ``interrupted``: the run the signal stopped, and the steps it had done."""
 
 
 @dataclass
@@ -145,6 +153,9 @@ def _train_one(label: str, mode: str, extra: list[str], *, dev: torch.device, ta
         "peak_memory_mb": None if summary.peak_memory_bytes is None else summary.peak_memory_bytes / 2**20,
         "downgrades": summary.downgrades,
     }
+    if summary.outcome.startswith("interrupted"):
+        # The trainer stopped at a step boundary on a signal: the whole comparison stops.
+        raise _RunInterrupted(summary.outcome.split(":", 1)[1], label, summary.steps)
     return row, curves
 
 
@@ -158,41 +169,39 @@ def _judge(rows: list[dict[str, Any]], curves: dict[str, _Curves], band: Band) -
     return all(row["agrees"] for row in rows)
 
 
+def check_inputs(*, steps: int, device: str, task: str, seed: int, out: str | Path) -> None:
+    """Everything a comparison can check before any work (before ``--out`` is made or locked):
+    the step count, the device, every run's configuration, and the task's module and function
+    (found, not called: calling it is the runs' work)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    dev = resolve_device(device)
+    eval_every = max(steps // 20, 1)
+    configs = [run_config(label, mode, extra, dev=str(dev), task=task, steps=steps, seed=seed,
+                          eval_every=eval_every, out=Path(out)) for label, mode, extra in _runs(dev)]
+    check_task(configs[0].task)
+
+
 def run_compare(*, steps: int = 200, device: str = "auto", out: str | Path = "ampspec-compare",
                 task: str = "lm", seed: int = 0, window: int = 20, rel_tol: float = 0.5,
                 noise_k: float = 3.0) -> CompareResult:
     """Train ``task`` in every precision ``device`` supports, judge each against fp32, and write
     ``out/report.json`` and (with matplotlib) ``out/compare.png``."""
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+    check_inputs(steps=steps, device=device, task=task, seed=seed, out=out)
     t0 = time.perf_counter()
     out = Path(out)
     dev = resolve_device(device)
     eval_every = max(steps // 20, 1)  # about 20 points: a validation curve, not a final number
-    rows, curves, left_out = [], {}, {}
+    rows: list[dict[str, Any]] = []
+    curves: dict[str, _Curves] = {}
+    left_out: dict[str, str] = {}
     runs = _runs(dev)
-    # Everything that can be checked before the first run is: every run's configuration and the
-    # task's module and function (not called: that is the runs' work).
-    configs = [run_config(label, mode, extra, dev=str(dev), task=task, steps=steps, seed=seed,
-                          eval_every=eval_every, out=out) for label, mode, extra in runs]
-    check_task(configs[0].task)
     out.mkdir(parents=True, exist_ok=True)
-    for number, (label, mode, extra) in enumerate(runs, 1):
-        # One line as each run starts and ends, on a terminal or not (ampspec -q silences them).
-        progress_log.info("compare: run %d of %d, %s, %d steps of task %s", number, len(runs), label, steps, task)
-        started = time.perf_counter()
-        try:
-            row, curves[label] = _train_one(label, mode, extra, dev=dev, task=task, steps=steps, seed=seed,
-                                            eval_every=eval_every, out=out)
-        except ValueError as exc:
-            if mode != "fp8":
-                raise
-            # fp8 is the optional extra: a model it cannot convert leaves that row out, not the comparison.
-            left_out[label] = str(exc)
-            continue
-        rows.append(row)
-        progress_log.info("compare: %s done in %.1f s, final loss %.4g", label, time.perf_counter() - started,
-                          row["final_loss"])
+    try:
+        _train_all(runs, rows, curves, left_out, dev=dev, task=task, steps=steps, seed=seed, eval_every=eval_every,
+                   out=out)
+    except (_RunInterrupted, Interrupted) as exc:
+        return _interrupted(exc, rows, runs, out=out, dev=dev, task=task, steps=steps, seed=seed, t0=t0)
     band = Band(window, rel_tol, noise_k)
     agree = _judge(rows, curves, band)
     rule = band.rule()
@@ -204,10 +213,59 @@ def run_compare(*, steps: int = 200, device: str = "auto", out: str | Path = "am
               "skipped_steps": {k: c.skipped for k, c in curves.items()},
               "scale_history": {k: c.scale for k, c in curves.items()}}
     report_path = out / "report.json"
-    report_path.write_text(json.dumps(report, indent=1))
+    write_report(report_path, report)
     png_path, note = _plot(curves, rows, band, title, out / "compare.png")
     return CompareResult(rows, agree, rule, gap_explained(window), time.perf_counter() - t0, str(report_path),
                          png_path, note, left_out)
+
+
+def _train_all(runs: list[tuple[str, str, list[str]]], rows: list[dict[str, Any]], curves: dict[str, _Curves],
+               left_out: dict[str, str], **kw: Any) -> None:
+    """Every run in turn, filling ``rows``, ``curves`` and ``left_out`` as each finishes."""
+    task, steps = kw["task"], kw["steps"]
+    for number, (label, mode, extra) in enumerate(runs, 1):
+        # One line as each run starts and ends, on a terminal or not (ampspec -q silences them).
+        progress_log.info("compare: run %d of %d, %s, %d steps of task %s", number, len(runs), label, steps, task)
+        started = time.perf_counter()
+        try:
+            row, curves[label] = _train_one(label, mode, extra, **kw)
+        except ValueError as exc:
+            if mode != "fp8":
+                raise
+            # fp8 is the optional extra: a model it cannot convert leaves that row out, not the comparison.
+            left_out[label] = str(exc)
+            continue
+        rows.append(row)
+        progress_log.info("compare: %s done in %.1f s, final loss %.4g", label, time.perf_counter() - started,
+                          row["final_loss"])
+
+
+class _RunInterrupted(Exception):
+    """A run that the trainer stopped on a signal (at a step boundary)."""
+
+    def __init__(self, signal_name: str, label: str, steps_done: int):
+        super().__init__(f"{label} interrupted by {signal_name} after {steps_done} steps")
+        self.signal, self.label, self.steps_done = signal_name, label, steps_done
+
+
+def _interrupted(exc: BaseException, rows: list[dict[str, Any]], runs: list[tuple[str, str, list[str]]], *,
+                 out: Path, dev: torch.device, task: str, steps: int, seed: int, t0: float) -> CompareResult:
+    """The report of a comparison a signal stopped: which runs finished, which was cut short and
+    where; no verdict and no curves of a cut-short run (``agree`` is null)."""
+    name = exc.signal
+    finished = [r["precision"] for r in rows]
+    cut = {exc.label: exc.steps_done} if isinstance(exc, _RunInterrupted) else {}
+    not_run = [label for label, _, _ in runs if label not in finished and label not in cut]
+    report = {"device": str(dev), "torch": str(torch.__version__), "task": task, "steps": steps, "seed": seed,
+              "interrupted": name, "agree": None, "finished": finished, "cut_short": cut, "not_run": not_run,
+              "rows": rows,
+              "note": f"the comparison was interrupted by {name}: only the finished runs' rows are reported, "
+                      "no run is judged against fp32 and no plot is drawn"}
+    report_path = out / "report.json"
+    write_report(report_path, report)
+    return CompareResult(rows, False, "", "", time.perf_counter() - t0, str(report_path), None,
+                         f"plot skipped: the comparison was interrupted by {name}", {}, interrupted=name,
+                         finished=finished, cut_short=cut)
 
 
 def _plot(curves: dict[str, _Curves], rows: list[dict[str, Any]], band: Band, title: str,
@@ -343,6 +401,7 @@ def _plot_gaps(ax: Any, curves: dict[str, _Curves], by_label: dict[str, dict[str
     top = max([*half, *(abs(g) for gap in gaps.values() for g in gap if math.isfinite(g))])
     styles = _styles({"fp32": [0.0] * len(ref), **gaps}, log_axis=False, span=2.2 * top)
     for label, gap in gaps.items():
+        # zip stops at the shorter curve: a run with fewer steps than fp32's is drawn as far as it went.
         width, _, dashes = styles[label]
         ax.plot(range(1, len(gap) + 1), gap, color=colours[label], linewidth=width, linestyle=dashes)
     ax.set_ylim(-1.1 * top, 1.1 * top)

@@ -23,14 +23,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
-import yaml
-
+from torchimpl import safe_yaml
 from torchimpl.embedded import is_task_name, with_task_defaults
 from torchimpl.optim import OptimizerConfig
 from torchimpl.precision import PrecisionConfig
@@ -72,6 +72,10 @@ class _Checked:
             raise ConfigError(problems)
 
 
+MAX_STEPS = 99_999_999
+"""The most optimizer steps of a run: checkpoint names (``step-NNNNNNNN.ckpt``) hold 8 digits."""
+
+
 def _int_at_least(name: str, value: Any, low: int) -> list[tuple[str, str]]:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         return [(name, f"must be an integer >= {low}, got {value!r}")]
@@ -95,7 +99,8 @@ class TaskConfig(_Checked):
     def _problems(self) -> list[tuple[str, str]]:
         name = self.name
         if not is_task_name(name):
-            return [("name", f"must be 'lm', 'mlp' or 'module:function', got {name!r}")]
+            return [("name", f"must be 'lm', 'mlp' or 'module:function' (a module by its import name, such as "
+                             f"'mytask:make' for mytask.py in the working directory; not a path), got {name!r}")]
         return []
 
 
@@ -188,21 +193,25 @@ class TrainConfig(_Checked):
 
     def _problems(self) -> list[tuple[str, str]]:
         out = _int_at_least("steps", self.steps, 1)
+        if not out and self.steps > MAX_STEPS:
+            out.append(("steps", f"must be at most {MAX_STEPS} (checkpoint names hold 8 digits), got {self.steps!r}"))
         out += _int_at_least("microbatches", self.microbatches, 1)
         out += _int_at_least("batch_size", self.batch_size, 1)
         out += _int_at_least("log_interval", self.log_interval, 1)
         out += _int_at_least("eval_interval", self.eval_interval, 0)
         out += _int_at_least("seed", self.seed, 0)
+        if isinstance(self.seed, int) and self.seed >= 2**32:
+            out.append(("seed", f"must be below 2**32 (NumPy's seeds are 32-bit), got {self.seed!r}"))
         c = self.clip_norm
-        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
-            out.append(("clip_norm", f"must be a number > 0 or null (no clipping), got {c!r}"))
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < math.inf):
+            out.append(("clip_norm", f"must be a finite number > 0 or null (no clipping), got {c!r}"))
         if self.on_nonfinite not in ("skip", "stop"):
             out.append(("on_nonfinite", f"must be one of 'skip', 'stop', got {self.on_nonfinite!r}"))
         if self.distributed not in ("none", "ddp", "fsdp2"):
             out.append(("distributed", f"must be one of 'none', 'ddp', 'fsdp2', got {self.distributed!r}"))
         t = self.distributed_timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-            out.append(("distributed_timeout_s", f"must be a number > 0, got {t!r}"))
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+            out.append(("distributed_timeout_s", f"must be a finite number of seconds > 0, got {t!r}"))
         if self.guard is True and self.distributed != "none":
             # The guard raises inside one rank's forward; the other ranks would wait in the
             # window's gradient reduction for a backward that never comes.
@@ -255,6 +264,11 @@ class LoggingConfig(_Checked):
     ``train.log_interval`` steps; ``bar``, ``lines`` or ``off`` force one. (YAML reads an
     unquoted ``off`` as false, which means ``off``; true means ``auto``.)"""
 
+    precision_stats: int = 0
+    """Every N optimizer steps, log each module's output dtype, amax, headroom in bits and
+    subnormal fraction to ``precision_stats.csv`` (and TensorBoard) in the run folder
+    (``torchimpl.precision_stats``); 0, the default, logs none (each measured step syncs)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.progress, bool):
             object.__setattr__(self, "progress", "auto" if self.progress else "off")
@@ -271,6 +285,7 @@ class LoggingConfig(_Checked):
         if self.tensorboard is True and self.dir is None:
             out.append(("tensorboard", "true needs a run folder, but logging.dir is null; set logging.dir "
                                        "(or 'auto'), or logging.tensorboard=false"))
+        out += _int_at_least("precision_stats", self.precision_stats, 0)
         if self.progress not in ("auto", "bar", "lines", "off"):
             out.append(("progress", f"must be one of 'auto', 'bar', 'lines', 'off', got {self.progress!r}"))
         return out
@@ -551,9 +566,9 @@ def _parse_overrides(overrides: Sequence[str], bad: list[tuple[str, str]]) -> li
             bad.append((item, "an override must look like section.key=value, e.g. train.steps=100"))
             continue
         try:
-            pairs.append((key, yaml.safe_load(raw) if raw.strip() else ""))
-        except yaml.YAMLError as exc:
-            bad.append((key, f"value {raw!r} is not valid YAML ({exc.__class__.__name__})"))
+            pairs.append((key, safe_yaml.load(raw, f"the value of {key}") if raw.strip() else ""))
+        except safe_yaml.YamlError as exc:
+            bad.append((key, f"value {raw!r} is refused: {exc}"))
     return pairs
 
 
@@ -744,13 +759,11 @@ def load_config(
     tree: dict[str, Any] = {}
     if path is not None:
         try:
-            text = Path(path).read_text()
+            loaded = safe_yaml.load(safe_yaml.read_file(path), str(path))
         except OSError as exc:
             raise ConfigError([("", f"cannot read config file {str(path)!r}: {exc.strerror}")]) from None
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError([("", f"{path} is not valid YAML: {exc}")]) from None
+        except safe_yaml.YamlError as exc:
+            raise ConfigError([("", str(exc))]) from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError([("", f"{path} must hold a mapping of sections, got {type(loaded).__name__}")])
         tree = loaded or {}

@@ -46,9 +46,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from torchimpl._torch_compat import TorchDispatchMode, tree_leaves
 from torchimpl.device import same_device
 from torchimpl.precision import PrecisionPlan, cuda_bf16_supported
 
@@ -759,7 +758,9 @@ def report_nonfinite(path: Path, *, step: int, what: str, model: nn.Module, batc
         if len(by_rank) > 1:
             data["other_ranks"] = {str(r): d for r, d in enumerate(by_rank) if r}
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2))
+        from torchimpl.safe_files import replace_text  # never through a link planted under its name
+
+        replace_text(path, json.dumps(data, indent=2), what="diagnosis report")
     log.error("%s at step %d; diagnosis %s %s", what, step,
               "written to" if by_rank is not None else "of this rank written by rank 0 to", path)
     return str(path)

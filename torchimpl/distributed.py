@@ -536,7 +536,9 @@ class DistributedContext:
         path = Path(path)
         if path.is_dir():
             if not self.sharded:
-                raise ValueError(f"{path} is a sharded (FSDP2) checkpoint; resume it with train.distributed=fsdp2")
+                from torchimpl.checkpoint import CheckpointError
+
+                raise CheckpointError(f"{path} is a sharded (FSDP2) checkpoint; resume it with train.distributed=fsdp2")
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 

@@ -28,13 +28,15 @@ TASK_DEFAULTS: Mapping[str, Mapping[str, Mapping[str, Any]]] = MappingProxyType(
 
 
 def is_task_name(text: object) -> bool:
-    """``lm``, ``mlp`` or ``module:function`` (a function name after the colon)."""
+    """``lm``, ``mlp`` or ``module:function`` (a module's import name, a function name after the colon)."""
     if not isinstance(text, str):
         return False
     if text in EMBEDDED_TASKS:
         return True
+    # A module by its import name (dotted identifiers), never a path: ``../x:make`` would reach
+    # outside the working directory and importlib cannot import it anyway.
     module, sep, func = text.partition(":")
-    return bool(sep) and bool(module) and func.isidentifier()
+    return bool(sep) and all(part.isidentifier() for part in module.split(".")) and func.isidentifier()
 
 
 def with_task_defaults(tree: Mapping[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ run (optimizer, scaler, generators, data position), so ``torch.load`` cannot rea
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import warnings
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from torchimpl.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, verify_checkpoint
+from torchimpl.run_state import model_problems
 
 __all__ = ["ExportResult", "export_weights", "load_weights"]
 
@@ -49,11 +51,22 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     source = _resolve_source(Path(path))
     if source.is_dir():
         return _load_sharded(source)
-    if source.suffix == ".pt":
-        return _as_state_dict(torch.load(source, map_location="cpu", weights_only=True), source)
-    if source.suffix == ".safetensors":
-        return _safetensors().load_file(str(source), device="cpu")
-    return _as_state_dict(load_checkpoint(source, map_location="cpu")["model"], source)
+    if source.suffix in (".pt", ".safetensors"):
+        try:
+            if source.suffix == ".pt":
+                return _as_state_dict(torch.load(source, map_location="cpu", weights_only=True), source)
+            return _safetensors().load_file(str(source), device="cpu")
+        except (CheckpointError, ImportError):
+            raise
+        except Exception as exc:  # the unpicklers' errors have no common base class
+            raise CheckpointError(f"{source} was refused by the safe loader (not a state_dict written by torch.save "
+                                  f"or safetensors, or it holds objects other than tensors): "
+                                  f"{' '.join(str(exc).split())[:200]}") from None
+    contents = load_checkpoint(source, map_location="cpu")
+    problems = model_problems(contents.get("model"), contents.get("model_signature"))
+    if problems:
+        raise CheckpointError(f"{source} is malformed: {'; '.join(problems)}; nothing was exported")
+    return _as_state_dict(contents["model"], source)
 
 
 def export_weights(checkpoint: str | Path, out: str | Path, *, force: bool = False) -> ExportResult:
@@ -89,6 +102,7 @@ def _resolve_source(path: Path) -> Path:
 def _load_sharded(folder: Path) -> dict[str, torch.Tensor]:
     """An FSDP2 ``.dcp`` folder, gathered into full tensors in this one process."""
     verify_checkpoint(folder)
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     # dcp_to_torch_save reads without a process group; it gathers every shard into one file.
@@ -96,8 +110,19 @@ def _load_sharded(folder: Path) -> dict[str, torch.Tensor]:
         # One process reading every shard is the intent here, not a missing process group.
         warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
         full = Path(tmp) / "full.pt"
-        dcp_to_torch_save(str(folder), str(full))
-        state = torch.load(full, map_location="cpu", weights_only=True)
+        # On a damaged folder torch logs each failed metadata read with its traceback on the root
+        # logger before raising; the error below says it in one line.
+        logging.disable(logging.WARNING)
+        try:
+            dcp_to_torch_save(str(folder), str(full))
+            state = torch.load(full, map_location="cpu", weights_only=True)
+        except (Exception, CheckpointException) as exc:  # its readers raise anything on a damaged folder
+            # A CheckpointException (a BaseException) carries each rank's traceback as text: its last line says why.
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            raise CheckpointError(f"{folder} is a damaged sharded checkpoint ({lines[-1][:200] if lines else type(exc).__name__})"
+                                  ) from None
+        finally:
+            logging.disable(logging.NOTSET)
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise CheckpointError(f"{folder} holds no model state (not an ampspec sharded checkpoint)")
     return _as_state_dict(state["model"], folder)

@@ -8,8 +8,10 @@
 2. **Interrupts** (:class:`Interrupts`): the first SIGINT (Ctrl-C) or SIGTERM asks the run to
    stop at the next step boundary; the trainer then flushes the records, saves a checkpoint
    when ``checkpoint.folder`` is set and returns its summary. A second signal aborts at once
-   (``KeyboardInterrupt``). Installed only in the main thread; the previous handlers come
-   back when the run ends.
+   (:class:`Interrupted`, a ``KeyboardInterrupt``). Installed only in the main thread; the
+   previous handlers come back when the run ends. Outside a run (the command's start-up, between
+   the runs of ``compare``) :func:`command_interrupts` makes the first signal raise
+   :class:`Interrupted` at once: nothing is under way that a step boundary would protect.
 3. **How a run ends** (:func:`outcome`): ``completed``, ``stopped`` (a callback asked),
    ``interrupted`` (a signal), ``failed`` (a fault: a non-finite loss or gradient with
    ``on_nonfinite: stop``, a collapsed loss scale), or ``no_progress`` (it trained to the end
@@ -28,7 +30,7 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import Any, Iterable
 
-__all__ = ["EXIT_CODES", "Interrupts", "outcome", "preflight"]
+__all__ = ["EXIT_CODES", "Interrupted", "Interrupts", "command_interrupts", "outcome", "preflight"]
 
 EXIT_CODES = {"completed": 0, "stopped": 0, "failed": 1, "no_progress": 3,
               "interrupted:SIGINT": 130, "interrupted:SIGTERM": 143}
@@ -43,6 +45,9 @@ def preflight(config: Any, val_data: Iterable[Any] | None, *, is_main: bool) -> 
         _check_writable_folder(Path(folder), "checkpoint.folder")
     trace = config.train.trace_file
     if trace is not None and is_main:
+        from torchimpl.run_folder import check_trace_target
+
+        check_trace_target(config)
         path = Path(trace)
         if path.is_dir():
             raise ValueError(f"train.trace_file: {trace} is a folder; give a file path such as {path / 'trace.jsonl'}")
@@ -81,6 +86,31 @@ def _check_writable_folder(folder: Path, field: str) -> None:
         raise ValueError(f"{field}: cannot write in {folder}: {exc.strerror or exc}; choose a writable folder") from None
 
 
+class Interrupted(KeyboardInterrupt):
+    """A SIGINT or SIGTERM that stops the command now; ``signal`` is its name and
+    ``exit_code`` the command's status (130 or 143)."""
+
+    def __init__(self, signal_name: str, message: str):
+        super().__init__(message)
+        self.signal = signal_name
+        self.exit_code = EXIT_CODES.get(f"interrupted:{signal_name}", 130)
+
+
+def command_interrupts() -> None:
+    """Rule 2 outside a run: SIGINT and SIGTERM raise :class:`Interrupted` (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handle(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        raise Interrupted(name, f"interrupted by {name}")
+
+    for name in Interrupts._SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            signal.signal(sig, handle)
+
+
 class Interrupts:
     """Rule 2, as a context manager; ``received`` is the first signal's name, or None."""
 
@@ -101,7 +131,8 @@ class Interrupts:
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is not None:  # the second one: abort now
             self._restore()
-            raise KeyboardInterrupt(f"{signal.Signals(signum).name} received twice: aborted")
+            name = signal.Signals(signum).name
+            raise Interrupted(name, f"{name} received twice: aborted at once, without a checkpoint")
         self.received = signal.Signals(signum).name
 
     def _restore(self) -> None:

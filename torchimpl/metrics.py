@@ -23,12 +23,12 @@
 from __future__ import annotations
 
 import csv
-import io
 import os
 from pathlib import Path
 from typing import Any, Iterable, Protocol
 
 from torchimpl.records import StepRecord
+from torchimpl.safe_files import open_run_file, refuse_link, replace_text
 
 __all__ = ["COLUMNS", "CsvMetrics", "MetricsSink", "RUNS_ENV", "TensorBoardMetrics", "check_tensorboard", "open_metrics",
            "open_run_folder", "planned_folder", "read_metrics", "rows_for", "runs_root", "tensorboard_available",
@@ -132,7 +132,7 @@ class CsvMetrics:
         self.path = Path(folder) / CSV_NAME
         self.kept = _truncate_csv(self.path, resume_at) if resume_at is not None else 0
         fresh = resume_at is None or not self.path.exists() or self.path.stat().st_size == 0
-        self._file: io.TextIOWrapper | None = open(self.path, "w" if fresh else "a", encoding="utf-8", newline="")
+        self._file: Any = open_run_file(self.path, "w" if fresh else "a", what="metrics file")
         if fresh:
             self._file.write(",".join(COLUMNS) + "\n")
             self._file.flush()
@@ -152,8 +152,9 @@ class CsvMetrics:
 def _truncate_csv(path: Path, resume_at: int) -> int:
     """Keep the column line and the leading rows with ``step < resume_at``; how many rows were
     kept. A file with other columns, or none, starts afresh (0 rows)."""
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return 0
+    refuse_link(path, "metrics file")
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     kept: list[str] = []
     if lines and lines[0].rstrip("\n") == ",".join(COLUMNS):
@@ -165,9 +166,7 @@ def _truncate_csv(path: Path, resume_at: int) -> int:
             if not step.isdigit() or int(step) >= resume_at or int(step) != len(kept) - 1:
                 break
             kept.append(line)
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    replace_text(path, "".join(kept), what="metrics file")
     return max(len(kept) - 1, 0)
 
 

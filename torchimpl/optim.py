@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchimpl._torch_compat import _get_foreach_kernels_supported_devices
 from torchimpl.device import same_device
 
 __all__ = [
@@ -59,6 +60,9 @@ _FUSED_ERRORS = (TypeError, RuntimeError, ValueError)
 
 class FusedOptimizerWarning(UserWarning):
     """``fused=True`` was requested but torch refused it; a non-fused optimizer was built."""
+
+
+_F32_MAX = 3.4028234663852886e38
 
 
 def _finite_at_least(name: str, value: Any, low: float) -> None:
@@ -89,6 +93,8 @@ class OptimizerConfig:
                 f"optimizer name must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}"
             )
         _finite_at_least("lr", self.lr, 0.0)
+        if not 0.0 < float(self.lr) <= _F32_MAX:  # 0 trains nothing; torch keeps rates in float32 tensors too
+            raise ValueError(f"lr must be > 0 and within float32's range (at most {_F32_MAX:.4g}), got {self.lr!r}")
         _finite_at_least("weight_decay", self.weight_decay, 0.0)
         _finite_at_least("eps", self.eps, 0.0)
         _finite_at_least("momentum", self.momentum, 0.0)
@@ -185,12 +191,9 @@ def parameter_groups(model: nn.Module, config: OptimizerConfig) -> list[dict[str
 
 
 def _foreach_by_default(device: torch.device) -> bool:
-    try:
-        from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
-
-        return device.type in _get_foreach_kernels_supported_devices()
-    except ImportError:
+    if _get_foreach_kernels_supported_devices is None:  # gone from torch: its long-standing list
         return device.type in ("cuda", "xpu")
+    return device.type in _get_foreach_kernels_supported_devices()
 
 
 def _construct(

@@ -162,6 +162,10 @@ class PrecisionConfig:
     """torchao's float8 recipe: tensorwise, rowwise, rowwise_with_gw_hp, or mxfp8 (MX blocks)."""
     fp8_skip_first_last: bool = True
     """Keep the model's first and last linear layers in high precision under ``mode: fp8``."""
+    fp32_modules: tuple[str, ...] = ()
+    """Patterns (fnmatch) of qualified module names whose forward runs in an fp32 island, autocast
+    off and inputs upcast (``torchimpl.fp32_modules``): the fix for a forward overflow that loss
+    scaling cannot cure (``ampspec doctor``). A pattern matching no module is refused at fit."""
 
     def __post_init__(self) -> None:
         mode, note = canonical_mode(self.mode)
@@ -178,6 +182,10 @@ class PrecisionConfig:
             raise ValueError(f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
         if not isinstance(self.fp8_skip_first_last, bool):
             raise ValueError(f"fp8_skip_first_last must be true or false, got {self.fp8_skip_first_last!r}")
+        if isinstance(self.fp32_modules, list):
+            object.__setattr__(self, "fp32_modules", tuple(self.fp32_modules))
+        if not isinstance(self.fp32_modules, tuple) or not all(isinstance(p, str) and p for p in self.fp32_modules):
+            raise ValueError(f"fp32_modules must be a list of module name patterns, got {self.fp32_modules!r}")
 
     @property
     def spelling_note(self) -> str | None:

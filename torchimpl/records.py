@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -30,8 +29,10 @@ from typing import IO, Any, Iterable, Iterator
 
 import torch
 
-__all__ = ["FIELDS", "HEADER_KEY", "METRIC_KEYS", "PendingRecords", "StepRecord", "TraceWriter", "read_trace",
-           "read_trace_header", "read_trace_metrics", "write_trace"]
+from torchimpl.safe_files import open_run_file, refuse_link, replace_text
+
+__all__ = ["FIELDS", "HEADER_KEY", "METRIC_KEYS", "PendingRecords", "StepRecord", "TraceWriter", "check_step_order",
+           "read_numbered_trace", "read_trace", "read_trace_header", "read_trace_metrics", "write_trace"]
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,21 @@ _OPTIONAL = frozenset({"grad_norm", "clip_coef"})
 
 
 def _convert(name: str, value: Any) -> Any:
+    """``value`` as field ``name``'s type; ``ValueError`` naming the field when JSON gave another
+    type (a string ``"no"`` is not false, a string ``"NaN"`` not a number)."""
     if value is None and name in _OPTIONAL:
         return None
-    return _TYPES.get(name, float)(value)
+    kind = _TYPES.get(name, float)
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok:
+        what = {bool: "true or false", int: "an integer"}.get(kind, "a number")
+        raise ValueError(f"field {name!r} must be {what}{' or null' if name in _OPTIONAL else ''}, got {value!r}")
+    return kind(value)
 
 
 class PendingRecords:
@@ -194,7 +207,8 @@ class TraceWriter:
         """The header the resumed file already had (None for a fresh file or an old trace)."""
         if resume_at is not None:
             self.kept, self.kept_header = _truncate_trace(self.path, resume_at)
-        self._file: IO[str] | None = open(self.path, "a" if resume_at is not None else "w", encoding="utf-8")
+        self._file: IO[str] | None = open_run_file(self.path, "a" if resume_at is not None else "w",
+                                                    what="trace file")
         if header is not None and self.kept_header is None and self.kept == 0:
             self._file.write(json.dumps({HEADER_KEY: 1, **header}) + "\n")
             self._file.flush()
@@ -234,8 +248,9 @@ def _is_header(obj: Any) -> bool:
 def _truncate_trace(path: Path, resume_at: int) -> tuple[int, dict[str, Any] | None]:
     """Keep the header and the leading records of ``path`` with ``step < resume_at``; how many
     records were kept, and the header (None when the file has none)."""
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return 0, None
+    refuse_link(path, "trace file")
     kept: list[str] = []
     header, records = None, 0
     with open(path, encoding="utf-8") as f:
@@ -247,15 +262,13 @@ def _truncate_trace(path: Path, resume_at: int) -> tuple[int, dict[str, Any] | N
                     kept.append(line if line.endswith("\n") else line + "\n")
                     continue
                 step = obj["step"]
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 break  # a torn line: nothing after it was written by a finished flush
             if not isinstance(step, int) or step >= resume_at or step != records:
                 break
             kept.append(line if line.endswith("\n") else line + "\n")
             records += 1
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    replace_text(path, "".join(kept), what="trace file")
     return records, header
 
 
@@ -267,12 +280,18 @@ def write_trace(path: str | Path, records: Iterable[StepRecord], header: dict[st
 def _trace_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(line number, object)`` for every step line of a trace (the header and blank lines
     skipped); a line that is not JSON raises ``ValueError`` naming its number."""
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}:{number}: not UTF-8 text (not a trace written by ampspec)") from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
+            except RecursionError:
+                raise ValueError(f"{path}:{number}: not a step record (nested too deeply)") from None
             except ValueError as exc:
                 raise ValueError(f"{path}:{number}: not a step record ({exc})") from None
             if number == 1 and _is_header(obj):
@@ -284,14 +303,35 @@ def _trace_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 def read_trace(path: str | Path) -> list[StepRecord]:
     """Records of a JSON Lines trace, without the header and the metrics; a bad line raises
-    ``ValueError`` naming its line number."""
+    ``ValueError`` naming its line number (and the field)."""
+    return [record for _, record in read_numbered_trace(path)]
+
+
+def read_numbered_trace(path: str | Path) -> list[tuple[int, StepRecord]]:
+    """``(line number, record)`` for every step line of a trace (see :func:`read_trace`)."""
     out = []
     for number, obj in _trace_lines(path):
         try:
-            out.append(StepRecord.from_dict({k: v for k, v in obj.items() if k not in METRIC_KEYS}))
+            out.append((number, StepRecord.from_dict({k: v for k, v in obj.items() if k not in METRIC_KEYS})))
         except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"{path}:{number}: not a step record ({exc})") from None
     return out
+
+
+def check_step_order(path: str | Path, numbered: list[tuple[int, StepRecord]]) -> None:
+    """The records are steps ``first, first + 1, ...`` in order; ``ValueError`` naming the
+    duplicate or the out-of-order step and its lines otherwise (a replay would report it as
+    the specification's divergence)."""
+    seen: dict[int, int] = {}
+    for i, (number, record) in enumerate(numbered):
+        if record.step in seen:
+            raise ValueError(f"{path}:{number}: the trace has a duplicate step {record.step} (first on line "
+                             f"{seen[record.step]}); it is not one run's trace: nothing was replayed")
+        if i and record.step != numbered[i - 1][1].step + 1:
+            prev_line, prev = numbered[i - 1]
+            raise ValueError(f"{path}:{number}: the trace is out of order: step {record.step} follows step "
+                             f"{prev.step} (line {prev_line}); nothing was replayed")
+        seen[record.step] = number
 
 
 def read_trace_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -307,11 +347,11 @@ def read_trace_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 def read_trace_header(path: str | Path) -> dict[str, Any] | None:
     """The trace's header (see the module docstring), or ``None`` for a trace without one."""
-    with open(path, encoding="utf-8") as f:
-        first = f.readline()
+    with open(path, "rb") as f:
+        first = f.readline(1 << 20)
     try:
-        obj = json.loads(first)
-    except ValueError:
+        obj = json.loads(first.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return None
     if not _is_header(obj):
         return None

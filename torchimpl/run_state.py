@@ -63,7 +63,7 @@ from torchimpl.checkpoint import CheckpointError, capture_rng_state, restore_rng
 from torchimpl.optim import qualified_name
 
 __all__ = ["CHECKPOINT_FORMAT", "DataCursor", "ResumeError", "RunState", "TrainState", "check_contents",
-           "config_changes"]
+           "config_changes", "model_problems"]
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,59 @@ def check_contents(ckpt: Any, path: Path) -> None:
     if not problems:
         missing = [k for k in ("step", "applied_steps", "window_size", "window_done") if k not in ckpt["trainer"]]
         problems += [f"'trainer' lacks {missing}"] if missing else []
+    if not problems:
+        problems += _counter_problems(ckpt["trainer"]) + _stream_problems(ckpt["rng"], ckpt["data"])
+        problems += model_problems(ckpt["model"], ckpt["model_signature"])
     if problems:
         raise CheckpointError(f"{path} is malformed: {'; '.join(problems)}")
+
+
+def _counter_problems(trainer: dict[str, Any]) -> list[str]:
+    """The counters are non-negative integers (a callback may have set them to anything)."""
+    names = ("step", "applied_steps", "skipped_steps", "epoch", "batch_index", "samples", "window_size", "window_done")
+    return [f"'trainer.{k}' is {trainer[k]!r}, not an integer >= 0" for k in names
+            if k in trainer and (isinstance(trainer[k], bool) or not isinstance(trainer[k], int) or trainer[k] < 0)]
+
+
+def _stream_problems(rng: dict[str, Any], data: dict[str, Any]) -> list[str]:
+    """Rules 7-8 checked before anything is restored: each generator state is set on a
+    throwaway generator, so a malformed one is named here rather than failing mid-restore."""
+    import random
+
+    import numpy as np
+
+    checks = {
+        "rng.python": lambda v: random.Random().setstate((int(v[0]), tuple(int(x) for x in v[1].tolist()), v[2])),
+        "rng.numpy": lambda v: np.random.RandomState().set_state((v[0], v[1].numpy().astype(np.uint32), *v[2:])),
+        "rng.torch": lambda v: torch.Generator().set_state(v),
+        "data.epoch_rng": lambda v: v is None or torch.Generator().set_state(v),
+    }
+    values = {"rng.python": rng.get("python"), "rng.numpy": rng.get("numpy"), "rng.torch": rng.get("torch"),
+              "data.epoch_rng": data.get("epoch_rng")}
+    problems = []
+    for name, check in checks.items():
+        try:
+            check(values[name])
+        except Exception as exc:  # noqa: BLE001 - any failure means the saved state cannot be restored
+            problems.append(f"'{name}' cannot be restored ({type(exc).__name__}: {str(exc)[:120]})")
+    for key in ("epoch", "index"):
+        v = data.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            problems.append(f"'data.{key}' is {v!r}, not an integer >= 0")
+    return problems
+
+
+def model_problems(model: Any, signature: Any) -> list[str]:
+    """Rule 1's signature must describe the tensors actually saved (a checksum proves only
+    that the bytes are the ones written, not that they fit)."""
+    if not isinstance(model, dict) or not isinstance(signature, dict):
+        return ["'model' or 'model_signature' is missing or not a mapping"]
+    actual = {k: list(v.shape) for k, v in model.items() if isinstance(v, torch.Tensor)}
+    wrong = sorted(k for k in actual if k in signature and list(signature[k]) != actual[k])
+    if wrong or set(actual) != set(signature):
+        return [f"its model tensors do not match its own signature (shapes of {wrong[:5]}, names "
+                f"{sorted(set(actual) ^ set(signature))[:5]})"]
+    return []
 
 
 # Rule 11, by dotted configuration key (a section name covers its keys).
@@ -288,7 +339,11 @@ class RunState:
         applied = self._check_config(ckpt, path)
         fresh = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
                  for g in self.optimizer.param_groups]
-        self.model.load_state_dict(ckpt["model"])
+        try:
+            self.model.load_state_dict(ckpt["model"])
+        except RuntimeError as exc:
+            raise CheckpointError(f"{path}: its model state does not fit this model: {' '.join(str(exc).split())[:300]}"
+                                  ) from None
         try:
             self.optimizer.load_state_dict(ckpt["optimizer"])
         except (ValueError, KeyError) as exc:
@@ -303,7 +358,11 @@ class RunState:
         if any(line.startswith("optimizer.lr:") for line in applied):
             engine.skip.rebase([float(self.config.optimizer.lr)] * len(self.optimizer.param_groups),
                                self.config.train.steps)
-        engine.scaling.load_state_dict(ckpt.get("scaler"), path, self.plan_mode)
+        try:
+            engine.scaling.load_state_dict(ckpt.get("scaler"), path, self.plan_mode)
+        except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as exc:
+            raise CheckpointError(f"{path}: its loss-scaler state cannot be restored ({type(exc).__name__}: "
+                                  f"{str(exc)[:200]})") from None
         if engine.scaling.scaler is not None:
             s = self.config.scaler.resolved()  # rule 11: the configuration's factors
             engine.scaling.scaler.set_growth_factor(s.growth_factor)

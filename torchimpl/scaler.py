@@ -75,7 +75,9 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import GradScaler, OptState, _refresh_per_optimizer_state
+from torch.amp.grad_scaler import GradScaler
+
+from torchimpl._torch_compat import OptState, _amp_foreach_non_finite_check_and_unscale_, _refresh_per_optimizer_state
 
 __all__ = [
     "PRESETS",
@@ -574,7 +576,7 @@ class DynamicLossScaler(GradScaler):
         inv_scale = scale.double().reciprocal().float()
         with torch.no_grad():
             for grads in by_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+                _amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
         state["found_inf_per_device"] = {found_inf.device: found_inf}
         state["stage"] = OptState.UNSCALED
 

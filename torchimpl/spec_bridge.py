@@ -19,7 +19,10 @@ Translations:
 4. ``optimizer.no_decay_bias_and_norm`` (rule 4 of ``torchimpl.optim``) becomes two
    ``ParamGroup``: parameters of 2 or more dimensions, and the others with ``weight_decay=0``;
 5. everything else of the step (clip norm, optimizer kind, sync-free mode, whether a scaler
-   runs) is passed through as the trainer resolved it.
+   runs) is passed through as the trainer resolved it;
+6. the doctor's note on a CPU run (``autocast_device_note``): the aten operations it saw run on
+   16-bit inputs, looked up in the autocast op policy (``reference.autocast``), name those that
+   CPU autocast passes through but CUDA autocast runs in float32.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-__all__ = ["optimizer_config", "param_groups", "scaler_config", "schedule", "step_config"]
+__all__ = ["autocast_device_note", "optimizer_config", "param_groups", "scaler_config", "schedule", "step_config"]
 
 
 def scaler_config(policy: Any) -> Any:
@@ -84,3 +87,26 @@ def step_config(config: Any, *, scaler_policy: Any, optimizer_kind: str, sync_fr
                       scaler=scaler_config(scaler_policy), use_scaler=scaler_policy is not None,
                       clip_norm=config.train.clip_norm, optimizer_kind=optimizer_kind, sync_free=sync_free,
                       param_groups=param_groups(config.optimizer, param_ndims), **extra)
+
+
+# Rule 6: aten operation names (overload packets) -> the autocast table's op names.
+_ATEN_TO_POLICY = {"_softmax": "softmax", "softmax": "softmax", "_log_softmax": "log_softmax",
+                   "log_softmax": "log_softmax", "native_layer_norm": "layer_norm", "native_group_norm": "group_norm",
+                   "sum": "sum", "linalg_vector_norm": "vector_norm", "logsumexp": "logsumexp", "exp": "exp",
+                   "log": "log", "pow": "pow", "prod": "prod"}
+
+
+def autocast_device_note(low_ops: dict[str, set[str]], dtype: str) -> str | None:
+    """Rule 6: the note for ops (aten name -> modules they ran in) seen on 16-bit inputs on a CPU."""
+    from reference.autocast import category
+
+    differ: dict[str, set[str]] = {}
+    for aten, where in low_ops.items():
+        op = _ATEN_TO_POLICY.get(aten)
+        if op and category(op, "cpu") != category(op, "cuda") and category(op, "cuda") == "float32":
+            differ.setdefault(op, set()).update(w or "<root>" for w in where)
+    if not differ:
+        return None
+    listed = "; ".join(f"{op} (in {', '.join(sorted(w)[:4])})" for op, w in sorted(differ.items()))
+    return (f"CPU autocast ran these ops in {dtype}, which CUDA autocast runs in float32 (the op-policy table, "
+            f"reference/autocast.py rule 7): {listed}; verdicts that come from them may not appear on CUDA")

@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from torchimpl.config import TaskConfig
+from torchimpl.task_checks import call_task, check_imported, check_module, check_result, import_failure
 
 __all__ = ["ReverseLM", "RegressionMLP", "SyntheticBatches", "Task", "build_task", "check_task", "seed_everything"]
 
@@ -182,9 +183,10 @@ def _put_working_directory_on_path() -> None:
 
 
 def _import_user_module(entry: str, module_name: str) -> Any:
+    check_module(entry, module_name)
     _put_working_directory_on_path()
     try:
-        return importlib.import_module(module_name)
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name is None or (module_name + ".").startswith(exc.name + "."):
             raise ValueError(
@@ -195,6 +197,10 @@ def _import_user_module(entry: str, module_name: str) -> Any:
         raise ValueError(f"task.name {entry!r}: importing {module_name!r} failed: {exc}") from None
     except ImportError as exc:
         raise ValueError(f"task.name {entry!r}: importing {module_name!r} failed: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module: a syntax error, an exception at import
+        raise import_failure(entry, module_name, exc) from None
+    check_imported(entry, module)
+    return module
 
 
 def check_task(config: TaskConfig) -> None:
@@ -208,7 +214,7 @@ def _user_function(entry: str) -> Callable[[], Any]:
     module_name, _, func_name = entry.partition(":")
     module = _import_user_module(entry, module_name)
     func = getattr(module, func_name, None)
-    if not callable(func):
+    if func is None:
         raise ValueError(f"task.name {entry!r}: module {module_name!r} has no function {func_name!r}")
     return func
 
@@ -216,10 +222,6 @@ def _user_function(entry: str) -> Callable[[], Any]:
 def _user_task(entry: str, seed: int) -> Task:
     func = _user_function(entry)
     seed_everything(seed)
-    result = func()
-    if not isinstance(result, tuple) or len(result) not in (3, 4) or not isinstance(result[0], nn.Module):
-        raise ValueError(
-            f"task.name {entry!r}: the function must return (model, train_data, val_data[, loss_fn]) "
-            f"with an nn.Module first, got {type(result).__name__}"
-        )
+    result = call_task(entry, func)
+    check_result(entry, result)
     return Task(*result)

@@ -52,6 +52,8 @@ from torchimpl.precision import PrecisionDowngradeWarning, autocast_context, res
 from torchimpl.lifecycle import Interrupts, outcome, preflight
 from torchimpl.loss_protocol import default_loss_fn
 from torchimpl.records import StepRecord, TraceWriter
+from torchimpl.fp32_modules import apply_fp32_modules
+from torchimpl.precision_stats import precision_stats_callbacks
 from torchimpl.metrics import CsvMetrics, open_metrics, open_run_folder
 from torchimpl.reporting import Reporter, progress_mode
 from torchimpl.run_state import DataCursor, RunState, TrainState, check_contents
@@ -130,6 +132,8 @@ class RunSummary:
     """The run folder holding the metrics files (``logging.dir``), or None when none was written."""
     metrics_file: str | None = None
     """The run's ``metrics.csv`` (``torchimpl.metrics``), or None without one."""
+    fp32_modules: list[str] = dataclasses.field(default_factory=list)
+    """The modules run in fp32 islands (``precision.fp32_modules``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, valid JSON: a non-finite number becomes None."""
@@ -155,6 +159,7 @@ class Trainer:
         self.config = Config.from_kwargs(config, **kwargs)
         # One callback where a sequence belongs is what the user means.
         self.callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
+        self.callbacks += precision_stats_callbacks(self.config)  # logging.precision_stats
         self._stop_requested: str | None = None
         self._reporter: Reporter | None = None
 
@@ -284,6 +289,7 @@ class Trainer:
                                                     skip_first_last=self.plan.fp8_skip_first_last)
             for line in self.fp8_report.lines():
                 log.info("precision: %s", line)
+        self.fp32_modules = apply_fp32_modules(model, cfg.precision.fp32_modules)  # before DDP wraps it
         self.model, forward_model = self._dist.wrap_model(model, self.plan)
         self.model.train()
         built, self.scheduler, schedule = self._optimizer_and_schedule()
@@ -363,13 +369,15 @@ class Trainer:
             try:
                 contents = self._dist.load_checkpoint(path)
                 check_contents(contents, path)
+                # Inside the try: a checkpoint that fails to restore is passed over like a damaged one
+                # (the next one's restore overwrites all that this one set).
+                self._run.restore(contents, path)
             except CheckpointError as exc:
                 if len(paths) == 1 and str(resume) != "latest":
                     raise
                 rejected.append(str(exc))
-                log.warning("cannot resume from %s: %s", path.name, exc)
+                warnings.warn(f"passing over {path}: it cannot be resumed from ({exc})", stacklevel=3)
                 continue
-            self._run.restore(contents, path)
             log.info("resumed from %s at step %d", path, self.state.step)
             return contents
         raise CheckpointError(f"none of the {len(paths)} checkpoints in {folder} can be resumed from, so the run is "
@@ -568,6 +576,7 @@ class Trainer:
             fp8=self.fp8_report.to_dict() if self.fp8_report is not None else None,
             precision_note=plan.spelling_note,
             log_dir=str(self._log_dir) if self._log_dir is not None else None, metrics_file=self._metrics_file,
+            fp32_modules=self.fp32_modules,
         )
         for cb in self.callbacks:
             cb.on_fit_end(self, summary)

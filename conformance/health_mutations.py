@@ -1,0 +1,59 @@
+"""Mutation check of the doctor's statistics: deliberate bugs in a copy of torchimpl/health.py,
+each of which conformance/test_health.py must catch against reference/health.py.
+
+    PYTHONPATH=. python -m conformance.health_mutations            # every mutant (about 2 minutes)
+    PYTHONPATH=. python -m conformance.health_mutations overflow_tie_ignored
+
+One plausible misreading per statistic. Same machinery as ``conformance.mutations`` (an
+unmutated baseline first; an edit that no longer applies stops the run).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from conformance import mutations
+from conformance.mutations import Mutant
+
+HEALTH = "torchimpl/health.py"
+TESTS = ("conformance/test_health.py",)
+
+MUTANTS = (
+    Mutant("amax_nan_propagates", "amax over all elements: a NaN makes amax NaN", HEALTH,
+           "    return float(torch.where(torch.isnan(a), torch.zeros_like(a), a).max())\n",
+           "    return float(a.max())\n", TESTS),
+    Mutant("headroom_whole_bits", "headroom truncated to whole bits", HEALTH,
+           "    return math.log2(_facts(dtype)[0] / value)\n",
+           "    return float(math.floor(math.log2(_facts(dtype)[0] / value)))\n", TESTS),
+    Mutant("overflow_tie_ignored", "the tie at max + half a spacing never overflows (RNE ignored)", HEALTH,
+           "    past = (y >= threshold) if tie_overflows else (y > threshold)\n",
+           "    past = y > threshold\n", TESTS),
+    Mutant("overflow_at_max", "anything above max counts as overflow (no rounding down to max)", HEALTH,
+           "    return top + spacing / 2, odd\n", "    return top, odd\n", TESTS),
+    Mutant("underflow_counts_zeros", "zeros of the input count as underflowed", HEALTH,
+           "    live = torch.isfinite(xd) & (xd != 0)\n", "    live = torch.isfinite(xd)\n", TESTS),
+    Mutant("flushed_counts_subnormals", "a subnormal in the mixed run counts as flushed", HEALTH,
+           "    return int((live & (o == 0)).sum()), int(live.sum())\n",
+           "    return int((live & (o.abs() < torch.finfo(o.dtype).tiny)).sum()), int(live.sum())\n", TESTS),
+    Mutant("subnormal_includes_normal", "the smallest normal counted as subnormal", HEALTH,
+           "(a < _facts(dtype)[1])", "(a <= _facts(dtype)[1])", TESTS),
+    Mutant("sqnr_in_float32", "SQNR sums in float32", HEALTH,
+           "    r = reference.detach().double().reshape(-1)\n    o = observed.detach().double().reshape(-1)\n",
+           "    r = reference.detach().float().reshape(-1)\n    o = observed.detach().float().reshape(-1)\n", TESTS),
+    Mutant("lost_update_no_direction", "the gap above the weight used for downward updates too", HEALTH,
+           "    gap = torch.where(outward, up, down)\n", "    gap = up\n", TESTS),
+    Mutant("lost_update_tie_counted", "an update of exactly half a gap counted as lost", HEALTH,
+           "    lost = live & (u.abs() < gap / 2)\n", "    lost = live & (u.abs() <= gap / 2)\n", TESTS),
+    Mutant("scale_low_tie", "the tie at half the smallest subnormal taken as representable", HEALTH,
+           "    low = p - e + (2 if f == 0.5 else 1)\n", "    low = p - e + 1\n", TESTS),
+    Mutant("scale_keep_floor", "keep rounded down: one gradient fewer must survive", HEALTH,
+           "    needed = math.ceil(keep * g.numel())\n", "    needed = max(math.floor(keep * g.numel()), 1)\n", TESTS),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return mutations.cli("python -m conformance.health_mutations", __doc__ or "", MUTANTS, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The doctor's statistics (torchimpl.health) against the specification (reference.health).
+
+Counts, maxima and fractions match exactly (same integers, same division); the headroom is the
+same float64 formula on the same amax; SQNR is within the bound of rule 8 (two float64 sums
+in different orders). Mutants of torchimpl.health that these properties kill:
+``conformance/health_mutations.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from hypothesis import given
+
+from conformance import strategies as S
+from conformance.bridge import to_torch, torch_dtype
+from reference import health as spec
+from torchimpl import health as ti
+
+REPRO = "pytest conformance/test_health.py -k {name}"
+
+
+def _msg(name: str, field: str, torch_value, spec_value, case: dict) -> str:
+    shown = {k: (v.tolist() if isinstance(v, np.ndarray) and v.size <= 16 else getattr(v, "shape", v))
+             for k, v in case.items()}
+    return (f"{name}, field {field!r}: torch {torch_value!r} vs spec {spec_value!r} on {shown}; "
+            f"reproduce: {REPRO.format(name=name)}")
+
+
+@given(S.health_values())
+def test_amax_and_headroom(case):
+    x = case["x"]
+    got, want = ti.amax(to_torch(x)), spec.amax(x)
+    assert got == want or (math.isnan(got) and math.isnan(want)), _msg("amax", "amax", got, want, case)
+    dtype = torch_dtype(case["fmt"])
+    h_got, h_want = ti.headroom_bits(got, dtype), spec.headroom_bits(want, case["fmt"])
+    assert h_got == h_want or (math.isnan(h_got) and math.isnan(h_want)), _msg("amax", "headroom", h_got, h_want, case)
+
+
+@given(S.health_values())
+def test_overflow_count(case):
+    got = ti.overflow_count(to_torch(case["x"]), torch_dtype(case["fmt"]), case["scale"])
+    want = spec.overflow_count(case["x"], case["fmt"], case["scale"])
+    assert got == want, _msg("overflow", "overflow_count", got, want, case)
+
+
+@given(S.health_values())
+def test_underflow_count(case):
+    got = ti.underflow_count(to_torch(case["x"]), torch_dtype(case["fmt"]), case["scale"])
+    want = spec.underflow_count(case["x"], case["fmt"], case["scale"])
+    assert got == want, _msg("underflow", "underflow_count", got, want, case)
+
+
+@given(S.shadow_pair())
+def test_flushed_count(case):
+    got = ti.flushed_count(to_torch(case["reference"]), to_torch(case["observed"]))
+    want = spec.flushed_count(case["reference"], case["observed"])
+    assert got == want, _msg("flushed", "flushed_count", got, want, case)
+
+
+@given(S.shadow_pair())
+def test_nonfinite_and_subnormal_fractions(case):
+    y = case["observed"].astype(np.float32)
+    from reference.formats import cast
+
+    low = cast(y, case["fmt"])
+    t = to_torch(low)
+    assert ti.nonfinite_fraction(t) == spec.nonfinite_fraction(low), _msg("fractions", "nonfinite", None, None, case)
+    got, want = ti.subnormal_fraction(t, t.dtype), spec.subnormal_fraction(low, case["fmt"])
+    assert got == want, _msg("fractions", "subnormal_fraction", got, want, case)
+
+
+@given(S.shadow_pair())
+def test_sqnr_within_the_bound_of_rule_8(case):
+    r, o = case["reference"], case["observed"]
+    got, want = ti.sqnr_db(to_torch(r), to_torch(o)), spec.sqnr_db(r, o)
+    if math.isinf(want) or math.isnan(want):
+        assert got == want or (math.isnan(got) and math.isnan(want)), _msg("sqnr", "sqnr_db", got, want, case)
+        return
+    bound = spec.sqnr_bound_db(r.size, want)
+    assert abs(got - want) <= bound, _msg("sqnr", f"sqnr_db (bound {bound:.3g} dB)", got, want, case)
+
+
+@given(S.weight_update())
+def test_lost_update_count(case):
+    got = ti.lost_update_count(to_torch(case["weight"]), to_torch(case["update"]))
+    want = spec.lost_update_count(case["weight"], case["update"], case["fmt"])
+    assert got == want, _msg("lost_updates", "lost_update_count", got, want, case)
+
+
+@given(S.gradient_magnitudes())
+def test_scale_range(case):
+    got = ti.scale_range(to_torch(case["grad"]), torch_dtype(case["fmt"]), case["keep"])
+    want = spec.scale_range(case["grad"], case["fmt"], case["keep"])
+    assert (got.low, got.high, got.works) == (want.low, want.high, want.works), \
+        _msg("scale_range", "low, high", (got.low, got.high), (want.low, want.high), case)

@@ -1,0 +1,128 @@
+"""A run folder belongs to one run: what ``ampspec train`` checks before it trains.
+
+1. A fresh run (no ``--resume``) is refused when its folders hold another run's files: a
+   checkpoint or a diagnosis report in ``checkpoint.folder``, ``metrics.csv`` or TensorBoard
+   events in the run folder (``logging.dir``), a non-empty ``train.trace_file``. The message
+   names the folder, the files, and the choices: ``--resume``, another folder, or ``--overwrite``
+   (which removes those files first, so the folder never mixes two runs).
+2. ``--resume`` continues the run in the folder: its files are its own. Without a checkpoint (a
+   run killed before its first save) it starts afresh, with a warning, as a resume of that run.
+3. ``train.trace_file`` naming an existing file that is not a trace (the configuration file, a
+   checkpoint, anything else) is refused whatever the options: ampspec overwrites only its own files.
+4. ``ampspec compare --out`` follows rule 1: a folder holding another comparison's report,
+   plot or traces is refused unless ``--overwrite`` (which removes the old report and plot first,
+   so an interrupted comparison never leaves the old report beside the new traces).
+5. Nothing is changed by a refusal.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+import shutil
+from pathlib import Path
+from typing import Any
+
+from torchimpl.checkpoint import list_checkpoints
+from torchimpl.safe_files import refuse_link
+
+__all__ = ["RunFolderError", "check_trace_target", "claim_compare_folder", "claim_run_folder", "fixed_log_folder",
+           "other_run_files"]
+
+
+class RunFolderError(ValueError):
+    """A folder that holds another run's files (rules 1-3)."""
+
+
+def fixed_log_folder(config: Any) -> Path | None:
+    """The run folder of the metrics files when it is a fixed one (not a fresh ``version_N``)."""
+    d = config.logging.dir
+    if d is None or (d == "auto" and config.checkpoint.folder is None):
+        return None
+    return Path(config.checkpoint.folder if d == "auto" else d)
+
+
+def other_run_files(config: Any) -> tuple[list[Path], list[Path]]:
+    """Rule 1: (checkpoints, the other run files) already in this run's folders."""
+    ckpts: list[Path] = []
+    others: list[Path] = []
+    folder = config.checkpoint.folder
+    if folder is not None and Path(folder).is_dir():
+        ckpts = list_checkpoints(folder)
+        others += sorted(Path(folder).glob("nonfinite-step*.json"))
+    logs = fixed_log_folder(config)
+    if logs is not None and logs.is_dir():
+        others += [p for p in [logs / "metrics.csv"] if p.is_file()] + sorted(logs.glob("events.out.tfevents.*"))
+    trace = config.train.trace_file
+    if trace is not None and Path(trace).is_file() and Path(trace).stat().st_size > 0:
+        others.append(Path(trace))
+    return ckpts, sorted(set(others))
+
+
+def _is_trace(path: Path) -> bool:
+    with open(path, "rb") as f:
+        first = f.readline(1 << 16)
+    try:
+        obj = json.loads(first.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(obj, dict) and ("ampspec_trace" in obj or "step" in obj)
+
+
+def check_trace_target(config: Any) -> None:
+    """Rule 3."""
+    trace = config.train.trace_file
+    if trace is None:
+        return
+    path = Path(trace)
+    refuse_link(path, "train.trace_file:")
+    if path.is_file() and path.stat().st_size > 0 and not _is_trace(path):
+        raise RunFolderError(f"train.trace_file: {trace} exists and is not a trace (its first line is not a trace "
+                             "header or step record); ampspec overwrites only its own files: choose another path")
+
+
+def _listing(paths: list[Path]) -> str:
+    names = [str(p) for p in paths[:4]]
+    return ", ".join(names) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+
+
+def claim_run_folder(config: Any, *, resume: bool, overwrite: bool) -> list[Path]:
+    """Rules 1-3 before a run; with ``overwrite``, the other run's files removed (returned)."""
+    check_trace_target(config)
+    logs = fixed_log_folder(config)
+    if logs is not None:
+        refuse_link(logs / "metrics.csv", "metrics file")
+    ckpts, others = other_run_files(config)
+    found = ckpts + others
+    if resume or not found:
+        return []
+    where = config.checkpoint.folder or fixed_log_folder(config) or Path(config.train.trace_file).parent
+    if not overwrite:
+        raise RunFolderError(f"{where} holds another run's files ({_listing(found)}); a fresh run would "
+                             "overwrite them: continue that run with --resume, "
+                             "train into another folder (checkpoint.folder=..., logging.dir=..., "
+                             "train.trace_file=...), or pass --overwrite to replace that run")
+    for path in found:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    warnings.warn(f"--overwrite: removed the previous run's files from {where}: {_listing(found)}", stacklevel=2)
+    return found
+
+
+def claim_compare_folder(out: str | Path, *, overwrite: bool) -> list[Path]:
+    """Rule 4 before ``compare`` runs; with ``overwrite``, the old report and plot removed (returned)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise RunFolderError(f"--out {out} exists and is not a folder; choose another --out")
+    found = sorted(p for pattern in ("report.json", "compare.png", "trace-*.jsonl") for p in out.glob(pattern))
+    if not found:
+        return []
+    if not overwrite:
+        raise RunFolderError(f"--out {out} holds another comparison ({_listing(found)}); choose another --out "
+                             "folder, or pass --overwrite to replace it")
+    removed = [p for p in found if p.name in ("report.json", "compare.png")]
+    for path in removed:
+        path.unlink()
+    return removed
