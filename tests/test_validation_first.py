@@ -22,9 +22,12 @@ def _progress_level():
 
 @pytest.mark.parametrize("task, named", [
     ("nosuchmodule_xyz:make", "no module 'nosuchmodule_xyz'"),
-    ("json:nosuchfunction", "module 'json' has no function 'nosuchfunction'"),
+    ("module_without_it:nosuchfunction", "module 'module_without_it' has no function 'nosuchfunction'"),
 ])
-def test_compare_names_a_bad_task_before_the_first_run(task, named, tmp_path, capsys):
+def test_compare_names_a_bad_task_before_the_first_run(task, named, tmp_path, monkeypatch, capsys):
+    (tmp_path / "module_without_it.py").write_text("def make():\n    raise SystemExit(9)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "cmp"
     assert main(["compare", "--steps", "2", "--device", "cpu", "--task", task, "--out", str(out)]) == 2
     err = capsys.readouterr().err
