@@ -4,19 +4,27 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from torchimpl.cli import main
 from torchimpl.messages import CliFormatter
 
+ROOT = Path(__file__).resolve().parents[1]
 RECORD = {"step": 0, "microbatches": 1, "scale_before": 65536.0, "found_inf": False, "applied": True,
           "grad_norm": 1.0, "clip_coef": None, "scale_after": 65536.0, "growth_tracker": 1, "lr": 0.001}
 
 
-def test_a_logged_warning_prints_as_ampspec_warning(tmp_path, capsys):
+def test_a_logged_warning_prints_as_ampspec_warning(tmp_path):
     trace = tmp_path / "old.jsonl"
     trace.write_text(json.dumps(RECORD) + "\n")  # no header: replay warns that it uses the defaults
-    assert main(["replay", str(trace)]) == 0
-    err = capsys.readouterr().err
+    # In a process of its own, as a user runs it (in pytest's process its log handler takes the records).
+    r = subprocess.run([sys.executable, "-m", "torchimpl.cli", "replay", str(trace)], capture_output=True, text=True,
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert r.returncode == 0, r.stderr
+    err = r.stderr
     lines = [ln for ln in err.splitlines() if "has no header" in ln]
     assert len(lines) == 1 and lines[0].startswith(f"ampspec: warning: {trace} has no header"), err
     assert "WARNING" not in err and "torchimpl.cli" not in err, err

@@ -44,8 +44,8 @@ def bad_loss_message(loss: Any) -> str:
     if isinstance(loss, torch.Tensor):
         got = f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
         if loss.ndim > 0:
-            return (f"the loss must be a 0-d floating tensor, got {got}, which looks like the model's output "
-                    f"rather than a loss: {_FIXES}")
+            return (f"the loss must be a 0-d floating tensor, got {got}: per-example losses need reducing (e.g. "
+                    f"loss.mean()); if it is the model's output rather than a loss, {_FIXES}")
     else:
         got = f"a {type(loss).__name__} ({loss!r})"[:200]
     return (f"the loss must be a 0-d floating tensor, got {got}: return the batch's mean loss as a tensor "

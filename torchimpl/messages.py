@@ -69,13 +69,18 @@ class _CurrentStderr(logging.StreamHandler):
 
 
 def configure_logging(level: int) -> None:
-    """Send log records at ``level`` and above to stderr in the command line's format."""
+    """Send log records at ``level`` and above to stderr in the command line's format.
+
+    As ``logging.basicConfig`` does, it leaves a process whose root logger already has a
+    handler of someone else's (a program calling ``main()``, pytest) to that handler."""
+    root = logging.getLogger()
+    ours = [h for h in root.handlers if isinstance(h.formatter, CliFormatter)]
+    if len(ours) < len(root.handlers):
+        return
+    for old in ours:  # a second main() in one process must not print twice
+        root.removeHandler(old)
     handler = _CurrentStderr()
     handler.setFormatter(CliFormatter())
-    root = logging.getLogger()
-    for old in list(root.handlers):  # a second main() in one process (tests) must not print twice
-        if isinstance(old.formatter, CliFormatter):
-            root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
 
