@@ -124,6 +124,15 @@ def split_audit_options(rest: Sequence[str]) -> tuple[list[str], dict[str, str |
     return script_args, own
 
 
+def _check_report_path(path: Path) -> None:
+    """``--report`` refused before the script runs, not after it trained."""
+    if path.is_dir():
+        raise ValueError(f"--report {path} is a folder; give a file path such as {path / 'audit.json'}")
+    folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"--report {path}: cannot write in {folder}; choose a writable folder")
+
+
 def main(script: str, rest: Sequence[str], *, report: str | None = None, steps: int | None = None,
          no_replay: bool = False, strict: bool = False) -> int:
     """The ``ampspec audit`` subcommand: run, print the text report, write the JSON one."""
@@ -140,6 +149,8 @@ def main(script: str, rest: Sequence[str], *, report: str | None = None, steps: 
     strict = bool(own.get("strict", strict))
     if not Path(script).is_file():
         raise FileNotFoundError(f"no such script: {script}")
+    if report:
+        _check_report_path(Path(report))
     pid = os.getpid()
     result = run_script(script, args, steps=steps, replay=not no_replay, strict=strict)
     if os.getpid() != pid:  # a child the script forked came back here: its parent reports

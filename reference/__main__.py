@@ -1,8 +1,8 @@
 """`python -m reference [--preset NAME | --fp8]`: the rules of a dynamic loss-scale schedule, or of
 scaled float8 training, each with a worked example.
 
-The loss-scaling rules are the opening lines of the rule functions' docstrings in
-reference.scaling and the example table is computed by update_scale; the float8 rules are the
+The loss-scaling rules are the numbered list of reference.scaling's docstring (the numbering its
+functions' docstrings refer to) and the example table is computed by update_scale; the float8 rules are the
 numbered list of reference.fp8's docstring and the examples are computed by its functions.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import textwrap
 
@@ -21,12 +22,17 @@ EXAMPLE_OVERRIDES = {"init_scale": 1024.0, "growth_interval": 3}
 
 
 def rule_lines() -> list[str]:
-    """The first paragraph of each rule function's docstring, numbered."""
+    """The numbered rules of reference.scaling's docstring, as written there (the numbering the
+    functions' docstrings refer to: "(rule 11)"), each joined into one wrapped paragraph."""
+    doc = scaling.__doc__ or ""
+    start = doc.index("\n1. ")
+    end = doc.index("\nThe defaults of ScalerConfig", start)
+    items = re.split(r"\n(?=\d+\. )", doc[start:end].strip())
     out = []
-    for i, fn in enumerate(scaling.RULES, 1):
-        first = (fn.__doc__ or "").strip().split("\n\n")[0]
-        text = " ".join(line.strip() for line in first.splitlines())
-        out.append(textwrap.fill(f"{i:2d}. {text}", width=96, subsequent_indent="    "))
+    for item in items:
+        number, _, text = item.partition(". ")
+        text = " ".join(line.strip() for line in text.split())
+        out.append(textwrap.fill(f"{int(number):2d}. {text}", width=96, subsequent_indent="    "))
     return out
 
 
@@ -108,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     config = scaling.ScalerConfig.preset(args.preset)
     print(f"Dynamic loss scaling, preset {args.preset!r}:")
     print("  " + ", ".join(f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(config)))
-    print("\nRules, in the order a training step meets them:")
+    print("\nRules (the numbered list of reference/scaling.py; \"rule N\" in its functions refers to these):")
     print("\n".join(rule_lines()))
 
     small = scaling.ScalerConfig.preset(args.preset, **EXAMPLE_OVERRIDES)

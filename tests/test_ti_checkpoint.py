@@ -132,11 +132,26 @@ def test_scaler_state_mismatches_warn_and_say_what_was_done(tmp_path):
     t, task = _tiny_trainer(tmp_path)
     t.fit(task.model, task.train_data)
     t2, task2 = _tiny_trainer(tmp_path, **{"train.force_scaler": "true", "train.steps": 3})
-    with pytest.warns(UserWarning, match="no loss-scaler state.*starts fresh"):
+    with pytest.warns(UserWarning) as seen:
         t2.fit(task2.model, task2.train_data, resume="latest")
+    _only_these_warnings(seen, "no loss-scaler state.*starts fresh",
+                         r"train.force_scaler: False \(checkpoint\) -> True \(now\); the new value is used")
     t3, task3 = _tiny_trainer(tmp_path, **{"train.steps": 4})
-    with pytest.warns(UserWarning, match="uses no scaler; the state was ignored"):
+    with pytest.warns(UserWarning) as seen:
         t3.fit(task3.model, task3.train_data, resume="latest")
+    _only_these_warnings(seen, "uses no scaler; the state was ignored",
+                         r"train.force_scaler: True \(checkpoint\) -> False \(now\); the new value is used")
+
+
+def _only_these_warnings(seen, *patterns: str) -> None:
+    """Each pattern matches exactly one of the warnings ``seen`` caught, and every warning one
+    pattern: an expected warning is asserted, and nothing else leaks into the test's output."""
+    import re
+
+    messages = [str(w.message) for w in seen]
+    for pattern in patterns:
+        assert sum(bool(re.search(pattern, m)) for m in messages) == 1, (pattern, messages)
+    assert all(any(re.search(p, m) for p in patterns) for m in messages), messages
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):

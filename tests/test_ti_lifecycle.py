@@ -253,10 +253,23 @@ def test_a_changed_hyperparameter_is_applied_with_a_warning(tmp_path):
     c, task = _tiny(tmp_path, "train.steps=4", "optimizer.lr=0.001", "optimizer.weight_decay=0.1",
                     "schedule.name=constant")
     t = Trainer(c)
-    with pytest.warns(UserWarning, match=r"optimizer.lr: 0.5 \(checkpoint\) -> 0.001 \(now\)"):
+    with pytest.warns(UserWarning) as seen:
         t.fit(task.model, task.train_data, resume="latest")
+    _only_these_warnings(seen, r"optimizer.lr: 0.5 \(checkpoint\) -> 0.001 \(now\)",
+                         r"optimizer.weight_decay: 0.0 \(checkpoint\) -> 0.1 \(now\)")
     assert t.optimizer.param_groups[0]["lr"] == 0.001
     assert t.optimizer.param_groups[0]["weight_decay"] == 0.1
+
+
+def _only_these_warnings(seen, *patterns: str) -> None:
+    """Each pattern matches exactly one of the warnings ``seen`` caught, and every warning one
+    pattern: an expected warning is asserted, and nothing else leaks into the test's output."""
+    import re
+
+    messages = [str(w.message) for w in seen]
+    for pattern in patterns:
+        assert sum(bool(re.search(pattern, m)) for m in messages) == 1, (pattern, messages)
+    assert all(any(re.search(p, m) for p in patterns) for m in messages), messages
 
 
 def test_a_float64_checkpoint_is_refused_for_a_float32_model(tmp_path):

@@ -158,6 +158,22 @@ def test_replay_with_a_different_given_policy_uses_it_and_names_both(tmp_path, c
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
+def test_replay_set_changes_only_the_named_field_of_the_recorded_policy(tmp_path, capsys, caplog):
+    trace = tmp_path / "t.jsonl"
+    fit("train.steps=8", "scaler.init_scale=256.0", "scaler.growth_factor=4.0", f"train.trace_file={trace}",
+        "logging.dir=null")
+    # The recorded value given again: nothing changes (no reset of init_scale and growth_factor).
+    assert main(["replay", str(trace), "--set", "scaler.growth_interval=2"]) == 0, capsys.readouterr().out
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert main(["replay", str(trace), "--set", "scaler.growth_interval=7"]) == 1
+    out = capsys.readouterr().out
+    assert "first divergent step 1: scale_after" in out, out  # step 0 agrees: the rest of the policy is the run's
+    (msg,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert msg.endswith("growth_interval=7 (given) vs growth_interval=2 (recorded)"), msg
+    assert main(["replay", str(trace), "--set", "scaler.growth_intervall=7"]) == 2
+    assert "scaler.growth_intervall: unknown key (did you mean 'growth_interval'?)" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ metrics.csv
 
 

@@ -184,16 +184,17 @@ def test_the_plot_marks_skipped_steps_and_leaves_out_the_scale_panel_without_a_s
     import matplotlib.pyplot as plt
 
     from torchimpl import compare
+    from torchimpl.agreement import Band
 
     n = 30
     base = [2.0 - i / n for i in range(n)]
     curves = {"fp32": compare._Curves(base, [(10, 1.5), (20, 1.2)], [1.0] * n, [], False),
               "fp16": compare._Curves(base, [(10, 1.5)], [65536.0] * n, [3, 7], True)}
     rows = [{"precision": k, "steps_skipped": len(c.skipped)} for k, c in curves.items()]
-    compare._judge(rows, curves, 5, 0.1, 0.05)
+    compare._judge(rows, curves, Band(5))
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)
-    path, note = compare._plot(curves, rows, compare._Band(5, 0.1, 0.05), "title", tmp_path / "a.png")
+    path, note = compare._plot(curves, rows, Band(5), "title", tmp_path / "a.png")
     assert path and note is None
     loss_ax, _, scale_ax = figures[0].axes
     marks = [line for line in loss_ax.lines if line.get_marker() == "x" and line.get_linestyle() == "None"]
@@ -201,7 +202,7 @@ def test_the_plot_marks_skipped_steps_and_leaves_out_the_scale_panel_without_a_s
     assert any(list(line.get_xdata()) == [3, 7] for line in scale_ax.lines)
     assert any("max gap: the largest absolute difference, in loss units" in t.get_text() for t in figures[0].texts)
     without = {k: compare._Curves(c.train, c.val, [1.0] * n, [], False) for k, c in curves.items()}
-    compare._plot(without, rows, compare._Band(5, 0.1, 0.05), "title", tmp_path / "b.png")
+    compare._plot(without, rows, Band(5), "title", tmp_path / "b.png")
     assert len(figures[1].axes) == 2  # loss and difference, no scale panel
 
 

@@ -21,52 +21,63 @@ Train a model: ``Trainer(precision="bf16-mixed", max_steps=200).fit(model, train
 # The distribution's version (pyproject.toml), for a checkout that is not installed.
 __version__ = "0.1.0"
 
-from torchimpl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from torchimpl.config import (
-    CheckpointConfig,
-    Config,
-    ConfigError,
-    LoggingConfig,
-    ScheduleConfig,
-    TaskConfig,
-    TrainConfig,
-    apply_overrides,
-    load_config,
-)
-from torchimpl.device import resolve_device
-from torchimpl.export import load_weights
-from torchimpl.diagnostics import (
-    DiagnosisReport,
-    NonFiniteError,
-    NonFiniteGuard,
-    check_placement,
-    diagnose_nonfinite,
-)
-from torchimpl.doctor import inspect_precision
-from torchimpl.doctor_report import PrecisionReport
-from torchimpl.optim import (
-    BuiltOptimizer,
-    FusedOptimizerWarning,
-    OptimizerConfig,
-    build_optimizer,
-    supports_fused_adamw,
-)
-from torchimpl.precision import (
-    PrecisionConfig,
-    PrecisionDowngradeWarning,
-    PrecisionPlan,
-    autocast_context,
-    canonical_mode,
-    configure_reduced_precision_reduction,
-    configure_tf32,
-    fp32_island,
-    resolve_precision,
-    upcast,
-)
-from torchimpl.records import StepRecord, read_trace
-from torchimpl.run_state import ResumeError, TrainState
-from torchimpl.scaler import DynamicLossScaler, ScaleAtMinimumError, ScalerConfig, make_grad_scaler
-from torchimpl.trainer import Callback, RunSummary, StopTraining, Trainer, default_loss_fn
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Each public name and the module that defines it. Imported on first use (PEP 562), so that
+# ``import torchimpl.cli`` (the ``ampspec`` command) can answer --help without importing torch.
+_EXPORTS = {
+    "BuiltOptimizer": "optim",
+    "Callback": "trainer",
+    "CheckpointConfig": "config",
+    "CheckpointError": "checkpoint",
+    "Config": "config",
+    "ConfigError": "config",
+    "DiagnosisReport": "diagnostics",
+    "DynamicLossScaler": "scaler",
+    "FusedOptimizerWarning": "optim",
+    "LoggingConfig": "config",
+    "NonFiniteError": "diagnostics",
+    "NonFiniteGuard": "diagnostics",
+    "OptimizerConfig": "optim",
+    "PrecisionConfig": "precision",
+    "PrecisionDowngradeWarning": "precision",
+    "PrecisionPlan": "precision",
+    "PrecisionReport": "doctor_report",
+    "ResumeError": "run_state",
+    "RunSummary": "trainer",
+    "ScaleAtMinimumError": "scaler",
+    "ScalerConfig": "scaler",
+    "ScheduleConfig": "config",
+    "StepRecord": "records",
+    "StopTraining": "trainer",
+    "TaskConfig": "config",
+    "TrainConfig": "config",
+    "TrainState": "run_state",
+    "Trainer": "trainer",
+    "apply_overrides": "config",
+    "autocast_context": "precision",
+    "build_optimizer": "optim",
+    "canonical_mode": "precision",
+    "check_placement": "diagnostics",
+    "configure_reduced_precision_reduction": "precision",
+    "configure_tf32": "precision",
+    "default_loss_fn": "loss_protocol",
+    "diagnose_nonfinite": "diagnostics",
+    "fp32_island": "precision",
+    "inspect_precision": "doctor",
+    "latest_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "load_config": "config",
+    "load_weights": "export",
+    "make_grad_scaler": "scaler",
+    "read_trace": "records",
+    "resolve_device": "device",
+    "resolve_precision": "precision",
+    "save_checkpoint": "checkpoint",
+    "supports_fused_adamw": "optim",
+    "upcast": "precision",
+}
 
 __all__ = [
     "BuiltOptimizer",
@@ -120,3 +131,72 @@ __all__ = [
     "supports_fused_adamw",
     "upcast",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        # A submodule by attribute (``torchimpl.trainer`` after ``import torchimpl``), as when
+        # this file imported them all.
+        try:
+            return importlib.import_module(f"torchimpl.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"torchimpl.{name}":
+                raise
+        raise AttributeError(f"module 'torchimpl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"torchimpl.{module}"), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what the names are, for type checkers and editors
+    from torchimpl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+    from torchimpl.config import (
+        CheckpointConfig,
+        Config,
+        ConfigError,
+        LoggingConfig,
+        ScheduleConfig,
+        TaskConfig,
+        TrainConfig,
+        apply_overrides,
+        load_config,
+    )
+    from torchimpl.device import resolve_device
+    from torchimpl.doctor import inspect_precision
+    from torchimpl.doctor_report import PrecisionReport
+    from torchimpl.export import load_weights
+    from torchimpl.diagnostics import (
+        DiagnosisReport,
+        NonFiniteError,
+        NonFiniteGuard,
+        check_placement,
+        diagnose_nonfinite,
+    )
+    from torchimpl.optim import (
+        BuiltOptimizer,
+        FusedOptimizerWarning,
+        OptimizerConfig,
+        build_optimizer,
+        supports_fused_adamw,
+    )
+    from torchimpl.precision import (
+        PrecisionConfig,
+        PrecisionDowngradeWarning,
+        PrecisionPlan,
+        autocast_context,
+        canonical_mode,
+        configure_reduced_precision_reduction,
+        configure_tf32,
+        fp32_island,
+        resolve_precision,
+        upcast,
+    )
+    from torchimpl.records import StepRecord, read_trace
+    from torchimpl.run_state import ResumeError, TrainState
+    from torchimpl.scaler import DynamicLossScaler, ScaleAtMinimumError, ScalerConfig, make_grad_scaler
+    from torchimpl.trainer import Callback, RunSummary, StopTraining, Trainer, default_loss_fn

@@ -15,45 +15,50 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import sys
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-from torchimpl.distributed import launch_rank
+# Nothing here imports torch at module level (nor does torchimpl/__init__.py): --help, --version
+# and argument errors answer without it; each command imports what it needs when it runs.
+from torchimpl.embedded import is_task_name
 from torchimpl.errors import run_command
 from torchimpl.lifecycle import EXIT_CODES, command_interrupts, restore_handlers
+from torchimpl.messages import configure_logging, launch_rank, plain_warnings, rank_prefix
+from torchimpl.messages import line as message_line
 
 __all__ = ["main"]
 
 log = logging.getLogger("torchimpl.cli")
 
-
-def _plain_warnings() -> None:
-    """Show this package's warnings as one line, ``ampspec: warning: <message>``.
-
-    Their ``file.py:123: Category:`` prefix points into ampspec's own code, which tells a
-    command-line user nothing; warnings raised elsewhere (torch, the user's task) keep theirs.
-    """
-    package = str(Path(__file__).resolve().parent)
-    prefix = f"[rank {launch_rank()}] " if "RANK" in os.environ else ""
-    default = warnings.showwarning
-
-    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 - warnings' signature
-        if not str(Path(filename).resolve()).startswith(package):
-            return default(message, category, filename, lineno, file, line)
-        print(f"{prefix}ampspec: warning: {message}", file=file or sys.stderr)
-
-    warnings.showwarning = show
+_plain_warnings = plain_warnings
 
 
 def _version_text() -> str:
-    import torch
+    from torchimpl import __version__
 
-    from torchimpl.run_state import ampspec_version
+    return f"ampspec {__version__} (torch {_torch_version()}, python {sys.version.split()[0]})"
 
-    return f"ampspec {ampspec_version()} (torch {torch.__version__}, python {sys.version.split()[0]})"
+
+def _torch_version() -> str:
+    """torch's version from its ``torch/version.py``, read as text: importing torch takes
+    seconds, and importlib.metadata's search of every installed distribution most of one."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        try:
+            text = (Path(folder) / "version.py").read_text()
+        except OSError:
+            continue
+        found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.M)
+        if found:
+            return found.group(1)
+    import torch  # a layout without version.py
+
+    return str(torch.__version__)
 
 
 class _VersionAction(argparse.Action):
@@ -69,23 +74,21 @@ class _VersionAction(argparse.Action):
 
 def _task_name(text: str) -> str:
     """argparse type for ``--task``: ``lm``, ``mlp`` or ``module:function``."""
-    from torchimpl.config import ConfigError, TaskConfig
-
-    try:
-        TaskConfig(name=text)
-    except ConfigError:
+    if not is_task_name(text):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a task: use 'lm', 'mlp' or module:function (a function in a module in the "
-            "working directory or on PYTHONPATH that returns (model, train_data, val_data))") from None
+            "working directory or on PYTHONPATH that returns (model, train_data, val_data))")
     return text
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from torchimpl.compare import format_table, run_compare
+    from torchimpl.compare import check_inputs, format_table, run_compare
     from torchimpl.run_folder import claim_compare_folder
     from torchimpl.run_lock import hold
 
     _plain_warnings()
+    # A bad --task, device or setting is named before --out is made, locked or claimed.
+    check_inputs(steps=args.steps, device=args.device, task=args.task, seed=args.seed, out=args.out)
     with hold(Path(args.out), f"--out {args.out}"):
         claim_compare_folder(args.out, overwrite=args.overwrite)
         res = run_compare(steps=args.steps, device=args.device, out=args.out, task=args.task, seed=args.seed)
@@ -126,8 +129,8 @@ def _train(args: argparse.Namespace) -> int:
     from torchimpl.trainer import Trainer
 
     _plain_warnings()
-    cfg = load_config(args.config, args.set)
-    if args.resume and cfg.checkpoint.folder is None:
+    cfg = load_config(args.config, args.set, task_defaults=True)
+    if args.resume and cfg.checkpoint.folder is None:  # before make() runs
         raise ValueError("--resume needs checkpoint.folder in the configuration")
     with _run_locks(cfg):
         if launch_rank() == 0:
@@ -147,8 +150,9 @@ def _train(args: argparse.Namespace) -> int:
     if launch_rank() == 0:
         print(json.dumps(summary.to_dict(), indent=2, allow_nan=False))
         problem = _outcome_message(summary)
-        if problem:
-            print(f"ampspec train: {problem}", file=sys.stderr)
+        if problem:  # a stop on a signal is not an error: the run can go on with --resume
+            level = None if summary.outcome.startswith("interrupted") else "error"
+            print(message_line(level, problem, "train"), file=sys.stderr)
     return EXIT_CODES[summary.outcome]
 
 
@@ -219,6 +223,9 @@ def _doctor(args: argparse.Namespace) -> int:
         feats = {f: (f in flags) for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")}
         print("CPU features: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in feats.items()))
     print(f"TF32: {tf32_settings()}")
+    from torchimpl.threads import current, report_lines
+
+    print("\n".join(report_lines(current())))
     for dev in devices:
         print(f"precision on {dev}:")
         for mode in ("auto", "fp32", "bf16", "fp16"):
@@ -282,8 +289,9 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _replay_policy(args: argparse.Namespace, header: dict | None) -> object:
-    """The scaler policy to replay with: the one given by ``--config``/``--set``, else the
-    trace header's, else the defaults; a warning when the choice is not the trace's own."""
+    """The scaler policy to replay with: ``--config``'s (with its ``--set``s), else the trace
+    header's with the fields ``--set`` names changed, else the defaults; a warning when the
+    choice is not the trace's own."""
     from torchimpl.config import load_config
 
     recorded = _header_policy(args.trace, header) if header is not None else None
@@ -295,12 +303,27 @@ def _replay_policy(args: argparse.Namespace, header: dict | None) -> object:
                     "the default policy (%s); pass the run's --config if it set the scaler", args.trace,
                     _policy_text(default))
         return default
-    given = load_config(args.config, args.set).scaler.resolved()
+    if args.config is None and recorded is not None:
+        given = _recorded_with_sets(recorded, args.set)
+    else:
+        given = load_config(args.config, args.set).scaler.resolved()
     if recorded is not None and given != recorded:
         log.warning("the scaler policy given by --config/--set differs from the one %s records; replaying with "
                     "the given one: %s (given) vs %s (recorded)", args.trace,
                     _policy_text(given, recorded), _policy_text(recorded, given))
     return given
+
+
+def _recorded_with_sets(recorded: object, sets: list[str]) -> object:
+    """The recorded policy with the fields ``--set scaler.NAME=VALUE`` names changed, and only
+    those (``--set`` without ``--config`` edits the run's policy, it does not start from the
+    defaults); every ``--set`` is still validated as a configuration override."""
+    from torchimpl.config import apply_overrides, load_config
+    from torchimpl.scaler import with_fields
+
+    checked = load_config(None, sets).scaler
+    section = apply_overrides({}, sets).get("scaler") or {}
+    return with_fields(recorded, {name: getattr(checked, name) for name in section})
 
 
 def _header_policy(trace: str, header: dict) -> object:
@@ -411,11 +434,14 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", parents=[common], help="recompute a trace's scale history with the reference")
     r.add_argument("trace")
     r.add_argument("--config", help="the scaler settings to replay with (default: those the trace's header records)")
-    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="change one field of the policy replayed, e.g. scaler.growth_interval=7 (repeatable): of "
+                        "the trace's recorded policy, or of --config's when given")
     r.set_defaults(func=_replay)
     a = sub.add_parser("audit", parents=[common],
                        help="run your own training script and check it against the specification",
-                       description="Run SCRIPT.py in this process under instrumentation of torch's AMP calls; "
+                       description="Run SCRIPT.py as __main__ in the ampspec process itself (runpy, not a subprocess) "
+                                   "under instrumentation of torch's AMP calls; "
                                    "report order-rule findings and numeric divergences from the specification. "
                                    "The audit's options may also follow the script's arguments; after '--' "
                                    "everything goes to the script. Exit status: 0 no error-level finding, 1 errors "
@@ -478,13 +504,11 @@ def _main(argv: Sequence[str] | None) -> int:
         parser.error("--resume and --overwrite contradict each other: --resume continues the run in the folder, "
                      "--overwrite replaces it; give one")
     # Under torchrun, the ranks other than 0 log warnings and errors only, each line naming its rank.
-    rank = launch_rank()
-    prefix = f"[rank {rank}] " if "RANK" in os.environ else ""
-    level = logging.INFO if args.verbose and rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format=prefix + "%(levelname)s %(name)s: %(message)s")
+    level = logging.INFO if args.verbose and launch_rank() == 0 else logging.WARNING
+    configure_logging(level)
     # The progress lines have their own handler (torchimpl.reporting): -q silences them here.
     logging.getLogger("torchimpl.progress").setLevel(logging.WARNING if args.quiet else logging.INFO)
-    return run_command(args.func, args, f"{prefix}ampspec {args.command}", verbose=args.verbose)
+    return run_command(args.func, args, f"{rank_prefix()}ampspec {args.command}", verbose=args.verbose)
 
 
 if __name__ == "__main__":

@@ -7,21 +7,18 @@ growth interval is shortened to a tenth of the run so that the growth is visible
 The task is an embedded one (``lm``, ``mlp``) or the user's ``module:function``; every run
 builds a fresh task from the same seed (``torchimpl.tasks.build_task``).
 
-Agreement rule (stated in the report): the curves are smoothed with a moving average over
-``window`` steps; a precision agrees with fp32 when every smoothed point lies within
-``rel_tol`` (relative) of fp32's smoothed point, or within ``abs_tol`` times fp32's starting
-loss where that is larger (a relative band means nothing once the loss nears 0, and on the
-steep part of the curve a shift of a few steps makes large pointwise gaps). The band is wider than the
-step-to-step noise of a smoothed curve on these tasks and far narrower than a stalled or
-diverged run, which is what the comparison is meant to catch. A run's "max gap" is the
-largest absolute difference, in loss units, between its smoothed curve and fp32's.
+Agreement rule (stated in the table's footer, the report and the plot): ``torchimpl.agreement``,
+a band relative to fp32's moving average with a floor from fp32's own step-to-step noise.
+A run's "max gap" is the largest absolute difference, in loss units, between its smoothed
+curve and fp32's.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,16 +26,17 @@ from typing import Any, Iterable
 
 import torch
 
-from torchimpl.config import load_config
+from torchimpl.agreement import Band, moving_average
+from torchimpl.config import Config, load_config
 from torchimpl.device import resolve_device
 from torchimpl.lifecycle import Interrupted
 from torchimpl.safe_files import write_report
 from torchimpl.records import read_trace
 from torchimpl.reporting import progress_log
-from torchimpl.tasks import build_task
+from torchimpl.tasks import build_task, check_task
 from torchimpl.trainer import Trainer
 
-__all__ = ["CompareResult", "run_compare", "format_table", "gap_explained"]
+__all__ = ["CompareResult", "check_inputs", "run_compare", "format_table", "gap_explained"]
 
 log = logging.getLogger(__name__)
 
@@ -92,16 +90,6 @@ class _RecordingTrainer(Trainer):
         return value
 
 
-def _smooth(values: list[float], window: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= window:
-            acc -= values[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
-
-
 def gap_explained(window: int) -> str:
     """What the table's "max gap" column means."""
     return (f"the largest absolute difference, in loss units, between a run's {window}-step moving "
@@ -129,17 +117,26 @@ def _progress() -> str:
     return "auto" if sys.stderr.isatty() else "off"
 
 
+def run_config(label: str, mode: str, extra: list[str], *, dev: str, task: str, steps: int, seed: int,
+               eval_every: int, out: Path) -> Config:
+    """The configuration of one run: ``ampspec train``'s for the task (the optimizer, the
+    schedule and the embedded tasks' settings of ``torchimpl.embedded`` are not changed here),
+    with the precision, the steps, the seed and where the files go."""
+    if label == SCALER_RUN:
+        extra = extra + [f"scaler.growth_interval={max(steps // 10, 1)}"]
+    return load_config(overrides=[
+        f"device={dev}", f"task.name={task}", f"precision.mode={mode}", f"train.steps={steps}",
+        f"train.seed={seed}", "train.log_interval=50", f"train.eval_interval={eval_every}",
+        f"train.trace_file={out / f'trace-{label}.jsonl'}", f"logging.dir={out / label}",
+        f"logging.progress={_progress()}", *extra,
+    ], task_defaults=True)
+
+
 def _train_one(label: str, mode: str, extra: list[str], *, dev: torch.device, task: str, steps: int, seed: int,
                eval_every: int, out: Path) -> tuple[dict[str, Any], _Curves]:
     trace = out / f"trace-{label}.jsonl"
-    if label == SCALER_RUN:
-        extra = extra + [f"scaler.growth_interval={max(steps // 10, 1)}"]
-    cfg = load_config(overrides=[
-        f"device={dev}", f"task.name={task}", f"precision.mode={mode}", f"train.steps={steps}",
-        f"train.seed={seed}", "train.log_interval=50", f"train.eval_interval={eval_every}",
-        "optimizer.lr=3.0e-3", f"schedule.warmup_steps={max(steps // 20, 1)}", f"train.trace_file={trace}",
-        f"logging.dir={out / label}", f"logging.progress={_progress()}", *extra,
-    ])
+    cfg = run_config(label, mode, extra, dev=str(dev), task=task, steps=steps, seed=seed, eval_every=eval_every,
+                     out=out)
     t = build_task(cfg.task, seed=seed, batch_size=cfg.train.batch_size)
     trainer = _RecordingTrainer(cfg)
     summary = trainer.fit(t.model, t.train_data, t.val_data, loss_fn=t.loss_fn)
@@ -161,43 +158,52 @@ def _train_one(label: str, mode: str, extra: list[str], *, dev: torch.device, ta
     return row, curves
 
 
-def _judge(rows: list[dict[str, Any]], curves: dict[str, _Curves], window: int, rel_tol: float,
-           abs_tol: float) -> bool:
+def _judge(rows: list[dict[str, Any]], curves: dict[str, _Curves], band: Band) -> bool:
     """Fill each row's ``max_gap_to_fp32`` and ``agrees``; True when every run agrees."""
-    ref = _smooth(curves["fp32"].train, window)
-    floor = abs_tol * abs(ref[0])
+    ref = curves["fp32"].train
     for row in rows:
-        sm = _smooth(curves[row["precision"]].train, window)
-        gaps = [abs(a - b) for a, b in zip(sm, ref)]
-        row["max_gap_to_fp32"] = max(gaps)
-        row["agrees"] = all(g <= max(rel_tol * abs(b), floor) for g, b in zip(gaps, ref))
+        run = curves[row["precision"]].train
+        row["max_gap_to_fp32"] = max(band.gaps(ref, run))
+        row["agrees"] = band.agrees(ref, run)
     return all(row["agrees"] for row in rows)
 
 
-def run_compare(*, steps: int = 200, device: str = "auto", out: str | Path = "ampspec-compare",
-                task: str = "lm", seed: int = 0, window: int = 20, rel_tol: float = 0.10,
-                abs_tol: float = 0.05) -> CompareResult:
-    """Train ``task`` in every precision ``device`` supports, judge each against fp32, and write
-    ``out/report.json`` and (with matplotlib) ``out/compare.png``."""
+def check_inputs(*, steps: int, device: str, task: str, seed: int, out: str | Path) -> None:
+    """Everything a comparison can check before any work (before ``--out`` is made or locked):
+    the step count, the device, every run's configuration, and the task's module and function
+    (found, not called: calling it is the runs' work)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    dev = resolve_device(device)
+    eval_every = max(steps // 20, 1)
+    configs = [run_config(label, mode, extra, dev=str(dev), task=task, steps=steps, seed=seed,
+                          eval_every=eval_every, out=Path(out)) for label, mode, extra in _runs(dev)]
+    check_task(configs[0].task)
+
+
+def run_compare(*, steps: int = 200, device: str = "auto", out: str | Path = "ampspec-compare",
+                task: str = "lm", seed: int = 0, window: int = 20, rel_tol: float = 0.5,
+                noise_k: float = 3.0) -> CompareResult:
+    """Train ``task`` in every precision ``device`` supports, judge each against fp32, and write
+    ``out/report.json`` and (with matplotlib) ``out/compare.png``."""
+    check_inputs(steps=steps, device=device, task=task, seed=seed, out=out)
     t0 = time.perf_counter()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     dev = resolve_device(device)
     eval_every = max(steps // 20, 1)  # about 20 points: a validation curve, not a final number
     rows: list[dict[str, Any]] = []
     curves: dict[str, _Curves] = {}
     left_out: dict[str, str] = {}
     runs = _runs(dev)
+    out.mkdir(parents=True, exist_ok=True)
     try:
         _train_all(runs, rows, curves, left_out, dev=dev, task=task, steps=steps, seed=seed, eval_every=eval_every,
                    out=out)
     except (_RunInterrupted, Interrupted) as exc:
         return _interrupted(exc, rows, runs, out=out, dev=dev, task=task, steps=steps, seed=seed, t0=t0)
-    agree = _judge(rows, curves, window, rel_tol, abs_tol)
-    rule = (f"{window}-step moving averages within {rel_tol:.0%} of fp32's, or within {abs_tol:.0%} of "
-            f"fp32's starting loss where that is larger (near zero loss a relative band is meaningless)")
+    band = Band(window, rel_tol, noise_k)
+    agree = _judge(rows, curves, band)
+    rule = band.rule()
     title = f"ampspec compare: task {task} on {dev}, torch {torch.__version__}, {steps} steps, seed {seed}"
     report = {"device": str(dev), "torch": str(torch.__version__), "task": task, "steps": steps, "seed": seed,
               "rule": rule, "max_gap": gap_explained(window), "agree": agree, "rows": rows, "left_out": left_out,
@@ -207,7 +213,6 @@ def run_compare(*, steps: int = 200, device: str = "auto", out: str | Path = "am
               "scale_history": {k: c.scale for k, c in curves.items()}}
     report_path = out / "report.json"
     write_report(report_path, report)
-    band = _Band(window, rel_tol, abs_tol)
     png_path, note = _plot(curves, rows, band, title, out / "compare.png")
     return CompareResult(rows, agree, rule, gap_explained(window), time.perf_counter() - t0, str(report_path),
                          png_path, note, left_out)
@@ -262,21 +267,7 @@ def _interrupted(exc: BaseException, rows: list[dict[str, Any]], runs: list[tupl
                          finished=finished, cut_short=cut)
 
 
-@dataclass(frozen=True)
-class _Band:
-    """The agreement rule, for drawing it around fp32's curve."""
-
-    window: int
-    rel_tol: float
-    abs_tol: float
-
-    def around(self, ref: list[float]) -> tuple[list[float], list[float]]:
-        floor = self.abs_tol * abs(ref[0])
-        half = [max(self.rel_tol * abs(r), floor) for r in ref]
-        return [r - h for r, h in zip(ref, half)], [r + h for r, h in zip(ref, half)]
-
-
-def _plot(curves: dict[str, _Curves], rows: list[dict[str, Any]], band: _Band, title: str,
+def _plot(curves: dict[str, _Curves], rows: list[dict[str, Any]], band: Band, title: str,
           path: Path) -> tuple[str | None, str | None]:
     try:
         import matplotlib
@@ -297,11 +288,9 @@ def _plot(curves: dict[str, _Curves], rows: list[dict[str, Any]], band: _Band, t
     if scaled:
         _plot_scales(fig.add_subplot(grid[:, 1]), scaled, colours)
     fig.suptitle(title, fontsize=12)
-    fig.text(0.01, 0.012, f"A run agrees with fp32 when its {band.window}-step moving average stays inside the "
-                          f"shaded band: within {band.rel_tol:.0%} of fp32's, or {band.abs_tol:.0%} of fp32's "
-                          f"starting loss where that is larger.\nmax gap: {gap_explained(band.window)}.",
-             fontsize=8.5)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    footer = textwrap.fill(f"A run agrees with fp32 when it stays inside the shaded band: {band.rule()}.", 200)
+    fig.text(0.01, 0.012, f"{footer}\nmax gap: {gap_explained(band.window)}.", fontsize=8.5)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path), None
@@ -315,29 +304,25 @@ def _run_label(label: str, row: dict[str, Any]) -> str:
     return f"{label}: max gap {row['max_gap_to_fp32']:.2g}, {verdict}{skipped}"
 
 
-def _plot_losses(ax: Any, curves: dict[str, _Curves], by_label: dict[str, dict[str, Any]], band: _Band,
+def _plot_losses(ax: Any, curves: dict[str, _Curves], by_label: dict[str, dict[str, Any]], band: Band,
                  colours: dict[str, str]) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    ref = _smooth(curves["fp32"].train, band.window)
-    low, high = band.around(ref)
-    values = [v for c in curves.values() for v in _smooth(c.train, band.window)] + [v for c in curves.values()
-                                                                                  for _, v in c.val]
-    positive = [v for v in values if v > 0]
+    ref, half = moving_average(curves["fp32"].train, band.window), band.half_widths(curves["fp32"].train)
+    low, high = [r - h for r, h in zip(ref, half)], [r + h for r, h in zip(ref, half)]
+    smoothed = {k: moving_average(c.train, band.window) for k, c in curves.items()}
+    values = [v for sm in smoothed.values() for v in sm] + [v for c in curves.values() for _, v in c.val]
+    positive = [v for v in values if 0 < v < math.inf]
     log_axis = bool(positive) and max(positive) / min(positive) > 20  # a loss falling towards 0 reads on a log axis
     if log_axis:
-        # The band reaches 0 where the absolute floor is wider than the loss: draw it to the axis' bottom.
-        bottom = 0.5 * min(positive)
-        low = [max(v, bottom) for v in low]
-        ax.set_yscale("log")
-        ax.set_ylim(bottom=bottom)
+        low = _log_axis(ax, min(positive), low)
     ax.fill_between(range(1, len(ref) + 1), low, high, color="0.5", alpha=0.18, linewidth=0)
+    styles = _styles(smoothed, log_axis)
     handles = []
-    for i, (label, c) in enumerate(curves.items()):
-        sm = _smooth(c.train, band.window)
-        width, alpha = _line_style(i)
-        ax.plot(range(1, len(sm) + 1), sm, color=colours[label], linewidth=width, alpha=alpha)
+    for label, c in curves.items():
+        sm, (width, alpha, dashes) = smoothed[label], styles[label]
+        ax.plot(range(1, len(sm) + 1), sm, color=colours[label], linewidth=width, alpha=alpha, linestyle=dashes)
         if c.val:
             xs, ys = zip(*c.val)
             ax.plot(xs, ys, color=colours[label], linestyle="--", marker="o", markersize=3.5, linewidth=1,
@@ -345,7 +330,7 @@ def _plot_losses(ax: Any, curves: dict[str, _Curves], by_label: dict[str, dict[s
         if c.skipped:
             ax.plot(c.skipped, [sm[s - 1] for s in c.skipped], linestyle="none", marker="x", markersize=8,
                     markeredgewidth=2, color=colours[label])
-        twin = next((k for k in list(curves)[:i] if curves[k].train == c.train), None)
+        twin = next((k for k in list(curves)[:list(curves).index(label)] if curves[k].train == c.train), None)
         text = _run_label(label, by_label[label]) + (f" (identical to {twin})" if twin else "")
         handles.append(Line2D([], [], color=colours[label], linewidth=2, label=text))
     handles += [Line2D([], [], color="0.3", linestyle="--", marker="o", markersize=3.5, linewidth=1,
@@ -358,31 +343,66 @@ def _plot_losses(ax: Any, curves: dict[str, _Curves], by_label: dict[str, dict[s
     ax.legend(handles=handles, fontsize=8.5, loc="upper right")
 
 
-def _line_style(index: int) -> tuple[float, float]:
-    """(width, opacity) of the index-th run: fp32 wide and pale underneath, each later run
-    narrower, so that runs that coincide (bf16 with and without a scaler) all stay visible."""
-    if index == 0:
-        return 4.0, 0.45
-    return max(2.8 - 0.8 * (index - 1), 1.0), 0.95
+def _log_axis(ax: Any, lowest: float, low: list[float]) -> list[float]:
+    """Put ``ax`` on a log scale that shows the band's lower edge, and return the edge to draw.
+
+    The axis reaches down to the edge (to at most a hundredth of the lowest curve point);
+    where the edge is at or below 0 (every lower loss agrees) or further down, it is drawn
+    along the axis' bottom instead of dropping out of the plot."""
+    edge = [v for v in low if v > 0]
+    bottom = max(min([0.5 * lowest] + [0.8 * v for v in edge]), lowest / 100)
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=bottom)
+    return [max(v, bottom) for v in low]
 
 
-def _plot_gaps(ax: Any, curves: dict[str, _Curves], by_label: dict[str, dict[str, Any]], band: _Band,
-               colours: dict[str, str]) -> None:
-    """Each run's smoothed curve minus fp32's, inside the band's half-width: the "max gap" drawn."""
-    ref = _smooth(curves["fp32"].train, band.window)
-    low, high = band.around(ref)
-    half = [h - r for h, r in zip(high, ref)]
-    steps = range(1, len(ref) + 1)
-    ax.fill_between(steps, [-h for h in half], half, color="0.5", alpha=0.18, linewidth=0)
-    ax.axhline(0.0, color=colours["fp32"], linewidth=1)
-    top = max(half)
-    for i, (label, c) in enumerate(curves.items()):
+def _styles(smoothed: dict[str, list[float]], log_axis: bool, span: float | None = None
+            ) -> dict[str, tuple[float, float, Any]]:
+    """(width, opacity, line style) of each run: fp32 wide and pale underneath, the others solid
+    at one width, except runs that coincide on the plot (within 0.3 % of the axis' ``span``, by
+    default the curves' own range; bf16 with and without a scaler are identical): those share
+    their line in turn, as interleaved dashes, so that each colour shows."""
+    def key(v: float) -> float:
+        return math.log(v) if log_axis and v > 0 else v
+
+    if span is None:
+        points = [key(v) for sm in smoothed.values() for v in sm if math.isfinite(key(v))]
+        span = (max(points) - min(points)) if points else 0.0
+    groups: list[list[str]] = []
+    for label, sm in smoothed.items():
         if label == "fp32":
             continue
-        gap = [a - b for a, b in zip(_smooth(c.train, band.window), ref)]
-        top = max(top, max(abs(g) for g in gap))
+        group = next((g for g in groups if _coincide(smoothed[g[0]], sm, key, 0.003 * span)), None)
+        if group is None:
+            groups.append([label])
+        else:
+            group.append(label)
+    styles: dict[str, tuple[float, float, Any]] = {"fp32": (4.0, 0.45, "-")}
+    dash = 5.0
+    for group in groups:
+        for j, label in enumerate(group):
+            styles[label] = (2.2, 0.95, "-" if len(group) == 1 else (j * dash, (dash, (len(group) - 1) * dash)))
+    return styles
+
+
+def _coincide(a: list[float], b: list[float], key: Any, tol: float) -> bool:
+    return len(a) == len(b) and all(abs(key(x) - key(y)) <= tol for x, y in zip(a, b))
+
+
+def _plot_gaps(ax: Any, curves: dict[str, _Curves], by_label: dict[str, dict[str, Any]], band: Band,
+               colours: dict[str, str]) -> None:
+    """Each run's smoothed curve minus fp32's, inside the band's half-width: the "max gap" drawn."""
+    ref, half = moving_average(curves["fp32"].train, band.window), band.half_widths(curves["fp32"].train)
+    ax.fill_between(range(1, len(ref) + 1), [-h for h in half], half, color="0.5", alpha=0.18, linewidth=0)
+    ax.axhline(0.0, color=colours["fp32"], linewidth=1)
+    gaps = {k: [a - b for a, b in zip(moving_average(c.train, band.window), ref)]
+            for k, c in curves.items() if k != "fp32"}
+    top = max([*half, *(abs(g) for gap in gaps.values() for g in gap if math.isfinite(g))])
+    styles = _styles({"fp32": [0.0] * len(ref), **gaps}, log_axis=False, span=2.2 * top)
+    for label, gap in gaps.items():
         # zip stops at the shorter curve: a run with fewer steps than fp32's is drawn as far as it went.
-        ax.plot(range(1, len(gap) + 1), gap, color=colours[label], linewidth=_line_style(i)[0])
+        width, _, dashes = styles[label]
+        ax.plot(range(1, len(gap) + 1), gap, color=colours[label], linewidth=width, linestyle=dashes)
     ax.set_ylim(-1.1 * top, 1.1 * top)
     ax.set(title="difference from fp32 (moving averages, loss units); the band is the tolerance",
            xlabel="optimizer step", ylabel="loss - fp32's")

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 from torchimpl import safe_yaml
+from torchimpl.embedded import is_task_name, with_task_defaults
 from torchimpl.optim import OptimizerConfig
 from torchimpl.precision import PrecisionConfig
 from torchimpl.scaler import ScalerConfig
@@ -97,17 +98,10 @@ class TaskConfig(_Checked):
 
     def _problems(self) -> list[tuple[str, str]]:
         name = self.name
-        if not isinstance(name, str) or not (name in ("lm", "mlp") or _is_entry_point(name)):
+        if not is_task_name(name):
             return [("name", f"must be 'lm', 'mlp' or 'module:function' (a module by its import name, such as "
                              f"'mytask:make' for mytask.py in the working directory; not a path), got {name!r}")]
         return []
-
-
-def _is_entry_point(text: str) -> bool:
-    # A module by its import name (dotted identifiers), never a path: ``../x:make`` would reach
-    # outside the working directory and importlib cannot import it anyway.
-    module, sep, func = text.partition(":")
-    return bool(sep) and all(part.isidentifier() for part in module.split(".")) and func.isidentifier()
 
 
 @dataclass(frozen=True)
@@ -750,8 +744,15 @@ def load_config(
     path: str | Path | None = None,
     overrides: Sequence[str] = (),
     data: Mapping[str, Any] | None = None,
+    *,
+    task_defaults: bool = False,
 ) -> Config:
-    """Defaults < ``path`` (YAML) or ``data`` < ``overrides``; raises :class:`ConfigError`."""
+    """Defaults < ``path`` (YAML) or ``data`` < ``overrides``; raises :class:`ConfigError`.
+
+    ``task_defaults``: lay the embedded task's own settings (``torchimpl.embedded``) under the
+    file and the overrides when ``task.name`` is ``lm`` or ``mlp``, as ``ampspec train`` and
+    ``ampspec compare`` do, which build that task. Off by default: a configuration loaded to
+    train one's own model keeps the general defaults whatever ``task.name`` says."""
     tree: dict[str, Any] = {}
     if path is not None:
         try:
@@ -766,4 +767,4 @@ def load_config(
     if data is not None:
         tree = {**tree, **_plain(dict(data))}
     tree = apply_overrides(tree, overrides)
-    return Config.from_dict(tree)
+    return Config.from_dict(with_task_defaults(tree) if task_defaults else tree)

@@ -86,6 +86,7 @@ __all__ = [
     "ScaleAtMinimumError",
     "ScalerConfig",
     "make_grad_scaler",
+    "with_fields",
 ]
 
 _INT32_MAX = 2**31 - 1
@@ -341,6 +342,24 @@ def _bounds_problems(c: ResolvedScalerConfig) -> list[str]:
                     f"max_scale={c.max_scale!r}"
                 )
     return problems
+
+
+def with_fields(policy: ResolvedScalerConfig, named: Mapping[str, Any]) -> ResolvedScalerConfig:
+    """``policy`` with the ``named`` fields changed and every other field as it was (``ampspec
+    replay --set`` on a recorded policy). Naming another ``preset`` takes that preset's values
+    for the fields not named. Raises ``ValueError`` naming every bad value."""
+    unknown = sorted(set(named) - {f.name for f in dataclasses.fields(ResolvedScalerConfig)})
+    if unknown:
+        raise ValueError(f"scaler: unknown field(s) {unknown}")
+    base = policy
+    preset = named.get("preset", policy.preset)
+    if preset != policy.preset and preset in PRESETS:
+        base = PRESETS[preset]
+    changed = dataclasses.replace(base, **named)
+    problems = _config_problems(changed)
+    if problems:
+        raise ValueError("invalid scaler policy: " + "; ".join(problems))
+    return changed
 
 
 @dataclass(frozen=True)

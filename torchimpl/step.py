@@ -520,12 +520,9 @@ class StepEngine:
 
 
 def _bad_loss(loss: Any) -> str:
-    if isinstance(loss, torch.Tensor):
-        got = f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
-    else:
-        got = f"a {type(loss).__name__} ({loss!r})"[:200]
-    return (f"the loss must be a 0-d floating tensor, got {got}: return the batch's mean loss as a tensor "
-            "from loss_fn (or from model(inputs, targets)), e.g. loss.mean()")
+    from torchimpl.loss_protocol import bad_loss_message
+
+    return bad_loss_message(loss)
 
 
 def build_step_engine(*, config: Any, sync_free: bool, model: nn.Module, forward_model: nn.Module,

@@ -33,7 +33,7 @@ from torch.nn import functional as F
 from torchimpl.config import TaskConfig
 from torchimpl.task_checks import call_task, check_imported, check_module, check_result, import_failure
 
-__all__ = ["ReverseLM", "RegressionMLP", "SyntheticBatches", "Task", "build_task", "seed_everything"]
+__all__ = ["ReverseLM", "RegressionMLP", "SyntheticBatches", "Task", "build_task", "check_task", "seed_everything"]
 
 _DIGITS = 10
 _SEP = 10
@@ -203,12 +203,24 @@ def _import_user_module(entry: str, module_name: str) -> Any:
     return module
 
 
-def _user_task(entry: str, seed: int) -> Task:
+def check_task(config: TaskConfig) -> None:
+    """Rule 3's look-up alone, the module imported and the function found but not called: a
+    bad ``task.name`` is named before any work (``ampspec compare`` checks it before its runs)."""
+    if config.name not in ("lm", "mlp"):
+        _user_function(config.name)
+
+
+def _user_function(entry: str) -> Callable[[], Any]:
     module_name, _, func_name = entry.partition(":")
     module = _import_user_module(entry, module_name)
     func = getattr(module, func_name, None)
     if func is None:
         raise ValueError(f"task.name {entry!r}: module {module_name!r} has no function {func_name!r}")
+    return func
+
+
+def _user_task(entry: str, seed: int) -> Task:
+    func = _user_function(entry)
     seed_everything(seed)
     result = call_task(entry, func)
     check_result(entry, result)

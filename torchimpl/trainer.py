@@ -47,6 +47,7 @@ from torchimpl.distributed import init_distributed
 from torchimpl.optim import BuiltOptimizer, OptimizerConfig, adopt_optimizer, build_optimizer
 from torchimpl.precision import PrecisionDowngradeWarning, autocast_context, resolve_precision
 from torchimpl.lifecycle import Interrupts, outcome, preflight
+from torchimpl.loss_protocol import default_loss_fn
 from torchimpl.records import StepRecord
 from torchimpl.fp32_modules import apply_fp32_modules
 from torchimpl.precision_stats import precision_stats_callbacks
@@ -59,15 +60,6 @@ from torchimpl.step import bind_hooks, build_step_engine, choose_sync_free
 __all__ = ["Callback", "RunSummary", "StopTraining", "Trainer", "TrainState", "default_loss_fn"]
 
 log = logging.getLogger(__name__)
-
-
-def default_loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
-    """The loss protocol: a batch ``(inputs, targets)``; ``model(inputs, targets)`` is the loss."""
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    if isinstance(batch, dict):
-        return model(**batch)
-    return model(batch)
 
 
 class StopTraining(Exception):
