@@ -11,6 +11,9 @@ tensor is first rounded to that dtype):
 4. ``lerp(x, y, w)`` is ``x.lerp(y, w)`` with a scalar weight ``w = f(w)``: when ``|w| < 0.5``
    ``f(x + f(w * f(y - x)))``, otherwise ``f(y - f(f(y - x) * f(1 - w)))``.
 5. A value of 1 in rules 1-3 multiplies exactly, so ``x.add(y)`` is ``f(x + y)``.
+6. Weight decay as NAdam and RAdam take it (``decoupled_weight_decay``): decoupled, the parameter
+   shrinks first, ``p = f(p * f(1 - lr * weight_decay))``, and the gradient is unchanged; coupled,
+   ``d = add(d, p, weight_decay)`` (rule 1) and the parameter is unchanged. Nothing when 0.
 
 Under ``ATEN_CPU_CAPABILITY=default`` torch rounds each of these operations separately, as
 written here; native AVX2/AVX512 kernels fuse some of the multiply-adds.
@@ -133,6 +136,16 @@ def lerp(x: np.ndarray, y: np.ndarray, weight: float) -> np.ndarray:
     if abs(w) < 0.5:
         return x + w * (y - x)
     return y - (y - x) * (f(1) - w)
+
+
+def weight_decayed(p: np.ndarray, d: np.ndarray, weight_decay: float, decoupled: bool,
+                   lr: float) -> tuple[np.ndarray, np.ndarray]:
+    """Rule 6: the parameter and the gradient after weight decay, decoupled or coupled."""
+    if weight_decay == 0:
+        return p, d
+    if decoupled:
+        return p * p.dtype.type(1 - lr * weight_decay), d
+    return p, add(d, p, weight_decay)
 
 
 def step_counter(step: np.float32) -> np.float32:

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference.optim._common import (add, addcdiv, addcmul, check_inputs, check_lr, check_nonnegative, check_param,
-                                     for_each_param, frozen, lerp, lr_value, require, step_counter)
+from reference.optim._common import (addcdiv, addcmul, check_inputs, check_lr, check_nonnegative, check_param,
+                                     for_each_param, frozen, lerp, lr_value, require, step_counter,
+                                     weight_decayed)
 
 __all__ = ["NAdamConfig", "NAdamState", "nadam_init_state", "nadam_magnitudes", "nadam_step"]
 
@@ -95,11 +96,7 @@ def nadam_step(
         step = step_counter(s.step)
         t = float(step)
         d = -g if c.maximize else g
-        if c.weight_decay != 0:
-            if c.decoupled_weight_decay:
-                p = p * f(1 - rate * c.weight_decay)
-            else:
-                d = add(d, p, c.weight_decay)
+        p, d = weight_decayed(p, d, c.weight_decay, c.decoupled_weight_decay, rate)
         mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * c.momentum_decay)))
         mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1) * c.momentum_decay)))
         mu_product = np.float32(s.mu_product * np.float32(mu))

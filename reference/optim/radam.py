@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from reference.optim._common import (add, addcmul, check_inputs, check_lr, check_nonnegative, check_param,
-                                     for_each_param, frozen, lerp, lr_value, require, step_counter)
+                                     for_each_param, frozen, lerp, lr_value, require, step_counter,
+                                     weight_decayed)
 
 __all__ = ["RAdamConfig", "RAdamState", "radam_init_state", "radam_magnitudes", "radam_step"]
 
@@ -103,11 +104,7 @@ def radam_step(
         step = step_counter(s.step)
         t = float(step)
         d = -g if c.maximize else g
-        if c.weight_decay != 0:
-            if c.decoupled_weight_decay:
-                p = p * f(1 - rate * c.weight_decay)
-            else:
-                d = add(d, p, c.weight_decay)
+        p, d = weight_decayed(p, d, c.weight_decay, c.decoupled_weight_decay, rate)
         exp_avg = lerp(s.exp_avg, d, 1 - beta1)
         exp_avg_sq = addcmul(s.exp_avg_sq * f(beta2), d, d, 1 - beta2)
         bc1, bc2 = 1 - beta1**t, 1 - beta2**t
