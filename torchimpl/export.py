@@ -55,7 +55,7 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
         try:
             if source.suffix == ".pt":
                 return _as_state_dict(torch.load(source, map_location="cpu", weights_only=True), source)
-            return _safetensors().load_file(str(source), device="cpu")
+            return _safetensors(source, "reading").load_file(str(source), device="cpu")
         except (CheckpointError, ImportError):
             raise
         except Exception as exc:  # the unpicklers' errors have no common base class
@@ -77,7 +77,7 @@ def export_weights(checkpoint: str | Path, out: str | Path, *, force: bool = Fal
                          "OUT.pt (torch.save) or OUT.safetensors (safetensors)")
     writer = _write_safetensors if out.suffix == ".safetensors" else _write_torch
     if out.suffix == ".safetensors":
-        _safetensors()  # before reading a large checkpoint
+        _safetensors(out, "writing")  # before reading a large checkpoint
     _refuse_overwrite(out, force)
     source = _resolve_source(Path(checkpoint))
     weights = load_weights(source)
@@ -134,11 +134,11 @@ def _as_state_dict(obj: Any, source: Path) -> dict[str, torch.Tensor]:
     return dict(obj)
 
 
-def _safetensors() -> Any:
+def _safetensors(path: Path, verb: str) -> Any:
     try:
         import safetensors.torch
     except ImportError:
-        raise ImportError(f"writing or reading .safetensors needs the safetensors package: {_SAFETENSORS_HINT} "
+        raise ImportError(f"{verb} {path} needs the safetensors package: {_SAFETENSORS_HINT} "
                           "(or name the output OUT.pt)") from None
     return safetensors.torch
 
@@ -163,7 +163,7 @@ def _write_safetensors(weights: dict[str, torch.Tensor], path: Path) -> None:
         ptr = t.untyped_storage().data_ptr()
         plain[name] = t.detach().clone().contiguous() if ptr in seen else t.detach().contiguous()
         seen.add(ptr)
-    _safetensors().save_file(plain, str(path))
+    _safetensors(path, "writing").save_file(plain, str(path))
 
 
 def _atomic_write(out: Path, weights: dict[str, torch.Tensor], writer: Any, force: bool) -> None:
