@@ -359,6 +359,16 @@ class Trainer:
                                                    skip_first_last=plan.fp8_skip_first_last)
             for line in fit.fp8_report.lines():
                 log.info("precision: %s", line)
+            if plan.fp8_recipe == "mxfp8":  # a batch shape MX blocks cannot take, refused before step 1
+                from torchimpl.fp8 import check_mx_rows
+
+                autocast, loss_fn = autocast_context(plan, device), fit.loss_fn
+
+                def forward(m: nn.Module, batch: Any) -> Any:
+                    with autocast:
+                        return loss_fn(m, to_device(batch, device))
+
+                check_mx_rows(model, fit.train_data, forward)
         fit.fp32_modules = apply_fp32_modules(model, cfg.precision.fp32_modules)  # before DDP wraps it
         fit.model, forward_model = fit.dist.wrap_model(model, plan)
         fit.model.train()
