@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from torchimpl.batches import to_device
+from torchimpl.callback_checks import checked_hook
 from torchimpl.cadence import Checkpointer, Evaluator, LogPoints, StepClock
 from torchimpl.checkpoint import check_loadable, remove_stale_temporaries
 from torchimpl.config import Config, ScheduleConfig
@@ -428,7 +429,7 @@ class Trainer:
             "from on_fit_start of a resumed run: its data position and random streams are restored only after "
             "on_fit_start; save from on_step_end or later")
         for cb in self.callbacks:
-            cb.on_fit_start(self)
+            checked_hook(cb.on_fit_start, lambda: fit.state)(self)
         fit.save_refused = None
         # The step hooks that do something, bound once (Callback's own are no-ops).
         fit.engine.hooks = bind_hooks(self.callbacks, self, Callback)
@@ -557,5 +558,5 @@ class Trainer:
             fp32_modules=fit.fp32_modules,
         )
         for cb in self.callbacks:
-            cb.on_fit_end(self, summary)
+            checked_hook(cb.on_fit_end, lambda: fit.state)(self, summary)
         return summary
