@@ -765,8 +765,9 @@ def test_compare_overwrite_replaces_the_earlier_report(tmp_path):
 # ------------------------------------------------------------------ 7. counters a callback changed
 
 
-# (the value set, the counter the save sees: 2.5 is not due for a save, the next step's 3.5 is)
-@pytest.mark.parametrize("value,seen", [(-5, -5), (2.5, 3.5), (10**8, 10**8)])
+# A counter of the wrong type or sign is refused as the hook returns (torchimpl.callback_checks);
+# one of the right type past the checkpoint names' range is refused at the save.
+@pytest.mark.parametrize("value,seen", [(10**8, 10**8)])
 def test_a_step_counter_set_to_nonsense_by_a_callback_is_refused_at_the_save(tmp_path, value, seen):
     from torchimpl.config import load_config
     from torchimpl.tasks import build_task
@@ -784,5 +785,25 @@ def test_a_step_counter_set_to_nonsense_by_a_callback_is_refused_at_the_save(tmp
     task = build_task(cfg.task, seed=0, batch_size=4)
     with pytest.raises(ValueError, match=r"trainer's step must be an integer in \[0, 100000000\), got "
                                          + re.escape(repr(seen)) + r".*trainer\.state\.step"):
+        Trainer(cfg, [Meddle()]).fit(task.model, task.train_data, loss_fn=task.loss_fn)
+    assert not list((tmp_path / "ck").glob("step-*")), "a checkpoint was written under a nonsense name"
+
+
+@pytest.mark.parametrize("value, fragment", [(-5, "got -5"), (2.5, "got 2.5 (float)"), ("3", "got '3' (str)")])
+def test_a_step_counter_of_the_wrong_type_or_sign_is_refused_as_the_hook_returns(tmp_path, value, fragment):
+    from torchimpl.callback_checks import CallbackStateError
+    from torchimpl.config import load_config
+    from torchimpl.tasks import build_task
+    from torchimpl.trainer import Callback, Trainer
+
+    class Meddle(Callback):
+        def on_step_end(self, trainer, state):
+            state.step = value
+
+    cfg = load_config(overrides=[*TINY, "train.steps=3", f"checkpoint.folder={tmp_path / 'ck'}",
+                                 "checkpoint.interval=1", "logging.dir=null"])
+    task = build_task(cfg.task, seed=0, batch_size=4)
+    with pytest.raises(CallbackStateError, match=r"callback Meddle\.on_step_end set trainer\.state\.step: .*"
+                                                  + re.escape(fragment)):
         Trainer(cfg, [Meddle()]).fit(task.model, task.train_data, loss_fn=task.loss_fn)
     assert not list((tmp_path / "ck").glob("step-*")), "a checkpoint was written under a nonsense name"

@@ -158,19 +158,9 @@ def _train(args: argparse.Namespace) -> int:
 
 def _run_locks(cfg: Any) -> contextlib.ExitStack:
     """The locks on this run's folders and trace (``torchimpl.run_lock``), held by rank 0 alone."""
-    from torchimpl.run_folder import fixed_log_folder
-    from torchimpl.run_lock import hold
+    from torchimpl.run_lock import run_locks
 
-    stack = contextlib.ExitStack()
-    if launch_rank() != 0:
-        return stack
-    folders = {Path(f).resolve(): field for f, field in ((fixed_log_folder(cfg), "logging.dir"),
-                                                       (cfg.checkpoint.folder, "checkpoint.folder")) if f is not None}
-    for folder, field in folders.items():
-        stack.enter_context(hold(folder, f"{field} {folder}"))
-    if cfg.train.trace_file is not None:
-        stack.enter_context(hold(Path(cfg.train.trace_file), f"train.trace_file {cfg.train.trace_file}", is_file=True))
-    return stack
+    return run_locks(cfg) if launch_rank() == 0 else contextlib.ExitStack()
 
 
 def _outcome_message(summary) -> str | None:

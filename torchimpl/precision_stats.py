@@ -80,7 +80,9 @@ class PrecisionStats:
         else:
             with open(self.path, "w", encoding="utf-8", newline="") as f:
                 csv.writer(f).writerow(COLUMNS)
-        self._tb = next((s for s in getattr(trainer.reporter, "metrics", ()) if hasattr(s, "_writer")), None)
+        from torchimpl.metrics import TensorBoardMetrics
+
+        self._tb = next((s for s in getattr(trainer.reporter, "metrics", ()) if isinstance(s, TensorBoardMetrics)), None)
         for name, module in trainer.model.named_modules():
             if name:
                 self._handles.append(module.register_forward_hook(self._hook(name)))

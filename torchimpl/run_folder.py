@@ -13,6 +13,10 @@
    plot or traces is refused unless ``--overwrite`` (which removes the old report and plot first,
    so an interrupted comparison never leaves the old report beside the new traces).
 5. Nothing is changed by a refusal.
+6. ``Trainer.fit`` applies rules 1-3 itself, under the run's locks (``torchimpl.run_lock``),
+   so a run started from Python cannot overwrite another either: ``resume=`` (a checkpoint or
+   ``"latest"``) continues the run in the folder, ``overwrite=True`` replaces it, and the
+   messages name those arguments instead of the command line's options.
 """
 
 from __future__ import annotations
@@ -86,8 +90,14 @@ def _listing(paths: list[Path]) -> str:
     return ", ".join(names) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
 
 
-def claim_run_folder(config: Any, *, resume: bool, overwrite: bool) -> list[Path]:
-    """Rules 1-3 before a run; with ``overwrite``, the other run's files removed (returned)."""
+_SPELLING = {"cli": ("--resume", "--overwrite", "--overwrite"),
+             "api": ("fit(..., resume='latest')", "fit(..., overwrite=True)", "overwrite=True")}
+
+
+def claim_run_folder(config: Any, *, resume: bool, overwrite: bool, caller: str = "cli") -> list[Path]:
+    """Rules 1-3 before a run; with ``overwrite``, the other run's files removed (returned).
+    ``caller`` (``cli`` or ``api``) chooses how the messages name the choices (rule 6)."""
+    resume_how, overwrite_how, removed_how = _SPELLING[caller]
     check_trace_target(config)
     logs = fixed_log_folder(config)
     if logs is not None:
@@ -99,15 +109,15 @@ def claim_run_folder(config: Any, *, resume: bool, overwrite: bool) -> list[Path
     where = config.checkpoint.folder or fixed_log_folder(config) or Path(config.train.trace_file).parent
     if not overwrite:
         raise RunFolderError(f"{where} holds another run's files ({_listing(found)}); a fresh run would "
-                             "overwrite them: continue that run with --resume, "
+                             f"overwrite them: continue that run with {resume_how}, "
                              "train into another folder (checkpoint.folder=..., logging.dir=..., "
-                             "train.trace_file=...), or pass --overwrite to replace that run")
+                             f"train.trace_file=...), or pass {overwrite_how} to replace that run")
     for path in found:
         if path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink()
-    warnings.warn(f"--overwrite: removed the previous run's files from {where}: {_listing(found)}", stacklevel=2)
+    warnings.warn(f"{removed_how}: removed the previous run's files from {where}: {_listing(found)}", stacklevel=2)
     return found
 
 

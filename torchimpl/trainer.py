@@ -24,6 +24,7 @@ checkpoint; finally a summary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -53,6 +54,8 @@ from torchimpl.records import StepRecord
 from torchimpl.fp32_modules import apply_fp32_modules
 from torchimpl.precision_stats import precision_stats_callbacks
 from torchimpl.reporting import Reporter, open_reporter
+from torchimpl.run_folder import claim_run_folder
+from torchimpl.run_lock import run_locks
 from torchimpl.run_state import DataCursor, RunState, TrainState
 from torchimpl.scaler import make_grad_scaler
 from torchimpl.schedule import AppliedStepSchedule, UserSchedule, adopt_scheduler
@@ -297,12 +300,19 @@ class Trainer:
 
     def fit(self, model: nn.Module, train_data: Iterable[Any], val_data: Iterable[Any] | None = None, *,
             loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-            resume: str | Path | None = None, optimizer: Any = None, scheduler: Any = None) -> RunSummary:
+            resume: str | Path | None = None, optimizer: Any = None, scheduler: Any = None,
+            overwrite: bool = False) -> RunSummary:
         """Train for ``train.steps`` optimizer steps (counting skipped ones) and summarise.
 
         ``resume``: a checkpoint path, or ``"latest"`` for the newest usable checkpoint in
         ``checkpoint.folder`` (see ``torchimpl.run_state`` for what may change on a resume).
         SIGINT and SIGTERM stop the run at the next step boundary (see ``torchimpl.lifecycle``).
+
+        The run's folders belong to it (``torchimpl.run_folder``, rule 6): a fresh ``fit`` into
+        folders holding another run's checkpoints, ``metrics.csv``, TensorBoard events or a
+        non-empty trace is refused before any work, unless ``resume`` continues that run or
+        ``overwrite=True`` removes those files first; while it trains, ``fit`` holds the
+        folders' locks (``torchimpl.run_lock``), so a second run into them is refused at once.
 
         ``optimizer``: your own ``torch.optim.Optimizer`` over ``model.parameters()``, or a
         function ``params -> Optimizer`` (called once the model is on its device; needed with
@@ -314,6 +324,9 @@ class Trainer:
         rule 4 of ``torchimpl.schedule``).
         """
         cfg = self.config
+        if overwrite and resume is not None:
+            raise ValueError("fit(resume=..., overwrite=True) contradict each other: resume continues the run in the "
+                             "folder, overwrite replaces it; give one")
         if scheduler is not None and optimizer is None:
             raise ValueError("scheduler= needs the optimizer it drives: pass optimizer= too")
         if isinstance(optimizer, torch.optim.Optimizer) and cfg.train.distributed == "fsdp2":
@@ -326,17 +339,31 @@ class Trainer:
         fit.dist = init_distributed(cfg.train.distributed, device=fit.device, timeout_s=cfg.train.distributed_timeout_s)
         try:
             preflight(cfg, val_data, is_main=fit.dist.is_main)
-            self._set_up(model, train_data)
-            self._seed()
-            resumed = self._resume(resume)
-            if cfg.checkpoint.folder is not None and fit.dist.is_main:  # only once the run is accepted
-                remove_stale_temporaries(cfg.checkpoint.folder)
-            self._open(resumed, val_data)
-            with Interrupts() as fit.interrupts:
-                self._loop()
-            return self._summarise()
+            with self._claimed(resume is not None, overwrite):
+                self._set_up(model, train_data)
+                self._seed()
+                resumed = self._resume(resume)
+                if cfg.checkpoint.folder is not None and fit.dist.is_main:  # only once the run is accepted
+                    remove_stale_temporaries(cfg.checkpoint.folder)
+                self._open(resumed, val_data)
+                with Interrupts() as fit.interrupts:
+                    self._loop()
+                return self._summarise()
         finally:
             fit.dist.close()
+
+    def _claimed(self, resume: bool, overwrite: bool) -> contextlib.ExitStack:
+        """The run's locks, taken, and its folders claimed (rule 6 of ``torchimpl.run_folder``),
+        by the main process alone; released when the returned stack closes."""
+        if not self._fit.dist.is_main:
+            return contextlib.ExitStack()
+        locks = run_locks(self.config)
+        try:
+            claim_run_folder(self.config, resume=resume, overwrite=overwrite, caller="api")
+        except BaseException:
+            locks.close()
+            raise
+        return locks
 
     def _set_up(self, model: nn.Module, train_data: Iterable[Any]) -> None:
         """The plan, the model on its device, the optimizer built on it, the step engine."""
