@@ -112,3 +112,34 @@ def test_a_resumed_run_has_the_uninterrupted_runs_rows(tmp_path):
     straight, resumed = _rows(tmp_path / "straight" / FILE_NAME), _rows(tmp_path / "cut" / FILE_NAME)
     assert [(r["step"], r["module"]) for r in resumed] == [(r["step"], r["module"]) for r in straight]
     assert resumed == straight  # bit for bit on CPU
+
+
+def test_a_link_planted_as_the_statistics_file_is_refused_before_any_work(tmp_path):
+    from torchimpl.run_folder import RunFolderError  # noqa: F401 - the refusal is a ValueError
+
+    (tmp_path / "ck").mkdir()
+    target = tmp_path / "precious.txt"
+    target.write_text("keep")
+    (tmp_path / "ck" / FILE_NAME).symlink_to(target)
+    with pytest.raises(ValueError, match=rf"precision statistics file .*{FILE_NAME} is a symbolic link"):
+        _fit(_cfg(tmp_path / "ck", "logging.tensorboard=false"))
+    assert target.read_text() == "keep"
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [FILE_NAME]
+
+
+def test_another_runs_statistics_file_is_another_runs_file(tmp_path):
+    from torchimpl.run_folder import RunFolderError
+
+    _fit(_cfg(tmp_path / "ck", "logging.tensorboard=false", "logging.csv=false", "checkpoint.folder=null",
+              f"logging.dir={tmp_path / 'ck'}"))
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [FILE_NAME]
+    with pytest.raises(RunFolderError, match=FILE_NAME):
+        _fit(_cfg(tmp_path / "ck", "logging.tensorboard=false", "logging.csv=false", "checkpoint.folder=null",
+                  f"logging.dir={tmp_path / 'ck'}"))
+
+
+def test_statistics_without_a_run_folder_are_refused_naming_the_fix():
+    from torchimpl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"logging.precision_stats: 2 needs a run folder, but logging.dir is null"):
+        load_config(overrides=["logging.dir=null", "logging.precision_stats=2"])

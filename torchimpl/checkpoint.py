@@ -90,20 +90,23 @@ def save_checkpoint(contents: dict[str, Any], path: str | Path) -> Path:
     torch.save(contents, buf)
     payload = buf.getvalue()
     header = b"%s %d %s %d\n" % (_MAGIC, _VERSION, hashlib.sha256(payload).hexdigest().encode(), len(payload))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + path.name + "-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+    from torchimpl.safe_files import writing
+
+    with writing(path, "checkpoint"):  # a full disk names the file and the fix
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-" + path.name + "-", dir=path.parent)
         try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+            with os.fdopen(fd, "wb") as f:
+                f.write(header)
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
     _fsync_dir(path.parent)
     return path
 

@@ -1,8 +1,8 @@
 """A run folder belongs to one run: what ``ampspec train`` checks before it trains.
 
 1. A fresh run (no ``--resume``) is refused when its folders hold another run's files: a
-   checkpoint or a diagnosis report in ``checkpoint.folder``, ``metrics.csv`` or TensorBoard
-   events in the run folder (``logging.dir``), a non-empty ``train.trace_file``. The message
+   checkpoint or a diagnosis report in ``checkpoint.folder``, ``metrics.csv``,
+   ``precision_stats.csv`` or TensorBoard events in the run folder (``logging.dir``), a non-empty ``train.trace_file``. The message
    names the folder, the files, and the choices: ``--resume``, another folder, or ``--overwrite``
    (which removes those files first, so the folder never mixes two runs).
 2. ``--resume`` continues the run in the folder: its files are its own. Without a checkpoint (a
@@ -30,6 +30,9 @@ from typing import Any
 from torchimpl.checkpoint import list_checkpoints
 from torchimpl.safe_files import refuse_link
 
+PRECISION_STATS = "precision_stats.csv"
+"""``logging.precision_stats``' file in the run folder (``torchimpl.precision_stats.FILE_NAME``)."""
+
 __all__ = ["RunFolderError", "check_trace_target", "claim_compare_folder", "claim_run_folder", "fixed_log_folder",
            "other_run_files"]
 
@@ -56,7 +59,8 @@ def other_run_files(config: Any) -> tuple[list[Path], list[Path]]:
         others += sorted(Path(folder).glob("nonfinite-step*.json"))
     logs = fixed_log_folder(config)
     if logs is not None and logs.is_dir():
-        others += [p for p in [logs / "metrics.csv"] if p.is_file()] + sorted(logs.glob("events.out.tfevents.*"))
+        others += [p for p in [logs / "metrics.csv", logs / PRECISION_STATS] if p.is_file()]
+        others += sorted(logs.glob("events.out.tfevents.*"))
     trace = config.train.trace_file
     if trace is not None and Path(trace).is_file() and Path(trace).stat().st_size > 0:
         others.append(Path(trace))
@@ -102,6 +106,7 @@ def claim_run_folder(config: Any, *, resume: bool, overwrite: bool, caller: str 
     logs = fixed_log_folder(config)
     if logs is not None:
         refuse_link(logs / "metrics.csv", "metrics file")
+        refuse_link(logs / PRECISION_STATS, "precision statistics file")
     ckpts, others = other_run_files(config)
     found = ckpts + others
     if resume or not found:
