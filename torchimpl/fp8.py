@@ -59,6 +59,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from torchimpl._torch_compat import scaled_mm
 from torchimpl.precision import FP8_RECIPES
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "ROWWISE_RECIPES",
     "TORCHAO_VERSION",
     "Fp8Report",
+    "check_mx_batch",
     "check_mx_rows",
     "check_recipe",
     "convert_to_fp8",
@@ -145,7 +147,7 @@ def rowwise_refusal() -> str | None:
     a = torch.ones(2, 16).to(torch.float8_e4m3fn)
     b = torch.ones(2, 16).to(torch.float8_e4m3fn).t()
     try:
-        torch._scaled_mm(a, b, scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 2), out_dtype=torch.bfloat16)
+        scaled_mm(a, b, scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 2), out_dtype=torch.bfloat16)
     except (RuntimeError, ValueError) as exc:  # an internal assert is a RuntimeError
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
         return lines[-1] if lines else type(exc).__name__
@@ -335,6 +337,18 @@ def check_mx_rows(model: nn.Module, train_data: Any, run: Callable[[nn.Module, A
         finally:
             _probing[0] = False
             model.train(was_training)
+
+
+def check_mx_batch(model: nn.Module, train_data: Any, loss_fn: Callable[[nn.Module, Any], Any],
+                   autocast: Any, device: torch.device) -> None:
+    """:func:`check_mx_rows` with the trainer's loss function under the run's autocast."""
+    from torchimpl.batches import to_device
+
+    def forward(m: nn.Module, batch: Any) -> Any:
+        with autocast:
+            return loss_fn(m, to_device(batch, device))
+
+    check_mx_rows(model, train_data, forward)
 
 
 def _import_torchao_quietly() -> None:

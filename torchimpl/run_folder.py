@@ -21,9 +21,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-import warnings
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,8 @@ from torchimpl.safe_files import refuse_link
 PRECISION_STATS = "precision_stats.csv"
 """``logging.precision_stats``' file in the run folder (``torchimpl.precision_stats.FILE_NAME``)."""
 
-__all__ = ["RunFolderError", "check_trace_target", "claim_compare_folder", "claim_run_folder", "fixed_log_folder",
-           "other_run_files"]
+__all__ = ["RunFolderError", "check_trace_target", "claim_compare_folder", "claim_run_folder", "claimed_run",
+           "fixed_log_folder", "other_run_files"]
 
 
 class RunFolderError(ValueError):
@@ -124,6 +125,22 @@ def claim_run_folder(config: Any, *, resume: bool, overwrite: bool, caller: str 
             path.unlink()
     warnings.warn(f"{removed_how}: removed the previous run's files from {where}: {_listing(found)}", stacklevel=2)
     return found
+
+
+def claimed_run(config: Any, *, resume: bool, overwrite: bool, is_main: bool) -> contextlib.ExitStack:
+    """Rule 6 for ``Trainer.fit``: the run's locks taken and its folders claimed (by the main
+    process alone), in a stack whose closing releases the locks."""
+    from torchimpl.run_lock import run_locks
+
+    if not is_main:
+        return contextlib.ExitStack()
+    locks = run_locks(config)
+    try:
+        claim_run_folder(config, resume=resume, overwrite=overwrite, caller="api")
+    except BaseException:
+        locks.close()
+        raise
+    return locks
 
 
 def claim_compare_folder(out: str | Path, *, overwrite: bool) -> list[Path]:

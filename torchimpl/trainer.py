@@ -24,7 +24,6 @@ checkpoint; finally a summary.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -48,14 +47,13 @@ from torchimpl.diagnostics import NonFiniteError, report_nonfinite
 from torchimpl.distributed import init_distributed
 from torchimpl.optim import BuiltOptimizer, OptimizerConfig, adopt_optimizer, build_optimizer
 from torchimpl.precision import PrecisionDowngradeWarning, autocast_context, resolve_precision
-from torchimpl.lifecycle import Interrupts, outcome, preflight
+from torchimpl.lifecycle import Interrupts, check_train_data, outcome, preflight
 from torchimpl.loss_protocol import default_loss_fn
 from torchimpl.records import StepRecord
 from torchimpl.fp32_modules import apply_fp32_modules
 from torchimpl.precision_stats import precision_stats_callbacks
 from torchimpl.reporting import Reporter, open_reporter
-from torchimpl.run_folder import claim_run_folder
-from torchimpl.run_lock import run_locks
+from torchimpl.run_folder import claimed_run
 from torchimpl.run_state import DataCursor, RunState, TrainState
 from torchimpl.scaler import make_grad_scaler
 from torchimpl.schedule import AppliedStepSchedule, UserSchedule, adopt_scheduler
@@ -213,6 +211,24 @@ def _optimizer_and_schedule(cfg: Config, fit: _Fit) -> tuple[BuiltOptimizer, Any
     return built, scheduler, schedule
 
 
+def _check_resume_target(resume: str | Path | None, cfg: Config, overwrite: bool) -> None:
+    """``fit(resume=...)`` that names nothing to resume from, or with ``overwrite``: refused."""
+    from torchimpl.checkpoint import CheckpointError
+
+    if resume is None:
+        return
+    if overwrite:
+        raise ValueError("fit(resume=..., overwrite=True) contradict each other: resume continues the run in the "
+                         "folder, overwrite replaces it; give one")
+    if str(resume) == "latest":
+        if cfg.checkpoint.folder is None:
+            raise ValueError("resume='latest' needs checkpoint.folder (the folder to look in): set it, or give "
+                             "resume= a checkpoint file")
+    elif not Path(resume).exists():
+        raise CheckpointError(f"cannot read checkpoint {resume}: No such file or directory; give an existing "
+                              "checkpoint file, or resume='latest' with checkpoint.folder")
+
+
 class Trainer:
     """Trains a model by the step contract; see the module docstring.
 
@@ -308,11 +324,8 @@ class Trainer:
         ``checkpoint.folder`` (see ``torchimpl.run_state`` for what may change on a resume).
         SIGINT and SIGTERM stop the run at the next step boundary (see ``torchimpl.lifecycle``).
 
-        The run's folders belong to it (``torchimpl.run_folder``, rule 6): a fresh ``fit`` into
-        folders holding another run's checkpoints, ``metrics.csv``, TensorBoard events or a
-        non-empty trace is refused before any work, unless ``resume`` continues that run or
-        ``overwrite=True`` removes those files first; while it trains, ``fit`` holds the
-        folders' locks (``torchimpl.run_lock``), so a second run into them is refused at once.
+        A fresh ``fit`` into another run's folders is refused unless ``resume`` continues it or
+        ``overwrite=True`` replaces it; so is one into folders a run trains in (``torchimpl.run_folder``).
 
         ``optimizer``: your own ``torch.optim.Optimizer`` over ``model.parameters()``, or a
         function ``params -> Optimizer`` (called once the model is on its device; needed with
@@ -324,9 +337,8 @@ class Trainer:
         rule 4 of ``torchimpl.schedule``).
         """
         cfg = self.config
-        if overwrite and resume is not None:
-            raise ValueError("fit(resume=..., overwrite=True) contradict each other: resume continues the run in the "
-                             "folder, overwrite replaces it; give one")
+        _check_resume_target(resume, cfg, overwrite)  # before any work (the model moved, the folders claimed)
+        check_train_data(train_data)
         if scheduler is not None and optimizer is None:
             raise ValueError("scheduler= needs the optimizer it drives: pass optimizer= too")
         if isinstance(optimizer, torch.optim.Optimizer) and cfg.train.distributed == "fsdp2":
@@ -339,7 +351,7 @@ class Trainer:
         fit.dist = init_distributed(cfg.train.distributed, device=fit.device, timeout_s=cfg.train.distributed_timeout_s)
         try:
             preflight(cfg, val_data, is_main=fit.dist.is_main)
-            with self._claimed(resume is not None, overwrite):
+            with claimed_run(cfg, resume=resume is not None, overwrite=overwrite, is_main=fit.dist.is_main):
                 self._set_up(model, train_data)
                 self._seed()
                 resumed = self._resume(resume)
@@ -352,18 +364,6 @@ class Trainer:
         finally:
             fit.dist.close()
 
-    def _claimed(self, resume: bool, overwrite: bool) -> contextlib.ExitStack:
-        """The run's locks, taken, and its folders claimed (rule 6 of ``torchimpl.run_folder``),
-        by the main process alone; released when the returned stack closes."""
-        if not self._fit.dist.is_main:
-            return contextlib.ExitStack()
-        locks = run_locks(self.config)
-        try:
-            claim_run_folder(self.config, resume=resume, overwrite=overwrite, caller="api")
-        except BaseException:
-            locks.close()
-            raise
-        return locks
 
     def _set_up(self, model: nn.Module, train_data: Iterable[Any]) -> None:
         """The plan, the model on its device, the optimizer built on it, the step engine."""
@@ -381,22 +381,14 @@ class Trainer:
             warnings.warn(f"precision: {plan.reason}", PrecisionDowngradeWarning, stacklevel=3)
         model = model.to(device)
         if plan.mode == "fp8":  # torchao swaps the linear layers: keep the module it returns
-            from torchimpl.fp8 import convert_to_fp8
+            from torchimpl.fp8 import check_mx_batch, convert_to_fp8
 
             model, fit.fp8_report = convert_to_fp8(model, plan.fp8_recipe, device,
                                                    skip_first_last=plan.fp8_skip_first_last)
             for line in fit.fp8_report.lines():
                 log.info("precision: %s", line)
             if plan.fp8_recipe == "mxfp8":  # a batch shape MX blocks cannot take, refused before step 1
-                from torchimpl.fp8 import check_mx_rows
-
-                autocast, loss_fn = autocast_context(plan, device), fit.loss_fn
-
-                def forward(m: nn.Module, batch: Any) -> Any:
-                    with autocast:
-                        return loss_fn(m, to_device(batch, device))
-
-                check_mx_rows(model, fit.train_data, forward)
+                check_mx_batch(model, fit.train_data, fit.loss_fn, autocast_context(plan, device), device)
         fit.fp32_modules = apply_fp32_modules(model, cfg.precision.fp32_modules)  # before DDP wraps it
         fit.model, forward_model = fit.dist.wrap_model(model, plan)
         fit.model.train()
