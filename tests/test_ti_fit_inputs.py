@@ -61,3 +61,33 @@ def test_a_resume_from_nothing_is_refused_before_the_model_moves(sets, resume, m
     with pytest.raises(ValueError, match=message):
         Trainer(_cfg(*sets)).fit(task.model, task.train_data, resume=resume)
     assert calls == []  # refused before the set-up began
+
+
+def test_save_checkpoint_never_replaces_a_file_that_is_not_a_checkpoint(tmp_path):
+    from torchimpl.checkpoint import save_checkpoint
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me\n")
+    refused = []
+
+    class SaveOver(Callback):
+        def on_step_end(self, trainer, state):
+            for path in (notes, tmp_path):
+                try:
+                    trainer.save_checkpoint(path)
+                except ValueError as exc:
+                    refused.append(str(exc))
+            trainer.save_checkpoint(tmp_path / "ok.ckpt")  # a new file, then a checkpoint: replaced
+            trainer.save_checkpoint(tmp_path / "ok.ckpt")
+
+    task = build_task(_cfg().task, seed=0, batch_size=8)
+    Trainer(_cfg("train.steps=1"), [SaveOver()]).fit(task.model, task.train_data, loss_fn=task.loss_fn)
+    assert notes.read_text() == "keep me\n"
+    assert "notes.txt exists and is not an ampspec checkpoint" in refused[0] and "is a folder" in refused[1]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+    torn = tmp_path / "torn.ckpt"
+    torn.write_bytes(b"AMPSPEC-CHE")  # a header cut short: a damaged checkpoint, replaceable
+    save_checkpoint({"format": 1}, torn)
+    empty = tmp_path / "empty.ckpt"
+    empty.write_bytes(b"")
+    save_checkpoint({"format": 1}, empty)

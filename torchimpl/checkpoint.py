@@ -17,6 +17,9 @@ followed by the payload, the bytes of ``torch.save(contents)``. Rules:
    ``torch.distributed.checkpoint`` with this module's ``meta.ckpt`` file inside; it is
    written under a temporary name and renamed when complete (see ``torchimpl.distributed``), so
    it verifies when its ``meta.ckpt`` and ``.metadata`` do.
+6. A save never replaces a file that is not a checkpoint (a path named by mistake: the
+   configuration, a notes file): ``ValueError`` naming it, and nothing written. A damaged
+   checkpoint (any file starting with this format's header, or cut inside it) may be replaced.
 """
 
 from __future__ import annotations
@@ -82,9 +85,24 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _refuse_foreign(path: Path) -> None:
+    """Rule 6: ``path`` may be replaced only when it is missing or a checkpoint (even a damaged one)."""
+    if path.is_symlink() or not path.exists():
+        return  # os.replace replaces a link itself, never its target
+    if path.is_dir():
+        raise ValueError(f"checkpoint {path} is a folder; give a file path such as {path / 'model.ckpt'}")
+    with open(path, "rb") as f:
+        head = f.read(len(_MAGIC))
+    if head != _MAGIC[:len(head)]:  # an empty file or a header torn short is still a checkpoint's
+        raise ValueError(f"checkpoint {path} exists and is not an ampspec checkpoint; ampspec overwrites only its "
+                         "own files: choose another path, or move that file away")
+
+
 def save_checkpoint(contents: dict[str, Any], path: str | Path) -> Path:
-    """Write ``contents`` to ``path`` atomically (rule 1) with a checksummed header (rule 2)."""
+    """Write ``contents`` to ``path`` atomically (rule 1) with a checksummed header (rule 2),
+    never over a file that is not a checkpoint (rule 6)."""
     path = Path(path)
+    _refuse_foreign(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     torch.save(contents, buf)
