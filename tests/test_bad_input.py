@@ -401,6 +401,19 @@ def test_a_trace_file_that_is_not_a_trace_is_never_overwritten(run_copy, target)
         assert checksums(run_copy) == before, extra
 
 
+@pytest.mark.parametrize("target, why", [
+    ("ck/metrics.csv", "is a name the run keeps for"), ("ck/step-00000009.ckpt", "is a name the run keeps for"),
+    ("ck/precision_stats.csv", "is a name the run keeps for"), ("logs/metrics.csv", "is a name the run keeps for"),
+    ("ck/.ampspec.lock", "not a trace"),  # the command line's lock exists (with its pid) when the trace is checked
+])
+def test_a_trace_named_as_another_run_file_is_refused_before_it_exists(tmp_path, target, why):
+    # a fresh folder: nothing exists yet, so only the name can tell the trace would write over that file
+    args = ["train", *sets("train.steps=2", "checkpoint.folder=ck", f"train.trace_file={target}",
+                           *(["logging.dir=logs"] if target.startswith("logs") else []))]
+    refused(cli(*args, cwd=tmp_path), 2, "train.trace_file", target, why)
+    assert checksums(tmp_path) == {}
+
+
 # ------------------------------------------------------------------ 6. damaged checkpoints
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "CheckpointError",
     "capture_rng_state",
     "checkpoint_name",
+    "is_checkpoint_name",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
@@ -60,6 +61,11 @@ _NAME = re.compile(r"^step-(\d{8})(?:-mb(\d{3}))?\.(?:ckpt|dcp)$")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used, with the reason."""
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint's file or folder name (rule 4)."""
+    return _NAME.match(name) is not None
 
 
 def checkpoint_name(step: int, microbatch: int = 0) -> str:

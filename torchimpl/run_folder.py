@@ -9,6 +9,8 @@
    run killed before its first save) it starts afresh, with a warning, as a resume of that run.
 3. ``train.trace_file`` naming an existing file that is not a trace (the configuration file, a
    checkpoint, anything else) is refused whatever the options: ampspec overwrites only its own files.
+   So is a trace named as another of the run's files would be (``metrics.csv`` in the run
+   folder, a checkpoint's name in the checkpoint folder), even before that file exists.
 4. ``ampspec compare --out`` follows rule 1: a folder holding another comparison's report,
    plot or traces is refused unless ``--overwrite`` (which removes the old report and plot first,
    so an interrupted comparison never leaves the old report beside the new traces).
@@ -78,8 +80,24 @@ def _is_trace(path: Path) -> bool:
     return isinstance(obj, dict) and ("ampspec_trace" in obj or "step" in obj)
 
 
+def _own_name(config: Any, path: Path) -> str | None:
+    """What ``path`` is among the run's other files by its name in its folders, or None."""
+    from torchimpl.checkpoint import is_checkpoint_name
+    from torchimpl.run_lock import LOCK_NAME
+
+    where, name = path.resolve().parent, path.name
+    ckpt, logs = config.checkpoint.folder, fixed_log_folder(config)
+    in_ckpt = ckpt is not None and where == Path(ckpt).resolve()
+    if in_ckpt and (is_checkpoint_name(name) or name.startswith((".tmp-", "nonfinite-step")) or name == LOCK_NAME):
+        return "checkpoint.folder's checkpoints, reports and lock"
+    in_logs = logs is not None and where == logs.resolve()
+    if in_logs and (name in ("metrics.csv", PRECISION_STATS, LOCK_NAME) or name.startswith("events.out.tfevents.")):
+        return "logging.dir's metrics files"
+    return None
+
+
 def check_trace_target(config: Any) -> None:
-    """Rule 3."""
+    """Rule 3, and the trace never takes the name of another of the run's files."""
     trace = config.train.trace_file
     if trace is None:
         return
@@ -88,6 +106,10 @@ def check_trace_target(config: Any) -> None:
     if path.is_file() and path.stat().st_size > 0 and not _is_trace(path):
         raise RunFolderError(f"train.trace_file: {trace} exists and is not a trace (its first line is not a trace "
                              "header or step record); ampspec overwrites only its own files: choose another path")
+    own = _own_name(config, path)
+    if own is not None:
+        raise RunFolderError(f"train.trace_file: {trace} is a name the run keeps for {own}; the two would write "
+                             f"over each other: choose another name, such as {path.with_name('trace.jsonl')}")
 
 
 def _listing(paths: list[Path]) -> str:
