@@ -820,3 +820,24 @@ def test_a_step_counter_of_the_wrong_type_or_sign_is_refused_as_the_hook_returns
                                                   + re.escape(fragment)):
         Trainer(cfg, [Meddle()]).fit(task.model, task.train_data, loss_fn=task.loss_fn)
     assert not list((tmp_path / "ck").glob("step-*")), "a checkpoint was written under a nonsense name"
+
+
+# ------------------------------------------------------------------ doctor --task options
+
+
+@pytest.mark.parametrize("extra, names", [
+    (["--batch-size", "0"], ["--batch-size must be at least 1, got 0"]),
+    (["--lr", "nan"], ["--lr must be a finite number >= 0, got nan"]),
+    (["--lr", "-1"], ["--lr must be a finite number >= 0"]),
+    (["--report", "notes.txt"], ["--report notes.txt exists and is not a doctor report", "choose another path"]),
+    (["--report", "sub"], ["--report sub is a folder"]),
+    (["--report", "link.json"], ["link.json is a symbolic link"]),
+])
+def test_doctor_options_are_refused_before_any_work(tmp_path, extra, names):
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.json").symlink_to(tmp_path / "notes.txt")
+    before = checksums(tmp_path)
+    refused(cli("doctor", "--task", "mlp", "--size", "tiny", "--steps", "1", "--precision", "bf16", *extra,
+                cwd=tmp_path), 2, *names)
+    assert checksums(tmp_path) == before
