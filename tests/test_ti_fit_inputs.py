@@ -91,3 +91,26 @@ def test_save_checkpoint_never_replaces_a_file_that_is_not_a_checkpoint(tmp_path
     empty = tmp_path / "empty.ckpt"
     empty.write_bytes(b"")
     save_checkpoint({"format": 1}, empty)
+
+
+class Mine(Callback):
+    def on_step_end(self, trainer, state):
+        pass
+
+
+class Duck:
+    def on_step_end(self, trainer, state):
+        pass
+
+
+@pytest.mark.parametrize("callbacks, message", [
+    ([Mine], r"callbacks\[0\] is the class Mine, not an instance: pass Mine\(\)"),
+    ([Mine(), Duck()], r"callbacks\[1\] is a Duck, not a Callback: subclass torchimpl.Callback"),
+    ([object()], r"callbacks\[0\] is a object, not a Callback"),
+    ("abc", "callbacks must be a list of Callback instances, got str"),
+    (3, "callbacks must be a list of Callback instances, got int"),
+])
+def test_callbacks_that_are_not_callback_instances_are_refused_when_the_trainer_is_made(callbacks, message):
+    with pytest.raises(TypeError, match=message):
+        Trainer(_cfg(), callbacks)
+    assert len(Trainer(_cfg(), Mine()).callbacks) == 1  # one callback where a list belongs

@@ -211,6 +211,23 @@ def _optimizer_and_schedule(cfg: Config, fit: _Fit) -> tuple[BuiltOptimizer, Any
     return built, scheduler, schedule
 
 
+def _checked_callbacks(callbacks: Any) -> list[Callback]:
+    """``Trainer(callbacks=...)`` as a list, each a ``Callback`` instance, else ``TypeError`` naming it."""
+    # One callback where a sequence belongs is what the user means.
+    if isinstance(callbacks, Callback):
+        return [callbacks]
+    if isinstance(callbacks, (str, bytes)) or not hasattr(callbacks, "__iter__"):
+        raise TypeError(f"callbacks must be a list of Callback instances, got {type(callbacks).__name__}")
+    out = list(callbacks)
+    for i, cb in enumerate(out):
+        if isinstance(cb, type):
+            raise TypeError(f"callbacks[{i}] is the class {cb.__name__}, not an instance: pass {cb.__name__}()")
+        if not isinstance(cb, Callback):
+            raise TypeError(f"callbacks[{i}] is a {type(cb).__name__}, not a Callback: subclass torchimpl.Callback "
+                            "and override the hooks you need (the others stay no-ops)")
+    return out
+
+
 def _check_resume_target(resume: str | Path | None, cfg: Config, overwrite: bool) -> None:
     """``fit(resume=...)`` that names nothing to resume from, or with ``overwrite``: refused."""
     from torchimpl.checkpoint import CheckpointError
@@ -245,8 +262,7 @@ class Trainer:
         applied: ``Trainer(precision="bf16-mixed", max_steps=200, accumulate=2)``. Everything is
         validated here, never first at ``fit``: one ``ConfigError`` names every bad keyword."""
         self.config = Config.from_kwargs(config, **kwargs)
-        # One callback where a sequence belongs is what the user means.
-        self.callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
+        self.callbacks = _checked_callbacks(callbacks)
         self.callbacks += precision_stats_callbacks(self.config)  # logging.precision_stats
         self._fit: _Fit | None = None
 
