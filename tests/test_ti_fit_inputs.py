@@ -114,3 +114,12 @@ def test_callbacks_that_are_not_callback_instances_are_refused_when_the_trainer_
     with pytest.raises(TypeError, match=message):
         Trainer(_cfg(), callbacks)
     assert len(Trainer(_cfg(), Mine()).callbacks) == 1  # one callback where a list belongs
+
+
+def test_a_file_under_a_checkpoints_name_is_the_runs_own_however_damaged(tmp_path):
+    from torchimpl.checkpoint import save_checkpoint
+
+    damaged = tmp_path / "step-00000003.ckpt"
+    damaged.write_text("not a checkpoint any more\n")
+    save_checkpoint({"format": 1}, damaged)
+    assert damaged.read_bytes().startswith(b"AMPSPEC-CHECKPOINT")

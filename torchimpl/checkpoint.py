@@ -19,7 +19,8 @@ followed by the payload, the bytes of ``torch.save(contents)``. Rules:
    it verifies when its ``meta.ckpt`` and ``.metadata`` do.
 6. A save never replaces a file that is not a checkpoint (a path named by mistake: the
    configuration, a notes file): ``ValueError`` naming it, and nothing written. A damaged
-   checkpoint (any file starting with this format's header, or cut inside it) may be replaced.
+   checkpoint may be replaced: a file under a checkpoint's name (rule 4), or any file starting
+   with this format's header or cut inside it.
 """
 
 from __future__ import annotations
@@ -93,8 +94,10 @@ def _fsync_dir(folder: Path) -> None:
 
 def _refuse_foreign(path: Path) -> None:
     """Rule 6: ``path`` may be replaced only when it is missing or a checkpoint (even a damaged one)."""
-    if path.is_symlink() or not path.exists():
-        return  # os.replace replaces a link itself, never its target
+    if path.is_symlink() or not path.exists() or (is_checkpoint_name(path.name) and path.is_file()):
+        # os.replace replaces a link itself, never its target; a file under a checkpoint's name
+        # is the run's own, however damaged (a resume passed over it)
+        return
     if path.is_dir():
         raise ValueError(f"checkpoint {path} is a folder; give a file path such as {path / 'model.ckpt'}")
     with open(path, "rb") as f:
