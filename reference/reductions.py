@@ -119,7 +119,7 @@ def _inner_sum(x: np.ndarray, vector_bytes: int) -> np.ndarray:
 
 def _outer_sum(x: np.ndarray, vector_bytes: int) -> np.ndarray:
     """Rule 8: ``x`` of shape ``(B, n, inner)``, summed over ``n``."""
-    b, n, inner = x.shape
+    b, _, inner = x.shape
     width = lanes(x.dtype, vector_bytes)
     group = 4 * width if inner >= width else 4
     plain = group * (inner // group)

@@ -30,7 +30,9 @@ Python floats are float64):
    ``u`` by ``f(-alpha / denom)`` and adds, which is ``add`` rounded separately); it resolves
    ``eps1 = None`` by the dtype of the first group torch forms, so the spec refuses that with
    parameters of two dtypes. torch has no fused Adafactor.
-9. The learning rate: a tensor lr is read as the number it holds (torch calls ``.item()``).
+9. The learning rate is read as a Python float. A tensor lr is not modelled: torch keeps it a
+   0-d tensor, so ``rho``, ``alpha`` and the decay factor become tensors in the lr's dtype
+   (and promote a 0-d parameter), rounded where the Python floats are not.
 10. A zero-size parameter with a gradient: torch's ``rms_p`` divides 0.0 by 0.0 in Python and
    raises ``ZeroDivisionError`` (after counting the step); the spec refuses it with a
    ValueError naming the parameter.
@@ -56,8 +58,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from reference import reductions
-from reference.optim._common import (add, check_inputs, check_lr, check_param, for_each_param, frozen, lerp,
-                                     lr_value, require, step_counter)
+from reference.optim._common import (
+    add,
+    check_inputs,
+    check_lr,
+    check_param,
+    for_each_param,
+    frozen,
+    lerp,
+    lr_value,
+    require,
+    step_counter,
+)
 
 __all__ = ["AdafactorConfig", "AdafactorState", "adafactor_init_state", "adafactor_magnitudes", "adafactor_step"]
 
@@ -141,7 +153,7 @@ def adafactor_step(
     state: Sequence[AdafactorState],
     config: AdafactorConfig,
     *,
-    lr: float | np.ndarray | None = None,
+    lr: float | None = None,
     sqrt: Callable[[np.ndarray], np.ndarray] | None = None,
     grad_scale: float | None = None,
     found_inf: float = 0.0,
@@ -152,6 +164,7 @@ def adafactor_step(
     arrays = check_inputs(params, grads, state, config, AdafactorConfig, AdafactorState)
     require(grad_scale is None and found_inf == 0.0, "Adafactor has no kernel that unscales (GradScaler does)")
     require(sqrt is None, "Adafactor's rsqrt uses the correctly rounded root: pass sqrt=None")
+    require(not isinstance(lr, np.ndarray), "a tensor lr is not modelled for Adafactor (rule 9)")
     for i, (p, g) in enumerate(zip(arrays, grads)):
         require(g is None or p.size > 0, f"params[{i}] is empty (shape {p.shape}): torch's Adafactor divides 0.0 by "
                                          "0.0 for its RMS and raises ZeroDivisionError (rule 10); leave it out")
@@ -180,46 +193,58 @@ def adafactor_step(
     return for_each_param(arrays, grads, state, update)
 
 
-def _norm_growth(n: int) -> float:
-    """How far two orders of a sum of ``n`` squares (each product possibly fused) may part, in
-    units of the sum: each order errs by at most ``n`` roundings of it (the recursive-sum bound,
-    plus the product), so two part by ``2n``; the root halves that and rounds once more."""
-    return float(n) + 1.0
+def _e_norm(n: int) -> float:
+    """Roundings (relative, per implementation) of a norm of ``n`` elements in any order: the
+    recursive-sum bound of ``n`` nonnegative squares (the products included), halved by the
+    root, and the root's own."""
+    return n / 2 + 1
+
+
+# The lerp of two nonnegative values with a weight in [0, 1]: its subtraction, product and
+# addition, each bounded by twice the result's magnitude, and the weight's rounding.
+_E_LERP = 7
 
 
 def adafactor_magnitudes(config: AdafactorConfig, p: np.ndarray, g: np.ndarray, old: AdafactorState,
                          new: AdafactorState) -> dict[str, np.ndarray]:
     """``x_abs`` of each field for the native-kernel bounds (rule 11), float64.
 
-    A reduction computed in another order errs relative to the sum of its terms' magnitudes by a
-    factor that grows with its length; ``x_abs`` carries that factor, so that the bound per
-    field stays a count of roundings. Norms: ``n + 1`` (`_norm_growth`) relative, squared
-    (doubled), plus the division and the lerp's three roundings."""
+    Native kernels order or fuse the norms' additions differently, so each field is compared in
+    ULPs of ``x_abs = e * M``: ``M`` the field's magnitude, ``e`` its count of roundings
+    relative to ``M`` (per implementation, first order), which grows with the reductions'
+    lengths: a norm of ``n`` elements ``n / 2 + 1``; ``row_mean = norm ** 2 / N`` ``n + 4``;
+    ``row_var`` (lerp, 7) ``n + 11``, ``col_var`` ``m + 11``; their mean over ``m`` adds ``m``;
+    ``v = row * col / mean`` ``2n + 2m + 35`` (unfactored: ``d * d`` and the lerp, 8); ``u``
+    ``e_v / 2 + 3``; alpha ``N / 2 + 1``, the clipping ``e_u + N / 2 + 1``, the step
+    ``N + 2 e_u + 4`` (``N``: the parameter's size); the parameter ``2 |p'| + (e_s + 1) |s|``.
+    Each side is within ``e * u * M`` of the exact value (u the unit roundoff) and an ULP of
+    ``e * M`` exceeds ``e * u * M``, so the two sides part by under 2 ULPs of ``x_abs``."""
     a64 = (lambda x: np.abs(np.asarray(x, np.float64)))
-    step = float(new.step)
-    w = step ** config.beta2_decay
-    size = max(int(np.size(p)), 1)
+    c, arr = config, np.asarray(p)
+    t = float(new.step)
+    w = t ** c.beta2_decay
+    g64, size = a64(g), max(int(arr.size), 1)
+    eps1 = c.eps[0] if c.eps[0] is not None else float(np.finfo(arr.dtype).eps)
     out: dict[str, np.ndarray] = {}
-    if factored(np.asarray(p)):
-        gg = a64(g) ** 2
-        n, m = gg.shape[-1], gg.shape[-2]
-        row = gg.mean(axis=-1, keepdims=True) * 2 * _norm_growth(n)
-        col = gg.mean(axis=-2, keepdims=True) * 2 * _norm_growth(m)
-        out["row_var"] = (1 - w) * a64(old.row_var) + w * row + a64(new.row_var)
-        out["col_var"] = (1 - w) * a64(old.col_var) + w * col + a64(new.col_var)
-        growth = 2 * (_norm_growth(n) + _norm_growth(m)) + 8
-    else:
-        out["variance"] = (1 - w) * a64(old.variance) + w * a64(g) ** 2 + a64(new.variance)
-        growth = 4.0
-    # The parameter: the step's size is alpha / denom times u; alpha's RMS and denom's RMS are
-    # norms over the whole parameter, u's elements carry the variance's error halved by the root.
-    rho = min(config.lr, 1 / step ** 0.5)
-    rms = float(np.sqrt(np.mean(np.asarray(p, np.float64) ** 2))) if np.size(p) else 0.0
-    alpha = max(config.eps[1], rms) * rho
-    p_new_abs = a64(p) * abs(1 - config.lr * config.weight_decay)
-    # |alpha / denom * u| <= alpha * d * sqrt(size) elementwise (denom >= RMS(u) / d); bounded by
-    # the step actually taken plus its relative error.
-    step_abs = np.full(np.shape(p), alpha * config.d * np.sqrt(size))
-    relative = 2 * _norm_growth(size) + growth / 2 + 4
-    out["param"] = p_new_abs + step_abs * relative
+    with np.errstate(all="ignore"):
+        if factored(arr):
+            n, m = g64.shape[-1], g64.shape[-2]
+            e_row, e_col = n + 4 + _E_LERP, m + 4 + _E_LERP
+            out["row_var"] = ((1 - w) * a64(old.row_var) + w * np.mean(g64 ** 2, axis=-1, keepdims=True)) * e_row
+            out["col_var"] = ((1 - w) * a64(old.col_var) + w * np.mean(g64 ** 2, axis=-2, keepdims=True)) * e_col
+            row, col = a64(new.row_var), a64(new.col_var)
+            v = row * col / np.maximum(np.mean(row, axis=-2, keepdims=True), eps1)
+            e_v = e_row + e_col + (e_row + m) + 2
+        else:
+            e_v = 1 + _E_LERP
+            out["variance"] = ((1 - w) * a64(old.variance) + w * g64 ** 2) * e_v
+            v = a64(new.variance)
+        u = g64 / np.sqrt(np.maximum(v, eps1 * eps1))
+        e_u = e_v / 2 + 3
+        rms_u = float(np.sqrt(np.mean(u ** 2))) if arr.size else 0.0
+        rms_p = float(np.sqrt(np.mean(a64(p) ** 2))) if arr.size else 0.0
+        alpha = max(c.eps[1], rms_p) * min(c.lr, 1 / t ** 0.5)
+        step = alpha / max(1.0, rms_u / c.d) * u
+        e_s = size + 2 * e_u + 4
+        out["param"] = 2 * a64(p) * abs(1 - c.lr * c.weight_decay) + (e_s + 1) * step
     return out
