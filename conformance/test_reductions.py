@@ -71,3 +71,17 @@ def test_sums_and_norms_follow_torchs_order(case, device):
             assert_same(got, want, label)
         else:
             _norm_close(got, want, n, label)
+
+
+def test_outer_sums_group_their_outputs_as_torch_does(device):
+    """Rule 8's grouping of the outputs (whole groups of 4L by plain cascades, then L and the
+    rest by row sums), on every width where the groups change, against torch's sum over dim -2."""
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64):
+        for n in (5, 17, 64, 129):
+            for inner in (3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 47, 63, 64, 65):
+                x = np.asarray(rng.standard_normal((2, n, inner)) * np.exp(rng.uniform(-8, 8, (2, n, inner))), dtype)
+                got = torch.sum(torch.from_numpy(x).to(device), dim=-2, keepdim=True).cpu().numpy()
+                assert_same(got, reductions.sum_along(x, -2),
+                            Where("reductions", step=0, field=f"sum over dim -2 of {np.dtype(dtype)}[2, {n}, {inner}]",
+                                  repro="python -m pytest conformance/test_reductions.py -k outer"))
