@@ -28,8 +28,9 @@ Python floats are float64):
    * d))``; ``p = add(p, u, -alpha / denom)``.
 8. The foreach path does the same operations, rounded the same way (its update multiplies
    ``u`` by ``f(-alpha / denom)`` and adds, which is ``add`` rounded separately); it resolves
-   ``eps1 = None`` by the dtype of the first group torch forms, so the spec refuses that with
-   parameters of two dtypes. torch has no fused Adafactor.
+   ``eps1 = None`` by the dtype of the first group torch forms, which is not the first
+   parameter's (measured: with a float64 then a float32 parameter, float32's epsilon), so the
+   spec refuses ``eps1 = None`` with parameters of two dtypes there. torch has no fused Adafactor.
 9. The learning rate is read as a Python float. A tensor lr is not modelled: torch keeps it a
    0-d tensor, so ``rho``, ``alpha`` and the decay factor become tensors in the lr's dtype
    (and promote a 0-d parameter), rounded where the Python floats are not.
