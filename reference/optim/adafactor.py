@@ -44,7 +44,7 @@ Python floats are float64):
    reductions' lengths.
 
 Where torch differs from the published algorithm (Shazeer & Stern 2018; each a tested
-expectation in tests/test_ref_adafactor.py): ``lr`` caps the relative step size and scales the
+expectation in conformance/test_optim_adafactor.py): ``lr`` caps the relative step size and scales the
 weight decay (the paper has no lr, and a fixed 0.01 cap); ``eps1`` is applied to the mean of
 ``row_var`` and to the variance estimate under the root, not added to the squared gradient; the
 row and column statistics are means (a root of a norm, squared), not sums; there is no first
