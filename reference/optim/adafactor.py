@@ -44,11 +44,12 @@ Python floats are float64):
    reductions' lengths.
 
 Where torch differs from the published algorithm (Shazeer & Stern 2018; each a tested
-expectation in conformance/test_optim_adafactor.py): ``lr`` caps the relative step size and scales the
-weight decay (the paper has no lr, and a fixed 0.01 cap); ``eps1`` is applied to the mean of
-``row_var`` and to the variance estimate under the root, not added to the squared gradient; the
-row and column statistics are means (a root of a norm, squared), not sums; there is no first
-moment and no update clipping by a running average: ``d`` clips by the update's own RMS.
+expectation in conformance/test_optim_adafactor.py): ``lr`` caps the relative step size (the
+paper fixes the cap at 0.01) and scales the decoupled weight decay (the paper has neither);
+``eps1`` clamps the mean of ``row_var`` and the variance estimate under the root instead of being
+added to the squared gradient, so a zero row keeps a zero factor; the row and column statistics
+are ``norm ** 2 / n`` (a rounded root squared), not sums of squares; ``eps1 = None`` is resolved
+once per call (rules 2 and 8). There is no first moment (the paper's optional beta1).
 """
 
 from __future__ import annotations
