@@ -17,6 +17,13 @@ tensor is first rounded to that dtype):
 
 Under ``ATEN_CPU_CAPABILITY=default`` torch rounds each of these operations separately, as
 written here; native AVX2/AVX512 kernels fuse some of the multiply-adds.
+
+How the steps compute (speed, not semantics): a chain of these operations may write into a
+preallocated array (NumPy's ``out=``) instead of a new array per operation. A ufunc writes
+into an ``out`` of its result's dtype the value it would return in a new array, operands keep
+torch's order, and nothing is fused, so the bits are those of the rules; what changes is that a step
+allocates (and the operating system zeroes) little more than the arrays it returns, which on
+large parameters costs more than the arithmetic.
 """
 
 from __future__ import annotations
@@ -61,9 +68,19 @@ def check_nonnegative(**values: float) -> None:
 
 
 def frozen(a: np.ndarray) -> np.ndarray:
+    """A read-only copy (of an array that may be a caller's)."""
     out = np.array(a, copy=True)
     out.setflags(write=False)
     return out
+
+
+def freeze(a: np.ndarray) -> np.ndarray:
+    """An array the step itself created, made read-only where it is: the state keeps it without
+    a copy (`frozen` copies, for arrays that may be a caller's)."""
+    out = np.asarray(a)
+    out.setflags(write=False)
+    return out
+
 
 
 def check_param(p: np.ndarray, i: int) -> np.ndarray:
@@ -111,10 +128,16 @@ def for_each_param(
     return new_params, new_grads, tuple(new_state)
 
 
-def add(x: np.ndarray, y: np.ndarray, alpha: float = 1.0) -> np.ndarray:
-    """Rule 1: ``x.add(y, alpha=alpha)``."""
+def add(x: np.ndarray, y: np.ndarray, alpha: float = 1.0, *, out: np.ndarray | None = None) -> np.ndarray:
+    """Rule 1: ``x.add(y, alpha=alpha)``. ``out``: an array to write the result to (a fresh one,
+    or ``y``, or ``x`` itself, for which the scaled ``y`` takes a temporary)."""
     f = np.asarray(x).dtype.type
-    return x + y if alpha == 1 else x + f(alpha) * y
+    if out is None:
+        return x + y if alpha == 1 else x + f(alpha) * y
+    if alpha == 1:
+        return np.add(x, y, out=out)
+    scaled = np.multiply(y, f(alpha), out=None if out is x else out)
+    return np.add(x, scaled, out=out)
 
 
 def addcmul(x: np.ndarray, a: np.ndarray, b: np.ndarray, value: float = 1.0) -> np.ndarray:
@@ -129,13 +152,19 @@ def addcdiv(x: np.ndarray, a: np.ndarray, b: np.ndarray, value: float = 1.0) -> 
     return x + (f(value) * a) / b
 
 
-def lerp(x: np.ndarray, y: np.ndarray, weight: float) -> np.ndarray:
-    """Rule 4: ``x.lerp(y, weight)`` with a Python-float weight."""
+def lerp(x: np.ndarray, y: np.ndarray, weight: float, *, out: np.ndarray | None = None) -> np.ndarray:
+    """Rule 4: ``x.lerp(y, weight)`` with a Python-float weight. ``out``: a fresh array to write
+    the result to (neither ``x`` nor ``y``)."""
     f = np.asarray(x).dtype.type
     w = f(weight)
+    if out is None:
+        if abs(w) < 0.5:
+            return x + w * (y - x)
+        return y - (y - x) * (f(1) - w)
+    diff = np.subtract(y, x, out=out)
     if abs(w) < 0.5:
-        return x + w * (y - x)
-    return y - (y - x) * (f(1) - w)
+        return np.add(x, np.multiply(diff, w, out=out), out=out)
+    return np.subtract(y, np.multiply(diff, f(1) - w, out=out), out=out)
 
 
 def weight_decayed(p: np.ndarray, d: np.ndarray, weight_decay: float, decoupled: bool,

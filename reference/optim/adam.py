@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference.optim._common import (check_inputs, check_lr, check_lr_or_tensor, check_param, for_each_param,
-                                     frozen, require)
+from reference.optim._common import (add, check_inputs, check_lr, check_lr_or_tensor, check_param, for_each_param,
+                                     freeze, frozen, lerp, require)
 
 __all__ = ["AdamConfig", "AdamParamState", "adam_init_state", "adam_step", "adamw_config", "fused_adam_step"]
 
@@ -93,6 +93,20 @@ def adam_init_state(p: np.ndarray, config: AdamConfig) -> AdamParamState:
                           max_exp_avg_sq=frozen(np.zeros_like(a)) if config.amsgrad else None)
 
 
+def _decayed(p: np.ndarray, config: AdamConfig, lr: float, tensor_lr: np.ndarray | None,
+             out: np.ndarray) -> np.ndarray:
+    """Rule 3's decoupled decay (AdamW), ``p * f(1 - lr * wd)``, with rule 11's tensor lr."""
+    f = p.dtype.type
+    if tensor_lr is None:
+        return np.multiply(p, f(1 - lr * config.weight_decay), out=out)
+    L = tensor_lr.dtype.type
+    factor = L(L(1) - L(lr * L(config.weight_decay)))
+    if p.ndim == 0 and np.dtype(L).itemsize > p.dtype.itemsize:
+        out[()] = np.asarray(p.astype(np.dtype(L)) * factor).astype(p.dtype)  # two 0-d tensors promote
+        return out
+    return np.multiply(p, f(factor), out=out)
+
+
 def _adam_update(
     p: np.ndarray,
     d: np.ndarray,
@@ -109,26 +123,15 @@ def _adam_update(
     tensor_lr = lr if isinstance(lr, np.ndarray) else None  # rule 11
     if tensor_lr is not None:
         lr = tensor_lr.dtype.type(tensor_lr[()])
-    if config.weight_decay != 0:
-        if config.decoupled_weight_decay and tensor_lr is not None:
-            L = tensor_lr.dtype.type
-            factor = L(L(1) - L(lr * L(config.weight_decay)))
-            if p.ndim == 0 and np.dtype(L).itemsize > p.dtype.itemsize:
-                p = np.asarray(p.astype(np.dtype(L)) * factor).astype(p.dtype)  # two 0-d tensors promote
-            else:
-                p = p * f(factor)
-        elif config.decoupled_weight_decay:
-            p = p * f(1 - lr * config.weight_decay)
-        else:
-            d = d + f(config.weight_decay) * p
-    m = s.exp_avg
-    w = f(1 - beta1)
-    if abs(w) < 0.5:
-        m = m + w * (d - m)
-    else:
-        m = d - (d - m) * (f(1) - w)
-    v = s.exp_avg_sq * f(beta2)
-    v = v + (f(1 - beta2) * d) * d
+    decoupled = config.weight_decay != 0 and config.decoupled_weight_decay
+    if config.weight_decay != 0 and not decoupled:
+        d = add(d, p, config.weight_decay, out=np.empty_like(p))
+    # The new parameter; until the last lines it holds the temporaries of rules 5 and 6 (``_common``:
+    # how the steps compute). The decoupled decay reads only p, so it is computed there last.
+    new_p = np.empty_like(p)
+    m = lerp(s.exp_avg, d, 1 - beta1, out=np.empty_like(p))
+    v = np.multiply(s.exp_avg_sq, f(beta2), out=np.empty_like(p))
+    v = np.add(v, np.multiply(np.multiply(d, f(1 - beta2), out=new_p), d, out=new_p), out=v)  # addcmul
     t = float(step)
     bias_correction1 = 1 - beta1**t
     bias_correction2 = 1 - beta2**t
@@ -138,19 +141,19 @@ def _adam_update(
     bias_correction2_sqrt = math.sqrt(bias_correction2) if fused else bias_correction2**0.5
     vmax = s.max_exp_avg_sq
     if config.amsgrad:
-        vmax = np.maximum(vmax, v)
-        root = sqrt(vmax)
-    else:
-        root = sqrt(v)
-    denom = root / f(bias_correction2_sqrt) + f(config.eps)
-    p = p + (f(-step_size) * m) / denom
-    return p, AdamParamState(
+        vmax = np.maximum(vmax, v, out=np.empty_like(p))
+    root_of = vmax if config.amsgrad else v
+    root = np.sqrt(root_of, out=new_p) if sqrt is np.sqrt else sqrt(root_of)
+    denom = np.add(np.divide(root, f(bias_correction2_sqrt), out=new_p), f(config.eps), out=new_p)
+    quotient = np.multiply(m, f(-step_size), out=np.empty_like(p))
+    quotient = np.divide(quotient, denom, out=quotient)  # addcdiv: value times numerator, then the division
+    start = _decayed(p, config, lr, tensor_lr, out=new_p) if decoupled else p
+    return np.add(start, quotient, out=new_p), AdamParamState(
         step=step,
-        exp_avg=frozen(m),
-        exp_avg_sq=frozen(v),
-        max_exp_avg_sq=frozen(vmax) if vmax is not None else None,
+        exp_avg=freeze(m),
+        exp_avg_sq=freeze(v),
+        max_exp_avg_sq=freeze(vmax) if config.amsgrad else None if vmax is None else frozen(vmax),
     )
-
 
 
 def adam_step(
@@ -217,12 +220,11 @@ def fused_adam_step(
     def update(p: np.ndarray, g: np.ndarray, s: AdamParamState) -> tuple[np.ndarray, AdamParamState, np.ndarray]:
         f = p.dtype.type
         step = np.float32(s.step + np.float32(1.0))
-        g = np.array(g, copy=True)
         if skip:
             new_p, new_s = np.array(p, copy=True), s
         else:
             if grad_scale is not None:
-                g = g / f(np.float32(grad_scale))
+                g = np.divide(g, f(np.float32(grad_scale)), out=np.empty_like(g))
             new_p, new_s = _adam_update(p, -g if config.maximize else g, s, step, config, step_lr, fused=True)
         # The kernel advances the step counter by 1 - found_inf, applied or not.
         return new_p, dataclasses.replace(new_s, step=np.float32(step - inf_flag)), g
