@@ -83,6 +83,12 @@ def freeze(a: np.ndarray) -> np.ndarray:
 
 
 
+def abs64(a: np.ndarray) -> np.ndarray:
+    """``|a|`` in float64, as a new array also for 0-d input (for the ``magnitudes`` of the
+    native-kernel bounds, which then work in place on it)."""
+    return np.abs(a, dtype=np.float64, out=np.empty(np.shape(a), np.float64))
+
+
 def check_param(p: np.ndarray, i: int) -> np.ndarray:
     arr = np.asarray(p)
     require(arr.dtype in DTYPES, f"params[{i}] must be float32 or float64, got {arr.dtype}")

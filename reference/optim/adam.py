@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference.optim._common import (add, check_inputs, check_lr, check_lr_or_tensor, check_param, for_each_param,
+from reference.optim._common import (abs64, add, check_inputs, check_lr, check_lr_or_tensor, check_param, for_each_param,
                                      freeze, frozen, lerp, require)
 
 __all__ = ["AdamConfig", "AdamParamState", "adam_init_state", "adam_step", "adamw_config", "fused_adam_step"]
@@ -235,22 +235,39 @@ def fused_adam_step(
 def adam_magnitudes(config: AdamConfig, p: np.ndarray, g: np.ndarray, old: AdamParamState,
                     new: AdamParamState) -> dict[str, np.ndarray]:
     """``x_abs`` of each Adam field: rules 3-6 on magnitudes, float64 (the denominator is
-    positive, taken from the spec's new second moment)."""
+    positive, taken from the spec's new second moment).
+
+    ``d = |g| + wd |p|`` (Adam; ``|g|`` for AdamW); ``m = beta1 |m| + (1 - beta1) d``;
+    ``v = beta2 v + (1 - beta2) d d``; ``vmax = max(vmax, v)``; ``denom = sqrt(new v or vmax) /
+    sqrt(bc2) + eps``; ``param = |p| decay + step_size m / denom`` (inf where denom is not
+    positive). Computed in place, float64 operations in this order: float64 arrays are large,
+    their page faults dear."""
+    f64 = np.float64
     beta1, beta2 = config.betas
-    p64 = np.abs(np.asarray(p, np.float64))
-    d = np.abs(np.asarray(g, np.float64)) + (0.0 if config.decoupled_weight_decay else config.weight_decay * p64)
-    m = beta1 * np.abs(np.asarray(old.exp_avg, np.float64)) + (1 - beta1) * d
-    v = beta2 * np.asarray(old.exp_avg_sq, np.float64) + (1 - beta2) * d * d
+    p_abs = abs64(p)
+    d = abs64(g)
+    scratch = np.empty_like(d)
+    if not config.decoupled_weight_decay:
+        d += np.multiply(p_abs, config.weight_decay, out=scratch)
+    m = abs64(old.exp_avg)
+    m *= beta1
+    m += np.multiply(d, 1 - beta1, out=scratch)
+    v = np.multiply(old.exp_avg_sq, beta2, dtype=f64, out=np.empty_like(d))
+    v += np.multiply(np.multiply(d, 1 - beta2, out=scratch), d, out=scratch)
     out = {"exp_avg": m, "exp_avg_sq": v}
     root_of = new.exp_avg_sq
     if config.amsgrad:
-        out["max_exp_avg_sq"] = np.maximum(np.asarray(old.max_exp_avg_sq, np.float64), v)
+        out["max_exp_avg_sq"] = np.maximum(old.max_exp_avg_sq, v, dtype=f64, out=np.empty_like(d))
         root_of = new.max_exp_avg_sq
     t = float(new.step)
     step_size = config.lr / (1 - beta1**t)
-    denom = np.sqrt(np.asarray(root_of, np.float64)) / math.sqrt(1 - beta2**t) + config.eps
+    denom = np.sqrt(root_of, dtype=f64, out=d)
+    denom /= math.sqrt(1 - beta2**t)
+    denom += config.eps
     with np.errstate(divide="ignore", invalid="ignore"):
-        update = np.where(denom > 0, step_size * m / denom, np.inf)
+        update = np.divide(np.multiply(m, step_size, out=scratch), denom, out=scratch)
+    update[~(denom > 0)] = np.inf
     decay = 1 - config.lr * config.weight_decay if config.decoupled_weight_decay else 1.0
-    out["param"] = p64 * decay + update
+    p_abs *= decay
+    out["param"] = np.add(p_abs, update, out=p_abs)
     return out

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference.optim._common import (add, check_inputs, check_lr, check_param, for_each_param, freeze, lr_value,
+from reference.optim._common import (abs64, add, check_inputs, check_lr, check_param, for_each_param, freeze, lr_value,
                                      require)
 
 __all__ = ["SGDConfig", "SGDParamState", "fused_sgd_step", "sgd_init_state", "sgd_step"]
@@ -139,14 +139,28 @@ def fused_sgd_step(
 
 def sgd_magnitudes(config: SGDConfig, p: np.ndarray, g: np.ndarray, old: SGDParamState,
                    new: SGDParamState) -> dict[str, np.ndarray]:
-    """``x_abs`` of the momentum buffer and the parameter: rule 1 on magnitudes, float64."""
-    d = np.abs(np.asarray(g, np.float64)) + config.weight_decay * np.abs(np.asarray(p, np.float64))
+    """``x_abs`` of the momentum buffer and the parameter: rule 1 on magnitudes, float64.
+
+    ``d = |g| + wd |p|``; ``buf = d`` on a first step, else ``momentum |buf| + |1 - dampening| d``;
+    ``d = d + momentum buf`` with Nesterov, else ``buf``; ``param = |p| + lr d``. (Computed in
+    place, float64 operations in this order: float64 arrays are large, their page faults dear.)"""
+    p_abs = abs64(p)
+    scratch = np.multiply(p_abs, config.weight_decay, out=np.empty_like(p_abs))
+    d = abs64(g)
+    d += scratch
     out: dict[str, np.ndarray] = {}
     if config.momentum != 0:
         old_buf = old.momentum_buffer
-        buf = d if old_buf is None else \
-            config.momentum * np.abs(np.asarray(old_buf, np.float64)) + abs(1 - config.dampening) * d
+        if old_buf is None:
+            buf = d
+        else:
+            buf = abs64(old_buf)
+            buf *= config.momentum
+            buf += np.multiply(d, abs(1 - config.dampening), out=scratch)
         out["momentum_buffer"] = buf
-        d = d + config.momentum * buf if config.nesterov else buf
-    out["param"] = np.abs(np.asarray(p, np.float64)) + config.lr * d
+        if config.nesterov:
+            d = np.add(d, np.multiply(buf, config.momentum, out=scratch), out=scratch)
+        else:
+            d = buf
+    out["param"] = np.add(p_abs, np.multiply(d, config.lr, out=scratch), out=p_abs)
     return out
