@@ -91,7 +91,8 @@ def abs64(a: np.ndarray) -> np.ndarray:
 
 def check_param(p: np.ndarray, i: int) -> np.ndarray:
     arr = np.asarray(p)
-    require(arr.dtype in DTYPES, f"params[{i}] must be float32 or float64, got {arr.dtype}")
+    if arr.dtype not in DTYPES:  # the message is formatted only when raised: str(dtype) is slow
+        raise ValueError(f"params[{i}] must be float32 or float64, got {arr.dtype}")
     return arr
 
 
@@ -101,12 +102,14 @@ def check_inputs(params, grads, state, config, config_type, state_type) -> list[
             f"params, grads and state must have the same length, got {len(params)}, {len(grads)}, {len(state)}")
     arrays = [check_param(p, i) for i, p in enumerate(params)]
     for i, (p, g, s) in enumerate(zip(arrays, grads, state)):
-        require(isinstance(s, state_type), f"state[{i}] must be a {state_type.__name__}, got {type(s).__name__}")
+        if not isinstance(s, state_type):
+            raise ValueError(f"state[{i}] must be a {state_type.__name__}, got {type(s).__name__}")
         if g is None:
             continue
         g = np.asarray(g)
-        require(g.dtype == p.dtype and g.shape == p.shape,
-                f"grads[{i}] must match params[{i}] ({p.dtype}, shape {p.shape}), got {g.dtype}, shape {g.shape}")
+        if g.dtype != p.dtype or g.shape != p.shape:
+            raise ValueError(f"grads[{i}] must match params[{i}] ({p.dtype}, shape {p.shape}), "
+                             f"got {g.dtype}, shape {g.shape}")
     return arrays
 
 

@@ -7,7 +7,6 @@ in the square root torch hands to MKL (rule 9), which ``sqrt=`` injects.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -227,7 +226,8 @@ def fused_adam_step(
                 g = np.divide(g, f(np.float32(grad_scale)), out=np.empty_like(g))
             new_p, new_s = _adam_update(p, -g if config.maximize else g, s, step, config, step_lr, fused=True)
         # The kernel advances the step counter by 1 - found_inf, applied or not.
-        return new_p, dataclasses.replace(new_s, step=np.float32(step - inf_flag)), g
+        counter = np.float32(step - inf_flag)
+        return new_p, AdamParamState(counter, new_s.exp_avg, new_s.exp_avg_sq, new_s.max_exp_avg_sq), g
 
     return for_each_param(arrays, grads, state, update)
 
