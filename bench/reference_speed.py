@@ -38,7 +38,10 @@ The spec returns new arrays (parameters, moments) where torch updates in place, 
 writes memory the operating system has to map and zero first, about as costly as the arithmetic
 on a 1M-element step; glibc hands freed memory back when the top of its heap outgrows its trim
 threshold, so this happens at every step. ``MALLOC_TOP_PAD_=268435456`` before the command
-keeps the freed pages in the process and shows the ratio without that cost.
+keeps the freed pages in the process and shows the ratio without that cost. The same spec
+function can time differently in two rows (SGD's for-loop and foreach rows run one function):
+what the torch candidate allocated and freed moves glibc's thresholds, and with them how many
+of the spec's pages are fresh.
 
 Part 2: Hypothesis examples per second for each property of ``pytest conformance`` (CPU,
 the ``ci`` profile unless ``--profile`` says otherwise), from ``--hypothesis-show-statistics``:
