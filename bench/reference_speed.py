@@ -219,8 +219,8 @@ def bench_optimizers(target: int, reps: int, block: int) -> dict:
                     steps = {"spec": lambda state=state, cfg=cfg, impl=impl, row=row:
                              row.step(impl, params, grads, state, cfg),
                              "torch": opt.step}
-                    for who in steps:  # warm-up: the first steps also grow the heap
-                        _time_block(steps[who], block)
+                    for step in steps.values():  # warm-up: the first steps also grow the heap
+                        _time_block(step, block)
                     times: dict[str, list[float]] = {"spec": [], "torch": []}
                     for r in range(reps):
                         for who in _harness.rotate(["spec", "torch"], r):

@@ -102,8 +102,7 @@ def check_inputs(params, grads, state, config, config_type, state_type) -> list[
             f"params, grads and state must have the same length, got {len(params)}, {len(grads)}, {len(state)}")
     arrays = [check_param(p, i) for i, p in enumerate(params)]
     for i, (p, g, s) in enumerate(zip(arrays, grads, state)):
-        if not isinstance(s, state_type):
-            raise ValueError(f"state[{i}] must be a {state_type.__name__}, got {type(s).__name__}")
+        require(isinstance(s, state_type), f"state[{i}] must be a {state_type.__name__}, got {type(s).__name__}")
         if g is None:
             continue
         g = np.asarray(g)
