@@ -213,7 +213,7 @@ def test_the_task_examples_train_and_the_logits_one_is_refused_without_its_loss_
 
 
 def test_the_training_pages_commands_train_resume_export_and_load(task_examples, capsys):
-    """README's train, resume and export commands, and docs/training.md's export and
+    """README's train, resume and export commands, and docs/training.md's exports and
     ``load_weights`` snippet, on the README's own task."""
     import torch
 
@@ -226,6 +226,10 @@ def test_the_training_pages_commands_train_resume_export_and_load(task_examples,
         args[args.index("task.name=mymodule:make")] = task
         code, out = main(["-q", *args]), capsys.readouterr()
         assert code == 0 and json.loads(out.out)["steps_applied"] == steps, out.err
+    export = re.search(r"after the runs above, `ampspec (export [^`]+)`", _README.read_text()).group(1)
+    assert main(shlex.split(export)) == 0, capsys.readouterr().err
+    assert torch.load(shlex.split(export)[-1], weights_only=True)["lin.weight"].shape == (1, 8)
+    os.remove(shlex.split(export)[-1])  # docs/training.md's export below writes the same name
     # docs/training.md names the checkpoint the default 200 steps write.
     assert main(["train", "-q", "--set", task, "--set", "checkpoint.folder=checkpoints", "--set", "device=cpu"]) == 0
     for line in _block_after(_TRAINING, "To get the trained model's plain `state_dict`:").strip().splitlines():
