@@ -138,6 +138,17 @@ SPEC_MUTANTS = (
            "reference/optim/radam.py", "                adaptive = (f(1) / (root(exp_avg_sq) + f(c.eps))) * f(bc2**0.5)\n",
            "                adaptive = f(bc2**0.5) / (root(exp_avg_sq) + f(c.eps))\n",
            _optimizer_property("RAdam", "for-loop")),
+    Mutant("adafactor_beta2_decay_halved", "Adafactor weighs the new square by t ** (beta2_decay / 2)",
+           "reference/optim/adafactor.py", "        w = t ** c.beta2_decay\n        rho",
+           "        w = t ** (c.beta2_decay * 0.5)\n        rho", _optimizer_property("Adafactor", "for-loop")),
+    Mutant("adafactor_row_mean_over_the_columns", "Adafactor divides the row norms' squares by the column length",
+           "reference/optim/adafactor.py", "(n_r * n_r) / f(d.shape[-1])", "(n_r * n_r) / f(d.shape[-2])",
+           _optimizer_property("Adafactor", "foreach")),
+    Mutant("reductions_tail_after_the_lanes", "torch.sum's emulation adds the lanes before the tail elements",
+           "reference/reductions.py",
+           "        acc = _seq(np.zeros(b, x.dtype), x[:, count * width:], -1)\n        acc = _seq(acc, vec, -1)\n",
+           "        acc = _seq(np.zeros(b, x.dtype), vec, -1)\n        acc = _seq(acc, x[:, count * width:], -1)\n",
+           ("conformance/test_reductions.py",)),
 )
 
 
