@@ -1,4 +1,4 @@
-"""What the instrumented calls mean: per-optimizer windows, step records and the order rules.
+"""The call tracker: what the instrumented calls mean (per-optimizer windows, step records).
 
 Vocabulary. A *window* of an optimizer is what happens between two of its step events: the
 backward passes that accumulate into its gradients (the microbatches), then the step phase
@@ -54,7 +54,7 @@ __all__ = ["Recorder", "StepRecord", "StepLimitReached"]
 
 
 class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
-    """Receives the instrumented calls, keeps the windows and records, decides the order rules.
+    """Receives the instrumented calls, keeps the windows and records, runs each rule's check.
 
     ``replay``: a `audit.replay.Replayer` (None: order rules only, no numbers copied).
     ``steps``: stop the program at the first backward pass after this many steps of the first

@@ -17,6 +17,7 @@ torch's; torch steps it and the stage becomes STEPPED.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -71,14 +72,16 @@ class UpdateCall:
 def numpy_dtypes(dtypes: Iterable[Any]) -> list[Any]:
     """torch dtypes of the gradients as the spec's stage functions take them (NumPy dtypes); the
     spec checks only float16 (rule 12), so another dtype NumPy lacks is passed as ``object``."""
-    out = []
-    for d in dtypes:
-        name = str(d).removeprefix("torch.")
-        try:
-            out.append(np.dtype(name))  # bfloat16 too: ml_dtypes registers it
-        except TypeError:
-            out.append(np.dtype(object))
-    return out
+    return [_numpy_dtype(d) for d in dtypes]
+
+
+@functools.lru_cache(maxsize=None)
+def _numpy_dtype(d: Any) -> Any:
+    name = str(d).removeprefix("torch.")
+    try:
+        return np.dtype(name)  # bfloat16 too: ml_dtypes registers it
+    except TypeError:
+        return np.dtype(object)
 
 
 def unscale_call(before: OptimizerStage, *, optimizer: str, step: int, where: str, scaled: bool,
