@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from audit.restep import check_restep
 from audit.records import ClipStage, OptTrack, ScalerTrack, call_site, plain_tensor, to_numpy
 from audit.rules import WARNING
 
@@ -45,6 +46,8 @@ class OptimizerCalls:
             s = w.scaler
             if s is not None and s.enabled and s.stage.get(id(o.obj)) != "stepped":
                 s.bypass[id(o.obj)] = (o, where)
+            elif s is None:
+                check_restep(self, o, where)
             self._start_data(o, "optimizer.step", s if s is not None and s.stage.get(id(o.obj)) != "unscaled" else None)
         d = w.data
         if d is not None and d.copying:
