@@ -18,7 +18,7 @@ from typing import Any
 
 from audit.records import OptTrack, ScalerTrack
 
-__all__ = ["stale_scaler", "check_restep"]
+__all__ = ["check_restep", "stale_scaler"]
 
 
 def stale_scaler(scalers: dict[int, ScalerTrack], o: OptTrack) -> ScalerTrack | None:

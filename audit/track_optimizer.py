@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from audit.restep import check_restep
 from audit.records import ClipStage, OptTrack, ScalerTrack, call_site, plain_tensor, to_numpy
+from audit.restep import check_restep
 from audit.rules import WARNING
 
 

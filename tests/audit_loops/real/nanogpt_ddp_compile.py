@@ -25,6 +25,10 @@ loop (``nanogpt_train.py``); neither DDP nor the compiled model changes it:
 - ``lr-changed-on-skipped-step``, a warning: ``get_lr(iter_num)`` counts skipped iterations too;
 - the micro steps without gradient synchronisation are one accumulation window with the synced
   one (each loss divided by the number of micro steps): no accumulation finding.
+
+``--bug clip-before-unscale`` plants the mistake of clipping before ``unscale_``:
+``clip-before-unscale``, an error, at every step. ``--backend`` chooses the compiler backend
+(``aot_eager`` traces and differentiates the same graph as inductor without generating C++).
 """
 
 import math
@@ -38,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from _ddp import launch
 from _real import overflow, parse
 
-args = parse(accum=4, eval_interval=5, inf_rank=1, world=2, compile=1, backend="inductor")
+args = parse(accum=4, eval_interval=5, inf_rank=1, world=2, compile=1, backend="inductor", bug="none")
 vocab, block = 16, 8
 
 
@@ -99,14 +103,17 @@ def train(ddp_rank, ddp_world_size):
         for micro_step in range(gradient_accumulation_steps):
             model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits, loss = model(X, Y)
+                _logits, loss = model(X, Y)
                 loss = loss / gradient_accumulation_steps
             if iter_num in args.inf_at and ddp_rank == args.inf_rank and micro_step == 0:
                 loss = overflow(loss, True)
             X, Y = get_batch()
             scaler.scale(loss).backward()
+        if args.bug == "clip-before-unscale":  # a planted mistake: the clip sees scaled gradients
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if args.bug != "clip-before-unscale":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)

@@ -24,6 +24,9 @@ The truth, from reading the original with ``--amp``:
 - ``checkpoint-without-scaler``, an error, at every checkpoint: the scaler's state is not saved;
 - the clip after the step sees unscaled gradients: no clipping finding;
 - ``lr_scheduler.step()`` per epoch follows applied steps: no scheduler finding.
+
+``--fixed 1`` arranges the step as torchvision later did (``unscale_`` and the clip inside the
+AMP branch, the plain ``optimizer.step()`` only without AMP): then only ``checkpoint-without-scaler``.
 """
 
 import os
@@ -37,7 +40,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from _ddp import launch
 from _real import overflow, parse
 
-args = parse(epochs=3, batches=4, model_ema_steps=2, lr_warmup_epochs=1, clip_grad_norm=1.0, world=2)
+args = parse(epochs=3, batches=4, model_ema_steps=2, lr_warmup_epochs=1, clip_grad_norm=1.0, world=2, fixed=0)
 
 
 class ExponentialMovingAverage(AveragedModel):
@@ -56,11 +59,19 @@ def train_one_epoch(model, criterion, optimizer, data_loader, epoch, model_ema, 
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = criterion(overflow(output, done + i in args.inf_at and rank == 1), target)
         scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        if args.clip_grad_norm:
-            nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], args.clip_grad_norm)
-        optimizer.step()
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if args.fixed:  # torchvision's later arrangement: unscale_ and clip inside the AMP branch, one step
+            if args.clip_grad_norm:
+                scaler.unscale_(optimizer)
+                nn.utils.clip_grad_norm_(params, args.clip_grad_norm)
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+            if args.clip_grad_norm:
+                nn.utils.clip_grad_norm_(params, args.clip_grad_norm)
+            optimizer.step()
         if model_ema and i % args.model_ema_steps == 0:
             model_ema.update_parameters(model)
             if epoch < args.lr_warmup_epochs:
