@@ -120,7 +120,7 @@ DIST_CASES = [
      {("step-bypasses-scaler", "error"): _ODD, ("checkpoint-without-scaler", "error"): [7, 15, 23]}, 24,
      set(range(10, 24, 2)), False),
     ("torchvision_classification.py", ["--inf-at", "5", "--fixed", "1"],
-     {("checkpoint-without-scaler", "error"): [3, 7, 11]}, 12, {5}, True),
+     {("checkpoint-without-scaler", "error"): [3, 7, 11]}, 12, {5}, False),
     ("yolov5_train.py", ["--inf-at", "3,10"],
      {("lr-changed-on-skipped-step", "warning"): [3], ("checkpoint-without-scaler", "error"): [5, 8],
       ("zero-grad-in-window", "error"): [6]}, 9, {3, 7}, True),

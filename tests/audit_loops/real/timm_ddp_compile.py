@@ -19,6 +19,9 @@ an update ``num_updates += 1``, ``zero_grad``, the EMA update. After each epoch 
 ``step(epoch + 1)``, which writes each group's ``lr`` (timm's own ``Scheduler``, not torch's), and
 the primary rank's checkpoint: the optimizer, the unwrapped model's state and ``amp_scaler``.
 
+``--epochs`` and ``--batches`` (per rank and epoch) set the length; ``--steps`` is unused. Rank
+1's gradients overflow in the windows of the updates ``--inf-at`` names.
+
 The truth, from reading the original: no finding. The ``no_sync`` batches and the synced one
 form one window whose losses are each divided by the window's size (two, or one for the short
 last window); the checkpoint holds the scaler; the schedule is a function of the epoch, and

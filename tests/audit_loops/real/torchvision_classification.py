@@ -14,18 +14,21 @@ only the criterion under autocast, ``scaler.scale(loss).backward()``, ``scaler.s
 each epoch ``lr_scheduler.step()`` and, on the master, a checkpoint of the model, optimizer,
 scheduler, epoch and args (no scaler state).
 
+``--epochs`` and ``--batches`` (per rank and epoch) set the length: two optimizer steps a batch;
+``--steps`` is unused. Rank 1's gradients overflow at the batches ``--inf-at`` names.
+
 The truth, from reading the original with ``--amp``:
 
 - every iteration steps the optimizer twice: through the scaler, then ``optimizer.step()``
   again on the gradients the scaler has unscaled. The second step bypasses the scaler
   (``step-bypasses-scaler``, an error, at every iteration); on an iteration whose gradients
   overflowed, the scaler skips its step but the second one applies the inf gradients, and
-  the parameters become NaN (a real bug, fixed later in torchvision);
+  the parameters become NaN (a real bug);
 - ``checkpoint-without-scaler``, an error, at every checkpoint: the scaler's state is not saved;
 - the clip after the step sees unscaled gradients: no clipping finding;
 - ``lr_scheduler.step()`` per epoch follows applied steps: no scheduler finding.
 
-``--fixed 1`` arranges the step as torchvision later did (``unscale_`` and the clip inside the
+``--fixed 1`` arranges the step as PyTorch's AMP recipe does (``unscale_`` and the clip inside the
 AMP branch, the plain ``optimizer.step()`` only without AMP): then only ``checkpoint-without-scaler``.
 """
 
@@ -60,7 +63,7 @@ def train_one_epoch(model, criterion, optimizer, data_loader, epoch, model_ema, 
             loss = criterion(overflow(output, done + i in args.inf_at and rank == 1), target)
         scaler.scale(loss).backward()
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        if args.fixed:  # torchvision's later arrangement: unscale_ and clip inside the AMP branch, one step
+        if args.fixed:  # the AMP recipe's arrangement: unscale_ and clip inside the AMP branch, one step
             if args.clip_grad_norm:
                 scaler.unscale_(optimizer)
                 nn.utils.clip_grad_norm_(params, args.clip_grad_norm)

@@ -17,6 +17,9 @@ multiplied by the batch size), ``loss *= WORLD_SIZE``; ``scaler.scale(loss).back
 ``scheduler.step()`` and, on rank 0, the checkpoint: epoch, model, EMA, updates, optimizer (no
 scaler state).
 
+``--epochs`` and ``--batches`` (per rank and epoch) set the length, the warmup the number of
+steps; ``--steps`` is unused. Rank 1's gradients overflow at the batches ``--inf-at`` names.
+
 The truth, from reading the original:
 
 - ``lr-changed-on-skipped-step``, a warning: the warmup interpolates in ``ni`` (batches), so it
@@ -26,7 +29,14 @@ The truth, from reading the original:
   optimizer and EMA but a resumed run restarts the loss scale;
 - the accumulated losses are multiplied by the batch size (a sum over the nominal batch, which
   the weight decay scaling assumes), not left undivided: no accumulation finding;
-- ``scheduler.step()`` once per epoch, after applied steps: no scheduler finding.
+- ``scheduler.step()`` once per epoch, after applied steps: no scheduler finding;
+- ``zero-grad-in-window``, an error, at the first step of an epoch whose previous epoch ended
+  inside an accumulation window: the epoch's ``optimizer.zero_grad()`` discards the gradients
+  of those last batches, which never reach a step (a real, small loss of data each epoch; here
+  the ninth batch of epoch 0, at an accumulation of 2).
+
+``--bug update-without-step`` plants ``optimizer.step()`` in place of ``scaler.step``:
+``update-without-step``, an error, at every step.
 """
 
 import os
