@@ -113,15 +113,15 @@ def train_one_epoch(epoch, task, loader, optimizer, loss_scaler, ema, rank, over
         if batch_idx >= last_batch_idx_to_accum:
             accum_steps = last_accum_steps
 
-        def _forward():
+        def _forward(input=input, target=target, accum_steps=accum_steps, on=num_updates in overflow_at and rank == 1):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 result = task(input, target)
-                _loss = overflow(result["loss"], num_updates in overflow_at and rank == 1)
+                _loss = overflow(result["loss"], on)
             if accum_steps > 1:
                 _loss /= accum_steps
             return _loss
 
-        clip = dict(clip_grad=args.clip_grad or None, parameters=task.parameters() if args.clip_grad else None)
+        clip = {"clip_grad": args.clip_grad or None, "parameters": task.parameters() if args.clip_grad else None}
         if has_no_sync and not need_update:
             with task.no_sync():
                 loss_scaler(_forward(), optimizer, **clip, need_update=need_update)

@@ -145,7 +145,7 @@ def train(RANK, WORLD_SIZE):
                         x["momentum"] = np.interp(ni, xi, [hyp["warmup_momentum"], hyp["momentum"]])
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 pred = overflow(model(imgs), ni in args.inf_at and RANK == 1)
-                loss, loss_items = compute_loss(pred, targets)
+                loss, _loss_items = compute_loss(pred, targets)
                 loss *= WORLD_SIZE
             scaler.scale(loss).backward()
             if ni - last_opt_step >= accumulate:
