@@ -90,10 +90,23 @@ def update_without_step(ev: UpdateCall) -> Iterator[Finding]:
 @rule("step-bypasses-scaler", ERROR,
       "optimizer.step() applied gradients produced by a scaled loss, without scaler.step or scaler.update",
       "with a GradScaler, step with scaler.step(optimizer) and then call scaler.update()")
-def step_bypasses_scaler(scaler: str, bypasses: list[tuple[str, int, str]], next_scale: str | None
-                         ) -> Iterator[Finding]:
+def step_bypasses_scaler(scaler: str, bypasses: list[tuple[str, int, str]], next_scale: str | None,
+                         reapplied: tuple[str, int, str, int, bool] | None = None) -> Iterator[Finding]:
     """Direct ``optimizer.step()`` calls on gradients of a loss ``scaler`` scaled, still without a
-    ``scaler.update()`` when the next loss is scaled (at ``next_scale``) or the run ends (None)."""
+    ``scaler.update()`` when the next loss is scaled (at ``next_scale``) or the run ends (None).
+
+    Or ``reapplied`` (optimizer, step, call site, the last step, whether it was applied): a
+    direct step that applies again the gradients its last ``scaler.step`` used (`audit.restep`
+    finds them), with no backward and no ``zero_grad`` between."""
+    if reapplied is not None:
+        optimizer, step, where, last, applied = reapplied
+        how = ("applied, so this step applies them a second time" if applied else
+               "skipped (inf or NaN gradients), so this step applies the non-finite gradients")
+        yield Finding("step-bypasses-scaler", step, where,
+                      f"{optimizer}.step() at {where} applied the gradients that scaler.step({optimizer}) used at step "
+                      f"{last} (no backward and no zero_grad between); {scaler} had {how}",
+                      expected="one scaler.step(optimizer) per backward window", got="scaler.step, then optimizer.step()")
+        return
     for optimizer, step, where in bypasses:
         if next_scale is None:
             how = "without scaler.step or scaler.update"

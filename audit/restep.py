@@ -1,4 +1,4 @@
-"""A direct ``optimizer.step()`` that applies again the gradients ``scaler.step`` just used.
+"""Which direct ``optimizer.step()`` applies again the gradients ``scaler.step`` just used.
 
 After ``scaler.step(optimizer)`` the gradients are unscaled in place and stay in ``.grad`` until
 the next ``zero_grad`` or backward. A direct ``optimizer.step()`` of the same optimizer before
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from audit.checks_scaler import step_bypasses_scaler
 from audit.records import OptTrack, ScalerTrack
 
 __all__ = ["check_restep", "stale_scaler"]
@@ -36,15 +37,10 @@ def stale_scaler(scalers: dict[int, ScalerTrack], o: OptTrack) -> ScalerTrack | 
 
 
 def check_restep(rec: Any, o: OptTrack, where: str) -> None:
-    """Report ``step-bypasses-scaler`` when the direct step of ``o`` at ``where`` re-applies the
-    gradients of its last ``scaler.step`` (``rec``: the recorder)."""
+    """Run ``step-bypasses-scaler``'s check when the direct step of ``o`` at ``where`` re-applies
+    the gradients of its last ``scaler.step`` (``rec``: the recorder)."""
     s = stale_scaler(rec.scalers, o)
     if s is None:
         return
     last = o.last_record
-    how = "skipped (inf or NaN gradients), so this step applies the non-finite gradients" if not last.applied \
-        else "applied, so this step applies them a second time"
-    rec._find("step-bypasses-scaler", o.steps, where,
-              f"{o.label}.step() at {where} applied the gradients that scaler.step({o.label}) used at step "
-              f"{last.step} (no backward and no zero_grad between); {s.label} had {how}",
-              expected="one scaler.step(optimizer) per backward window", got="scaler.step, then optimizer.step()")
+    rec._report(step_bypasses_scaler(s.label, [], None, reapplied=(o.label, o.steps, where, last.step, last.applied)))
