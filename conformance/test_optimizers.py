@@ -236,25 +236,62 @@ def test_fused_sgd_late_first_gradient_is_the_keyed_expectation(device):
 
 
 TENSOR_LR_CASES = [(n, i) for n, c in strategies.OPTIMIZER_CASES.items() for i in c.tensor_lr]
+# The implementations torch refuses a tensor lr (every spec implementation not in its row's tensor_lr).
+TENSOR_LR_REFUSED = [(n, i) for n, row in optim.SPECS.items() for i in row.steps
+                     if n in strategies.OPTIMIZER_CASES and i not in strategies.OPTIMIZER_CASES[n].tensor_lr]
+TENSOR_LR_DTYPES = [np.dtype(np.float32), np.dtype(np.float64)]
+# (parameter dtype, lr dtype), the mixed pairs first and twice as often as the others: a float32
+# 0-d parameter meets a float64 rate promoted; a float32 rate rounds what a Python float does not.
+F32, F64 = TENSOR_LR_DTYPES
+TENSOR_LR_PAIRS = [(F32, F64), (F64, F32), (F32, F64), (F32, F32), (F64, F32), (F64, F64)]
 
 
 @pytest.mark.parametrize(("name", "impl"), TENSOR_LR_CASES, ids=[f"{n}-{i}" for n, i in TENSOR_LR_CASES])
 @given(data=st.data())
 def test_tensor_lrs_and_zero_d_parameters_match_the_spec(name, impl, device, data):
-    """reference.optim rule 11: a learning rate given as a float32 or float64 tensor (or a
-    Python float), with 0-d parameters among the others: the for-loop Adam(W) computes its
-    step size (and AdamW its decay factor) in the tensor's dtype, and a 0-d parameter meets a
-    wider decay factor promoted; SGD and the fused kernels read the tensor's value."""
+    """reference.optim rule 11 and reference.optim._lr: a learning rate given as a float32 or
+    float64 tensor, on every path where torch takes one, with float32 or float64 parameters (0-d
+    among the others, where two 0-d tensors promote), gradients that are sometimes None, under a
+    GradScaler (non-finite gradients, so skipped steps, included) or without. Each optimizer's
+    docstring says where the tensor is read as its value and where it computes as a tensor."""
     row, case = optim.spec(name), strategies.OPTIMIZER_CASES[name]
     config = data.draw(case.config(), label="config")
     kernel = impl in row.kernel_scaled
-    plant = kernel and not row.kernel_skip_refused(row.make_config(**config))
-    trajectory = data.draw(strategies.optimizer_trajectory(plant_nonfinite=plant, zero_d=True), label="trajectory")
-    lr_dtype = data.draw(st.sampled_from([np.dtype(np.float32), np.dtype(np.float64), None]), label="lr dtype")
+    use_scaler = kernel or data.draw(st.booleans(), label="GradScaler")
+    plant = use_scaler and not (kernel and row.kernel_skip_refused(row.make_config(**config)))
+    dtype, lr_dtype = data.draw(st.sampled_from(TENSOR_LR_PAIRS), label="param dtype, lr dtype")
+    trajectory = data.draw(strategies.optimizer_trajectory(plant_nonfinite=plant, zero_d=True, dtypes=(dtype,),
+                                                           min_ndim=case.min_ndim, steps=case.steps,
+                                                           zero_d_first=case.min_ndim == 0),
+                           label="trajectory")
     # Rates whose float32 and float64 quotients by the bias corrections part (not powers of two).
     config["lr"] = data.draw(st.one_of(st.sampled_from([0.37, 3e-4, 0.1, 0.013]), st.floats(1e-4, 0.5)), label="lr")
-    scale = data.draw(st.sampled_from(SCALES), label="init_scale") if kernel else None
-    run_optimizer_case(name, impl, config, trajectory, scale, device, lr_dtype=lr_dtype)
+    scale = data.draw(st.sampled_from(SCALES), label="init_scale") if use_scaler else None
+    separate = kernel and data.draw(st.booleans(), label="separate unscale_")
+    run_optimizer_case(name, impl, config, trajectory, scale, device, lr_dtype=lr_dtype, separate_unscale=separate)
+
+
+@pytest.mark.parametrize(("name", "impl"), TENSOR_LR_REFUSED, ids=[f"{n}-{i}" for n, i in TENSOR_LR_REFUSED])
+@pytest.mark.parametrize("lr_dtype", TENSOR_LR_DTYPES, ids=str)
+def test_a_tensor_lr_is_refused_where_torch_refuses_it(name, impl, lr_dtype, device):
+    """Where a path is not in its conformance row's ``tensor_lr``, torch refuses a tensor lr (a
+    ValueError; for foreach Adam(W): not supported for capturable=False and foreach=True) and the
+    spec's row refuses it with the same message. A torch that starts taking one fails here: the
+    path then belongs in ``tensor_lr``, with its rule in the spec."""
+    row, case = optim.spec(name), strategies.OPTIMIZER_CASES[name]
+    lr = np.asarray(0.01, lr_dtype)
+    param = torch.nn.Parameter(to_torch(np.ones(3, np.float32), device))
+    with pytest.raises(ValueError) as torch_refusal:
+        opt = case.torch_class([param], lr=to_torch(lr, device), **_flags(impl))
+        param.grad = torch.ones_like(param)
+        opt.step()
+    cfg = row.make_config()
+    p0 = np.ones(3, np.float32)
+    with pytest.raises(ValueError) as spec_refusal:
+        row.step(impl, [p0], [np.ones(3, np.float32)], (row.init_state(p0, cfg),), cfg, lr=lr)
+    assert str(spec_refusal.value) == str(torch_refusal.value), (
+        f"{name}[{impl}] with a {lr_dtype} tensor lr: torch says {torch_refusal.value!s}, the spec says "
+        f"{spec_refusal.value!s}")
 
 
 @pytest.mark.parametrize("name", ["NAdam", "RAdam"])
