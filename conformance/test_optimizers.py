@@ -318,3 +318,45 @@ def test_the_for_loop_and_foreach_paths_differ_as_the_spec_says(name, device):
             assert_same(out[impl][0], out[impl][1], Where(f"{name}[{impl}]", field="params after 8 steps"))
     assert not np.array_equal(out["for-loop"][0], out["foreach"][0]), f"torch's two {name} paths now agree"
     assert not np.array_equal(out["for-loop"][1], out["foreach"][1]), f"the spec's two {name} paths agree"
+
+
+# Where a tensor lr's dtype shows only on a float32 0-d parameter meeting a float64 rate (two 0-d
+# tensors promote): the paths whose rule computes in the common dtype (reference.optim._lr rule 3).
+PROMOTING = [("Adagrad", "foreach", {}), ("Adagrad", "foreach", {"maximize": True}),
+             ("NAdam", "for-loop", {"weight_decay": 0.5, "decoupled_weight_decay": True}),
+             ("NAdam", "foreach", {"weight_decay": 0.5, "decoupled_weight_decay": True}),
+             ("RAdam", "for-loop", {}), ("RAdam", "foreach", {})]  # rectified from step 6
+
+
+@pytest.mark.parametrize(("name", "impl", "cfg"), PROMOTING, ids=[f"{n}-{i}-{sorted(c)}" for n, i, c in PROMOTING])
+def test_a_zero_d_parameter_meets_a_float64_tensor_lr_promoted(name, impl, cfg, device):
+    """Float32 0-d parameters and a float64 tensor lr that a schedule changes every step, 10
+    steps: torch's parameters differ from those Python floats of the same values give (the
+    promotion is real), and with exact kernels equal the spec's bit for bit (Adagrad's foreach
+    multiplies out of place without maximize or weight decay and in place with them; NAdam's
+    decay factor; RAdam's product chains and its foreach step sizes)."""
+    row, rng = optim.spec(name), np.random.default_rng(7)
+    spec_cfg = row.make_config(**cfg)
+    # Small parameters and large rates: the update is not lost in the parameter's rounding.
+    p0 = [np.float32(rng.standard_normal() * 1e-2).reshape(()) for _ in range(128)]
+    grads = [[np.float32(rng.standard_normal()).reshape(()) for _ in p0] for _ in range(10)]
+    lrs = [np.asarray(r, np.float64) for r in rng.uniform(0.05, 0.5, len(grads))]
+    finals = {}
+    for kind in ("tensor", "float"):
+        params = [torch.nn.Parameter(to_torch(p, device)) for p in p0]
+        opt = getattr(torch.optim, name)(params, lr=to_torch(lrs[0], device) if kind == "tensor" else 0.1, **cfg,
+                                         **_flags(impl))
+        for g, lr in zip(grads, lrs):
+            opt.param_groups[0]["lr"] = to_torch(lr, device) if kind == "tensor" else float(lr)
+            for p, gi in zip(params, g):
+                p.grad = to_torch(gi, device)
+            opt.step()
+        finals[kind] = np.stack([to_numpy(p) for p in params])
+    assert not np.array_equal(finals["tensor"], finals["float"]), \
+        f"{name}[{impl}]: a float64 tensor lr no longer changes a float32 0-d parameter's bits"
+    if expectations.exact_kernels(device):
+        spec_p, state = list(p0), tuple(row.init_state(p, spec_cfg) for p in p0)
+        for g, lr in zip(grads, lrs):
+            spec_p, _, state = row.step(impl, spec_p, g, state, spec_cfg, lr=lr, sqrt=_torch_sqrt(impl, device))
+        assert_same(finals["tensor"], np.stack([np.asarray(p) for p in spec_p]),
+                    Where(f"{name}[{impl}]", field="128 float32 0-d params after 10 steps, float64 tensor lrs"))

@@ -185,7 +185,7 @@ register(OptimizerSpec("SGD", SGDConfig, SGDConfig, sgd_init_state,
 def _foreach_adam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
     # Rule 11: torch's foreach Adam(W) refuses a tensor lr (without capturable, which needs CUDA).
     if isinstance(lr, np.ndarray):
-        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")  # noqa: TRY004 (torch's type)
     return _adam(params, grads, state, config, lr=lr, sqrt=sqrt)
 
 
