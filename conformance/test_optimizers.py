@@ -108,7 +108,7 @@ def run_optimizer_case(name: str, impl: str, config: dict, trajectory: dict, sca
     row, case = optim.spec(name), strategies.OPTIMIZER_CASES[name]
     spec_cfg = row.make_config(**config)
     exact = expectations.exact_kernels(device)
-    bounds = case.ulp if case.ulp is not None else expectations.OPTIMIZER_ULP[name]
+    bounds = case.ulp if case.ulp is not None else expectations.OPTIMIZER_ULP.get(name) or dict(row.native_ulp)
     kernel = impl in row.kernel_scaled
     params = [torch.nn.Parameter(to_torch(p, device)) for p in trajectory["params"]]
     spec_lr = None
