@@ -328,7 +328,7 @@ PROMOTING = [("Adagrad", "foreach", {}), ("Adagrad", "foreach", {"maximize": Tru
              ("RAdam", "for-loop", {}), ("RAdam", "foreach", {})]  # rectified from step 6
 
 
-@pytest.mark.parametrize(("name", "impl", "cfg"), PROMOTING, ids=[f"{n}-{i}-{sorted(c)}" for n, i, c in PROMOTING])
+@pytest.mark.parametrize(("name", "impl", "cfg"), PROMOTING, ids=[f"{n}-{i}" + "".join(f"-{k}" for k in sorted(c)) for n, i, c in PROMOTING])
 def test_a_zero_d_parameter_meets_a_float64_tensor_lr_promoted(name, impl, cfg, device):
     """Float32 0-d parameters and a float64 tensor lr that a schedule changes every step, 10
     steps: torch's parameters differ from those Python floats of the same values give (the

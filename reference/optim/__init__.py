@@ -78,7 +78,9 @@ floats, i.e. float64):
    its dtype but a 0-d parameter (two 0-d tensors promote) in the wider of the two, rounded
    once: ``f(f64(p) * factor)`` for a float32 0-d parameter and a float64 lr. Python-float
    hyperparameters never promote a 0-d parameter (they are wrapped numbers). foreach Adam
-   refuses a tensor lr.
+   refuses a tensor lr, as torch does ("lr as a Tensor is not supported for capturable=False
+   and foreach=True"). The other optimizers take one on every CPU path and state their own
+   rule, built from `reference.optim._lr`.
 12. The registry (`reference.optim._registry`): one `OptimizerSpec` row per torch class, by
    torch's class name (`SPECS`, `spec(name)`, `spec_for(config)`), with its hyperparameters and
    torch's defaults, ``init_state`` and a step function per implementation. Consumers call the

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from reference.optim import _lr
-from reference.optim._common import (add, addcmul, check_inputs, check_lr, check_nonnegative, check_param,
+from reference.optim._common import (addcmul, check_inputs, check_lr, check_nonnegative, check_param,
                                      for_each_param, frozen, lerp, lr_value, require, step_counter,
                                      weight_decayed)
 
@@ -128,21 +128,15 @@ def radam_step(
             unrect = (rate * (0 if rect > 0 else 1.0) / bc1) * -1
             buffer = f(1) / ((root(exp_avg_sq) + f(c.eps)) / f(scale)) + f(unrect)
             p = addcmul(p, exp_avg, buffer, 1.0)
-        elif tensor is not None:
+        else:
             m_hat = exp_avg / f(bc1)
-            product = _lr.binary("*", m_hat, tensor, inplace=False)  # rule 6: in W from here
-            w = product.dtype.type
+            # A Python float meets m_hat as f(lr); a tensor lr by _lr rule 3, in W from here (rule 6).
+            product = m_hat * f(rate) if tensor is None else _lr.binary("*", m_hat, tensor, inplace=False)
+            w = np.asarray(product).dtype.type
             if rect > 0:
                 adaptive = (f(1) / (root(exp_avg_sq) + f(c.eps))) * f(bc2**0.5)
                 product = (product * adaptive.astype(w)) * w(rect)
             p = (p.astype(w) - product).astype(p.dtype)
-        else:
-            m_hat = exp_avg / f(bc1)
-            if rect > 0:
-                adaptive = (f(1) / (root(exp_avg_sq) + f(c.eps))) * f(bc2**0.5)
-                p = add(p, ((m_hat * f(rate)) * adaptive) * f(rect), -1.0)
-            else:
-                p = add(p, m_hat * f(rate), -1.0)
         return p, RAdamState(step, frozen(exp_avg), frozen(exp_avg_sq)), g
 
     return for_each_param(arrays, grads, state, update)
