@@ -9,6 +9,11 @@ skipped by ``scaler.step`` when a gradient is not finite. Before every step the 
 torch's parameters and state, and after it every field must agree: the parameter, every state
 field torch keeps (by name), and, under a scaler, the gradients left behind.
 
+A tensor lr (reference.optim rule 11, reference.optim._lr) has its own property per path where
+torch takes one (``strategies.OPTIMIZER_CASES[...].tensor_lr``), drawn the same way with float32
+and float64 rates; where torch refuses one (foreach Adam(W)) the spec refuses it with torch's
+message, and float32 0-d parameters meeting a float64 rate are checked on the paths that promote.
+
 Why from torch's state each step: with exact kernels the two trajectories are then equal by
 induction, so nothing is lost; with native kernels the per-step difference stays what one step
 makes, which is what the bounds derive, instead of compounding (a chaotic trajectory would make
