@@ -242,8 +242,10 @@ def test_fused_sgd_late_first_gradient_is_the_keyed_expectation(device):
 
 TENSOR_LR_CASES = [(n, i) for n, c in strategies.OPTIMIZER_CASES.items() for i in c.tensor_lr]
 # The implementations torch refuses a tensor lr (every spec implementation not in its row's tensor_lr).
-TENSOR_LR_REFUSED = [(n, i) for n, row in optim.SPECS.items() for i in row.steps
-                     if n in strategies.OPTIMIZER_CASES and i not in strategies.OPTIMIZER_CASES[n].tensor_lr]
+TENSOR_LR_REFUSED = [(n, i) for n, row in optim.SPECS.items() for i in row.steps if n in strategies.OPTIMIZER_CASES
+                     and i not in strategies.OPTIMIZER_CASES[n].tensor_lr + strategies.OPTIMIZER_CASES[n].tensor_lr_gap]
+# The paths where torch takes one and the spec does not model it yet (a stated gap).
+TENSOR_LR_GAPS = [(n, i) for n, c in strategies.OPTIMIZER_CASES.items() for i in c.tensor_lr_gap]
 TENSOR_LR_DTYPES = [np.dtype(np.float32), np.dtype(np.float64)]
 # (parameter dtype, lr dtype), the mixed pairs first and twice as often as the others: a float32
 # 0-d parameter meets a float64 rate promoted; a float32 rate rounds what a Python float does not.
@@ -323,6 +325,23 @@ def test_the_for_loop_and_foreach_paths_differ_as_the_spec_says(name, device):
             assert_same(out[impl][0], out[impl][1], Where(f"{name}[{impl}]", field="params after 8 steps"))
     assert not np.array_equal(out["for-loop"][0], out["foreach"][0]), f"torch's two {name} paths now agree"
     assert not np.array_equal(out["for-loop"][1], out["foreach"][1]), f"the spec's two {name} paths agree"
+
+
+@pytest.mark.parametrize(("name", "impl"), TENSOR_LR_GAPS, ids=[f"{n}-{i}" for n, i in TENSOR_LR_GAPS])
+def test_a_tensor_lr_the_spec_does_not_model_is_refused_by_it_and_taken_by_torch(name, impl, device):
+    """A stated gap (``tensor_lr_gap``): torch steps with a tensor lr there and the spec refuses
+    one, saying it is not modelled. A spec that starts modelling it, or a torch that starts
+    refusing it, fails here: the path then moves to ``tensor_lr``, or to the refused ones."""
+    row, case = optim.spec(name), strategies.OPTIMIZER_CASES[name]
+    shape = (3,) * max(case.min_ndim, 1)
+    param = torch.nn.Parameter(to_torch(np.ones(shape, np.float32), device))
+    opt = case.torch_class([param], lr=to_torch(np.asarray(0.01, np.float32), device), **_flags(impl))
+    param.grad = torch.ones_like(param)
+    opt.step()
+    cfg, p0 = row.make_config(), np.ones(shape, np.float32)
+    with pytest.raises(ValueError, match="tensor lr is not modelled"):
+        row.step(impl, [p0], [np.ones(shape, np.float32)], (row.init_state(p0, cfg),), cfg,
+                 lr=np.asarray(0.01, np.float32))
 
 
 # Where a tensor lr's dtype shows only on a float32 0-d parameter meeting a float64 rate (two 0-d
