@@ -92,7 +92,8 @@ NATIVE_ULP: dict[str, dict[str, int]] = {
     "RAdam": {"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "param": 2 * 15},
     "Adafactor": {"row_var": 2 * 2, "col_var": 2 * 2, "variance": 2 * 2, "param": 2 * 2},
 }
-"""Per spec row and field (``param`` for the parameter), the bound on native kernels."""
+"""Per spec row and field (``param`` for the parameter), the bound on native kernels; a row not
+listed here takes its own ``native_ulp``."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def _builtin_rows() -> None:
     for name, row in optim.SPECS.items():
         cls = getattr(torch.optim, name, None)
         if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls not in _ROWS:
-            _ROWS[cls] = AuditOptimizer(row, NATIVE_ULP.get(name, {}))
+            _ROWS[cls] = AuditOptimizer(row, NATIVE_ULP.get(name) or dict(row.native_ulp))
 
 
 def register_optimizer(cls: type, spec: Any, *, ulp: Mapping[str, int] | None = None) -> None:

@@ -40,7 +40,8 @@ from the product's rounding); optimizer fields within the conformance bounds, in
 ULP distance explodes where an update cancels to near zero). NaN compares as a class.
 
 A step is not replayed, with the reason in the report, when it holds something outside the
-specification: an optimizer class `audit.optimizers` does not find, bfloat16 or float16 parameters, a tensor learning rate,
+specification: an optimizer class `audit.optimizers` does not find, bfloat16 or float16 parameters, a tensor learning rate
+the spec does not take (other than one float32/float64 element, or on a path whose spec refuses one),
 ``capturable``/``differentiable``, a norm order other than 2 and inf, or fused SGD unscaled by
 its own kernel. The scaler and skip stages of such a step are still checked. On another device
 (a GPU) found_inf, the skip, the unscale, value clipping and the scale update are compared, bit
@@ -349,17 +350,23 @@ class Replayer(StepStages, UpdateCheck):
         for gi, group in enumerate(d.groups):
             idx = [i for i, g in enumerate(d.group_of) if g == gi]
             cfg, impl = _spec_config(o, group)
+            lr = _tensor_lr(group["lr"]) if isinstance(group.get("lr"), torch.Tensor) else cfg.lr
             params = [d.params_before[i] for i in idx]
             grads = [d.step_grads[i] for i in idx]
             states = tuple(row.state_from(d.state_before[i], params[j], cfg) for j, i in enumerate(idx))
             if impl in row.kernel_scaled:
                 if d.kernel_unscale and row.kernel_skip_refused(cfg):
                     raise _NotReplayable(f"{row.name} unscaled by its own kernel: {row.kernel_skip_refused(cfg)}")
-                new_params, _, new_states = row.step(
-                    impl, params, grads, states, cfg, lr=cfg.lr, grad_scale=d.scale if d.kernel_unscale else None,
-                    found_inf=float(d.torch_found_inf or 0.0) if d.amp_aware else 0.0)
+                kwargs = {"grad_scale": d.scale if d.kernel_unscale else None,
+                          "found_inf": float(d.torch_found_inf or 0.0) if d.amp_aware else 0.0}
             else:
-                new_params, _, new_states = row.step(impl, params, grads, states, cfg, lr=cfg.lr, sqrt=_torch_sqrt(impl))
+                kwargs = {"sqrt": _torch_sqrt(impl)}
+            try:
+                new_params, _, new_states = row.step(impl, params, grads, states, cfg, lr=lr, **kwargs)
+            except ValueError as exc:
+                if not isinstance(lr, np.ndarray):
+                    raise
+                raise _NotReplayable(f"a tensor learning rate ({exc})") from None
             for j, i in enumerate(idx):
                 self._compare_param(o, rec, cfg, i, params[j], grads[j], states[j], new_params[j], new_states[j],
                                     d, where)
@@ -431,7 +438,8 @@ def _spec_config(o: OptimizerRef, group: dict[str, Any]) -> tuple[Any, str]:
     if group.get("differentiable") or group.get("capturable"):
         raise _NotReplayable("a capturable or differentiable optimizer")
     if isinstance(group.get("lr"), torch.Tensor):
-        raise _NotReplayable("a tensor learning rate")
+        _tensor_lr(group["lr"])  # refuses what the spec does not take
+        group = dict(group, lr=float(group["lr"]))  # the configuration holds its value
     impl = "fused" if group.get("fused") else "foreach" if group.get("foreach") else "for-loop"
     if impl not in o.entry.spec.steps:
         raise _NotReplayable(f"{o.kind}'s {impl} implementation (the specification has "
@@ -440,6 +448,15 @@ def _spec_config(o: OptimizerRef, group: dict[str, Any]) -> tuple[Any, str]:
         return o.entry.config(group), impl
     except (ValueError, KeyError, TypeError) as exc:
         raise _NotReplayable(f"{o.kind} hyperparameters outside the specification ({exc})") from None
+
+
+def _tensor_lr(lr: torch.Tensor) -> np.ndarray:
+    """A tensor lr as the spec takes it (reference.optim._lr): a 0-d float32/float64 array."""
+    if lr.numel() != 1 or lr.dtype not in (torch.float32, torch.float64) or lr.requires_grad:
+        raise _NotReplayable(f"a tensor learning rate of {lr.numel()} elements, {lr.dtype}"
+                             f"{', requiring grad' if lr.requires_grad else ''} (the specification takes a "
+                             "one-element float32/float64 tensor)")
+    return np.asarray(lr.detach().cpu().reshape(()).numpy())
 
 
 def _torch_sqrt(impl: str) -> Any:

@@ -59,7 +59,9 @@ class OptimizerCalls:
             if d.on_cpu:  # elsewhere the optimizer stage is not replayed: its numbers are not copied
                 d.params_before = self.snap.many(params, d)
                 d.state_before = self.snap.state(o.obj, params, d)
-            d.groups = [{k: v for k, v in g.items() if k != "params"} for g in o.obj.param_groups]
+            # A tensor hyperparameter (a tensor lr) is copied: a schedule may change it in place later.
+            d.groups = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in g.items()
+                         if k != "params"} for g in o.obj.param_groups]
             d.group_of = [gi for gi, g in enumerate(o.obj.param_groups) for _ in g["params"]]
 
     def on_optimizer_step_end(self, opt: Any) -> None:

@@ -109,6 +109,15 @@ def _optimizer_property(name: str, impl: str) -> tuple[str, ...]:
     return (f"conformance/test_optimizers.py::test_optimizer_steps_match_the_spec[cpu-{name}-{impl}]",)
 
 
+def _tensor_lr_property(name: str, impl: str, promoted: str = "") -> tuple[str, ...]:
+    """The tensor-lr property of one path, and the float32 0-d test ``promoted`` names (if any)."""
+    tests = (f"conformance/test_optimizers.py::test_tensor_lrs_and_zero_d_parameters_match_the_spec[cpu-{name}-{impl}]",)
+    if promoted:
+        promoting = "test_a_zero_d_parameter_meets_a_float64_tensor_lr_promoted"
+        tests += (f"conformance/test_optimizers.py::{promoting}[cpu-{promoted}]",)
+    return tests
+
+
 # Spec mutants: one deliberate error in each optimizer's spec function, which that optimizer's
 # conformance property must catch (it compares the spec with torch, so a wrong spec fails too).
 SPEC_MUTANTS = (
@@ -120,8 +129,8 @@ SPEC_MUTANTS = (
            "    denom = np.add(root, f(config.eps), out=new_p)\n",
            _optimizer_property("Adam", "foreach")),
     Mutant("adagrad_lr_decay_from_step_one", "Adagrad decays the rate by step instead of step - 1",
-           "reference/optim/adagrad.py", "        clr = lr / (1 + (float(step) - 1) * config.lr_decay)\n",
-           "        clr = lr / (1 + float(step) * config.lr_decay)\n", _optimizer_property("Adagrad", "for-loop")),
+           "reference/optim/adagrad.py", "        denominator = 1 + (float(step) - 1) * config.lr_decay\n",
+           "        denominator = 1 + float(step) * config.lr_decay\n", _optimizer_property("Adagrad", "for-loop")),
     Mutant("rmsprop_centered_adds_the_mean_square", "centered RMSprop adds grad_avg**2 instead of subtracting it",
            "reference/optim/rmsprop.py", "            avg = root(addcmul(square_avg, grad_avg, grad_avg, -1))\n",
            "            avg = root(addcmul(square_avg, grad_avg, grad_avg, 1))\n", _optimizer_property("RMSprop", "foreach")),
@@ -150,6 +159,38 @@ SPEC_MUTANTS = (
            "        acc = _seq(np.zeros(b, x.dtype), x[:, count * width:], -1)\n        acc = _seq(acc, vec, -1)\n",
            "        acc = _seq(np.zeros(b, x.dtype), vec, -1)\n        acc = _seq(acc, x[:, count * width:], -1)\n",
            ("conformance/test_reductions.py",)),
+    # Tensor learning rates (reference.optim._lr and each optimizer's own rule).
+    Mutant("adagrad_tensor_lr_read_as_a_float", "the for-loop Adagrad divides a tensor lr in float64",
+           "reference/optim/adagrad.py", "            return addcdiv(p, d, std, _lr.value(minus_clr)), new_state, g\n",
+           "            return addcdiv(p, d, std, -(lr / denominator)), new_state, g\n",
+           _tensor_lr_property("Adagrad", "for-loop")),
+    Mutant("adagrad_foreach_numerator_in_place", "Adagrad's foreach multiplies the gradients in place always",
+           "reference/optim/adagrad.py", "        numerator = _lr.binary(\"*\", d, minus_clr, inplace=owned)\n",
+           "        numerator = _lr.binary(\"*\", d, minus_clr, inplace=True)\n",
+           _tensor_lr_property("Adagrad", "foreach", "Adagrad-foreach")),
+    Mutant("rmsprop_tensor_lr_in_float32", "RMSprop reads a tensor lr rounded to float32",
+           "reference/optim/rmsprop.py", "    rate, root = lr_value(config, lr), np.sqrt if sqrt is None else sqrt\n",
+           "    rate, root = lr_value(config, lr if lr is None else np.float32(lr)), np.sqrt if sqrt is None else sqrt\n",
+           _tensor_lr_property("RMSprop", "for-loop")),
+    Mutant("adadelta_tensor_lr_in_float32", "Adadelta reads a tensor lr rounded to float32",
+           "reference/optim/adadelta.py",
+           "    rate, root, c = lr_value(config, lr), np.sqrt if sqrt is None else sqrt, config\n",
+           "    rate, root, c = lr_value(config, lr if lr is None else np.float32(lr)), np.sqrt if sqrt is None else sqrt, "
+           "config\n", _tensor_lr_property("Adadelta", "foreach")),
+    Mutant("adamax_tensor_lr_read_as_a_float", "the for-loop Adamax divides a tensor lr in float64",
+           "reference/optim/adamax.py",
+           "        clr = rate / bc if tensor is None else _lr.value(_lr.over(tensor, bc))\n",
+           "        clr = rate / bc\n", _tensor_lr_property("Adamax", "for-loop")),
+    Mutant("nadam_tensor_lr_sizes_read_as_floats", "the for-loop NAdam computes its step sizes from lr.item()",
+           "reference/optim/nadam.py", "        if tensor is None or foreach:\n", "        if True:\n",
+           _tensor_lr_property("NAdam", "for-loop")),
+    Mutant("radam_tensor_lr_product_not_promoted", "the for-loop RAdam multiplies m_hat by a tensor lr in f",
+           "reference/optim/radam.py", "_lr.binary(\"*\", m_hat, tensor, inplace=False)",
+           "_lr.binary(\"*\", m_hat, tensor, inplace=True)",
+           _tensor_lr_property("RAdam", "for-loop", "RAdam-for-loop")),
+    Mutant("tensor_lr_zero_d_not_promoted", "two 0-d tensors compute in the first one's dtype",
+           "reference/optim/_lr.py", "    return x.dtype if x.ndim > 0 else np.promote_types(x.dtype, t.dtype)\n",
+           "    return x.dtype\n", _tensor_lr_property("NAdam", "foreach", "NAdam-foreach-decoupled_weight_decay-weight_decay")),
 )
 
 

@@ -9,6 +9,11 @@ skipped by ``scaler.step`` when a gradient is not finite. Before every step the 
 torch's parameters and state, and after it every field must agree: the parameter, every state
 field torch keeps (by name), and, under a scaler, the gradients left behind.
 
+A tensor lr (reference.optim rule 11, reference.optim._lr) has its own property per path where
+torch takes one (``strategies.OPTIMIZER_CASES[...].tensor_lr``), drawn the same way with float32
+and float64 rates; where torch refuses one (foreach Adam(W)) the spec refuses it with torch's
+message, and float32 0-d parameters meeting a float64 rate are checked on the paths that promote.
+
 Why from torch's state each step: with exact kernels the two trajectories are then equal by
 induction, so nothing is lost; with native kernels the per-step difference stays what one step
 makes, which is what the bounds derive, instead of compounding (a chaotic trajectory would make
@@ -108,7 +113,7 @@ def run_optimizer_case(name: str, impl: str, config: dict, trajectory: dict, sca
     row, case = optim.spec(name), strategies.OPTIMIZER_CASES[name]
     spec_cfg = row.make_config(**config)
     exact = expectations.exact_kernels(device)
-    bounds = case.ulp if case.ulp is not None else expectations.OPTIMIZER_ULP[name]
+    bounds = case.ulp if case.ulp is not None else expectations.OPTIMIZER_ULP.get(name) or dict(row.native_ulp)
     kernel = impl in row.kernel_scaled
     params = [torch.nn.Parameter(to_torch(p, device)) for p in trajectory["params"]]
     spec_lr = None
@@ -236,25 +241,64 @@ def test_fused_sgd_late_first_gradient_is_the_keyed_expectation(device):
 
 
 TENSOR_LR_CASES = [(n, i) for n, c in strategies.OPTIMIZER_CASES.items() for i in c.tensor_lr]
+# The implementations torch refuses a tensor lr (every spec implementation not in its row's tensor_lr).
+TENSOR_LR_REFUSED = [(n, i) for n, row in optim.SPECS.items() for i in row.steps if n in strategies.OPTIMIZER_CASES
+                     and i not in strategies.OPTIMIZER_CASES[n].tensor_lr + strategies.OPTIMIZER_CASES[n].tensor_lr_gap]
+# The paths where torch takes one and the spec does not model it yet (a stated gap).
+TENSOR_LR_GAPS = [(n, i) for n, c in strategies.OPTIMIZER_CASES.items() for i in c.tensor_lr_gap]
+TENSOR_LR_DTYPES = [np.dtype(np.float32), np.dtype(np.float64)]
+# (parameter dtype, lr dtype), the mixed pairs first and twice as often as the others: a float32
+# 0-d parameter meets a float64 rate promoted; a float32 rate rounds what a Python float does not.
+F32, F64 = TENSOR_LR_DTYPES
+TENSOR_LR_PAIRS = [(F32, F64), (F64, F32), (F32, F64), (F32, F32), (F64, F32), (F64, F64)]
 
 
 @pytest.mark.parametrize(("name", "impl"), TENSOR_LR_CASES, ids=[f"{n}-{i}" for n, i in TENSOR_LR_CASES])
 @given(data=st.data())
 def test_tensor_lrs_and_zero_d_parameters_match_the_spec(name, impl, device, data):
-    """reference.optim rule 11: a learning rate given as a float32 or float64 tensor (or a
-    Python float), with 0-d parameters among the others: the for-loop Adam(W) computes its
-    step size (and AdamW its decay factor) in the tensor's dtype, and a 0-d parameter meets a
-    wider decay factor promoted; SGD and the fused kernels read the tensor's value."""
+    """reference.optim rule 11 and reference.optim._lr: a learning rate given as a float32 or
+    float64 tensor, on every path where torch takes one, with float32 or float64 parameters (0-d
+    among the others, where two 0-d tensors promote), gradients that are sometimes None, under a
+    GradScaler (non-finite gradients, so skipped steps, included) or without. Each optimizer's
+    docstring says where the tensor is read as its value and where it computes as a tensor."""
     row, case = optim.spec(name), strategies.OPTIMIZER_CASES[name]
     config = data.draw(case.config(), label="config")
     kernel = impl in row.kernel_scaled
-    plant = kernel and not row.kernel_skip_refused(row.make_config(**config))
-    trajectory = data.draw(strategies.optimizer_trajectory(plant_nonfinite=plant, zero_d=True), label="trajectory")
-    lr_dtype = data.draw(st.sampled_from([np.dtype(np.float32), np.dtype(np.float64), None]), label="lr dtype")
+    use_scaler = kernel or data.draw(st.booleans(), label="GradScaler")
+    plant = use_scaler and not (kernel and row.kernel_skip_refused(row.make_config(**config)))
+    dtype, lr_dtype = data.draw(st.sampled_from(TENSOR_LR_PAIRS), label="param dtype, lr dtype")
+    trajectory = data.draw(strategies.optimizer_trajectory(plant_nonfinite=plant, zero_d=True, dtypes=(dtype,),
+                                                           min_ndim=case.min_ndim, steps=case.steps,
+                                                           zero_d_first=case.min_ndim == 0),
+                           label="trajectory")
     # Rates whose float32 and float64 quotients by the bias corrections part (not powers of two).
     config["lr"] = data.draw(st.one_of(st.sampled_from([0.37, 3e-4, 0.1, 0.013]), st.floats(1e-4, 0.5)), label="lr")
-    scale = data.draw(st.sampled_from(SCALES), label="init_scale") if kernel else None
-    run_optimizer_case(name, impl, config, trajectory, scale, device, lr_dtype=lr_dtype)
+    scale = data.draw(st.sampled_from(SCALES), label="init_scale") if use_scaler else None
+    separate = kernel and data.draw(st.booleans(), label="separate unscale_")
+    run_optimizer_case(name, impl, config, trajectory, scale, device, lr_dtype=lr_dtype, separate_unscale=separate)
+
+
+@pytest.mark.parametrize(("name", "impl"), TENSOR_LR_REFUSED, ids=[f"{n}-{i}" for n, i in TENSOR_LR_REFUSED])
+@pytest.mark.parametrize("lr_dtype", TENSOR_LR_DTYPES, ids=str)
+def test_a_tensor_lr_is_refused_where_torch_refuses_it(name, impl, lr_dtype, device):
+    """Where a path is not in its conformance row's ``tensor_lr``, torch refuses a tensor lr (a
+    ValueError; for foreach Adam(W): not supported for capturable=False and foreach=True) and the
+    spec's row refuses it with the same message. A torch that starts taking one fails here: the
+    path then belongs in ``tensor_lr``, with its rule in the spec."""
+    row, case = optim.spec(name), strategies.OPTIMIZER_CASES[name]
+    lr = np.asarray(0.01, lr_dtype)
+    param = torch.nn.Parameter(to_torch(np.ones(3, np.float32), device))
+    with pytest.raises(ValueError) as torch_refusal:
+        opt = case.torch_class([param], lr=to_torch(lr, device), **_flags(impl))
+        param.grad = torch.ones_like(param)
+        opt.step()
+    cfg = row.make_config()
+    p0 = np.ones(3, np.float32)
+    with pytest.raises(ValueError) as spec_refusal:
+        row.step(impl, [p0], [np.ones(3, np.float32)], (row.init_state(p0, cfg),), cfg, lr=lr)
+    assert str(spec_refusal.value) == str(torch_refusal.value), (
+        f"{name}[{impl}] with a {lr_dtype} tensor lr: torch says {torch_refusal.value!s}, the spec says "
+        f"{spec_refusal.value!s}")
 
 
 @pytest.mark.parametrize("name", ["NAdam", "RAdam"])
@@ -281,3 +325,62 @@ def test_the_for_loop_and_foreach_paths_differ_as_the_spec_says(name, device):
             assert_same(out[impl][0], out[impl][1], Where(f"{name}[{impl}]", field="params after 8 steps"))
     assert not np.array_equal(out["for-loop"][0], out["foreach"][0]), f"torch's two {name} paths now agree"
     assert not np.array_equal(out["for-loop"][1], out["foreach"][1]), f"the spec's two {name} paths agree"
+
+
+@pytest.mark.parametrize(("name", "impl"), TENSOR_LR_GAPS, ids=[f"{n}-{i}" for n, i in TENSOR_LR_GAPS])
+def test_a_tensor_lr_the_spec_does_not_model_is_refused_by_it_and_taken_by_torch(name, impl, device):
+    """A stated gap (``tensor_lr_gap``): torch steps with a tensor lr there and the spec refuses
+    one, saying it is not modelled. A spec that starts modelling it, or a torch that starts
+    refusing it, fails here: the path then moves to ``tensor_lr``, or to the refused ones."""
+    row, case = optim.spec(name), strategies.OPTIMIZER_CASES[name]
+    shape = (3,) * max(case.min_ndim, 1)
+    param = torch.nn.Parameter(to_torch(np.ones(shape, np.float32), device))
+    opt = case.torch_class([param], lr=to_torch(np.asarray(0.01, np.float32), device), **_flags(impl))
+    param.grad = torch.ones_like(param)
+    opt.step()
+    cfg, p0 = row.make_config(), np.ones(shape, np.float32)
+    with pytest.raises(ValueError, match="tensor lr is not modelled"):
+        row.step(impl, [p0], [np.ones(shape, np.float32)], (row.init_state(p0, cfg),), cfg,
+                 lr=np.asarray(0.01, np.float32))
+
+
+# Where a tensor lr's dtype shows only on a float32 0-d parameter meeting a float64 rate (two 0-d
+# tensors promote): the paths whose rule computes in the common dtype (reference.optim._lr rule 3).
+PROMOTING = [("Adagrad", "foreach", {}), ("Adagrad", "foreach", {"maximize": True}),
+             ("NAdam", "for-loop", {"weight_decay": 0.5, "decoupled_weight_decay": True}),
+             ("NAdam", "foreach", {"weight_decay": 0.5, "decoupled_weight_decay": True}),
+             ("RAdam", "for-loop", {}), ("RAdam", "foreach", {})]  # rectified from step 6
+
+
+@pytest.mark.parametrize(("name", "impl", "cfg"), PROMOTING, ids=[f"{n}-{i}" + "".join(f"-{k}" for k in sorted(c)) for n, i, c in PROMOTING])
+def test_a_zero_d_parameter_meets_a_float64_tensor_lr_promoted(name, impl, cfg, device):
+    """Float32 0-d parameters and a float64 tensor lr that a schedule changes every step, 10
+    steps: torch's parameters differ from those Python floats of the same values give (the
+    promotion is real), and with exact kernels equal the spec's bit for bit (Adagrad's foreach
+    multiplies out of place without maximize or weight decay and in place with them; NAdam's
+    decay factor; RAdam's product chains and its foreach step sizes)."""
+    row, rng = optim.spec(name), np.random.default_rng(7)
+    spec_cfg = row.make_config(**cfg)
+    # Small parameters and large rates: the update is not lost in the parameter's rounding.
+    p0 = [np.float32(rng.standard_normal() * 1e-2).reshape(()) for _ in range(128)]
+    grads = [[np.float32(rng.standard_normal()).reshape(()) for _ in p0] for _ in range(10)]
+    lrs = [np.asarray(r, np.float64) for r in rng.uniform(0.05, 0.5, len(grads))]
+    finals = {}
+    for kind in ("tensor", "float"):
+        params = [torch.nn.Parameter(to_torch(p, device)) for p in p0]
+        opt = getattr(torch.optim, name)(params, lr=to_torch(lrs[0], device) if kind == "tensor" else 0.1, **cfg,
+                                         **_flags(impl))
+        for g, lr in zip(grads, lrs):
+            opt.param_groups[0]["lr"] = to_torch(lr, device) if kind == "tensor" else float(lr)
+            for p, gi in zip(params, g):
+                p.grad = to_torch(gi, device)
+            opt.step()
+        finals[kind] = np.stack([to_numpy(p) for p in params])
+    assert not np.array_equal(finals["tensor"], finals["float"]), \
+        f"{name}[{impl}]: a float64 tensor lr no longer changes a float32 0-d parameter's bits"
+    if expectations.exact_kernels(device):
+        spec_p, state = list(p0), tuple(row.init_state(p, spec_cfg) for p in p0)
+        for g, lr in zip(grads, lrs):
+            spec_p, _, state = row.step(impl, spec_p, g, state, spec_cfg, lr=lr, sqrt=_torch_sqrt(impl, device))
+        assert_same(finals["tensor"], np.stack([np.asarray(p) for p in spec_p]),
+                    Where(f"{name}[{impl}]", field="128 float32 0-d params after 10 steps, float64 tensor lrs"))

@@ -30,7 +30,8 @@ every argument check of unscale_/step, fused_step_unscales_twice, update(new_sca
 state_dict/load_state_dict/pickling,
 growth_in_float32, growth_at_or_past_interval, nan_found_inf_is_clean, clip_coef_true_division,
 clip_zero_d_grad_not_promoted and both error_if_nonfinite mutants. After them: 77/77 killed, the two
-equivalent mutants surviving as argued and both controls surviving.
+equivalent mutants surviving as argued and both controls surviving. The tensor-lr mutants of Adagrad (for-loop,
+foreach), NAdam (for-loop) and RAdam (foreach) were added after: the tensor-lr property kills each.
 
 Run from the repository root (about 20 s per mutant on 2 cores; not part of ``pytest``):
 
@@ -674,6 +675,22 @@ MUTANTS: tuple[TorchMutant, ...] = (
                 "size then divides in float64, not in the tensor's dtype)", OPTIM,
                 edits=(Edit("torch.optim.adam", "_single_tensor_adam", "        lr = _to_scalar(lr)\n",
                             "        lr = _to_scalar(lr)\n        lr = lr.item() if isinstance(lr, Tensor) else lr\n"),)),
+    TorchMutant("adagrad_tensor_lr_read_as_float", "the for-loop Adagrad reads a tensor lr as a Python float (its "
+                "rate then divides in float64, not in the tensor's dtype)", OPTIM,
+                edits=(Edit("torch.optim.adagrad", "_single_tensor_adagrad", "        lr = _to_scalar(lr)\n",
+                            "        lr = _to_scalar(lr)\n        lr = lr.item() if isinstance(lr, torch.Tensor) else lr\n"),)),
+    TorchMutant("adagrad_foreach_tensor_lr_read_as_float", "the foreach Adagrad reads a tensor lr as a Python float "
+                "(a 0-d parameter then meets its rate unpromoted)", OPTIM,
+                edits=(Edit("torch.optim.adagrad", "_multi_tensor_adagrad", "    lr = _to_scalar(lr)\n",
+                            "    lr = _to_scalar(lr)\n    lr = lr.item() if isinstance(lr, torch.Tensor) else lr\n"),)),
+    TorchMutant("nadam_tensor_lr_read_as_float", "the for-loop NAdam reads a tensor lr as a Python float (its step "
+                "sizes and decay factor then computed in float64)", OPTIM,
+                edits=(Edit("torch.optim.nadam", "_single_tensor_nadam", "        lr = _to_scalar(lr)\n",
+                            "        lr = _to_scalar(lr)\n        lr = lr.item() if isinstance(lr, torch.Tensor) else lr\n"),)),
+    TorchMutant("radam_foreach_tensor_lr_read_as_float", "the foreach RAdam reads a tensor lr as a Python float (its "
+                "step sizes then computed in float64)", OPTIM,
+                edits=(Edit("torch.optim.radam", "_multi_tensor_radam", "    lr = _to_scalar(lr)\n",
+                            "    lr = _to_scalar(lr)\n    lr = lr.item() if isinstance(lr, torch.Tensor) else lr\n"),)),
     TorchMutant("adamw_decay_without_lr", "AdamW decays the parameter by weight_decay, not lr * weight_decay",
                 OPTIM, edits=(Edit("torch.optim.adam", "_single_tensor_adam", "param.mul_(1 - lr * weight_decay)",
                                    "param.mul_(1 - weight_decay)"),)),

@@ -203,3 +203,36 @@ def test_adafactor_is_replayed_every_step(monkeypatch, foreach):
     assert r.replay["not_replayed"] == {} and r.replay["steps_replayed"] == 4, r.replay
     if torch.backends.cpu.get_cpu_capability() == "DEFAULT":  # exact kernels: reductions included
         assert r.replay["steps_bit_exact"] == 4, r.replay
+
+
+TENSOR_LR_LOOPS = [("Adagrad", {"lr_decay": 0.1}), ("NAdam", {"decoupled_weight_decay": True, "weight_decay": 0.1}),
+                   ("RAdam", {"foreach": True}), ("Adamax", {}), ("AdamW", {"fused": True})]
+
+
+@pytest.mark.parametrize(("name", "kwargs"), TENSOR_LR_LOOPS)
+@pytest.mark.parametrize("lr_dtype", [torch.float32, torch.float64])
+def test_a_tensor_learning_rate_is_replayed(monkeypatch, name, kwargs, lr_dtype):
+    """A tensor lr is replayed as the spec computes with it (reference.optim._lr): every step,
+    bit for bit with exact kernels."""
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "inline")
+
+    def make(params):
+        return getattr(torch.optim, name)(params, lr=torch.tensor(0.05, dtype=lr_dtype), **kwargs)
+
+    with audit.audit() as session:
+        _loop(make)
+    r = session.report
+    assert r.findings == [], r.text()
+    assert r.replay["not_replayed"] == {} and r.replay["steps_replayed"] == 4, r.replay
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        assert r.replay["steps_bit_exact"] == 4, r.replay
+
+
+def test_a_tensor_learning_rate_the_spec_does_not_take_is_not_replayed(monkeypatch):
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "inline")
+    with audit.audit() as session:
+        _loop(lambda p: torch.optim.Adafactor(p, lr=torch.tensor(0.05)))
+    r = session.report
+    assert r.findings == [], r.text()
+    assert any("a tensor learning rate (a tensor lr is not modelled for Adafactor" in s.replay for s in r.steps), \
+        [s.replay for s in r.steps]

@@ -22,14 +22,18 @@ from torchimpl import spec_bridge
 from torchimpl.config import Config
 
 
-def test_every_spec_row_is_covered_by_every_consumer():
+def _assert_every_consumer_covers_every_row() -> None:
+    """Every spec row has a conformance row of its torch class, native-kernel bounds for every
+    field it compares, an audit row with those same bounds, a torchimpl row and magnitudes;
+    every torchimpl row bridges to its spec row."""
     torch_rows = {row.cls.__name__: row for row in ti_optim.REGISTRY.values()}
     for name, row in optim.SPECS.items():
         assert name in strategies.OPTIMIZER_CASES, f"{name}: no conformance row in conformance/strategies.py"
         case = strategies.OPTIMIZER_CASES[name]
         assert case.torch_class.__name__ == name, f"{name}: the conformance row's class is {case.torch_class}"
-        bounds = case.ulp if case.ulp is not None else expectations.OPTIMIZER_ULP.get(name)
-        assert bounds is not None, f"{name}: no native-kernel bounds in conformance/expectations.py"
+        # The same lookup as the property's (conformance/test_optimizers.py run_optimizer_case).
+        bounds = case.ulp if case.ulp is not None else expectations.OPTIMIZER_ULP.get(name) or dict(row.native_ulp)
+        assert bounds, f"{name}: no native-kernel bounds (the spec row's native_ulp, or conformance/expectations.py)"
         cfg = row.make_config()
         init = row.init_state(np.zeros(2, np.float32), cfg)
         # Scalar fields (step counters) are compared bit for bit everywhere: no bound.
@@ -48,6 +52,10 @@ def test_every_spec_row_is_covered_by_every_consumer():
         # The bridge builds the spec's configuration from the trainer's for every row.
         cfg = spec_bridge.optimizer_config(ti_optim.OptimizerConfig(name=row.name))
         assert optim.spec_for(cfg).config_type is spec_row.config_type
+
+
+def test_every_spec_row_is_covered_by_every_consumer():
+    _assert_every_consumer_covers_every_row()
 
 
 # --- a toy optimizer, in the four places -------------------------------------------------------
@@ -99,19 +107,26 @@ def toy(monkeypatch):
     monkeypatch.setattr(optim, "SPECS", optim._registry.SPECS)
     monkeypatch.setattr(ti_optim, "REGISTRY", dict(ti_optim.REGISTRY))
     monkeypatch.setattr(strategies, "OPTIMIZER_CASES", dict(strategies.OPTIMIZER_CASES))
-    # Place two: the spec row.
+    # The toy stands for a new torch.optim class: the audit finds those by name in torch.optim,
+    # with no registration of its own (its table of bounds is reset to the built-in rows).
+    monkeypatch.setattr(torch.optim, "SignSGD", SignSGD, raising=False)
+    monkeypatch.setattr(audit_optimizers, "_ROWS", {})
+    # Place two: the spec row, with its bounds on native kernels.
     optim.register(optim.OptimizerSpec("SignSGD", SignSGDConfig, SignSGDConfig,
                                        lambda p, cfg: SignSGDState(np.float32(0)),
-                                       {"for-loop": sign_sgd}, magnitudes=_magnitudes))
+                                       {"for-loop": sign_sgd}, magnitudes=_magnitudes, native_ulp={"param": 2}))
     # Place three: the torchimpl row.
     ti_optim.register(ti_optim.TorchOptimizer("signsgd", SignSGD))
     # Place four: the conformance row.
     strategies.optimizer_case("SignSGD", strategies.OptimizerCase(
-        SignSGD, lambda: st.fixed_dictionaries({"lr": st.floats(1e-4, 1.0)}), ulp={"param": 2}))
+        SignSGD, lambda: st.fixed_dictionaries({"lr": st.floats(1e-4, 1.0)})))
 
 
 def test_a_toy_optimizer_added_in_four_places_reaches_every_consumer(toy):
     row = optim.spec("SignSGD")
+    # Every consumer covers it, the audit with the spec row's bounds, and nothing else was needed.
+    _assert_every_consumer_covers_every_row()
+    assert audit_optimizers.lookup(SignSGD)[0].ulp == {"param": 2}
     assert row.hyperparameters() == {"lr": 1e-3, "weight_decay": 0.0}
     # The trainer's configuration accepts its name, builds torch's class and bridges to the spec.
     config = Config.from_dict({"optimizer": {"name": "signsgd", "lr": 0.1, "weight_decay": 0.0}})
@@ -134,6 +149,6 @@ def test_a_toy_optimizer_added_in_four_places_reaches_every_consumer(toy):
     optim._registry.SPECS["SignSGD"] = optim.OptimizerSpec(
         "SignSGD", SignSGDConfig, SignSGDConfig, lambda p, cfg: SignSGDState(np.float32(0)),
         {"for-loop": lambda *a, **k: (lambda p, g, s: ([x * 2 for x in p], g, s))(*sign_sgd(*a, **k))},
-        magnitudes=_magnitudes)
+        magnitudes=_magnitudes, native_ulp={"param": 2})
     with pytest.raises(AssertionError, match="params"):
         run_optimizer_case("SignSGD", "for-loop", {"lr": 0.25}, trajectory, None, "cpu")

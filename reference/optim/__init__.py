@@ -78,7 +78,9 @@ floats, i.e. float64):
    its dtype but a 0-d parameter (two 0-d tensors promote) in the wider of the two, rounded
    once: ``f(f64(p) * factor)`` for a float32 0-d parameter and a float64 lr. Python-float
    hyperparameters never promote a 0-d parameter (they are wrapped numbers). foreach Adam
-   refuses a tensor lr.
+   refuses a tensor lr, as torch does ("lr as a Tensor is not supported for capturable=False
+   and foreach=True"). The other optimizers take one on every CPU path and state their own
+   rule, built from `reference.optim._lr`.
 12. The registry (`reference.optim._registry`): one `OptimizerSpec` row per torch class, by
    torch's class name (`SPECS`, `spec(name)`, `spec_for(config)`), with its hyperparameters and
    torch's defaults, ``init_state`` and a step function per implementation. Consumers call the
@@ -187,11 +189,18 @@ def _fused_adam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=
 register(OptimizerSpec("SGD", SGDConfig, SGDConfig, sgd_init_state,
                        {"for-loop": _sgd, "foreach": _sgd, "fused": _fused_sgd}, frozenset({"fused"}),
                        _sgd_kernel_skip_refused, sgd_magnitudes))
+def _foreach_adam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    # Rule 11: torch's foreach Adam(W) refuses a tensor lr (without capturable, which needs CUDA).
+    if isinstance(lr, np.ndarray):
+        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")  # noqa: TRY004 (torch's type)
+    return _adam(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
 register(OptimizerSpec("Adam", AdamConfig, AdamConfig, adam_init_state,
-                       {"for-loop": _adam, "foreach": _adam, "fused": _fused_adam}, frozenset({"fused"}),
+                       {"for-loop": _adam, "foreach": _foreach_adam, "fused": _fused_adam}, frozenset({"fused"}),
                        magnitudes=adam_magnitudes))
 register(OptimizerSpec("AdamW", adamw_config, AdamConfig, adam_init_state,
-                       {"for-loop": _adam, "foreach": _adam, "fused": _fused_adam}, frozenset({"fused"}),
+                       {"for-loop": _adam, "foreach": _foreach_adam, "fused": _fused_adam}, frozenset({"fused"}),
                        magnitudes=adam_magnitudes))
 
 
@@ -199,12 +208,16 @@ def _adagrad(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=Non
     return adagrad_step(params, grads, state, config, lr=lr, sqrt=sqrt)
 
 
+def _foreach_adagrad(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adagrad_step(params, grads, state, config, lr=lr, sqrt=sqrt, foreach=True)
+
+
 def _fused_adagrad(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
     return adagrad_step(params, grads, state, config, lr=lr, grad_scale=grad_scale, found_inf=found_inf, fused=True)
 
 
 register(OptimizerSpec("Adagrad", AdagradConfig, AdagradConfig, adagrad_init_state,
-                       {"for-loop": _adagrad, "foreach": _adagrad, "fused": _fused_adagrad}, frozenset({"fused"}),
+                       {"for-loop": _adagrad, "foreach": _foreach_adagrad, "fused": _fused_adagrad}, frozenset({"fused"}),
                        magnitudes=adagrad_magnitudes))
 
 
@@ -220,12 +233,16 @@ def _adamax(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None
     return adamax_step(params, grads, state, config, lr=lr, sqrt=sqrt)
 
 
+def _foreach_adamax(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adamax_step(params, grads, state, config, lr=lr, sqrt=sqrt, foreach=True)
+
+
 def _adadelta(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
     return adadelta_step(params, grads, state, config, lr=lr, sqrt=sqrt)
 
 
 register(OptimizerSpec("Adamax", AdamaxConfig, AdamaxConfig, adamax_init_state,
-                       {"for-loop": _adamax, "foreach": _adamax}, magnitudes=adamax_magnitudes))
+                       {"for-loop": _adamax, "foreach": _foreach_adamax}, magnitudes=adamax_magnitudes))
 register(OptimizerSpec("Adadelta", AdadeltaConfig, AdadeltaConfig, adadelta_init_state,
                        {"for-loop": _adadelta, "foreach": _adadelta}, magnitudes=adadelta_magnitudes))
 

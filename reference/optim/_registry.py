@@ -51,7 +51,9 @@ class OptimizerSpec:
     step. ``kernel_skip_refused(config)``: why the spec cannot model this configuration in a kernel
     that skips by itself (``None`` when it can). ``magnitudes(config, param, grad, old, new)``:
     ``x_abs`` of every compared field (the field's formula on magnitudes, float64), the scale of
-    the ULP bounds on native kernels.
+    the ULP bounds on native kernels. ``native_ulp``: per compared field (``param`` for the
+    parameter) the bound on native kernels in ULPs of ``x_abs``, which the audit and the
+    conformance suite take for a row their own tables do not list.
     """
 
     name: str
@@ -62,6 +64,7 @@ class OptimizerSpec:
     kernel_scaled: frozenset[str] = frozenset()
     kernel_skip_refused: Callable[[Any], str | None] = _never
     magnitudes: Callable[..., dict[str, np.ndarray]] | None = field(default=None, compare=False)
+    native_ulp: Mapping[str, int] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         unknown = set(self.steps) - set(IMPLEMENTATIONS)

@@ -10,7 +10,9 @@ Rules (``f`` rounds to the parameter dtype; `reference.optim._common` states the
 4. ``acc_delta = addcmul(f(acc_delta * f(rho)), delta, delta, 1 - rho)``; ``p = add(p, delta, -lr)``.
 5. The foreach path does the same operations in the same order; its square root is
    ``torch._foreach_sqrt`` (`reference.optim` rule 9). torch has no fused Adadelta.
-6. The learning rate is read as a Python float (a tensor lr is not modelled).
+6. A tensor lr is read as the number it holds (`reference.optim._lr` rule 1), on both paths:
+   torch hands ``-lr`` to ``add``'s ``alpha``. (Only ``capturable`` foreach, which needs CUDA,
+   multiplies by the tensor instead.)
 """
 
 from __future__ import annotations
@@ -68,10 +70,9 @@ def adadelta_step(
     grad_scale: float | None = None,
     found_inf: float = 0.0,
 ) -> tuple[list[np.ndarray], list[np.ndarray | None], tuple[AdadeltaState, ...]]:
-    """One step of the for-loop or foreach path (rules 2-5); ``sqrt``: torch's square root."""
+    """One step of the for-loop or foreach path (rules 2-6); ``sqrt``: torch's square root."""
     arrays = check_inputs(params, grads, state, config, AdadeltaConfig, AdadeltaState)
     require(grad_scale is None and found_inf == 0.0, "Adadelta has no kernel that unscales (GradScaler does)")
-    require(not isinstance(lr, np.ndarray), "a tensor lr is not modelled for Adadelta (rule 6)")
     rate, root, c = lr_value(config, lr), np.sqrt if sqrt is None else sqrt, config
 
     def update(p: np.ndarray, g: np.ndarray, s: AdadeltaState) -> tuple[np.ndarray, AdadeltaState, np.ndarray]:

@@ -15,7 +15,15 @@ Rules (``f`` rounds to the parameter dtype; `reference.optim._common` states the
    2-3 run with a correctly rounded square root; then ``step = f32(step - f32(found_inf))``.
    torch creates the state inside ``step()``, so the kernel's skipped first step leaves the
    state of rule 1, where the for-loop path under a GradScaler has none yet.
-6. The learning rate is read as a Python float (a tensor lr is not modelled).
+6. A tensor lr (`reference.optim._lr`; ``L`` its dtype). The for-loop path divides it as a
+   tensor, ``clr = L(lr / L(1 + (step - 1) * lr_decay))`` (so a float32 rate differs from a
+   Python float only with ``lr_decay != 0``), and hands ``-clr`` to ``addcdiv`` as the number it
+   holds. The foreach path makes the same ``-clr`` tensors and multiplies the gradients by them
+   (`_lr` rule 3): in place when ``maximize`` or weight decay made the gradients its own copies,
+   giving ``f(W(d) * W(-clr))``, otherwise out of place, keeping ``W``, the common dtype; then
+   ``p = f(W(p) + W(numerator / W(std)))``. So a float32 0-d parameter with a float64 rate is
+   updated in float64, rounded once, where the for-loop path rounds ``-clr`` to float32 first.
+   The fused kernel reads the tensor as the number it holds.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from reference.optim import _lr
 from reference.optim._common import (add, addcdiv, addcmul, check_inputs, check_lr, check_nonnegative, check_param,
                                      for_each_param, frozen, lr_value, require, step_counter)
 
@@ -63,7 +72,9 @@ def adagrad_init_state(p: np.ndarray, config: AdagradConfig) -> AdagradState:
     return AdagradState(step=np.float32(0.0), sum=frozen(np.full_like(a, a.dtype.type(config.initial_accumulator_value))))
 
 
-def _update(config: AdagradConfig, lr: float, sqrt: Callable[[np.ndarray], np.ndarray], grad_scale):
+def _update(config: AdagradConfig, lr: float, sqrt: Callable[[np.ndarray], np.ndarray], grad_scale,
+            tensor: np.ndarray | None = None, foreach: bool = False):
+    """Rules 2-3; ``tensor``: the tensor lr of rule 6 (the for-loop and foreach paths only)."""
     def update(p: np.ndarray, g: np.ndarray, s: AdagradState) -> tuple[np.ndarray, AdagradState, np.ndarray]:
         f = p.dtype.type
         step = step_counter(s.step)
@@ -72,10 +83,19 @@ def _update(config: AdagradConfig, lr: float, sqrt: Callable[[np.ndarray], np.nd
         d = -g if config.maximize else g
         if config.weight_decay != 0:
             d = add(d, p, config.weight_decay)
-        clr = lr / (1 + (float(step) - 1) * config.lr_decay)
+        denominator = 1 + (float(step) - 1) * config.lr_decay
         total = addcmul(s.sum, d, d, 1.0)
         std = sqrt(total) + f(config.eps)
-        return addcdiv(p, d, std, -clr), AdagradState(step=step, sum=frozen(total)), g
+        new_state = AdagradState(step=step, sum=frozen(total))
+        if tensor is None:
+            return addcdiv(p, d, std, -(lr / denominator)), new_state, g
+        minus_clr = _lr.over(-tensor, denominator)  # rule 6
+        if not foreach:
+            return addcdiv(p, d, std, _lr.value(minus_clr)), new_state, g
+        owned = config.maximize or config.weight_decay != 0  # _foreach_mul_ on its own copies
+        numerator = _lr.binary("*", d, minus_clr, inplace=owned)
+        w = numerator.dtype
+        return (p.astype(w) + numerator / std.astype(w)).astype(p.dtype), new_state, g
     return update
 
 
@@ -90,19 +110,21 @@ def adagrad_step(
     grad_scale: float | None = None,
     found_inf: float = 0.0,
     fused: bool = False,
+    foreach: bool = False,
 ) -> tuple[list[np.ndarray], list[np.ndarray | None], tuple[AdagradState, ...]]:
-    """One step (rules 2-4; with ``fused``, rule 5). ``sqrt``: torch's square root for the
+    """One step (rules 2-4; with ``fused``, rule 5; a tensor ``lr``, rule 6, where ``foreach``
+    tells the foreach path from the for-loop one). ``sqrt``: torch's square root for the
     for-loop and foreach paths (`reference.optim` rule 9); the fused kernel's is ``np.sqrt``."""
     arrays = check_inputs(params, grads, state, config, AdagradConfig, AdagradState)
     require(fused or (grad_scale is None and found_inf == 0.0), "only the fused kernel takes grad_scale/found_inf")
-    rate = lr_value(config, lr)
-    require(not isinstance(lr, np.ndarray), "a tensor lr is not modelled for Adagrad (rule 6)")
+    rate, tensor = lr_value(config, lr), None if fused else _lr.tensor_lr(lr)
     root = np.sqrt if (fused or sqrt is None) else sqrt
     if fused and float(found_inf) == 1.0:
         return ([np.array(p, copy=True) for p in arrays], [None if g is None else np.array(g, copy=True) for g in grads],
                 tuple(s if g is None else dataclasses.replace(s, step=np.float32(step_counter(s.step) - np.float32(1)))
                       for g, s in zip(grads, state)))
-    new_params, new_grads, new_state = for_each_param(arrays, grads, state, _update(config, rate, root, grad_scale))
+    update = _update(config, rate, root, grad_scale, tensor, foreach)
+    new_params, new_grads, new_state = for_each_param(arrays, grads, state, update)
     if fused and found_inf != 0.0:
         new_state = tuple(s if g is None else dataclasses.replace(s, step=np.float32(s.step - np.float32(found_inf)))
                           for g, s in zip(grads, new_state))

@@ -9,7 +9,10 @@ Rules (``f`` rounds to the parameter dtype; `reference.optim._common` states the
 4. ``clr = lr / (1 - beta1 ** step)`` in float64; ``p = addcdiv(p, exp_avg, exp_inf, -clr)``.
 5. The foreach path does the same operations in the same order (its step size is
    ``(lr / bc) * -1``, the same float64). torch has no fused Adamax.
-6. The learning rate is read as a Python float (a tensor lr is not modelled).
+6. A tensor lr (`reference.optim._lr`, ``L`` its dtype): the for-loop path divides it as a
+   tensor, ``clr = L(lr / L(1 - beta1 ** step))``, and hands ``-clr`` to ``addcdiv`` as the number
+   it holds (a float32 rate is rounded to float32 there, where a Python float stays float64);
+   the foreach path reads ``lr.item()`` and computes as with a Python float.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from reference.optim import _lr
 from reference.optim._common import (add, addcdiv, check_inputs, check_lr, check_nonnegative, check_param,
                                      for_each_param, frozen, lerp, lr_value, require, step_counter)
 from reference.optim.rmsprop import quotient_magnitude
@@ -70,12 +74,14 @@ def adamax_step(
     sqrt: Callable[[np.ndarray], np.ndarray] | None = None,
     grad_scale: float | None = None,
     found_inf: float = 0.0,
+    foreach: bool = False,
 ) -> tuple[list[np.ndarray], list[np.ndarray | None], tuple[AdamaxState, ...]]:
-    """One step of the for-loop or foreach path (rules 2-5); Adamax takes no square root."""
+    """One step of the for-loop path, or with ``foreach`` the foreach path (rules 2-6); Adamax
+    takes no square root."""
     arrays = check_inputs(params, grads, state, config, AdamaxConfig, AdamaxState)
     require(grad_scale is None and found_inf == 0.0, "Adamax has no kernel that unscales (GradScaler does)")
-    require(not isinstance(lr, np.ndarray), "a tensor lr is not modelled for Adamax (rule 6)")
     rate, (beta1, beta2), c = lr_value(config, lr), config.betas, config
+    tensor = None if foreach else _lr.tensor_lr(lr)  # rule 6
 
     def update(p: np.ndarray, g: np.ndarray, s: AdamaxState) -> tuple[np.ndarray, AdamaxState, np.ndarray]:
         f = p.dtype.type
@@ -85,7 +91,8 @@ def adamax_step(
             d = add(d, p, c.weight_decay)
         exp_avg = lerp(s.exp_avg, d, 1 - beta1)
         exp_inf = np.maximum(s.exp_inf * f(beta2), np.abs(d) + f(c.eps))
-        clr = rate / (1 - beta1 ** float(step))
+        bc = 1 - beta1 ** float(step)
+        clr = rate / bc if tensor is None else _lr.value(_lr.over(tensor, bc))
         return addcdiv(p, exp_avg, exp_inf, -clr), AdamaxState(step, frozen(exp_avg), frozen(exp_inf)), g
 
     return for_each_param(arrays, grads, state, update)

@@ -17,8 +17,12 @@ Rules (``f`` rounds to the parameter dtype; `reference.optim._common` states the
    differently: torch's two paths differ in the last bits (a tested expectation).
 6. ``p = addcdiv(p, d, denom, -lr * (1 - mu) / (1 - mu_product))``, then
    ``p = addcdiv(p, exp_avg, denom, -lr * mu_next / (1 - mu_product * mu_next))`` (float64 scalars).
-7. The learning rate is read as a Python float (a tensor lr is not modelled). torch has no
-   fused NAdam.
+7. A tensor lr (`reference.optim._lr`, ``L`` its dtype). Decoupled weight decay multiplies by
+   the tensor factor of `_lr` rule 4 on both paths (a 0-d parameter meets it promoted). The
+   for-loop path computes its two step sizes as tensors, ``L(L(-lr * L(1 - mu)) / L(1 - mu_product))``
+   and ``L(L(-lr * L(mu_next)) / L(1 - mu_product * mu_next))`` (``mu_product`` read as a Python
+   float), and hands them to ``addcdiv`` as the numbers they hold; the foreach path reads
+   ``lr.item()`` for them and computes as with a Python float. torch has no fused NAdam.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from reference.optim import _lr
 from reference.optim._common import (addcdiv, addcmul, check_inputs, check_lr, check_nonnegative, check_param,
                                      for_each_param, frozen, lerp, lr_value, require, step_counter,
                                      weight_decayed)
@@ -85,10 +90,10 @@ def nadam_step(
     found_inf: float = 0.0,
     foreach: bool = False,
 ) -> tuple[list[np.ndarray], list[np.ndarray | None], tuple[NAdamState, ...]]:
-    """One step of the for-loop path, or with ``foreach`` the foreach path (rules 2-6)."""
+    """One step of the for-loop path, or with ``foreach`` the foreach path (rules 2-7)."""
     arrays = check_inputs(params, grads, state, config, NAdamConfig, NAdamState)
     require(grad_scale is None and found_inf == 0.0, "NAdam has no kernel that unscales (GradScaler does)")
-    require(not isinstance(lr, np.ndarray), "a tensor lr is not modelled for NAdam (rule 7)")
+    tensor = _lr.tensor_lr(lr)
     rate, root, c, (beta1, beta2) = lr_value(config, lr), np.sqrt if sqrt is None else sqrt, config, config.betas
 
     def update(p: np.ndarray, g: np.ndarray, s: NAdamState) -> tuple[np.ndarray, NAdamState, np.ndarray]:
@@ -96,7 +101,10 @@ def nadam_step(
         step = step_counter(s.step)
         t = float(step)
         d = -g if c.maximize else g
-        p, d = weight_decayed(p, d, c.weight_decay, c.decoupled_weight_decay, rate)
+        if tensor is not None and c.decoupled_weight_decay:
+            p = _lr.decayed(p, tensor, c.weight_decay)  # rule 7
+        else:
+            p, d = weight_decayed(p, d, c.weight_decay, c.decoupled_weight_decay, rate)
         mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * c.momentum_decay)))
         mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1) * c.momentum_decay)))
         mu_product = np.float32(s.mu_product * np.float32(mu))
@@ -108,8 +116,13 @@ def nadam_step(
         else:
             denom = root(exp_avg_sq / f(bc2)) + f(c.eps)
         mp = float(mu_product)
-        p = addcdiv(p, d, denom, -rate * (1.0 - mu) / (1.0 - mp))
-        p = addcdiv(p, exp_avg, denom, (-rate * mu_next) / (1.0 - mp * mu_next))
+        if tensor is None or foreach:
+            size_grad, size_avg = -rate * (1.0 - mu) / (1.0 - mp), (-rate * mu_next) / (1.0 - mp * mu_next)
+        else:  # rule 7
+            size_grad = _lr.value(_lr.over(_lr.times(-tensor, 1.0 - mu), 1.0 - mp))
+            size_avg = _lr.value(_lr.over(_lr.times(-tensor, mu_next), 1.0 - mp * mu_next))
+        p = addcdiv(p, d, denom, size_grad)
+        p = addcdiv(p, exp_avg, denom, size_avg)
         return p, NAdamState(step, mu_product, frozen(exp_avg), frozen(exp_avg_sq)), g
 
     return for_each_param(arrays, grads, state, update)

@@ -19,8 +19,16 @@ Rules (``f`` rounds to the parameter dtype; `reference.optim._common` states the
    ``b = f(f(1 / f(f(sqrt(exp_avg_sq) + f(eps)) / f(s))) + f(u))`` (not rectified, the division
    by ``-0.0`` gives ``-inf``, its reciprocal ``-0.0``, so ``b = f(u)``) and ``p = f(p + f(exp_avg * b))``.
    So torch's two paths differ in the last bits, even unrectified (a tested expectation).
-6. The learning rate is read as a Python float (a tensor lr is not modelled). torch has no
-   fused RAdam.
+6. A tensor lr (`reference.optim._lr`, ``L`` its dtype, ``W`` the common dtype of `_lr` rule 3).
+   Decoupled weight decay multiplies by the tensor factor of `_lr` rule 4 on both paths. The
+   for-loop path multiplies ``m_hat * lr`` as tensors, so the product and every factor after it
+   (``a``, ``rect``, then the subtraction from ``p``) are computed in ``W``: the float32 0-d
+   parameter of a float64 rate is updated in float64 and rounded once; otherwise ``W`` is the
+   parameter's dtype and the rate meets it as ``f(lr)``, as a Python float does. The foreach
+   path computes ``s`` and ``u`` of rule 5 as tensors, ``u = L(L(L(lr * L(r)) / L(bc1)) * -1)``
+   with ``r`` 0 or 1 and ``s = L(L(L(bc2 ** 0.5) * L(L(lr * L(rect)) / L(bc1))) * -1)``, and
+   divides and adds them per parameter in place (in ``W``, rounded to ``f``). torch has no fused
+   RAdam.
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference.optim._common import (add, addcmul, check_inputs, check_lr, check_nonnegative, check_param,
+from reference.optim import _lr
+from reference.optim._common import (addcmul, check_inputs, check_lr, check_nonnegative, check_param,
                                      for_each_param, frozen, lerp, lr_value, require, step_counter,
                                      weight_decayed)
 
@@ -93,10 +102,10 @@ def radam_step(
     found_inf: float = 0.0,
     foreach: bool = False,
 ) -> tuple[list[np.ndarray], list[np.ndarray | None], tuple[RAdamState, ...]]:
-    """One step of the for-loop path, or with ``foreach`` the foreach path (rules 2-5)."""
+    """One step of the for-loop path, or with ``foreach`` the foreach path (rules 2-6)."""
     arrays = check_inputs(params, grads, state, config, RAdamConfig, RAdamState)
     require(grad_scale is None and found_inf == 0.0, "RAdam has no kernel that unscales (GradScaler does)")
-    require(not isinstance(lr, np.ndarray), "a tensor lr is not modelled for RAdam (rule 6)")
+    tensor = _lr.tensor_lr(lr)
     rate, root, c, (beta1, beta2) = lr_value(config, lr), np.sqrt if sqrt is None else sqrt, config, config.betas
 
     def update(p: np.ndarray, g: np.ndarray, s: RAdamState) -> tuple[np.ndarray, RAdamState, np.ndarray]:
@@ -104,26 +113,43 @@ def radam_step(
         step = step_counter(s.step)
         t = float(step)
         d = -g if c.maximize else g
-        p, d = weight_decayed(p, d, c.weight_decay, c.decoupled_weight_decay, rate)
+        if tensor is not None and c.decoupled_weight_decay:
+            p = _lr.decayed(p, tensor, c.weight_decay)  # rule 6
+        else:
+            p, d = weight_decayed(p, d, c.weight_decay, c.decoupled_weight_decay, rate)
         exp_avg = lerp(s.exp_avg, d, 1 - beta1)
         exp_avg_sq = addcmul(s.exp_avg_sq * f(beta2), d, d, 1 - beta2)
         bc1, bc2 = 1 - beta1**t, 1 - beta2**t
         rect = rectification(beta2, t)
-        if foreach:
+        if foreach and tensor is not None:
+            p = addcmul(p, exp_avg, _foreach_buffer(root(exp_avg_sq) + f(c.eps), tensor, t, rect, beta1, beta2), 1.0)
+        elif foreach:
             scale = ((1 - beta2**t) ** 0.5) * (rate * rect / bc1) * -1
             unrect = (rate * (0 if rect > 0 else 1.0) / bc1) * -1
             buffer = f(1) / ((root(exp_avg_sq) + f(c.eps)) / f(scale)) + f(unrect)
             p = addcmul(p, exp_avg, buffer, 1.0)
         else:
             m_hat = exp_avg / f(bc1)
+            # A Python float meets m_hat as f(lr); a tensor lr by _lr rule 3, in W from here (rule 6).
+            product = m_hat * f(rate) if tensor is None else _lr.binary("*", m_hat, tensor, inplace=False)
+            w = np.asarray(product).dtype.type
             if rect > 0:
                 adaptive = (f(1) / (root(exp_avg_sq) + f(c.eps))) * f(bc2**0.5)
-                p = add(p, ((m_hat * f(rate)) * adaptive) * f(rect), -1.0)
-            else:
-                p = add(p, m_hat * f(rate), -1.0)
+                product = (product * adaptive.astype(w)) * w(rect)
+            p = (p.astype(w) - product).astype(p.dtype)
         return p, RAdamState(step, frozen(exp_avg), frozen(exp_avg_sq)), g
 
     return for_each_param(arrays, grads, state, update)
+
+
+def _foreach_buffer(denom: np.ndarray, tensor: np.ndarray, t: float, rect: float, beta1: float,
+                    beta2: float) -> np.ndarray:
+    """Rule 6, the foreach path: ``b`` of rule 5 from ``sqrt(exp_avg_sq) + eps`` and a tensor lr."""
+    bc1 = 1 - beta1**t
+    unrect = _lr.times(_lr.over(_lr.times(tensor, 0.0 if rect > 0 else 1.0), bc1), -1.0)
+    scale = _lr.times(_lr.times(_lr.over(_lr.times(tensor, rect), bc1), (1 - beta2**t) ** 0.5), -1.0)
+    buffer = _lr.binary("/", denom, scale, inplace=True)
+    return _lr.binary("+", denom.dtype.type(1) / buffer, unrect, inplace=True)
 
 
 def radam_magnitudes(config: RAdamConfig, p: np.ndarray, g: np.ndarray, old: RAdamState,

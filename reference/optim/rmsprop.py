@@ -13,7 +13,9 @@ Rules (``f`` rounds to the parameter dtype; `reference.optim._common` states the
    without: ``p = addcdiv(p, d, avg, -lr)``.
 5. The foreach path does the same operations in the same order; its square root is
    ``torch._foreach_sqrt`` (`reference.optim` rule 9). torch has no fused RMSprop.
-6. The learning rate is read as a Python float (a tensor lr is not modelled).
+6. A tensor lr is read as the number it holds (`reference.optim._lr` rule 1), on both paths:
+   torch hands ``-lr`` to ``add``'s ``alpha`` and ``addcdiv``'s ``value``. (Only ``capturable``
+   foreach, which needs CUDA, multiplies by the tensor instead.)
 7. Native kernels (AVX2/AVX512) fuse ``addcmul``'s multiply-add: a centered difference that is
    exactly 0 here (``square_avg == grad_avg ** 2``, as with ``alpha = 0``) can come out as minus
    one rounding error there, whose root is NaN. ``rmsprop_magnitudes`` marks those elements
@@ -79,10 +81,9 @@ def rmsprop_step(
     grad_scale: float | None = None,
     found_inf: float = 0.0,
 ) -> tuple[list[np.ndarray], list[np.ndarray | None], tuple[RMSpropState, ...]]:
-    """One step of the for-loop or foreach path (rules 2-5); ``sqrt``: torch's square root."""
+    """One step of the for-loop or foreach path (rules 2-6); ``sqrt``: torch's square root."""
     arrays = check_inputs(params, grads, state, config, RMSpropConfig, RMSpropState)
     require(grad_scale is None and found_inf == 0.0, "RMSprop has no kernel that unscales (GradScaler does)")
-    require(not isinstance(lr, np.ndarray), "a tensor lr is not modelled for RMSprop (rule 6)")
     rate, root = lr_value(config, lr), np.sqrt if sqrt is None else sqrt
     c = config
 
