@@ -375,10 +375,15 @@ class Replayer(StepStages, UpdateCheck):
         entry, torch_state, exact = o.entry, d.state_after[i], self.exact
         row = entry.spec
         mags = functools.cache(lambda: row.magnitudes(cfg, p, g, old, new)) if row.magnitudes else None
+        # The built-in rows' magnitudes are element-wise: evaluated only where the compare needs
+        # them (the elements more than half the bound apart), not on the whole parameter.
+        at = entry.builtin and np.ndim(p) > 0
 
         def x_abs(fld: str) -> Any:
             if exact or mags is None:
                 return None
+            if at:
+                return lambda ix: np.asarray(row.magnitudes(cfg, *_at((p, g, old, new), p.shape, ix))[fld], np.float64)
             return lambda ix: _flat(mags()[fld], ix)
 
         for fld in dataclasses.fields(new):
@@ -479,3 +484,18 @@ def _as_tensor(a: np.ndarray) -> torch.Tensor:
 
 def _flat(a: np.ndarray, ix: np.ndarray) -> np.ndarray:
     return np.asarray(a).reshape(-1)[ix].astype(np.float64)
+
+
+def _at(values: tuple, shape: tuple[int, ...], ix: np.ndarray) -> list[Any]:
+    """``values`` (arrays of the parameter's ``shape``, and states holding such arrays) at the
+    flat indices ``ix``; scalars and other fields as they are."""
+
+    def pick(v: Any) -> Any:
+        if isinstance(v, np.ndarray) and v.shape == shape:
+            return v.reshape(-1)[ix]
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return dataclasses.replace(v, **{f.name: pick(getattr(v, f.name)) for f in dataclasses.fields(v)
+                                              if f.init})
+        return v
+
+    return [pick(v) for v in values]
