@@ -171,36 +171,42 @@ class ReplayProcess:
     # ------------------------------------------------------------------ copies
 
     def copy(self, tensors: list[torch.Tensor], owner: Any) -> list[SlabArray] | None:
-        """`SlabArray` copies of ``tensors`` (bit for bit), side by side in a slab of ``owner``;
-        None when one of them cannot go there (another device or dtype, or no shared memory)."""
+        """`SlabArray` copies of ``tensors`` (bit for bit) in a slab of ``owner``: those of one dtype
+        back to back in one region, written by one call; None
+        when one of them cannot go there (another device or dtype, or no shared memory)."""
         if self._no_memory or self._result is not None:
             return None
         self._reclaim()
-        sizes = []
-        for t in tensors:
+        groups: dict[torch.dtype, list[int]] = {}
+        for k, t in enumerate(tensors):
             if t.dtype not in _NUMPY or t.device.type != "cpu":
                 return None
-            sizes.append(-(-max(t.numel() * t.element_size(), 1) // _ALIGN) * _ALIGN)
+            groups.setdefault(t.dtype, []).append(k)
+        counts = {dt: sum(tensors[k].numel() for k in ks) for dt, ks in groups.items()}
+        sizes = {dt: -(-max(n * _NUMPY[dt].itemsize, 1) // _ALIGN) * _ALIGN for dt, n in counts.items()}
         try:
-            slab, offset = self._reserve(owner, sum(sizes))
+            slab, offset = self._reserve(owner, sum(sizes.values()))
         except OSError:
             self._no_memory = True  # shared memory is exhausted or refused: ordinary copies from now on
             return None
-        outs, dst, src = [], [], []
-        for t, size in zip(tensors, sizes):
-            dtype, shape = _NUMPY[t.dtype], tuple(t.shape)
-            a = np.frombuffer(slab.map, dtype=dtype, count=t.numel(), offset=offset).reshape(shape)
-            out = a.view(SlabArray)
-            out.place = (slab.id, offset, dtype, shape)
-            outs.append(out)
-            if t.numel():
-                bf16 = t.dtype == torch.bfloat16  # NumPy has no bfloat16: the bits travel as int16
-                dst.append(torch.from_numpy(a.view(np.int16) if bf16 else a))
-                src.append(t.view(torch.int16) if bf16 else t)
-            offset += size
-        if dst:
-            with torch.no_grad():
-                torch._foreach_copy_(dst, src)
+        outs: list[Any] = [None] * len(tensors)
+        for dt, ks in groups.items():
+            dtype = _NUMPY[dt]
+            flat = np.frombuffer(slab.map, dtype=dtype, count=counts[dt], offset=offset)
+            if counts[dt]:
+                bf16 = dt == torch.bfloat16  # NumPy has no bfloat16: the bits travel as int16
+                src = [tensors[k].detach().reshape(-1) for k in ks]
+                dst = torch.from_numpy(flat.view(np.int16) if bf16 else flat).split([t.numel() for t in src])
+                with torch.no_grad():
+                    torch._foreach_copy_(list(dst), [t.view(torch.int16) for t in src] if bf16 else src)
+            at = 0
+            for k in ks:
+                shape, n = tuple(tensors[k].shape), tensors[k].numel()
+                out = flat[at:at + n].reshape(shape).view(SlabArray)
+                out.place = (slab.id, offset + at * dtype.itemsize, dtype, shape)
+                outs[k] = out
+                at += n
+            offset += sizes[dt]
         return outs
 
     def expect(self, nbytes: int) -> None:
