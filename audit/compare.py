@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Comparison", "compare", "compare_many", "ulp_distance"]
+__all__ = ["Comparison", "compare", "ulp_distance"]
 
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SINT = {2: np.int16, 4: np.int32, 8: np.int64}
@@ -127,33 +127,6 @@ def compare(got: np.ndarray, expected: np.ndarray, bound: int, x_abs: Any = None
                       math.inf, float(e[k]), float(g[k]))
 
 
-
-
-def compare_many(got: Any, expected: Any, x_abs: Any = None, *, bound: int) -> Comparison | None:
-    """The pairs ``got[k]``, ``expected[k]`` compared as one: the `compare` of their concatenations,
-    or None when they cannot be concatenated (a shape differs within a pair, or a dtype among
-    them). ``x_abs``: None, or a function ``x_abs(k, local)`` of the pair of each element and its
-    flat index in that pair, giving the magnitudes there (float64).
-
-    Every criterion of `compare` is element-wise, so the concatenation agrees exactly when every
-    pair does, and its ``worst`` is the largest of theirs; a problem it finds is not described
-    per pair (the caller compares them one by one for that)."""
-    got = [np.asarray(g) for g in got]
-    expected = [np.asarray(e) for e in expected]
-    if not got or len(got) != len(expected):
-        return None
-    dtype = got[0].dtype
-    if any(g.shape != e.shape or g.dtype != dtype or e.dtype != dtype for g, e in zip(got, expected)):
-        return None
-    starts = np.cumsum([0] + [g.size for g in got])
-
-    def joined(ix: np.ndarray) -> np.ndarray:
-        owner = np.searchsorted(starts, ix, side="right") - 1
-        return x_abs(owner, ix - starts[owner])
-
-    cat = np.concatenate
-    return compare(cat([g.reshape(-1) for g in got]), cat([e.reshape(-1) for e in expected]), bound,
-                   None if x_abs is None else joined)
 
 
 _compare = compare

@@ -95,7 +95,7 @@ class Divergence:
     hooks: str | None = None  # the optimizer's own step hooks at that step (the cause may be theirs)
 
 
-from audit.compare import _compare, compare_many
+from audit.compare import _compare
 
 
 @dataclass(frozen=True)
@@ -360,13 +360,9 @@ class Replayer(StepStages, UpdateCheck):
                     found_inf=float(d.torch_found_inf or 0.0) if d.amp_aware else 0.0)
             else:
                 new_params, _, new_states = row.step(impl, params, grads, states, cfg, lr=cfg.lr, sqrt=_torch_sqrt(impl))
-            pairs = list(zip(idx, params, grads, states, new_params, new_states))
-            worst = _group_worst(o.entry, cfg, pairs, d, self.exact)
-            if worst is not None:
-                self._max_seen = max(self._max_seen, worst)
-                continue
-            for i, p, g, old, new_p, new in pairs:  # one by one: each difference described, in order
-                self._compare_param(o, rec, cfg, i, p, g, old, new_p, new, d, where)
+            for j, i in enumerate(idx):
+                self._compare_param(o, rec, cfg, i, params[j], grads[j], states[j], new_params[j], new_states[j],
+                                    d, where)
 
     def _compare_param(self, o: OptimizerRef, rec: Any, cfg: Any, i: int, p: np.ndarray, g: Any, old: Any,
                        new_p: np.ndarray, new: Any, d: Any, where: str) -> None:
@@ -491,92 +487,6 @@ def _magnitudes(entry: Any, cfg: Any, values: tuple, exact: bool) -> Any:
         return lambda fld: lambda ix: np.asarray(row.magnitudes(cfg, *_at(values, p.shape, ix))[fld], np.float64)
     mags = functools.cache(lambda: row.magnitudes(cfg, *values))
     return lambda fld: lambda ix: _flat(mags()[fld], ix)
-
-
-def _group_worst(entry: Any, cfg: Any, pairs: list[tuple], d: Any, exact: bool) -> float | None:
-    """A group's parameters and state after the step compared at once, each field as one flat
-    array (`audit.compare.compare_many`), against the same bounds as `Replayer._compare_param`: the
-    largest distance when everything agrees; None when something may not, and the caller
-    compares parameter by parameter, so that a difference is named and ordered as there."""
-    if not pairs or any(g is None for _, _, g, *_ in pairs):
-        return None
-    x_abs = _group_magnitudes(entry, cfg, [(p, g, old, new) for _, p, g, old, _, new in pairs], exact)
-    worst = 0.0
-    for fld in dataclasses.fields(pairs[0][5]):
-        present = [(k, d.state_after[i].get(fld.name), getattr(new, fld.name)) for k, (i, *_, new) in enumerate(pairs)]
-        present = [t for t in present if t[1] is not None and t[2] is not None]
-        if not present:
-            continue
-        scalar = [isinstance(value, np.floating) for _, _, value in present]
-        if any(scalar) and not all(scalar):
-            return None
-        if all(scalar):  # the step counter: bit for bit
-            if not all(_same_bits(value.dtype.type(np.asarray(got).reshape(())), value) for _, got, value in present):
-                return None
-            continue
-        ks = np.array([k for k, _, _ in present])
-        x = x_abs(fld.name)
-        c = compare_many([got for _, got, _ in present], [value for _, _, value in present],
-                         None if x is None else (lambda k, local, x=x, ks=ks: x(ks[k], local)),
-                         bound=0 if exact else entry.bound(fld.name))
-        if c is None or c.problem is not None:
-            return None
-        worst = max(worst, c.worst)
-    c = compare_many([d.params_after[i] for i, *_ in pairs], [new_p for *_, new_p, _ in pairs], x_abs("param"),
-                     bound=0 if exact else entry.bound("param"))
-    if c is None or c.problem is not None:
-        return None
-    return max(worst, c.worst)
-
-
-def _group_magnitudes(entry: Any, cfg: Any, values: list[tuple], exact: bool) -> Any:
-    """``x_abs`` of a group's fields: a function of the field's name giving None or a function
-    ``(k, local)`` of the parameter of each element and its flat index there. The built-in rows'
-    magnitudes are evaluated once for all the elements asked for, when the parameters' scalar
-    state (the step counter) agrees; otherwise, and for other rows, parameter by parameter."""
-    each = [_magnitudes(entry, cfg, v, exact) for v in values]
-    if exact or entry.spec.magnitudes is None:
-        return lambda fld: None
-    shapes = [np.shape(v[0]) for v in values]
-    together = entry.builtin and all(len(s) > 0 for s in shapes)
-
-    def at(fld: str, k: np.ndarray, local: np.ndarray) -> np.ndarray:
-        owners = np.unique(k)
-        parts = [local[k == j] for j in owners]
-        if together:
-            merged = _gather([values[j] for j in owners], [shapes[j] for j in owners], parts)
-            if merged is not None:
-                return np.asarray(entry.spec.magnitudes(cfg, *merged)[fld], np.float64)
-        return np.concatenate([each[j](fld)(ix) for j, ix in zip(owners, parts)])
-
-    return lambda fld: functools.partial(at, fld)
-
-
-_DIFFER = object()
-
-
-def _gather(values: list[tuple], shapes: list[tuple[int, ...]], parts: list[np.ndarray]) -> list[Any] | None:
-    """Several parameters' ``(param, grad, old state, new state)`` at the flat indices ``parts``,
-    joined into one: arrays of each parameter's shape concatenated; any other value must be the
-    same for all (else None)."""
-
-    def one(vs: list[Any]) -> Any:
-        v0 = vs[0]
-        if all(isinstance(v, np.ndarray) and v.shape == s for v, s in zip(vs, shapes)):
-            return np.concatenate([v.reshape(-1)[ix] for v, ix in zip(vs, parts)])
-        if dataclasses.is_dataclass(v0) and not isinstance(v0, type) and all(type(v) is type(v0) for v in vs):
-            fields = {f.name: one([getattr(v, f.name) for v in vs]) for f in dataclasses.fields(v0) if f.init}
-            return _DIFFER if any(x is _DIFFER for x in fields.values()) else dataclasses.replace(v0, **fields)
-        if all(v is v0 or (v is not None and v0 is not None and _same_bits(v, v0)) for v in vs):
-            return v0
-        return _DIFFER
-
-    merged = [one([v[pos] for v in values]) for pos in range(len(values[0]))]
-    return None if any(m is _DIFFER for m in merged) else merged
-
-
-def _same_bits(a: Any, b: Any) -> bool:
-    return np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
 def _at(values: tuple, shape: tuple[int, ...], ix: np.ndarray) -> list[Any]:
