@@ -172,18 +172,21 @@ class ReplayProcess:
 
     def copy(self, tensors: list[torch.Tensor], owner: Any) -> list[SlabArray] | None:
         """`SlabArray` copies of ``tensors`` (bit for bit) in a slab of ``owner``: those of one dtype
-        back to back in one region, written by one call; None
+        back to back, written by one concatenation (one kernel, not one copy per tensor); None
         when one of them cannot go there (another device or dtype, or no shared memory)."""
         if self._no_memory or self._result is not None:
             return None
         self._reclaim()
         groups: dict[torch.dtype, list[int]] = {}
+        shapes, counts = [], []
         for k, t in enumerate(tensors):
             if t.dtype not in _NUMPY or t.device.type != "cpu":
                 return None
             groups.setdefault(t.dtype, []).append(k)
-        counts = {dt: sum(tensors[k].numel() for k in ks) for dt, ks in groups.items()}
-        sizes = {dt: -(-max(n * _NUMPY[dt].itemsize, 1) // _ALIGN) * _ALIGN for dt, n in counts.items()}
+            shapes.append(tuple(t.shape))
+            counts.append(t.numel())
+        total = {dt: sum(counts[k] for k in ks) for dt, ks in groups.items()}
+        sizes = {dt: -(-max(n * _NUMPY[dt].itemsize, 1) // _ALIGN) * _ALIGN for dt, n in total.items()}
         try:
             slab, offset = self._reserve(owner, sum(sizes.values()))
         except OSError:
@@ -192,20 +195,18 @@ class ReplayProcess:
         outs: list[Any] = [None] * len(tensors)
         for dt, ks in groups.items():
             dtype = _NUMPY[dt]
-            flat = np.frombuffer(slab.map, dtype=dtype, count=counts[dt], offset=offset)
-            if counts[dt]:
+            if total[dt]:
                 bf16 = dt == torch.bfloat16  # NumPy has no bfloat16: the bits travel as int16
-                src = [tensors[k].detach().reshape(-1) for k in ks]
-                dst = torch.from_numpy(flat.view(np.int16) if bf16 else flat).split([t.numel() for t in src])
-                with torch.no_grad():
-                    torch._foreach_copy_(list(dst), [t.view(torch.int16) for t in src] if bf16 else src)
-            at = 0
+                flat = np.frombuffer(slab.map, dtype=np.int16 if bf16 else dtype, count=total[dt], offset=offset)
+                with torch.no_grad():  # views of parameters that need no autograd node
+                    src = [tensors[k].reshape(-1) for k in ks]
+                    torch.cat([t.view(torch.int16) for t in src] if bf16 else src, out=torch.from_numpy(flat))
+            at = offset
             for k in ks:
-                shape, n = tuple(tensors[k].shape), tensors[k].numel()
-                out = flat[at:at + n].reshape(shape).view(SlabArray)
-                out.place = (slab.id, offset + at * dtype.itemsize, dtype, shape)
+                out = SlabArray(shapes[k], dtype, buffer=slab.map, offset=at)
+                out.place = (slab.id, at, dtype, shapes[k])
                 outs[k] = out
-                at += n
+                at += counts[k] * dtype.itemsize
             offset += sizes[dt]
         return outs
 
