@@ -195,18 +195,21 @@ class ReplayProcess:
         outs: list[Any] = [None] * len(tensors)
         for dt, ks in groups.items():
             dtype = _NUMPY[dt]
+            # Views of one np.frombuffer array: they hold the mapping's buffer, so that the slab
+            # cannot be unmapped while one lives (an ndarray made with buffer= would not hold it).
+            flat = np.frombuffer(slab.map, dtype=dtype, count=total[dt], offset=offset)
             if total[dt]:
                 bf16 = dt == torch.bfloat16  # NumPy has no bfloat16: the bits travel as int16
-                flat = np.frombuffer(slab.map, dtype=np.int16 if bf16 else dtype, count=total[dt], offset=offset)
                 with torch.no_grad():  # views of parameters that need no autograd node
                     src = [tensors[k].reshape(-1) for k in ks]
-                    torch.cat([t.view(torch.int16) for t in src] if bf16 else src, out=torch.from_numpy(flat))
-            at = offset
+                    torch.cat([t.view(torch.int16) for t in src] if bf16 else src,
+                              out=torch.from_numpy(flat.view(np.int16) if bf16 else flat))
+            at = 0
             for k in ks:
-                out = SlabArray(shapes[k], dtype, buffer=slab.map, offset=at)
-                out.place = (slab.id, at, dtype, shapes[k])
+                out = flat[at:at + counts[k]].reshape(shapes[k]).view(SlabArray)
+                out.place = (slab.id, offset + at * dtype.itemsize, dtype, shapes[k])
                 outs[k] = out
-                at += counts[k] * dtype.itemsize
+                at += counts[k]
             offset += sizes[dt]
         return outs
 

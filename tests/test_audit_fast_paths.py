@@ -115,26 +115,33 @@ def test_the_replay_process_copies_are_the_tensors_bit_for_bit():
                torch.randn(3, 3, generator=g, dtype=torch.float64), torch.tensor(7.0), torch.zeros(0),
                torch.randn(6, 4, generator=g).t(), torch.arange(5), torch.tensor([True, False, True]),
                torch.randn(2, 2, generator=g).to(torch.bfloat16), torch.randn(7, generator=g)]
+
     class Owner:  # the step data the copies belong to (the pool holds it weakly)
         pass
 
     proc = worker.ReplayProcess(2)
-    owner, copies, read = Owner(), None, None
-    try:
-        copies = proc.copy(tensors, owner)
-        assert copies is not None
-        # What the worker reads: each array's place, mapped as the worker maps its slabs.
+    owner, copies = Owner(), None
+
+    def as_read(arrays):
+        """Each array's bytes as the worker reads them: its place, in the slabs the worker maps."""
         for slabs in proc._open.values():
             for slab in slabs[0]:
                 worker._WORKER_SLABS[slab.id] = slab.map
-        read = pickle.loads(pickle.dumps(copies))
-        for t, a, b in zip(tensors, copies, read):
-            want = t.contiguous().view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
-            for arr in (a, b):
-                arr = arr.view(np.int16) if t.dtype == torch.bfloat16 else arr
-                assert arr.shape == tuple(t.shape) and arr.dtype == want.dtype
-                assert arr.tobytes() == np.ascontiguousarray(want).tobytes(), f"{t.dtype} {tuple(t.shape)}"
+        try:
+            return [a.tobytes() for a in pickle.loads(pickle.dumps(arrays))]
+        finally:
+            worker._WORKER_SLABS.clear()
+
+    try:
+        copies = proc.copy(tensors, owner)
+        assert copies is not None
+        for t, a, b in zip(tensors, copies, as_read(copies)):
+            want = np.ascontiguousarray(t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy())
+            a16 = a.view(np.int16) if t.dtype == torch.bfloat16 else a
+            assert a.shape == tuple(t.shape) and a16.dtype == want.dtype, f"{t.dtype} {tuple(t.shape)}"
+            assert a16.tobytes() == want.tobytes() == b, f"{t.dtype} {tuple(t.shape)}"
+        del t, a, b, want, a16
     finally:
-        worker._WORKER_SLABS.clear()
-        del copies, read
         proc.finish()
+    # The pool is closed; an array still held keeps its mapping readable (no use after unmap).
+    assert copies is not None and copies[0].tobytes() == tensors[0].numpy().tobytes()
