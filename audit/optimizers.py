@@ -90,6 +90,7 @@ NATIVE_ULP: dict[str, dict[str, int]] = {
     "Adadelta": {"square_avg": 2 * 5, "acc_delta": 2 * 26, "param": 2 * 14},
     "NAdam": {"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "param": 2 * 15},
     "RAdam": {"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "param": 2 * 15},
+    "Adafactor": {"row_var": 2 * 2, "col_var": 2 * 2, "variance": 2 * 2, "param": 2 * 2},
 }
 """Per spec row and field (``param`` for the parameter), the bound on native kernels."""
 
@@ -106,12 +107,14 @@ class AuditOptimizer:
 
     def config(self, group: Mapping[str, Any]) -> Any:
         """The spec's configuration for one torch parameter group: every hyperparameter the
-        spec's row names, read from the group (a list of betas becomes a tuple of floats)."""
+        spec's row names, read from the group (a list of betas becomes a tuple of floats, None
+        kept)."""
         values = {}
         for name in self.spec.hyperparameters():
             if name in group:
                 v = group[name]
-                values[name] = tuple(float(b) for b in v) if isinstance(v, (list, tuple)) else v
+                # A pair may hold None (Adafactor's eps1: the dtype's epsilon).
+                values[name] = tuple(b if b is None else float(b) for b in v) if isinstance(v, (list, tuple)) else v
         return self.spec.make_config(**values)
 
     def bound(self, field_name: str) -> int:

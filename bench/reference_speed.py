@@ -23,16 +23,33 @@ element, whose change from size to size shows how each grows.
 
 Part 3 (first in the output): one optimizer step of every registered optimizer
 (``reference.optim.SPECS``) and implementation on float32 parameters of the 1M-element shapes,
-from a state one step old: the spec's step function against torch's optimizer with the same
-implementation on 1 thread (``ratio`` = spec / torch, goal <= 3). The for-loop and foreach spec
-steps take NumPy's square root (torch's own only matters for bits, not for speed).
+from a state one step old, with torch's defaults and, for SGD and Adam(W), the options whose
+rules add work (``VARIANTS``: momentum, Nesterov with weight decay, dampening with maximize,
+AMSGrad): the spec's step function against torch's optimizer with the same implementation and
+options on 1 thread. Each round times a block of ``--block`` consecutive steps of each, in
+alternating order, as the CPU time of the calling thread (``time.thread_time``: user and
+system time, so page faults count and time spent preempted by other processes does not; torch
+at 1 thread computes on the calling thread). Printed per row: the medians, and the per-round
+ratio spec / torch as median [min-max] over the rounds (goal <= 3). The for-loop and foreach
+spec steps take NumPy's square root (torch's own only matters for bits, not for speed). torch
+runs its native kernels (``cpu_capability`` in the JSON), not the exact mode.
+
+The spec returns new arrays (parameters, moments) where torch updates in place, so a spec step
+writes memory the operating system has to map and zero first, about as costly as the arithmetic
+on a 1M-element step; glibc hands freed memory back when the top of its heap outgrows its trim
+threshold, so this happens at every step. ``MALLOC_TOP_PAD_=268435456`` before the command
+keeps the freed pages in the process and shows the ratio without that cost. The same spec
+function can time differently in two rows (SGD's for-loop and foreach rows run one function):
+what the torch candidate allocated and freed moves glibc's thresholds, and with them how many
+of the spec's pages are fresh.
 
 Part 2: Hypothesis examples per second for each property of ``pytest conformance`` (CPU,
 the ``ci`` profile unless ``--profile`` says otherwise), from ``--hypothesis-show-statistics``:
 passing examples divided by the seconds of the generate phase (which includes running them).
 
     PYTHONPATH=. python bench/reference_speed.py           # ~1 minute on 2 cores
-    PYTHONPATH=. python bench/reference_speed.py --optimizers-only  # part 3 alone
+    PYTHONPATH=. python bench/reference_speed.py --optimizers-only  # part 3 alone, ~1 minute
+    .venv/bin/python bench/reference_speed.py --optimizers-only --reps 15   # the same, more rounds
     PYTHONPATH=. python bench/reference_speed.py --large   # adds 100M elements (~3 GB of RAM)
 """
 
@@ -45,6 +62,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -154,8 +172,30 @@ def bench_size(target: int, reps: int, threads_all: int) -> dict:
     return out
 
 
-def bench_optimizers(target: int, reps: int) -> dict:
-    """Part 3: the spec's step against torch's, per optimizer and implementation."""
+# Options whose rules add work, beyond torch's defaults (the first, empty, row of each).
+VARIANTS: dict[str, list[dict]] = {
+    "SGD": [{}, {"momentum": 0.9}, {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-4},
+            {"momentum": 0.9, "dampening": 0.1, "maximize": True}],
+    "Adam": [{}, {"amsgrad": True}],
+    "AdamW": [{}, {"amsgrad": True}],
+}
+_FLAGS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+def _label(name: str, options: dict, impl: str) -> str:
+    opts = ", ".join(f"{k}={v}" for k, v in options.items())
+    return f"{name}({opts}) {impl}" if opts else f"{name} {impl}"
+
+
+def _time_block(step: Callable[[], object], block: int) -> float:
+    t0 = time.thread_time()
+    for _ in range(block):
+        step()
+    return (time.thread_time() - t0) / block
+
+
+def bench_optimizers(target: int, reps: int, block: int) -> dict:
+    """Part 3: the spec's step against torch's, per optimizer, options and implementation."""
     shapes = transformer_shapes(target)
     rng = np.random.default_rng(0)
     params = [rng.standard_normal(s).astype(np.float32) for s in shapes]
@@ -166,37 +206,46 @@ def bench_optimizers(target: int, reps: int) -> dict:
     try:
         for name, row in optim.SPECS.items():
             cls = getattr(torch.optim, name)
-            cfg = row.make_config()
-            for impl in row.steps:
-                state = tuple(row.init_state(p, cfg) for p in params)
-                _, _, state = row.step(impl, params, grads, state, cfg)  # moments one step old
-                tp = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in params]
-                flags = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
-                opt = cls(tp, **flags)
-                for p, g in zip(tp, grads):
-                    p.grad = torch.from_numpy(g)
-                opt.step()
-
-                def spec_step(state=state, row=row, impl=impl, cfg=cfg) -> float:
-                    t0 = time.perf_counter()
-                    row.step(impl, params, grads, state, cfg)
-                    return time.perf_counter() - t0
-
-                def torch_step(opt=opt) -> float:
-                    t0 = time.perf_counter()
+            for options in VARIANTS.get(name, [{}]):
+                cfg = row.make_config(**options)
+                for impl in row.steps:
+                    state = tuple(row.init_state(p, cfg) for p in params)
+                    _, _, state = row.step(impl, params, grads, state, cfg)  # moments one step old
+                    tp = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in params]
+                    opt = cls(tp, **options, **_FLAGS[impl])
+                    for p, g in zip(tp, grads):
+                        p.grad = torch.from_numpy(g)
                     opt.step()
-                    return time.perf_counter() - t0
-
-                times: dict[str, list[float]] = {"spec": [], "torch": []}
-                for r in range(reps):
-                    for who in _harness.rotate(["spec", "torch"], r):
-                        times[who].append((spec_step if who == "spec" else torch_step)())
-                out[f"{name} {impl}"] = {
-                    "spec_ms": 1e3 * _harness.median(times["spec"]), "torch_ms": 1e3 * _harness.median(times["torch"]),
-                    "ratio_spec_vs_torch": _harness.paired_ratio(times, "spec", "torch")}
+                    steps = {"spec": lambda state=state, cfg=cfg, impl=impl, row=row:
+                             row.step(impl, params, grads, state, cfg),
+                             "torch": opt.step}
+                    for step in steps.values():  # warm-up: the first steps also grow the heap
+                        _time_block(step, block)
+                    times: dict[str, list[float]] = {"spec": [], "torch": []}
+                    for r in range(reps):
+                        for who in _harness.rotate(["spec", "torch"], r):
+                            times[who].append(_time_block(steps[who], block))
+                    out[_label(name, options, impl)] = {
+                        "spec_ms": 1e3 * _harness.median(times["spec"]),
+                        "torch_ms": 1e3 * _harness.median(times["torch"]),
+                        "ratio_spec_vs_torch": _harness.paired_ratio(times, "spec", "torch")}
     finally:
         torch.set_num_threads(before)
     return out
+
+
+def print_optimizers(res: dict, elements: int, tensors: int, reps: int, block: int) -> None:
+    print(f"optimizer steps on {elements / 1e6:.2f}M float32 elements in {tensors} tensors, CPU time of "
+          f"the calling thread, torch at 1 thread; spec / torch as median [min-max] of {reps} rounds "
+          f"of {block} steps (goal <= 3):", flush=True)
+    width = max(len(k) for k in res)
+    for label, v in res.items():
+        r = v["ratio_spec_vs_torch"]
+        mark = "  over 3x" if r["median"] > 3 else ""
+        print(f"  {label:<{width}}  spec {v['spec_ms']:6.2f} ms  torch {v['torch_ms']:6.2f} ms  "
+              f"{r['median']:5.2f}x [{r['min']:.2f}-{r['max']:.2f}]{mark}", flush=True)
+    over = [k for k, v in res.items() if v["ratio_spec_vs_torch"]["median"] > 3]
+    print(f"  over 3x: {', '.join(over) if over else 'none'}", flush=True)
 
 
 _TEST = re.compile(r"^(\S+::\S+):\s*$")
@@ -248,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="ci", help="Hypothesis profile for the conformance part")
     ap.add_argument("--skip-conformance", action="store_true")
     ap.add_argument("--optimizers-only", action="store_true", help="only part 3, the optimizer steps")
+    ap.add_argument("--block", type=int, default=3, help="part 3: consecutive steps timed together per round")
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     args = ap.parse_args(argv)
 
@@ -256,10 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.large:
         sizes.append(100_000_000)
     results: dict = {"machine": _harness.machine(), "settings": vars(args), "sizes": {}}
-    opt_res = bench_optimizers(1_000_000, args.reps)
+    opt_res = bench_optimizers(1_000_000, args.reps, args.block)
     results["optimizers_1M"] = opt_res
-    print("optimizer steps, 1M float32 elements, spec / torch (1 thread): " + ", ".join(
-        f"{k} {v['ratio_spec_vs_torch']['median']:.2f}x" for k, v in opt_res.items()), flush=True)
+    shapes = transformer_shapes(1_000_000)
+    print_optimizers(opt_res, sum(int(np.prod(s)) for s in shapes), len(shapes), args.reps, args.block)
     if args.optimizers_only:
         path = _harness.write_result("reference_speed_optimizers", results, args.out)
         print(f"-> {path}")

@@ -202,6 +202,10 @@ OPTIMIZER_ULP: dict[str, dict[str, int]] = {
     # paths (the foreach reciprocal of a quotient adds one rounding the for-loop's product has).
     "NAdam": {"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "param": 2 * 15},
     "RAdam": {"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "param": 2 * 15},
+    # Adafactor: x_abs already carries each field's rounding count, reductions' lengths included
+    # (reference.optim.adafactor.adafactor_magnitudes derives it); each side is within that count
+    # of the exact value, and an ULP of x_abs is at least half that count of the magnitude's.
+    "Adafactor": {"row_var": 2 * 2, "col_var": 2 * 2, "variance": 2 * 2, "param": 2 * 2},
 }
 """Per registered optimizer and state field (``param``: the parameter), the bound on native
 kernels in ULPs of x_abs of the field's dtype (derivations above and beside each row)."""
@@ -313,6 +317,9 @@ def known_optimizer_failure(name: str, impl: str, config: Any, grads: list, stat
         with_grad = [s for g, s in zip(grads, state) if g is not None]
         if any(s.momentum_buffer is None for s in with_grad) and any(s.momentum_buffer is not None for s in with_grad):
             return TypeError, "got NoneType"
+    if name == "Adafactor" and any(g is not None and g.size == 0 for g in grads):
+        # reference.optim.adafactor rule 10: the RMS of an empty parameter is 0.0 / 0.0 in Python.
+        return ZeroDivisionError, "division by zero"
     return None
 
 

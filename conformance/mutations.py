@@ -116,7 +116,8 @@ SPEC_MUTANTS = (
            "                buf = np.array(d, copy=True)\n",
            "                buf = f(1 - config.dampening) * d\n", _optimizer_property("SGD", "for-loop")),
     Mutant("adam_bias_correction2_skipped", "Adam forgets the second bias correction", "reference/optim/adam.py",
-           "    denom = root / f(bias_correction2_sqrt) + f(config.eps)\n", "    denom = root + f(config.eps)\n",
+           "    denom = np.add(np.divide(root, f(bias_correction2_sqrt), out=new_p), f(config.eps), out=new_p)\n",
+           "    denom = np.add(root, f(config.eps), out=new_p)\n",
            _optimizer_property("Adam", "foreach")),
     Mutant("adagrad_lr_decay_from_step_one", "Adagrad decays the rate by step instead of step - 1",
            "reference/optim/adagrad.py", "        clr = lr / (1 + (float(step) - 1) * config.lr_decay)\n",
@@ -138,6 +139,17 @@ SPEC_MUTANTS = (
            "reference/optim/radam.py", "                adaptive = (f(1) / (root(exp_avg_sq) + f(c.eps))) * f(bc2**0.5)\n",
            "                adaptive = f(bc2**0.5) / (root(exp_avg_sq) + f(c.eps))\n",
            _optimizer_property("RAdam", "for-loop")),
+    Mutant("adafactor_beta2_decay_halved", "Adafactor weighs the new square by t ** (beta2_decay / 2)",
+           "reference/optim/adafactor.py", "        w = t ** c.beta2_decay\n        rho",
+           "        w = t ** (c.beta2_decay * 0.5)\n        rho", _optimizer_property("Adafactor", "for-loop")),
+    Mutant("adafactor_row_mean_over_the_columns", "Adafactor divides the row norms' squares by the column length",
+           "reference/optim/adafactor.py", "(n_r * n_r) / f(d.shape[-1])", "(n_r * n_r) / f(d.shape[-2])",
+           _optimizer_property("Adafactor", "foreach")),
+    Mutant("reductions_tail_after_the_lanes", "torch.sum's emulation adds the lanes before the tail elements",
+           "reference/reductions.py",
+           "        acc = _seq(np.zeros(b, x.dtype), x[:, count * width:], -1)\n        acc = _seq(acc, vec, -1)\n",
+           "        acc = _seq(np.zeros(b, x.dtype), vec, -1)\n        acc = _seq(acc, x[:, count * width:], -1)\n",
+           ("conformance/test_reductions.py",)),
 )
 
 

@@ -233,6 +233,19 @@ def radam_config(draw) -> dict:
 
 
 @st.composite
+def adafactor_config(draw) -> dict:
+    """torch.optim.Adafactor keyword arguments: beta2 decay (0: the moment is the latest square),
+    eps1 (None: the dtype's epsilon; 0: a zero gradient's root is 0 and its update NaN), eps2
+    (the floor of the parameter's RMS), the clipping threshold d (1 clips most first steps, 1e3
+    none), decoupled weight decay, maximize. Rates above 1/sqrt(step) are capped by it."""
+    return dict(lr=draw(st.one_of(st.sampled_from([1e-2, 0.5]), st.floats(1e-5, 1.0))),
+                beta2_decay=draw(st.sampled_from([-0.8, -0.5, 0.0, -1.0])),
+                eps=(draw(st.sampled_from([None, 1e-30, 1e-3, 0.0])), draw(st.sampled_from([1e-3, 0.0, 1.0]))),
+                d=draw(st.sampled_from([1.0, 1.5, 1e3])), weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
+                maximize=draw(st.booleans()))
+
+
+@st.composite
 def optimizer_trajectory(draw, plant_nonfinite: bool = False, zero_d: bool = False,
                          dtypes: tuple[np.dtype, ...] = (np.dtype(np.float32),), min_ndim: int = 0,
                          steps: tuple[int, int] = (1, 6)) -> dict:
@@ -290,6 +303,7 @@ optimizer_case("Adadelta", OptimizerCase(torch.optim.Adadelta, adadelta_config))
 optimizer_case("NAdam", OptimizerCase(torch.optim.NAdam, nadam_config))
 # RAdam rectifies from about step 6 whatever beta2 (rho_t is 1 at step 1): its trajectories go past it.
 optimizer_case("RAdam", OptimizerCase(torch.optim.RAdam, radam_config, steps=(5, 9)))
+optimizer_case("Adafactor", OptimizerCase(torch.optim.Adafactor, adafactor_config))
 
 
 # ----------------------------------------------------------------------------- property 5: the trainer

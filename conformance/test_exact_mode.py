@@ -20,7 +20,8 @@ import torch
 from conformance import expectations
 
 ROOT = Path(__file__).resolve().parent.parent
-EXACT_PROPERTIES = ["test_clipping.py", "test_optimizers.py", "test_scaler.py", "test_casts.py"]
+EXACT_PROPERTIES = ["test_clipping.py", "test_optimizers.py", "test_scaler.py", "test_casts.py", "test_reductions.py",
+                    "test_optim_adafactor.py"]
 TAIL = 6000
 
 

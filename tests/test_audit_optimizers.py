@@ -189,3 +189,17 @@ def test_register_optimizer_refuses_what_it_cannot_use():
         audit.register_optimizer(Lion, lion_step)
     with pytest.raises(ValueError, match="ulp bounds must be ints >= 0"):
         audit.register_optimizer(Lion, LION, ulp={"param": -1})
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adafactor_is_replayed_every_step(monkeypatch, foreach):
+    """Adafactor (factored weights, unfactored biases, weight decay) through a scaler with a
+    skipped step: every step replayed, within its bounds on native kernels."""
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "inline")
+    with audit.audit() as session:
+        _loop(lambda p: torch.optim.Adafactor(p, lr=0.05, weight_decay=0.01, foreach=foreach))
+    r = session.report
+    assert r.findings == [], r.text()
+    assert r.replay["not_replayed"] == {} and r.replay["steps_replayed"] == 4, r.replay
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":  # exact kernels: reductions included
+        assert r.replay["steps_bit_exact"] == 4, r.replay

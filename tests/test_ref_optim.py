@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from reference import optim
 from reference.optim import (
     AdamConfig,
     AdamParamState,
@@ -182,6 +183,43 @@ def test_inputs_are_not_modified_and_states_are_read_only():
     assert same_bits(p, pc) and same_bits(g, gc)
     with pytest.raises(ValueError):
         s.exp_avg[0] = 1.0
+
+
+_OPTIONS = {
+    "SGD": [{"momentum": 0.9}, {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1},
+            {"momentum": 0.9, "dampening": 0.5, "weight_decay": 0.1, "maximize": True}, {"maximize": True}],
+    "Adam": [{"amsgrad": True, "weight_decay": 0.1, "maximize": True}],
+    "AdamW": [{"amsgrad": True, "maximize": True}],
+}
+_ALL_ROWS = [(name, impl, options) for name, row in optim.SPECS.items() for impl in row.steps
+             for options in [{}] + _OPTIONS.get(name, [])]
+
+
+@pytest.mark.parametrize(("name", "impl", "options"), _ALL_ROWS, ids=lambda v: str(v) if v else "defaults")
+def test_every_step_leaves_its_inputs_alone_and_returns_arrays_of_its_own(name, impl, options):
+    """The steps compute into preallocated arrays: none of them may be an input, the state's are
+    read-only, and a returned parameter shares memory with nothing it came from or went into."""
+    row = optim.spec(name)
+    cfg = row.make_config(**options)
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64):
+        for shape in ((), (3, 4)):
+            params = [rng.standard_normal(shape).astype(dtype) for _ in range(2)]
+            state = tuple(row.init_state(x, cfg) for x in params)
+            scale = {"grad_scale": 1024.0} if impl in row.kernel_scaled else {}
+            for _ in range(2):  # the second step starts from a state with every buffer
+                grads = [rng.standard_normal(shape).astype(dtype) for _ in params]
+                inputs = [*params, *grads, *(v for st in state for v in vars(st).values() if isinstance(v, np.ndarray))]
+                copies = [x.copy() for x in inputs]
+                new_params, _, new_state = row.step(impl, params, grads, state, cfg, **scale)
+                assert all(same_bits(x, c) for x, c in zip(inputs, copies)), f"{name} {impl} {options} wrote an input"
+                kept = [v for st in new_state for v in vars(st).values() if isinstance(v, np.ndarray)]
+                assert all(not v.flags.writeable for v in kept), f"{name} {impl} {options}: a writeable state array"
+                for q in new_params:
+                    assert np.asarray(q).dtype == dtype and np.shape(q) == shape
+                    assert not any(np.shares_memory(q, x) for x in inputs + kept if x is not q), \
+                        f"{name} {impl} {options}: a new parameter shares memory with an input or the state"
+                params, state = new_params, new_state
 
 
 def test_custom_square_root_is_used_by_the_for_loop_path():

@@ -34,7 +34,7 @@ class Net(nn.Module):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"name": "lamb"}, "optimizer name must be one of adamw, adam, sgd, adagrad, rmsprop, adamax, adadelta, nadam, radam, got 'lamb'"),
+        ({"name": "lamb"}, "optimizer name must be one of adamw, adam, sgd, adagrad, rmsprop, adamax, adadelta, nadam, radam, adafactor, got 'lamb'"),
         ({"lr": -1e-3}, "lr must be a finite number >= 0.0, got -0.001"),
         ({"lr": float("nan")}, "lr must be a finite number >= 0.0, got nan"),
         ({"lr": "1e-3"}, "lr must be a number, got '1e-3'"),
@@ -54,6 +54,13 @@ class Net(nn.Module):
          "invalid configuration: nesterov: Nesterov momentum needs momentum > 0, got momentum=0.0; "
          "set momentum (e.g. 0.9), or remove nesterov"),
         ({"name": "sgd", "momentum": -0.5}, "momentum must be a finite number >= 0.0, got -0.5"),
+        ({"name": "adafactor", "beta2_decay": 0.5},
+         "beta2_decay must be <= 0 (Adafactor's second moment weighs the new gradient by step ** beta2_decay), got 0.5"),
+        ({"name": "adafactor", "beta2_decay": float("nan")}, "beta2_decay must be a finite number >= -inf, got nan"),
+        ({"name": "adafactor", "d": 0.5}, "d must be a finite number >= 1.0, got 0.5"),
+        ({"name": "adamw", "d": 2.0},
+         "invalid configuration: d: only the 'adafactor' optimizer uses d, and this one is 'adamw' (got d=2.0); "
+         "remove d, or set the optimizer's name to 'adafactor'"),
     ],
 )
 def test_config_validation(kwargs, message):
@@ -270,6 +277,7 @@ def test_fused_and_for_loop_both_train():
     ["optimizer.name=adagrad", "optimizer.lr_decay=0.01", "optimizer.fused=true"],
     ["optimizer.name=nadam", "optimizer.decoupled_weight_decay=true", "optimizer.momentum_decay=0.01"],
     ["optimizer.name=radam"], ["optimizer.name=adamax"], ["optimizer.name=adadelta", "optimizer.rho=0.5"],
+    ["optimizer.name=adafactor", "optimizer.d=2.0", "optimizer.beta2_decay=0.0"],
 ], ids=lambda s: s[0].split("=")[1])
 def test_every_optimizer_trains_checkpoints_its_settings_and_resumes_bit_for_bit(tmp_path, sets):
     """A registered optimizer by name: its settings reach torch's class, are saved with the

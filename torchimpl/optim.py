@@ -124,6 +124,9 @@ for _row in (
     TorchOptimizer("adadelta", torch.optim.Adadelta, ("rho", "eps")),
     TorchOptimizer("nadam", torch.optim.NAdam, ("betas", "eps", "momentum_decay", "decoupled_weight_decay")),
     TorchOptimizer("radam", torch.optim.RAdam, ("betas", "eps", "decoupled_weight_decay")),
+    # Adafactor's eps is a pair (eps1 or None, eps2), not the float the other rows share: the
+    # trainer keeps torch's default (None, 1e-3). torch has no fused Adafactor.
+    TorchOptimizer("adafactor", torch.optim.Adafactor, ("beta2_decay", "d")),
 ):
     register(_row)
 
@@ -190,6 +193,8 @@ class OptimizerConfig:
     rho: float | None = None
     momentum_decay: float | None = None
     decoupled_weight_decay: bool | None = None
+    beta2_decay: float | None = None
+    d: float | None = None
 
     def __post_init__(self) -> None:
         if self.name not in REGISTRY:
@@ -207,6 +212,13 @@ class OptimizerConfig:
         for name in _NONNEGATIVE:
             if getattr(self, name) is not None:
                 _finite_at_least(name, getattr(self, name), 0.0)
+        if self.beta2_decay is not None:
+            _finite_at_least("beta2_decay", self.beta2_decay, float("-inf"))
+            if not float(self.beta2_decay) <= 0.0:
+                raise ValueError(f"beta2_decay must be <= 0 (Adafactor's second moment weighs the new gradient by "
+                                 f"step ** beta2_decay), got {self.beta2_decay!r}; torch's default is -0.8")
+        if self.d is not None:
+            _finite_at_least("d", self.d, 1.0)
         betas = self.betas
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair of numbers in [0, 1), got {betas!r}")

@@ -98,6 +98,8 @@ import numpy as np
 
 from reference.optim._common import check_param
 from reference.optim._registry import IMPLEMENTATIONS, SPECS, OptimizerSpec, register, spec, spec_for
+from reference.optim.adafactor import (AdafactorConfig, AdafactorState, adafactor_init_state, adafactor_magnitudes,
+                                       adafactor_step)
 from reference.optim.adam import (AdamConfig, AdamParamState, adam_init_state, adam_magnitudes, adam_step,
                                   adamw_config, fused_adam_step)
 from reference.optim.adagrad import AdagradConfig, AdagradState, adagrad_init_state, adagrad_magnitudes, adagrad_step
@@ -109,6 +111,9 @@ from reference.optim.rmsprop import RMSpropConfig, RMSpropState, rmsprop_init_st
 from reference.optim.sgd import SGDConfig, SGDParamState, fused_sgd_step, sgd_init_state, sgd_magnitudes, sgd_step
 
 __all__ = [
+    "AdafactorConfig",
+    "AdafactorState",
+    "adafactor_step",
     "AdagradConfig",
     "AdagradState",
     "adagrad_step",
@@ -245,3 +250,16 @@ register(OptimizerSpec("NAdam", NAdamConfig, NAdamConfig, nadam_init_state,
                        {"for-loop": _nadam, "foreach": _foreach_nadam}, magnitudes=nadam_magnitudes))
 register(OptimizerSpec("RAdam", RAdamConfig, RAdamConfig, radam_init_state,
                        {"for-loop": _radam, "foreach": _foreach_radam}, magnitudes=radam_magnitudes))
+
+
+def _adafactor(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adafactor_step(params, grads, state, config, lr=lr)
+
+
+def _foreach_adafactor(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adafactor_step(params, grads, state, config, lr=lr, foreach=True)
+
+
+# torch has no fused Adafactor; its rsqrt takes the correctly rounded root, so torch's sqrt is not taken.
+register(OptimizerSpec("Adafactor", AdafactorConfig, AdafactorConfig, adafactor_init_state,
+                       {"for-loop": _adafactor, "foreach": _foreach_adafactor}, magnitudes=adafactor_magnitudes))

@@ -17,6 +17,13 @@ tensor is first rounded to that dtype):
 
 Under ``ATEN_CPU_CAPABILITY=default`` torch rounds each of these operations separately, as
 written here; native AVX2/AVX512 kernels fuse some of the multiply-adds.
+
+How the steps compute (speed, not semantics): a chain of these operations may write into a
+preallocated array (NumPy's ``out=``) instead of a new array per operation. A ufunc writes
+into an ``out`` of its result's dtype the value it would return in a new array, operands keep
+torch's order, and nothing is fused, so the bits are those of the rules; what changes is that a step
+allocates (and the operating system zeroes) little more than the arrays it returns, which on
+large parameters costs more than the arithmetic.
 """
 
 from __future__ import annotations
@@ -61,14 +68,31 @@ def check_nonnegative(**values: float) -> None:
 
 
 def frozen(a: np.ndarray) -> np.ndarray:
+    """A read-only copy (of an array that may be a caller's)."""
     out = np.array(a, copy=True)
     out.setflags(write=False)
     return out
 
 
+def freeze(a: np.ndarray) -> np.ndarray:
+    """An array the step itself created, made read-only where it is: the state keeps it without
+    a copy (`frozen` copies, for arrays that may be a caller's)."""
+    out = np.asarray(a)
+    out.setflags(write=False)
+    return out
+
+
+
+def abs64(a: np.ndarray) -> np.ndarray:
+    """``|a|`` in float64, as a new array also for 0-d input (for the ``magnitudes`` of the
+    native-kernel bounds, which then work in place on it)."""
+    return np.abs(a, dtype=np.float64, out=np.empty(np.shape(a), np.float64))
+
+
 def check_param(p: np.ndarray, i: int) -> np.ndarray:
     arr = np.asarray(p)
-    require(arr.dtype in DTYPES, f"params[{i}] must be float32 or float64, got {arr.dtype}")
+    if arr.dtype not in DTYPES:  # the message is formatted only when raised: str(dtype) is slow
+        raise ValueError(f"params[{i}] must be float32 or float64, got {arr.dtype}")
     return arr
 
 
@@ -82,8 +106,9 @@ def check_inputs(params, grads, state, config, config_type, state_type) -> list[
         if g is None:
             continue
         g = np.asarray(g)
-        require(g.dtype == p.dtype and g.shape == p.shape,
-                f"grads[{i}] must match params[{i}] ({p.dtype}, shape {p.shape}), got {g.dtype}, shape {g.shape}")
+        if g.dtype != p.dtype or g.shape != p.shape:
+            raise ValueError(f"grads[{i}] must match params[{i}] ({p.dtype}, shape {p.shape}), "
+                             f"got {g.dtype}, shape {g.shape}")
     return arrays
 
 
@@ -111,10 +136,16 @@ def for_each_param(
     return new_params, new_grads, tuple(new_state)
 
 
-def add(x: np.ndarray, y: np.ndarray, alpha: float = 1.0) -> np.ndarray:
-    """Rule 1: ``x.add(y, alpha=alpha)``."""
+def add(x: np.ndarray, y: np.ndarray, alpha: float = 1.0, *, out: np.ndarray | None = None) -> np.ndarray:
+    """Rule 1: ``x.add(y, alpha=alpha)``. ``out``: an array to write the result to (a fresh one,
+    or ``y``, or ``x`` itself, for which the scaled ``y`` takes a temporary)."""
     f = np.asarray(x).dtype.type
-    return x + y if alpha == 1 else x + f(alpha) * y
+    if out is None:
+        return x + y if alpha == 1 else x + f(alpha) * y
+    if alpha == 1:
+        return np.add(x, y, out=out)
+    scaled = np.multiply(y, f(alpha), out=None if out is x else out)
+    return np.add(x, scaled, out=out)
 
 
 def addcmul(x: np.ndarray, a: np.ndarray, b: np.ndarray, value: float = 1.0) -> np.ndarray:
@@ -129,13 +160,19 @@ def addcdiv(x: np.ndarray, a: np.ndarray, b: np.ndarray, value: float = 1.0) -> 
     return x + (f(value) * a) / b
 
 
-def lerp(x: np.ndarray, y: np.ndarray, weight: float) -> np.ndarray:
-    """Rule 4: ``x.lerp(y, weight)`` with a Python-float weight."""
+def lerp(x: np.ndarray, y: np.ndarray, weight: float, *, out: np.ndarray | None = None) -> np.ndarray:
+    """Rule 4: ``x.lerp(y, weight)`` with a Python-float weight. ``out``: a fresh array to write
+    the result to (neither ``x`` nor ``y``)."""
     f = np.asarray(x).dtype.type
     w = f(weight)
+    if out is None:
+        if abs(w) < 0.5:
+            return x + w * (y - x)
+        return y - (y - x) * (f(1) - w)
+    diff = np.subtract(y, x, out=out)
     if abs(w) < 0.5:
-        return x + w * (y - x)
-    return y - (y - x) * (f(1) - w)
+        return np.add(x, np.multiply(diff, w, out=out), out=out)
+    return np.subtract(y, np.multiply(diff, f(1) - w, out=out), out=out)
 
 
 def weight_decayed(p: np.ndarray, d: np.ndarray, weight_decay: float, decoupled: bool,

@@ -7,15 +7,14 @@ in the square root torch hands to MKL (rule 9), which ``sqrt=`` injects.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from reference.optim._common import (check_inputs, check_lr, check_lr_or_tensor, check_param, for_each_param,
-                                     frozen, require)
+from reference.optim._common import (abs64, add, check_inputs, check_lr, check_lr_or_tensor, check_param, for_each_param,
+                                     freeze, frozen, lerp, require)
 
 __all__ = ["AdamConfig", "AdamParamState", "adam_init_state", "adam_step", "adamw_config", "fused_adam_step"]
 
@@ -93,6 +92,20 @@ def adam_init_state(p: np.ndarray, config: AdamConfig) -> AdamParamState:
                           max_exp_avg_sq=frozen(np.zeros_like(a)) if config.amsgrad else None)
 
 
+def _decayed(p: np.ndarray, config: AdamConfig, lr: float, tensor_lr: np.ndarray | None,
+             out: np.ndarray) -> np.ndarray:
+    """Rule 3's decoupled decay (AdamW), ``p * f(1 - lr * wd)``, with rule 11's tensor lr."""
+    f = p.dtype.type
+    if tensor_lr is None:
+        return np.multiply(p, f(1 - lr * config.weight_decay), out=out)
+    L = tensor_lr.dtype.type
+    factor = L(L(1) - L(lr * L(config.weight_decay)))
+    if p.ndim == 0 and np.dtype(L).itemsize > p.dtype.itemsize:
+        out[()] = np.asarray(p.astype(np.dtype(L)) * factor).astype(p.dtype)  # two 0-d tensors promote
+        return out
+    return np.multiply(p, f(factor), out=out)
+
+
 def _adam_update(
     p: np.ndarray,
     d: np.ndarray,
@@ -109,26 +122,15 @@ def _adam_update(
     tensor_lr = lr if isinstance(lr, np.ndarray) else None  # rule 11
     if tensor_lr is not None:
         lr = tensor_lr.dtype.type(tensor_lr[()])
-    if config.weight_decay != 0:
-        if config.decoupled_weight_decay and tensor_lr is not None:
-            L = tensor_lr.dtype.type
-            factor = L(L(1) - L(lr * L(config.weight_decay)))
-            if p.ndim == 0 and np.dtype(L).itemsize > p.dtype.itemsize:
-                p = np.asarray(p.astype(np.dtype(L)) * factor).astype(p.dtype)  # two 0-d tensors promote
-            else:
-                p = p * f(factor)
-        elif config.decoupled_weight_decay:
-            p = p * f(1 - lr * config.weight_decay)
-        else:
-            d = d + f(config.weight_decay) * p
-    m = s.exp_avg
-    w = f(1 - beta1)
-    if abs(w) < 0.5:
-        m = m + w * (d - m)
-    else:
-        m = d - (d - m) * (f(1) - w)
-    v = s.exp_avg_sq * f(beta2)
-    v = v + (f(1 - beta2) * d) * d
+    decoupled = config.weight_decay != 0 and config.decoupled_weight_decay
+    if config.weight_decay != 0 and not decoupled:
+        d = add(d, p, config.weight_decay, out=np.empty_like(p))
+    # The new parameter; until the last lines it holds the temporaries of rules 5 and 6 (``_common``:
+    # how the steps compute). The decoupled decay reads only p, so it is computed there last.
+    new_p = np.empty_like(p)
+    m = lerp(s.exp_avg, d, 1 - beta1, out=np.empty_like(p))
+    v = np.multiply(s.exp_avg_sq, f(beta2), out=np.empty_like(p))
+    v = np.add(v, np.multiply(np.multiply(d, f(1 - beta2), out=new_p), d, out=new_p), out=v)  # addcmul
     t = float(step)
     bias_correction1 = 1 - beta1**t
     bias_correction2 = 1 - beta2**t
@@ -138,19 +140,19 @@ def _adam_update(
     bias_correction2_sqrt = math.sqrt(bias_correction2) if fused else bias_correction2**0.5
     vmax = s.max_exp_avg_sq
     if config.amsgrad:
-        vmax = np.maximum(vmax, v)
-        root = sqrt(vmax)
-    else:
-        root = sqrt(v)
-    denom = root / f(bias_correction2_sqrt) + f(config.eps)
-    p = p + (f(-step_size) * m) / denom
-    return p, AdamParamState(
+        vmax = np.maximum(vmax, v, out=np.empty_like(p))
+    root_of = vmax if config.amsgrad else v
+    root = np.sqrt(root_of, out=new_p) if sqrt is np.sqrt else sqrt(root_of)
+    denom = np.add(np.divide(root, f(bias_correction2_sqrt), out=new_p), f(config.eps), out=new_p)
+    quotient = np.multiply(m, f(-step_size), out=np.empty_like(p))
+    quotient = np.divide(quotient, denom, out=quotient)  # addcdiv: value times numerator, then the division
+    start = _decayed(p, config, lr, tensor_lr, out=new_p) if decoupled else p
+    return np.add(start, quotient, out=new_p), AdamParamState(
         step=step,
-        exp_avg=frozen(m),
-        exp_avg_sq=frozen(v),
-        max_exp_avg_sq=frozen(vmax) if vmax is not None else None,
+        exp_avg=freeze(m),
+        exp_avg_sq=freeze(v),
+        max_exp_avg_sq=freeze(vmax) if config.amsgrad else None if vmax is None else frozen(vmax),
     )
-
 
 
 def adam_step(
@@ -217,15 +219,15 @@ def fused_adam_step(
     def update(p: np.ndarray, g: np.ndarray, s: AdamParamState) -> tuple[np.ndarray, AdamParamState, np.ndarray]:
         f = p.dtype.type
         step = np.float32(s.step + np.float32(1.0))
-        g = np.array(g, copy=True)
         if skip:
             new_p, new_s = np.array(p, copy=True), s
         else:
             if grad_scale is not None:
-                g = g / f(np.float32(grad_scale))
+                g = np.divide(g, f(np.float32(grad_scale)), out=np.empty_like(g))
             new_p, new_s = _adam_update(p, -g if config.maximize else g, s, step, config, step_lr, fused=True)
         # The kernel advances the step counter by 1 - found_inf, applied or not.
-        return new_p, dataclasses.replace(new_s, step=np.float32(step - inf_flag)), g
+        counter = np.float32(step - inf_flag)
+        return new_p, AdamParamState(counter, new_s.exp_avg, new_s.exp_avg_sq, new_s.max_exp_avg_sq), g
 
     return for_each_param(arrays, grads, state, update)
 
@@ -233,22 +235,39 @@ def fused_adam_step(
 def adam_magnitudes(config: AdamConfig, p: np.ndarray, g: np.ndarray, old: AdamParamState,
                     new: AdamParamState) -> dict[str, np.ndarray]:
     """``x_abs`` of each Adam field: rules 3-6 on magnitudes, float64 (the denominator is
-    positive, taken from the spec's new second moment)."""
+    positive, taken from the spec's new second moment).
+
+    ``d = |g| + wd |p|`` (Adam; ``|g|`` for AdamW); ``m = beta1 |m| + (1 - beta1) d``;
+    ``v = beta2 v + (1 - beta2) d d``; ``vmax = max(vmax, v)``; ``denom = sqrt(new v or vmax) /
+    sqrt(bc2) + eps``; ``param = |p| decay + step_size m / denom`` (inf where denom is not
+    positive). Computed in place, float64 operations in this order: float64 arrays are large,
+    their page faults dear."""
+    f64 = np.float64
     beta1, beta2 = config.betas
-    p64 = np.abs(np.asarray(p, np.float64))
-    d = np.abs(np.asarray(g, np.float64)) + (0.0 if config.decoupled_weight_decay else config.weight_decay * p64)
-    m = beta1 * np.abs(np.asarray(old.exp_avg, np.float64)) + (1 - beta1) * d
-    v = beta2 * np.asarray(old.exp_avg_sq, np.float64) + (1 - beta2) * d * d
+    p_abs = abs64(p)
+    d = abs64(g)
+    scratch = np.empty_like(d)
+    if not config.decoupled_weight_decay:
+        d += np.multiply(p_abs, config.weight_decay, out=scratch)
+    m = abs64(old.exp_avg)
+    m *= beta1
+    m += np.multiply(d, 1 - beta1, out=scratch)
+    v = np.multiply(old.exp_avg_sq, beta2, dtype=f64, out=np.empty_like(d))
+    v += np.multiply(np.multiply(d, 1 - beta2, out=scratch), d, out=scratch)
     out = {"exp_avg": m, "exp_avg_sq": v}
     root_of = new.exp_avg_sq
     if config.amsgrad:
-        out["max_exp_avg_sq"] = np.maximum(np.asarray(old.max_exp_avg_sq, np.float64), v)
+        out["max_exp_avg_sq"] = np.maximum(old.max_exp_avg_sq, v, dtype=f64, out=np.empty_like(d))
         root_of = new.max_exp_avg_sq
     t = float(new.step)
     step_size = config.lr / (1 - beta1**t)
-    denom = np.sqrt(np.asarray(root_of, np.float64)) / math.sqrt(1 - beta2**t) + config.eps
+    denom = np.sqrt(root_of, dtype=f64, out=d)
+    denom /= math.sqrt(1 - beta2**t)
+    denom += config.eps
     with np.errstate(divide="ignore", invalid="ignore"):
-        update = np.where(denom > 0, step_size * m / denom, np.inf)
+        update = np.divide(np.multiply(m, step_size, out=scratch), denom, out=scratch)
+    update[~(denom > 0)] = np.inf
     decay = 1 - config.lr * config.weight_decay if config.decoupled_weight_decay else 1.0
-    out["param"] = p64 * decay + update
+    p_abs *= decay
+    out["param"] = np.add(p_abs, update, out=p_abs)
     return out

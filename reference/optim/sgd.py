@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference.optim._common import (check_inputs, check_lr, check_param, for_each_param, frozen, lr_value,
+from reference.optim._common import (abs64, add, check_inputs, check_lr, check_param, for_each_param, freeze, lr_value,
                                      require)
 
 __all__ = ["SGDConfig", "SGDParamState", "fused_sgd_step", "sgd_init_state", "sgd_step"]
@@ -76,19 +76,22 @@ def sgd_init_state(p: np.ndarray, config: SGDConfig) -> SGDParamState:
 def _update(config: SGDConfig, lr: float):
     def update(p: np.ndarray, g: np.ndarray, s: SGDParamState) -> tuple[np.ndarray, SGDParamState, np.ndarray]:
         f = p.dtype.type
-        d = -g if config.maximize else g
+        # The new parameter; until the last line it also holds d when d is computed (``_common``:
+        # how the steps compute). The momentum buffer is the only other array a step keeps.
+        new_p = np.empty_like(p)
+        d = np.negative(g, out=new_p) if config.maximize else g
         if config.weight_decay != 0:
-            d = d + f(config.weight_decay) * p
+            d = add(d, p, config.weight_decay, out=new_p)
         buf = s.momentum_buffer
         if config.momentum != 0:
             if buf is None:
                 buf = np.array(d, copy=True)
             else:
-                buf = buf * f(config.momentum)
-                buf = buf + f(1 - config.dampening) * d
-            d = d + f(config.momentum) * buf if config.nesterov else buf
-            buf = frozen(buf)
-        return p + f(-lr) * d, SGDParamState(momentum_buffer=buf), g
+                buf = np.multiply(buf, f(config.momentum), out=np.empty_like(p))
+                buf = add(buf, d, 1 - config.dampening, out=buf)
+            d = add(d, buf, config.momentum, out=new_p) if config.nesterov else buf
+            buf = freeze(buf)
+        return add(p, d, -lr, out=new_p), SGDParamState(momentum_buffer=buf), g
     return update
 
 
@@ -123,12 +126,12 @@ def fused_sgd_step(
     ``(params, grads, state)`` with the gradients the kernel leaves in ``.grad``."""
     arrays = check_inputs(params, grads, state, config, SGDConfig, SGDParamState)
     if float(found_inf) == 1.0:
-        return [np.array(p, copy=True) for p in arrays], [None if g is None else np.array(g, copy=True)
-                                                           for g in grads], tuple(state)
+        return [np.array(p, copy=True) for p in arrays], list(grads), tuple(state)
     inner = _update(config, lr_value(config, lr))
 
     def update(p: np.ndarray, g: np.ndarray, s: SGDParamState) -> tuple[np.ndarray, SGDParamState, np.ndarray]:
-        g = np.array(g, copy=True) if grad_scale is None else g / p.dtype.type(np.float32(grad_scale))
+        if grad_scale is not None:
+            g = np.divide(g, p.dtype.type(np.float32(grad_scale)), out=np.empty_like(g))
         return inner(p, g, s)
 
     return for_each_param(arrays, grads, state, update)
@@ -136,14 +139,28 @@ def fused_sgd_step(
 
 def sgd_magnitudes(config: SGDConfig, p: np.ndarray, g: np.ndarray, old: SGDParamState,
                    new: SGDParamState) -> dict[str, np.ndarray]:
-    """``x_abs`` of the momentum buffer and the parameter: rule 1 on magnitudes, float64."""
-    d = np.abs(np.asarray(g, np.float64)) + config.weight_decay * np.abs(np.asarray(p, np.float64))
+    """``x_abs`` of the momentum buffer and the parameter: rule 1 on magnitudes, float64.
+
+    ``d = |g| + wd |p|``; ``buf = d`` on a first step, else ``momentum |buf| + |1 - dampening| d``;
+    ``d = d + momentum buf`` with Nesterov, else ``buf``; ``param = |p| + lr d``. (Computed in
+    place, float64 operations in this order: float64 arrays are large, their page faults dear.)"""
+    p_abs = abs64(p)
+    scratch = np.multiply(p_abs, config.weight_decay, out=np.empty_like(p_abs))
+    d = abs64(g)
+    d += scratch
     out: dict[str, np.ndarray] = {}
     if config.momentum != 0:
         old_buf = old.momentum_buffer
-        buf = d if old_buf is None else \
-            config.momentum * np.abs(np.asarray(old_buf, np.float64)) + abs(1 - config.dampening) * d
+        if old_buf is None:
+            buf = d
+        else:
+            buf = abs64(old_buf)
+            buf *= config.momentum
+            buf += np.multiply(d, abs(1 - config.dampening), out=scratch)
         out["momentum_buffer"] = buf
-        d = d + config.momentum * buf if config.nesterov else buf
-    out["param"] = np.abs(np.asarray(p, np.float64)) + config.lr * d
+        if config.nesterov:
+            d = np.add(d, np.multiply(buf, config.momentum, out=scratch), out=scratch)
+        else:
+            d = buf
+    out["param"] = np.add(p_abs, np.multiply(d, config.lr, out=scratch), out=p_abs)
     return out
