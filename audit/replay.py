@@ -474,16 +474,24 @@ def _flat(a: np.ndarray, ix: np.ndarray) -> np.ndarray:
     return np.asarray(a).reshape(-1)[ix].astype(np.float64)
 
 
+# The specification's rows whose magnitudes are element-wise (each element's from the same element
+# of the inputs; tests/test_audit_fast_paths.py checks each against the whole-parameter ones).
+# Adafactor's are not (row and column means, the parameter's RMS), nor need a user's row be.
+ELEMENTWISE_MAGNITUDES = frozenset({"SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "Adadelta", "NAdam",
+                                    "RAdam"})
+
+
 def _magnitudes(entry: Any, cfg: Any, values: tuple, exact: bool) -> Any:
     """``x_abs`` of one parameter's fields: a function of the field's name giving None (bit for bit,
     or a row without magnitudes: ULPs of the value) or a function of flat indices.
 
-    The built-in rows' magnitudes are element-wise: evaluated only at the elements the compare
-    needs them for (those more than half the bound apart), not over the whole parameter."""
+    Element-wise magnitudes (`ELEMENTWISE_MAGNITUDES`) are evaluated only at the elements the
+    compare needs them for (those more than half the bound apart), not over the whole parameter;
+    any other row's once over the whole parameter."""
     row, p = entry.spec, values[0]
     if exact or row.magnitudes is None:
         return lambda fld: None
-    if entry.builtin and np.ndim(p) > 0:
+    if entry.builtin and row.name in ELEMENTWISE_MAGNITUDES and np.ndim(p) > 0:
         return lambda fld: lambda ix: np.asarray(row.magnitudes(cfg, *_at(values, p.shape, ix))[fld], np.float64)
     mags = functools.cache(lambda: row.magnitudes(cfg, *values))
     return lambda fld: lambda ix: _flat(mags()[fld], ix)

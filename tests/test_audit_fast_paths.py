@@ -33,7 +33,13 @@ def _two_steps(spec, cfg, rng):
     return p1, g * np.float32(0.5), s1, s2
 
 
-@pytest.mark.parametrize("name", sorted(n for n, s in SPECS.items() if s.magnitudes is not None))
+def _elementwise() -> list[str]:
+    from audit.replay import ELEMENTWISE_MAGNITUDES
+
+    return sorted(ELEMENTWISE_MAGNITUDES)
+
+
+@pytest.mark.parametrize("name", _elementwise())
 def test_magnitudes_at_some_elements_are_the_whole_parameters_at_them(name):
     from audit.replay import _magnitudes
 
@@ -55,11 +61,13 @@ def test_magnitudes_at_some_elements_are_the_whole_parameters_at_them(name):
                 f"{name} {options} {fld}: {got} against {want}"
 
 
-def test_magnitudes_of_a_registered_row_are_taken_whole():
-    """A row the user registered may not be element-wise: its magnitudes see the whole parameter."""
+@pytest.mark.parametrize("name, builtin", [("Adam", False), ("Adafactor", True)])
+def test_other_magnitudes_are_taken_over_the_whole_parameter(name, builtin):
+    """A row the user registered need not be element-wise, and Adafactor's are not (its factored
+    means): their magnitudes see the whole parameter, and are read at the elements asked for."""
     from audit.replay import _magnitudes
 
-    spec = SPECS["Adam"]
+    spec = SPECS[name]
     cfg = spec.make_config()
     values = _two_steps(spec, cfg, np.random.default_rng(3))
     seen = []
@@ -68,9 +76,11 @@ def test_magnitudes_of_a_registered_row_are_taken_whole():
         seen.append(p.shape)
         return spec.magnitudes(cfg, p, g, old, new)
 
-    row = types.SimpleNamespace(spec=types.SimpleNamespace(magnitudes=whole_only), builtin=False)
-    _magnitudes(row, cfg, values, exact=False)("param")(np.array([1, 5]))
+    row = types.SimpleNamespace(spec=types.SimpleNamespace(magnitudes=whole_only, name=spec.name), builtin=builtin)
+    ix = np.array([1, 5])
+    got = _magnitudes(row, cfg, values, exact=False)("param")(ix)
     assert seen == [values[0].shape]
+    assert np.array_equal(got, np.asarray(spec.magnitudes(cfg, *values)["param"], np.float64).reshape(-1)[ix])
 
 
 def _bind_reference(signature, args, kwargs):
