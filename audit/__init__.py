@@ -18,8 +18,9 @@ must import both. ``reference`` may never import torch, and ``torchimpl`` import
 only at the command-line boundary (``torchimpl/spec_bridge.py`` for ``replay``); the audit is
 neither of them (it instruments user code, not ampspec's trainer), so it sits beside them,
 like the conformance suite, and the ``ampspec`` command imports it lazily in its ``audit``
-subcommand. Inside it, only `audit.replay` imports ``reference``: an audit without replay never
-loads the specification.
+subcommand. Inside it, the order rules read the specification's GradScaler call sequence
+(`reference.scaling`'s stage functions, through `audit.sequence`); only `audit.replay` imports
+the rest of ``reference``: an audit without replay loads none of its arithmetic.
 """
 
 from __future__ import annotations

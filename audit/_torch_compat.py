@@ -33,6 +33,7 @@ _foreach_sqrt = _private("torch", "_foreach_sqrt",
 GRAD_SCALER_ATTRIBUTES: dict[str, str] = {
     "_per_optimizer_states": "found_inf as the scaler recorded it for each optimizer",
     "_get_growth_tracker": "the growth counter before and after update, replayed through the spec",
+    "_scale": "whether scale() ran (None before): the call sequence's first check, as torch makes it",
 }
 PER_OPTIMIZER_STATE_KEYS: dict[str, str] = {"found_inf_per_device": "the found_inf tensors of one optimizer"}
 OPTIMIZER_FLAG = ("_step_supports_amp_scaling", "a fused optimizer unscales and skips inside its own kernel")

@@ -26,7 +26,7 @@ import numpy as np
 from audit.compare import _compare, ulp_distance
 from reference import scaling
 
-__all__ = ["Change", "measure", "NUMERIC_ULP"]
+__all__ = ["Change", "Boundary", "measure", "NUMERIC_ULP"]
 
 # Far above any bound of a stage (the largest is 30 ULPs of x_abs), far below any edit a loop makes.
 NUMERIC_ULP = 256
@@ -45,6 +45,34 @@ class Change:
     expected: Any = None
     got: Any = None
     worst: float = 0.0  # the largest ULP distance among the gradients that agree
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """One boundary with a difference, as the numeric checks read it (`audit.checks_numbers`): the
+    step, the call site, the stage before (``prev``) and the stage entered (``into``), the
+    `Change`, how many gradients changed (``count``), the loss scale, and whether the gradients
+    were unscaled by then (or no scaler scaled them)."""
+
+    step: int
+    where: str
+    prev: str
+    into: str
+    change: Change
+    count: str
+    scale: Any
+    after_unscale: bool
+
+    @property
+    def between(self) -> str:
+        return f"between {self.prev} and {self.into}"
+
+    @property
+    def divergence(self) -> bool:
+        """A difference of a few ULPs after a stage the spec computed: that stage computed
+        otherwise (recorded as a divergence, ``replay-divergence``). After backward, which the
+        spec does not compute, no rounding explains it: the loop's own edit."""
+        return self.change.kind == "numeric" and self.prev != "backward"
 
 
 def measure(pairs: list[tuple[int, np.ndarray, np.ndarray]], bound: int, scale: Any) -> Change | None:

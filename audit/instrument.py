@@ -332,7 +332,7 @@ def _scaler_wrappers(rec: Any) -> tuple[Callable[[Any], Any], tuple[tuple[str, C
     scale = _after(lambda s, outputs, out=None: rec.on_scale(s, outputs, out))
     unscale = _bracketed(lambda s, opt: rec.on_unscale_begin(s, opt),
                          lambda ok, s, opt: rec.on_unscale_end(s, opt, ok))
-    step = _bracketed(lambda s, opt, *a, **k: rec.on_scaler_step_begin(s, opt),
+    step = _bracketed(lambda s, opt, *a, **k: rec.on_scaler_step_begin(s, opt, closure="closure" in k),
                       lambda ok, s, opt, *a, **k: rec.on_scaler_step_end(s, opt, ok))
     update = _bracketed(lambda s, new_scale=None: rec.on_update_begin(s, new_scale),
                         lambda ok, s, new_scale=None: rec.on_update_end(s, new_scale, ok))

@@ -1,4 +1,4 @@
-"""What the instrumented calls mean: per-optimizer windows, step records and the order rules.
+"""The call tracker: what the instrumented calls mean (per-optimizer windows, step records).
 
 Vocabulary. A *window* of an optimizer is what happens between two of its step events: the
 backward passes that accumulate into its gradients (the microbatches), then the step phase
@@ -8,65 +8,25 @@ included, as the spec's ``StepRecord.step``. Calls after a step event and before
 window's first backward (``scaler.update``, ``scheduler.step``, ``torch.save``) belong to that
 step.
 
-How each order rule is decided (the rule texts are in `audit.rules`):
+The recorder records; the rules decide. Each rule is declared on its check (`audit.rules` lists
+them by family), a function that reads what the recorder recorded and yields findings, and the
+recorder runs it at the event it reads (`_report`), so that a finding names the call site:
 
-- clip-before-unscale: a clipping call on an optimizer's parameters in a window whose backward
-  started from a loss scaled by an enabled GradScaler, before that scaler's ``unscale_`` for the
-  optimizer.
-- clip-threshold-scaled: ``clip_grad_norm_`` after ``unscale_`` with a threshold that tracks the
-  loss scale: a warning when it is at least the scale while the scale is at least 2**10 (rarely
-  meant, but possible), an error once the threshold changed across steps by exactly the factor
-  the scale changed by. The first step is the first step of that pattern; an infinite threshold
-  (a norm measured, nothing clipped) is never a finding.
-- unscale-twice: a second ``unscale_`` on the same optimizer before ``update`` (torch raises
-  right after); or, from the numbers, gradients reaching the next stage equal to the unscaled
-  gradients unscaled once more (by the inverse or by a division by the scale), after
-  ``unscale_`` or before ``scaler.step`` unscales them, decided in `audit.boundaries`.
-- step-without-update: ``scaler.step(optimizer)`` not followed by ``scaler.update()`` before the
-  scaler scales the next loss or steps that optimizer again (torch raises at that second step),
-  or by the end of the run.
-- update-without-step: ``scaler.update()`` when no ``scaler.step`` ran since the last update;
-  the message names the direct ``optimizer.step()`` when there was one.
-- step-bypasses-scaler: a direct ``optimizer.step()`` on gradients of a scaled loss, with no
-  ``scaler.update()`` before the next scaled loss.
-- scheduler-on-skipped-step: ``scheduler.step()`` when the scheduler's optimizer applied no step
-  since that scheduler's previous step (a skipped step, or no step yet). The constructor's own
-  initial step is not counted.
-- zero-grad-in-window: ``zero_grad`` (of the optimizer, or of a module holding its parameters)
-  after a backward pass of the window and before its step.
-- loss-not-divided: a window of k >= 2 backward passes whose every loss reached backward
-  undivided, and which are microbatches of one loss (`audit.windows` says how several losses
-  in one step are told apart; an error only when certain, else a warning). The factor by which a microbatch's gradient enters the accumulation is read from
-  the autograd graph at backward: the chain of multiplications and divisions by constants (and
-  dtype casts) between the tensor backward starts from and the loss that the last other
-  operation produced, the GradScaler's own multiplication excluded. A factor of exactly 1 means
-  nothing divided the loss. Any other factor passes (a loss divided by the batch size times k
-  is as right as one divided by k). Gradient magnitudes alone cannot decide this: a window's
-  undivided gradients are k times larger, which no gradient distinguishes from a k times
-  larger loss.
-- backward-in-autocast (a warning): a backward pass while autocast is enabled.
-- checkpoint-without-scaler: the ``torch.save`` calls between two steps saved optimizer state
-  (an optimizer, or a dict with ``state`` and ``param_groups``) and no scaler state (a GradScaler,
-  or a dict with its five keys), while an enabled GradScaler has scaled a loss. Several files
-  saved after one step count as one checkpoint (Accelerate saves the scaler in a file of its own).
-  A warning instead of an error when ``scaler.state_dict()`` was called since the step: that
-  state may be written by means the audit does not see.
-- new-scaler-mid-run: an enabled GradScaler's first ``scale()`` after another enabled scaler
-  completed an update, without ``load_state_dict`` on the new one first, decided when the new
-  scaler first unscales or steps an optimizer: only when that optimizer holds parameters the
-  earlier scaler drove (a second, independent training in one script is no finding).
-- lr-changed-on-skipped-step (a warning): `audit.schedules`.
-- gradients-modified-before/after-unscale (info), scale-twice and unscale-twice from the numbers:
-  `audit.boundaries`, decided by the replay.
-- optimizer-before-to: at a step, a parameter's dtype differs from when the optimizer received
-  it, or its device does while the optimizer already holds state for it (or was built fused).
-  A device move of a parameter with no state yet is not flagged: parameters keep their identity
-  across ``Module.to``, and the optimizer creates their state on the new device (this is what
-  Lightning Fabric's and Accelerate's ``setup``/``prepare`` do after the optimizer is built).
+- the GradScaler's calls (`audit.track_scaler`) advance each optimizer's stage in the scaler's
+  call sequence through the specification's own stage functions (`audit.sequence`, driving
+  `reference.scaling.unscale_stage`, `step_stage` and `check_update`); each call is an event
+  (the stage before, the spec's stage after, the spec's refusal, which is the exception torch
+  raises), read by `audit.checks_scaler`; the clipping calls read the same stage
+  (`audit.checks_clipping`: "unscaled" is the spec's UNSCALED);
+- the optimizer, scheduler, backward, autocast and ``torch.save`` calls
+  (`audit.track_optimizer`, `audit.track_program`) are read by `audit.checks_steps` and
+  `audit.checks_program`; a window's backward passes are described for loss-not-divided when
+  they start (`audit.windows`) and judged when its step closes;
+- the replay's boundaries and divergences are read by `audit.checks_numbers` (in the replay).
 
-Where: this module keeps the windows, closes the steps and runs the end-of-run rules; the
-handlers of each family of calls are its parts `audit.track_scaler`, `audit.track_optimizer`
-and `audit.track_program`; what they record is in `audit.records`.
+A check that would repeat itself (one finding per window, per optimizer, per update) is run until
+it finds; the flag that says so is the recorder's (``zero_flagged``, ``reported_no_update``).
+What the recorder keeps is in `audit.records`.
 
 Only optimizers and scalers created under the audit have a construction site; one created
 before an audit began (the context manager inside a running program) is first seen at its first
@@ -80,12 +40,12 @@ from typing import Any, Iterable
 import torch
 
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
-from audit import windows
+from audit.checks_steps import loss_not_divided, lr_changed_on_skipped_step
 from audit.records import (Backward, OptTrack, ScalerTrack, Snapshots, StepData, StepLimitReached, StepRecord,
-                           Window, _f32, _jsonish, _num, _step_call, _unwrap_optimizer, plain_tensor, s_where)
+                           Window, _f32, _jsonish, _num, _step_call, _unwrap_optimizer, plain_tensor)
 from audit.records import _classify, _loss_factor, call_site  # noqa: F401  (the tests read these here)
 from audit.records import _signature
-from audit.rules import WARNING, Finding
+from audit.rules import Finding
 from audit.track_optimizer import OptimizerCalls
 from audit.track_program import ProgramCalls
 from audit.track_scaler import ScalerCalls
@@ -94,7 +54,7 @@ __all__ = ["Recorder", "StepRecord", "StepLimitReached"]
 
 
 class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
-    """Receives the instrumented calls, keeps the windows and records, decides the order rules.
+    """Receives the instrumented calls, keeps the windows and records, runs each rule's check.
 
     ``replay``: a `audit.replay.Replayer` (None: order rules only, no numbers copied).
     ``steps``: stop the program at the first backward pass after this many steps of the first
@@ -152,11 +112,19 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
             self.optimizers[id(obj)] = t
         return t
 
-    def _find(self, rule: str, step: int | None, where: str, message: str, expected: Any = None,
-              got: Any = None, level: str | None = None) -> Finding:
-        f = Finding(rule, step, where, message, expected, got, level)
-        self.findings.append(f)
-        return f
+    def _report(self, found: Iterable[Finding]) -> list[Finding]:
+        """The findings of one check (a generator), kept; returns them (empty: the check found nothing)."""
+        found = list(found)
+        self.findings.extend(found)
+        return found
+
+    def _replace(self, old: Finding | None, new: Finding) -> None:
+        """A check's finding that supersedes an earlier one of its own (a warning made certain)."""
+        for i, f in enumerate(self.findings):
+            if f is old:
+                self.findings[i] = new
+                return
+        self.findings.append(new)
 
     def _current_step(self) -> int | None:
         return self.primary.steps if self.primary is not None else (0 if self.optimizers else None)
@@ -225,15 +193,7 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
         if o is self.primary:
             self._check_saves()
         k = len(w.backwards)
-        verdict = windows.undivided_verdict(w.backwards)
-        if verdict is not None:
-            level, seen = verdict
-            msg = (f"the {k} losses of the window of step {o.steps} reached backward (first at "
-                   f"{w.backwards[0].where}) undivided ({seen})")
-            msg += (f": the accumulated gradient is {k} times the mean" if level == "error" else
-                    f"; if they are microbatches of one loss, the accumulated gradient is {k} times the mean")
-            self._find("loss-not-divided", o.steps, w.backwards[0].where, msg, expected=f"each loss divided by {k}",
-                       got="each loss undivided", level=None if level == "error" else WARNING)
+        self._report(loss_not_divided(o.label, o.steps, w.backwards))
         groups = o.obj.param_groups
         rec = StepRecord(step=o.steps, optimizer=o.label, microbatches=k, calls=list(w.calls),
                          applied=bool(applied), lr=_num(groups[0].get("lr")) if groups else None,
@@ -264,25 +224,10 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
         """End of the audited program: flush what waits, and the end-of-run rules when it completed."""
         for s in self.scalers.values():
             if completed and s.enabled:
-                for key, o in list(s.stepped.items()):
-                    if key not in s.reported_no_update:
-                        s.reported_no_update.add(key)
-                        self._find("step-without-update", o.steps - 1, s_where(o),
-                                   f"the run ended after scaler.step({o.label}) at {s_where(o)} without "
-                                   "scaler.update()", expected="scaler.update() after scaler.step",
-                                   got="no scaler.update()")
-                for key, (o, bwhere) in list(s.bypass.items()):
-                    self._find("step-bypasses-scaler", o.steps - 1, bwhere,
-                               f"{o.label}.step() at {bwhere} applied gradients of a loss scaled by {s.label} "
-                               "without scaler.step or scaler.update",
-                               expected="scaler.step(optimizer); scaler.update()", got="optimizer.step()")
-                s.bypass.clear()
+                self._end_of_run(s)
             self._flush_pending(s)
         self._check_saves()
         for o in self.optimizers.values():
-            found = o.schedule.finding(o.label, o.skipped)
-            if found is not None:
-                self._find("lr-changed-on-skipped-step", found[0], found[1], found[2],
-                           expected="the hyperparameters of the skipped step kept", got="changed")
+            self._report(lr_changed_on_skipped_step(o.label, o.skipped, o.schedule.changes))
         if self.replayer is not None:
             self.replayer.finish(self)

@@ -181,8 +181,9 @@ class ScalerTrack:
         self.used = False
         self.loaded = False
         self.updates = 0
-        self.stage: dict[int, str] = {}  # id(optimizer) -> "unscaled" | "stepped"
-        self.stepped: dict[int, "OptTrack"] = {}
+        # id(optimizer) -> its place in the call sequence, the spec's (`audit.sequence`); READY when absent.
+        self.stage: dict[int, Any] = {}
+        self.call: dict[int, Any] = {}  # id(optimizer) -> its unscale_ or step in progress (a StageCall)
         self.bypass: dict[int, tuple["OptTrack", str]] = {}
         self.reported_no_update: set[int] = set()
         self.pending: list[tuple["OptTrack", StepData | None, StepRecord]] = []
@@ -191,8 +192,10 @@ class ScalerTrack:
         # The parameters of every optimizer it unscaled or stepped (weakly: a finished training's
         # model may go, and a new parameter may then reuse an old one's id).
         self.params: dict[int, Any] = {}
-        self.driven: set[int] = set()  # id(optimizer) of those optimizers
-        self.mid_run: tuple[list["ScalerTrack"], str] | None = None  # earlier scalers, where it began
+        self.driven: dict[int, "OptTrack"] = {}  # id(optimizer) -> those optimizers
+        # At its first scale(), after other enabled scalers completed updates: (those scalers, where
+        # it began, whether its state was loaded first); read when it first drives an optimizer.
+        self.mid_run: tuple[list["ScalerTrack"], str, bool] | None = None
 
     @property
     def enabled(self) -> bool:

@@ -64,7 +64,7 @@ import torch
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
 from audit import optimizers
 from audit.optimizers import ADAM_MOMENT_ULP, ADAM_PARAM_ULP, SGD_BUFFER_ULP, SGD_PARAM_ULP
-from audit.rules import WARNING, Finding
+from audit.checks_numbers import replay_divergence
 from audit.stages import CLIP_ULP, NORM_ULP, NotReplayable, StepStages, UpdateCheck
 
 __all__ = ["Replayer", "Divergence", "NORM_ULP", "CLIP_ULP", "SGD_BUFFER_ULP", "SGD_PARAM_ULP",
@@ -181,7 +181,7 @@ class Replayer(StepStages, UpdateCheck):
         self.capability = torch.backends.cpu.get_cpu_capability()
         self.exact = self.capability == "DEFAULT"
         self.divergences: list[Divergence] = []
-        self.findings: list[Finding] = []  # found by the replay (a second unscale seen in the numbers)
+        self.findings: list[Any] = []  # findings of the replay (a second unscale seen in the numbers)
         self.not_replayed: dict[str, int] = {}
         self.steps_replayed = 0
         self.steps_bit_exact = 0
@@ -416,31 +416,7 @@ class Replayer(StepStages, UpdateCheck):
                 continue
             rest.append(dv)
         self.unexplained = rest
-        if not rest:
-            return
-        first = rest[0]
-        steps = sorted({dv.step for dv in rest})
-        more = f"; {len(steps)} step(s) diverged in all (steps {_ranges(steps)})" if len(steps) > 1 else ""
-        hooks = ""
-        if first.hooks:  # user code inside the step: the difference may be theirs, not torch's
-            hooks = (f"; {first.optimizer} has step hooks of its own ({first.hooks}), which may change what the "
-                     "step computes: the audit cannot tell")
-        recorder.findings.append(Finding(
-            "replay-divergence", first.step, first.where,
-            f"step {first.step} of {first.optimizer}: {first.field}: {first.detail}{more}{hooks}",
-            expected=first.expected, got=first.got, level=WARNING if first.hooks else None))
-
-
-def _ranges(xs: list[int]) -> str:
-    out, start, prev = [], xs[0], xs[0]
-    for x in xs[1:] + [None]:  # type: ignore[list-item]
-        if x is not None and x == prev + 1:
-            prev = x
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if x is not None:
-            start = prev = x
-    return ", ".join(out[:8]) + (", ..." if len(out) > 8 else "")
+        recorder.findings.extend(replay_divergence(rest))
 
 
 def _spec_config(o: OptimizerRef, group: dict[str, Any]) -> tuple[Any, str]:

@@ -1,4 +1,4 @@
-"""lr-changed-on-skipped-step: a schedule the audit cannot see, advanced by a skipped step.
+"""What lr-changed-on-skipped-step reads: a schedule the audit cannot see, advanced by a skipped step.
 
 Most loops set ``param_group["lr"]`` themselves (a function of the iteration count) or use a
 scheduler that is no torch ``LRScheduler`` (timm's, DINO's arrays of values per iteration). The
@@ -8,14 +8,16 @@ step's record). When a hyperparameter a schedule moves (``lr``, ``weight_decay``
 optimizer stepped between them (that is ``scheduler-on-skipped-step``, an error), the schedule
 advanced across the skipped step. A warning: a schedule may be meant to follow iterations
 rather than applied updates. One finding per optimizer, at the first such step, saying how many
-skipped steps advanced it and by how much.
+skipped steps advanced it and by how much. This module records the changes; the rule's check
+(`audit.checks_steps.lr_changed_on_skipped_step`) decides.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ScheduleWatch"]
+__all__ = ["ScheduleWatch", "Change"]
 
 SCHEDULED = ("lr", "weight_decay", "momentum", "betas")
 
@@ -29,18 +31,29 @@ def _show(v: Any) -> str:
         return repr(v)
 
 
+@dataclass(frozen=True)
+class Change:
+    """The scheduled hyperparameters that moved between skipped step ``step`` and the next step,
+    taken at ``where``, and whether an ``LRScheduler`` of the optimizer stepped between them."""
+
+    step: int
+    where: str
+    moved: list[str]
+    scheduler_stepped: bool
+
+
 class ScheduleWatch:
-    """Per optimizer: the changes of scheduled hyperparameters across its skipped steps."""
+    """Per optimizer: the changes of scheduled hyperparameters across its skipped steps (a record;
+    `audit.checks_steps.lr_changed_on_skipped_step` decides)."""
 
     def __init__(self) -> None:
         self.scheduler_stepped = False  # an LRScheduler of this optimizer stepped since its last step
-        self.changes: list[tuple[int, list[str]]] = []  # (skipped step, what changed)
-        self.where: str | None = None
+        self.changes: list[Change] = []
 
     def on_step(self, previous: Any, rec: Any, where: str) -> None:
         """At the close of ``rec``, the step after ``previous`` (its record, None at the first)."""
         stepped, self.scheduler_stepped = self.scheduler_stepped, False
-        if previous is None or previous.applied or stepped:
+        if previous is None or previous.applied:
             return
         moved = []
         for gi, (a, b) in enumerate(zip(previous.hyperparameters, rec.hyperparameters)):
@@ -48,16 +61,4 @@ class ScheduleWatch:
                 if key in a and key in b and a[key] != b[key]:
                     moved.append(f"group {gi} {key} {_show(a[key])} -> {_show(b[key])}")
         if moved:
-            self.changes.append((previous.step, moved))
-            self.where = self.where or where
-
-    def finding(self, label: str, skipped: int) -> tuple[int, str, str] | None:
-        """(step, where, message) of the one finding for this optimizer, None without changes."""
-        if not self.changes:
-            return None
-        steps = [s for s, _ in self.changes]
-        first = "; ".join(self.changes[0][1][:4])
-        return steps[0], self.where or "?", (
-            f"the schedule of {label} advanced across {len(steps)} of its {skipped} skipped step(s) (steps "
-            f"{', '.join(map(str, steps[:10]))}{', ...' if len(steps) > 10 else ''}) with no LRScheduler stepping; "
-            f"after step {steps[0]}: {first}: the schedule runs {len(steps)} step(s) ahead of the applied updates")
+            self.changes.append(Change(previous.step, where, moved, stepped))

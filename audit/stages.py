@@ -14,10 +14,15 @@ import ml_dtypes
 import numpy as np
 
 from audit import boundaries
-from audit.rules import Finding
+from audit.checks_numbers import gradients_modified_after_unscale, gradients_modified_before_unscale, scale_twice
+from audit.checks_scaler import unscale_twice
 from reference import clipping, scaling
 
 __all__ = ["StepStages", "UpdateCheck", "NotReplayable", "NORM_ULP", "CLIP_ULP"]
+
+# The checks that read a boundary (`audit.boundaries.Boundary`), and those of them that are the loop's own edits.
+BOUNDARY_CHECKS = (unscale_twice, scale_twice, gradients_modified_before_unscale, gradients_modified_after_unscale)
+EDIT_RULES = ("gradients-modified-before-unscale", "gradients-modified-after-unscale")
 
 # The conformance suite's bounds for native kernels (conformance/expectations.py derives each;
 # tests/test_audit.py checks these stay equal to them).
@@ -166,30 +171,15 @@ class StepStages:
             self._max_seen = max(self._max_seen, ch.worst)
             return
         where = where or into.rsplit(" at ", 1)[-1]
-        between = f"between {prev} and {into}"
-        n = f"{len(ch.changed)} of {len(pairs)} gradients"
-        if ch.kind == "unscale":
-            self._add(rec, "unscale-twice", where, f"the gradients were divided by the loss scale {float(d.scale)!r} by "
-                      f"hand {between} ({n}; {ch.detail}); " + ("they were unscaled already" if after_unscale or
-                                                                   prev != "backward" else
-                                                                   "the scaler unscales them again"), ch)
-        elif ch.kind == "scale":
-            self._add(rec, "scale-twice", where, f"the gradients were multiplied by the loss scale {float(d.scale)!r} "
-                      f"{between} ({n}; {ch.detail}): the update is that many times too large", ch)
-        elif ch.kind == "numeric" and prev != "backward":
+        ev = boundaries.Boundary(rec.step, where, prev, into, ch, f"{len(ch.changed)} of {len(pairs)} gradients",
+                                 d.scale, after_unscale)
+        if ev.divergence:
             self._diverge(o, rec, f"gradients entering {into}", ch.got, ch.expected, ch.detail, where)
-        else:
-            rule = "gradients-modified-after-unscale" if after_unscale else "gradients-modified-before-unscale"
-            self._edits += 1
-            self._add(rec, rule, where, f"the loop's own code changed {n} {between}: the norm of the gradients "
-                      f"is {ch.ratio:.6g} times the specification's ({ch.detail}); the replay continued from the "
-                      "changed gradients", ch, expected="the previous stage's output", got=f"norm ratio {ch.ratio:.6g}")
-
-    def _add(self, rec: Any, rule: str, where: str, message: str, ch: Any, expected: Any = None,
-             got: Any = None) -> None:
-        self.findings.append(Finding(rule, rec.step, where, message,
-                                     expected=ch.expected if expected is None else expected,
-                                     got=ch.got if got is None else got))
+            return
+        for check in BOUNDARY_CHECKS:
+            for f in check(ev):
+                self.findings.append(f)
+                self._edits += int(f.rule in EDIT_RULES)
 
 
 class UpdateCheck:

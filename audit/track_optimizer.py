@@ -1,8 +1,8 @@
 """The recorder's optimizer and clipping calls: add_param_group, step (through torch's hooks),
 zero_grad, clip_grad_norm_, clip_grad_value_, clip_grads_with_norm_.
 
-Decides optimizer-before-to, zero-grad-in-window, clip-before-unscale and clip-threshold-scaled
-(criteria in `audit.recorder`'s docstring).
+Runs the checks of optimizer-before-to and zero-grad-in-window (`audit.checks_steps`), and of
+clip-before-unscale and clip-threshold-scaled (`audit.checks_clipping`), at the calls they read.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from typing import Any
 
 import torch
 
+from audit.checks_clipping import clip_before_unscale, clip_threshold_scaled
+from audit.checks_steps import optimizer_before_to, zero_grad_in_window
 from audit.records import ClipStage, OptTrack, ScalerTrack, call_site, plain_tensor, to_numpy
-from audit.rules import WARNING
+from reference.scaling import STEPPED, UNSCALED
 
 
 class OptimizerCalls:
@@ -36,16 +38,17 @@ class OptimizerCalls:
         o = self._opt(opt)
         o.hook_fired = True
         inside = self._in_scaler_step is not None and self._in_scaler_step[1] is o
-        if not o.moved_flagged and o.meta:
-            self._check_moved(o)
+        if not o.moved_flagged and o.meta and self._report(optimizer_before_to(o, o.where or call_site())):
+            o.moved_flagged = True
         w = o.window
         if not inside:
             where = call_site()
             w.calls.append(f"optimizer.step@{where}")
             s = w.scaler
-            if s is not None and s.enabled and s.stage.get(id(o.obj)) != "stepped":
-                s.bypass[id(o.obj)] = (o, where)
-            self._start_data(o, "optimizer.step", s if s is not None and s.stage.get(id(o.obj)) != "unscaled" else None)
+            stage = self._stage(s, o).stage if s is not None else None
+            if s is not None and s.enabled and stage != STEPPED:
+                s.bypass[id(o.obj)] = (o, where)  # a direct step on gradients of a loss it scaled
+            self._start_data(o, "optimizer.step", s if s is not None and stage != UNSCALED else None)
         d = w.data
         if d is not None and d.copying:
             params = o.params()
@@ -69,19 +72,6 @@ class OptimizerCalls:
             bypassing = s is not None and s.enabled and id(o.obj) in s.bypass
             self._close_step(o, applied=True, scaler=s if bypassing else None, found_inf=None)
 
-    def _check_moved(self, o: OptTrack) -> None:
-        fused = any(g.get("fused") for g in o.obj.param_groups)
-        for pid, (p, device, dtype) in o.meta.items():
-            if p.dtype != dtype or (p.device != device and (fused or bool(o.obj.state.get(p)))):
-                o.moved_flagged = True
-                self._find("optimizer-before-to", o.steps, o.where or call_site(),
-                           f"a parameter of {o.label} (built at {o.where}) is now {p.device} {p.dtype} but was "
-                           f"{device} {dtype} when the optimizer received it: the model moved after the "
-                           "optimizer was built" + (" (with optimizer state already on the old device)"
-                                                    if p.device != device else ""),
-                           expected=f"{device} {dtype}", got=f"{p.device} {p.dtype}")
-                return
-
     def on_zero_grad(self, target: Any) -> None:
         if isinstance(target, torch.nn.Module):
             ids = {id(p) for p in target.parameters()}
@@ -94,13 +84,8 @@ class OptimizerCalls:
         for o in owners:
             w = o.window
             w.calls.append(f"{name}@{where}")
-            if w.backwards and not w.zero_flagged:
+            if not w.zero_flagged and self._report(zero_grad_in_window(name, where, o.label, o.steps, w.backwards)):
                 w.zero_flagged = True
-                k = len(w.backwards)
-                self._find("zero-grad-in-window", o.steps, where,
-                           f"{name}() at {where} discarded the gradients of {k} backward pass(es) "
-                           f"(the first at {w.backwards[0].where}) before {o.label} stepped",
-                           expected="zero_grad after the optimizer step", got=f"zero_grad after {k} backward pass(es)")
 
     # ------------------------------------------------------------------ clipping
 
@@ -112,20 +97,14 @@ class OptimizerCalls:
             w = o.window
             w.calls.append(f"{kind}@{where}")
             s = w.scaler
-            unscaled = s is not None and s.stage.get(id(o.obj)) == "unscaled"
-            if s is not None and s.enabled and not unscaled and not w.clip_flagged:
+            seq = self._stage(s, o) if s is not None and s.enabled else None  # the spec's call sequence
+            unscaled = seq is not None and seq.stage == UNSCALED
+            max_norm = float(arguments["max_norm"]) if kind == "clip_grad_norm_" else None
+            if not w.clip_flagged and seq is not None and self._report(
+                    clip_before_unscale(kind, o.label, o.steps, where, seq, s.obj, max_norm)):
                 w.clip_flagged = True
-                scale = s.obj.get_scale()
-                extra = ""
-                if kind == "clip_grad_norm_" and float(arguments["max_norm"]) >= scale > 1:
-                    extra = (f"; its threshold {float(arguments['max_norm'])!r} was multiplied by the scale too, which "
-                             "only approximately compensates")
-                self._find("clip-before-unscale", o.steps, where,
-                           f"{kind} at {where} clipped {o.label}'s gradients while they were still multiplied "
-                           f"by the loss scale {scale!r} (scaler.unscale_ had not run this step){extra}",
-                           expected="scaler.unscale_(optimizer) before clipping", got=f"{kind} before scaler.unscale_")
-            elif unscaled and kind == "clip_grad_norm_" and not o.threshold_flagged:
-                self._check_threshold(o, s, float(arguments["max_norm"]), where)
+            elif unscaled and max_norm is not None and not o.threshold_flagged:
+                self._threshold(o, s, max_norm, where)
             self._start_data(o, kind, s if not unscaled else None)
             if w.data is not None and w.data.copying:
                 pos = {id(p): i for i, p in enumerate(o.params())}
@@ -143,34 +122,20 @@ class OptimizerCalls:
             if kind == "clip_grad_norm_":
                 w.clip_norms.append((float("nan"), float(arguments["max_norm"])))
 
-    def _check_threshold(self, o: OptTrack, s: ScalerTrack, max_norm: float, where: str) -> None:
-        """clip-threshold-scaled: a warning when the threshold is at least a scale of 2**10 or more
-        (a deliberately large threshold cannot be told apart yet); an error once the threshold
-        changed across steps by exactly the factor the scale changed by. An infinite threshold
-        measures the norm without clipping: never a finding."""
-        if not math.isfinite(max_norm):
-            return
+    def _threshold(self, o: OptTrack, s: ScalerTrack, max_norm: float, where: str) -> None:
+        """clip-threshold-scaled: the check reads the ratio the earlier calls held; the ratio is
+        recorded after it (a certain finding replaces this rule's earlier warning)."""
         scale = s.obj.get_scale()
+        for f in clip_threshold_scaled(o.label, o.steps, where, max_norm, scale, o.threshold, o.threshold_finding):
+            if f.level is None:
+                o.threshold_flagged = True
+                self._replace(o.threshold_finding, f)
+            else:
+                o.threshold_finding = f
+                self.findings.append(f)
         ratio = max_norm / scale if scale else math.nan
-        if o.threshold is None or o.threshold[0] != ratio:
+        if math.isfinite(max_norm) and (o.threshold is None or o.threshold[0] != ratio):
             o.threshold = (ratio, scale, o.steps)
-            if o.threshold_finding is None and scale >= 2.0**10 and max_norm >= scale:
-                o.threshold_finding = self._find(
-                    "clip-threshold-scaled", o.steps, where,
-                    f"clip_grad_norm_ at {where} clipped {o.label}'s unscaled gradients at {max_norm!r}, at least the "
-                    f"loss scale {scale!r}: probably multiplied by the scale, so the clip does nothing (the intended "
-                    f"threshold would be {ratio!r}); the audit cannot tell this from a deliberately large threshold "
-                    "until the scale changes", expected=ratio, got=max_norm, level=WARNING)
-        elif scale != o.threshold[1]:
-            o.threshold_flagged = True
-            msg = (f"clip_grad_norm_ at {where}: the threshold changed with the loss scale (max_norm / scale "
-                   f"= {ratio!r} at every step since step {o.threshold[2]}): it was multiplied by the scale, "
-                   "although the gradients were unscaled")
-            f = o.threshold_finding
-            if f is None:
-                self._find("clip-threshold-scaled", o.threshold[2], where, msg, expected=ratio, got=max_norm)
-            else:  # the warning's suspicion confirmed: the same finding, now certain
-                f.level, f.message = None, msg + f"; first seen at step {f.step}, {f.where}"
 
     def on_clip_end(self, kind: str, result: Any, ok: bool) -> None:
         self.in_clip = False

@@ -1,7 +1,8 @@
 """The recorder's other calls: LR schedulers, autocast, backward and torch.save.
 
-Decides scheduler-on-skipped-step, backward-in-autocast and checkpoint-without-scaler, and
-describes each backward pass for loss-not-divided (`audit.windows`).
+Runs the checks of scheduler-on-skipped-step (`audit.checks_steps`), backward-in-autocast and
+checkpoint-without-scaler (`audit.checks_program`) at the calls they read, and describes each
+backward pass for loss-not-divided (`audit.windows`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from typing import Any
 import torch
 
 from audit import windows
+from audit.checks_program import backward_in_autocast, checkpoint_without_scaler
+from audit.checks_steps import scheduler_on_skipped_step
 from audit.records import Backward, StepLimitReached, Window, OptTrack, _classify, _signature, _touched, call_site
-from audit.rules import WARNING
 
 
 class ProgramCalls:
@@ -36,17 +38,7 @@ class ProgramCalls:
             o.last_record.calls.append(f"scheduler.step@{where}")
         # A scheduler built before the audit: its previous step is taken to be just before the last step.
         mark = o.sched_mark.get(key, o.applied_steps - int(o.last_record is not None and o.last_record.applied))
-        if o.applied_steps == mark:
-            name = type(sched).__name__
-            if o.steps == 0:
-                msg = f"{name}.step() at {where} before {o.label} took any step"
-            elif o.last_record is not None and not o.last_record.applied:
-                msg = f"{name}.step() at {where} after step {o.steps - 1} of {o.label}, which was skipped"
-            else:
-                msg = f"{name}.step() at {where}: {o.label} applied no step since this scheduler's previous step"
-            self._find("scheduler-on-skipped-step", max(o.steps - 1, 0), where,
-                       msg + ": the learning-rate schedule advanced without an applied optimizer step",
-                       expected="no scheduler.step without an applied optimizer step", got="scheduler.step")
+        self._report(scheduler_on_skipped_step(type(sched).__name__, where, o, mark))
         o.sched_mark[key] = o.applied_steps
 
     def on_scheduler_step_end(self, sched: Any) -> None:
@@ -131,11 +123,9 @@ class ProgramCalls:
                 w.scaler = b.scaler
                 if self.replayer is not None and o is not None and b.scaler.enabled:
                     self._backward_copy(o)
-            if self._bw_autocast is not None and not w.autocast_flagged:
+            step = o.steps if o is not None else self._current_step()
+            if not w.autocast_flagged and self._report(backward_in_autocast(step, b.where, self._bw_autocast)):
                 w.autocast_flagged = True
-                self._find("backward-in-autocast", o.steps if o is not None else self._current_step(), b.where,
-                           f"backward at {b.where} ran inside the autocast region entered at {self._bw_autocast}",
-                           expected="backward outside autocast", got="backward inside autocast")
 
     def _owner_of(self, w: Window) -> OptTrack | None:
         for o in self.optimizers.values():
@@ -154,24 +144,8 @@ class ProgramCalls:
         self._saves.append((where, holds_opt, holds_scaler, step))
 
     def _check_saves(self) -> None:
-        """checkpoint-without-scaler: an error when nothing read the scaler's state since the step;
-        a warning when ``scaler.state_dict()`` was called (it may be saved by other means)."""
+        """The saves since the last step of the first optimizer, for checkpoint-without-scaler."""
         saves, self._saves = self._saves, []
         read, self._scaler_state_read = self._scaler_state_read, None
-        if not saves or not any(s.enabled and s.used for s in self.scalers.values()):
-            return
-        if any(h for _, _, h, _ in saves):
-            return
-        for where, holds_opt, _, step in saves:
-            if holds_opt:
-                scaler = next(s for s in self.scalers.values() if s.enabled and s.used)
-                msg = (f"torch.save at {where} saved optimizer state without {scaler.label}'s state (no file "
-                       "saved after this step holds it): a resumed run restarts the loss scale at its initial "
-                       "value and loses the growth tracker")
-                if read is not None:
-                    msg += (f"; scaler.state_dict() was called at {read}, so the scaler state may be written by "
-                            "means the audit does not see (pickle, safetensors)")
-                self._find("checkpoint-without-scaler", step, where, msg,
-                           expected="scaler.state_dict() in the checkpoint", got="no scaler state",
-                           level=WARNING if read is not None else None)
-                return
+        scaler = next((s for s in self.scalers.values() if s.enabled and s.used), None) if saves else None
+        self._report(checkpoint_without_scaler(saves, scaler.label if scaler is not None else None, read))

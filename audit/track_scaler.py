@@ -1,7 +1,8 @@
 """The recorder's GradScaler calls: scale, unscale_, step, update, state_dict, load_state_dict.
 
-Decides step-without-update, update-without-step, step-bypasses-scaler, unscale-twice (the
-second call) and new-scaler-mid-run (criteria in `audit.recorder`'s docstring).
+Each enabled scaler's per-optimizer stage is the spec's (`audit.sequence`, driving
+`reference.scaling`'s stage functions); at each call the recorder records the event and runs
+the checks of `audit.checks_scaler` that read it.
 """
 
 from __future__ import annotations
@@ -9,11 +10,32 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from audit import sequence
+from audit.checks_scaler import (new_scaler_mid_run, step_bypasses_scaler, step_without_update, unscale_twice,
+                                 update_without_step)
 from audit.records import OptTrack, ScalerTrack, _f32, _found_inf, _pairs, call_site, s_where
 
 
 class ScalerCalls:
     """The GradScaler handlers of `audit.recorder.Recorder` (a part of it, not used alone)."""
+
+    # ------------------------------------------------------------------ the call sequence
+
+    def _sequence_args(self, s: ScalerTrack, o: OptTrack, where: str) -> dict[str, Any]:
+        """What the spec's stage functions take: whether scale() ran (torch checks its ``_scale``),
+        the dtypes of the gradients present; and the event's labels."""
+        dtypes = {p.grad.dtype for p in o.params() if p.grad is not None}
+        return {"optimizer": o.label, "step": o.steps, "where": where, "last_step_where": s_where(o),
+                "scaled": getattr(s.obj, "_scale", None) is not None,
+                "grad_dtypes": sequence.numpy_dtypes(dtypes)}
+
+    def _stage(self, s: ScalerTrack, o: OptTrack) -> Any:
+        return s.stage.get(id(o.obj), sequence.READY_STAGE)
+
+    def _no_update(self, s: ScalerTrack, o: OptTrack, ev: sequence.StageCall) -> None:
+        """step-without-update, once per optimizer between two updates."""
+        if id(o.obj) not in s.reported_no_update and self._report(step_without_update(ev)):
+            s.reported_no_update.add(id(o.obj))
 
     # ------------------------------------------------------------------ GradScaler
 
@@ -30,50 +52,36 @@ class ScalerCalls:
         if not s.used:
             s.used = True
             previous = [t for t in self.scalers.values() if t is not s and t.updates > 0 and t.enabled]
-            if previous and not s.loaded:
-                s.mid_run = (previous, where)  # decided when it first drives an optimizer
-        self._check_pending_update(s, where)
+            if previous:
+                s.mid_run = (previous, where, s.loaded)  # decided when it first drives an optimizer
+        if s.bypass:
+            # A direct optimizer.step on the last scaled loss, and no update before this one.
+            self._report(step_bypasses_scaler(s.label, self._bypasses(s), where))
+            s.bypass.clear()
+            self._flush_pending(s)
         for t_in, t_out in _pairs(inputs, out):
             self._scaled[id(t_out)] = (weakref.ref(t_out), s, weakref.ref(t_in))
         if len(self._scaled) > 64:  # drop entries of tensors that are gone
             self._scaled = {k: v for k, v in self._scaled.items() if v[0]() is not None}
 
-    def _check_pending_update(self, s: ScalerTrack, where: str) -> None:
-        """A new scaled loss while a direct optimizer.step on the last one awaits no update.
-
-        (A ``scaler.step`` without update is reported when that optimizer is unscaled or
-        stepped again, or at the end: scaling another loss first is legitimate, as a GAN's
-        generator loss after the discriminator's step, with one update for both.)"""
-        for key, (o, bwhere) in list(s.bypass.items()):
-            self._find("step-bypasses-scaler", o.steps - 1, bwhere,
-                       f"{o.label}.step() at {bwhere} applied gradients of a loss scaled by {s.label} without "
-                       f"scaler.step (a step with inf or NaN gradients is not skipped), and the next loss was "
-                       f"scaled at {where} with no scaler.update between",
-                       expected="scaler.step(optimizer); scaler.update()", got="optimizer.step()")
-            del s.bypass[key]
-            self._flush_pending(s)
+    def _bypasses(self, s: ScalerTrack) -> list[tuple[str, int, str]]:
+        return [(o.label, o.steps - 1, where) for o, where in s.bypass.values()]
 
     def _drives(self, s: ScalerTrack, o: OptTrack) -> None:
-        """new-scaler-mid-run: a new scaler's first optimizer holds parameters an earlier scaler
-        drove (a second, independent training in the same script drives others: no finding)."""
+        """The scaler unscales or steps ``o``: its parameters are the scaler's (new-scaler-mid-run
+        reads them), decided at the scaler's first optimizer."""
         if id(o.obj) in s.driven:
             return
-        s.driven.add(id(o.obj))
+        s.driven[id(o.obj)] = o
         params = o.params()
         for p in params:
             s.params[id(p)] = weakref.ref(p)
         if s.mid_run is None:
             return
-        previous, began = s.mid_run
+        previous, began, loaded = s.mid_run
         s.mid_run = None
         shared = [t for t in previous if any((r := t.params.get(id(p))) is not None and r() is p for p in params)]
-        if shared:
-            t = shared[-1]
-            self._find("new-scaler-mid-run", o.steps, s.where or began,
-                       f"{s.label} (created at {s.where or 'before the audit'}) started scaling at {began} with its "
-                       f"initial scale {s.obj.get_scale()!r}, for parameters that {t.label} drove through "
-                       f"{t.updates} update(s) (its scale {t.obj.get_scale()!r}); the scale history and growth "
-                       "tracker start over", expected=t.obj.get_scale(), got=s.obj.get_scale())
+        self._report(new_scaler_mid_run(s, o, began, loaded, shared))
 
     def on_unscale_begin(self, scaler: Any, optimizer: Any) -> None:
         s = self._scaler(scaler)
@@ -81,35 +89,31 @@ class ScalerCalls:
             return
         o = self._opt(optimizer)
         self._drives(s, o)
-        nested = self._in_scaler_step is not None
-        where = call_site()
-        stage = s.stage.get(id(o.obj))
-        if stage == "unscaled" and not nested:
-            self._find("unscale-twice", o.steps, where,
-                       f"scaler.unscale_({o.label}) called a second time since the last update (torch raises "
-                       "'unscale_() has already been called on this optimizer since the last update()')",
-                       expected="one scaler.unscale_ per step", got="a second scaler.unscale_")
-        elif stage == "stepped" and id(o.obj) not in s.reported_no_update:
-            s.reported_no_update.add(id(o.obj))
-            self._find("step-without-update", o.steps - 1, s_where(o),
-                       f"scaler.step({o.label}) at {s_where(o)} was not followed by scaler.update(); torch "
-                       f"raises at scaler.unscale_ at {where}", expected="scaler.update() after scaler.step",
-                       got="no scaler.update()")
-        if not nested:
+        if self._in_scaler_step is None:  # inside scaler.step the step's own event covers it
+            where = call_site()
+            ev = sequence.unscale_call(self._stage(s, o), **self._sequence_args(s, o, where))
+            s.call[id(o.obj)] = ev
+            self._report(unscale_twice(ev))
+            self._no_update(s, o, ev)
             o.window.calls.append(f"scaler.unscale_@{where}")
         self._start_data(o, "scaler.unscale_", o.window.scaler or s)
 
     def on_unscale_end(self, scaler: Any, optimizer: Any, ok: bool) -> None:
         s = self._scaler(scaler)
-        if not (ok and s.enabled):
+        if not s.enabled:
             return
         o = self._opt(optimizer)
-        s.stage[id(o.obj)] = "unscaled"
-        if o.window.data is not None:
+        if self._in_scaler_step is None:
+            ev = s.call.pop(id(o.obj), None)
+            if ev is not None:
+                s.stage[id(o.obj)] = sequence.stage_after(ev, ok)
+        elif ok and (ev := s.call.get(id(o.obj))) is not None and ev.left is not None:
+            s.stage[id(o.obj)] = ev.left  # step's own unscale is done: what the step's optimizer sees
+        if ok and o.window.data is not None:
             o.window.data.unscaled = True
             o.window.data.torch_found_inf = _found_inf(scaler, o.obj)
 
-    def on_scaler_step_begin(self, scaler: Any, optimizer: Any) -> None:
+    def on_scaler_step_begin(self, scaler: Any, optimizer: Any, closure: bool = False) -> None:
         s = self._scaler(scaler)
         o = self._opt(optimizer)
         where = call_site()
@@ -119,12 +123,11 @@ class ScalerCalls:
         if not s.enabled:
             return
         self._drives(s, o)
-        if s.stage.get(id(o.obj)) == "stepped" and id(o.obj) not in s.reported_no_update:
-            s.reported_no_update.add(id(o.obj))
-            self._find("step-without-update", o.steps - 1, s_where(o),
-                       f"scaler.step({o.label}) at {s_where(o)} was not followed by scaler.update(); torch raises "
-                       f"at the next scaler.step at {where}", expected="scaler.update() after scaler.step",
-                       got="no scaler.update()")
+        amp_aware = bool(getattr(o.obj, "_step_supports_amp_scaling", False))
+        ev = sequence.step_call(self._stage(s, o), closure=closure, amp_aware=amp_aware,
+                                **self._sequence_args(s, o, where))
+        s.call[id(o.obj)] = ev
+        self._no_update(s, o, ev)
         o.scaler_step_where = where
         self._start_data(o, "scaler.step", o.window.scaler or s)
 
@@ -132,13 +135,14 @@ class ScalerCalls:
         s = self._scaler(scaler)
         o = self._opt(optimizer)
         self._in_scaler_step = None
+        ev = s.call.pop(id(o.obj), None)
+        if ev is not None:
+            s.stage[id(o.obj)] = sequence.stage_after(ev, ok)
         if not ok:
             return
         if not s.enabled:
             self._close_step(o, applied=o.hook_fired, scaler=None, found_inf=None)
             return
-        s.stage[id(o.obj)] = "stepped"
-        s.stepped[id(o.obj)] = o
         found = _found_inf(scaler, o.obj)
         amp_aware = bool(getattr(o.obj, "_step_supports_amp_scaling", False))
         applied = o.hook_fired and not (amp_aware and found == 1.0)
@@ -156,15 +160,11 @@ class ScalerCalls:
         where = call_site()
         for _, _, rec in s.pending:
             rec.calls.append(f"scaler.update@{where}")
-        for o, bwhere in s.bypass.values():
-            self._find("update-without-step", o.steps - 1, bwhere,
-                       f"scaler.update() at {where} follows {o.label}.step() called directly at {bwhere}: the "
-                       "step ran even if the gradients held inf or NaN (scaler.step would have skipped it)",
-                       expected="scaler.step(optimizer)", got="optimizer.step()")
-        if not s.stepped and not s.bypass:
-            self._find("update-without-step", self._current_step(), where,
-                       f"scaler.update() at {where} with no scaler.step since the previous update",
-                       expected="scaler.step(optimizer) before scaler.update()", got="scaler.update() alone")
+        stages = {o.label: self._stage(s, o) for key, o in s.driven.items() if key in s.stage}
+        ev = sequence.update_call(stages, scaler=s.label, step=self._current_step(), where=where,
+                                  scaled=getattr(scaler, "_scale", None) is not None, new_scale=new_scale is not None,
+                                  bypasses=self._bypasses(s))
+        self._report(update_without_step(ev))
         s.update_before = (_f32(scaler.get_scale()), int(scaler._get_growth_tracker())) if s.used else None
 
     def on_update_end(self, scaler: Any, new_scale: Any, ok: bool) -> None:
@@ -172,8 +172,7 @@ class ScalerCalls:
         if not s.enabled or not ok:
             return
         s.updates += 1
-        s.stage.clear()
-        s.stepped.clear()
+        s.stage.clear()  # update() sends every optimizer back to READY (reference.scaling rule 12)
         s.bypass.clear()
         s.reported_no_update.clear()
         after = (_f32(scaler.get_scale()), int(scaler._get_growth_tracker()))
@@ -190,6 +189,15 @@ class ScalerCalls:
         if self.replayer is not None:
             for o, data, rec in pending:
                 self.replayer.step(o, data, rec, self)
+
+    def _end_of_run(self, s: ScalerTrack) -> None:
+        """The run completed: an optimizer still STEPPED had no update; a direct step, no update."""
+        for key, o in s.driven.items():
+            if key in s.stage and key not in s.reported_no_update:
+                self._no_update(s, o, sequence.StageCall("end", o.label, o.steps, "", s.stage[key],
+                                                         last_step_where=s_where(o)))
+        self._report(step_bypasses_scaler(s.label, self._bypasses(s), None))
+        s.bypass.clear()
 
     def on_scaler_state_dict(self, scaler: Any) -> None:
         # A saved scaler state is recognised by its keys in on_save; a state read here may also

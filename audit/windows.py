@@ -4,7 +4,8 @@ They are only when they are microbatches of one loss; several different losses b
 into one step (PyTorch's multiple-losses example with ``retain_graph=True``, a contrastive loss
 recomputed once per cached microbatch, a surrogate backward of cached gradients) are not, and
 dividing them by their count would be wrong. What the autograd graph shows decides, read when
-each backward starts (`describe`) and judged when the step closes (`undivided_verdict`):
+each backward starts (`describe`) and judged when the step closes (the check of
+``loss-not-divided``, `audit.checks_steps.loss_not_divided`):
 
 - not a window (no finding): a backward that kept its graph for the next one
   (``retain_graph=True``: several losses of one forward), different loss functions at the roots,
@@ -23,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Backward", "describe", "undivided_verdict"]
+__all__ = ["Backward", "describe", "is_loss_node", "mixes_constants"]
 
 _CONST_OPS = {"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1"}
 _CAST_OPS = {"ToCopyBackward0"}
@@ -49,8 +50,10 @@ class Backward:
 
 
 def describe(start: Any, retain: bool, explicit: bool) -> tuple[float | None, Any]:
-    """(factor, root node) for the tensor a backward starts from (see `audit.recorder`'s
-    loss-not-divided rule for the factor)."""
+    """(factor, root node) for the tensor a backward starts from: the factor is the product of the
+    constant multiplications and divisions (and dtype casts) between that tensor and the loss that
+    the last other operation produced (the GradScaler's own multiplication is excluded by starting
+    below it); exactly 1 means nothing divided the loss; None when it cannot be read."""
     factor = 1.0
     node = getattr(start, "grad_fn", None)
     for _ in range(16):
@@ -101,7 +104,7 @@ def is_loss_node(name: str | None) -> bool:
                                  "BinaryCrossEntropy", "KlDivBackward", "NllLoss")))
 
 
-def _mixes_constants(root: Any) -> bool:
+def mixes_constants(root: Any) -> bool:
     """Whether the graph below ``root`` holds a product with a constant tensor right at the root
     (a surrogate ``dot(reps, cached_grads)``) or a concatenation of tensors with and without
     gradients (live representations among cached ones)."""
@@ -125,24 +128,3 @@ def _mixes_constants(root: Any) -> bool:
             return True
         stack.extend(f for f, _ in nxt)
     return False
-
-
-def undivided_verdict(backwards: list[Backward]) -> tuple[str, str] | None:
-    """None when the window is no undivided accumulation window; else ``("error", what)`` when
-    certain, ``("warning", what)`` when the roots are no loss the audit recognises."""
-    k = len(backwards)
-    if k < 2 or not all(b.factor == 1.0 for b in backwards):
-        return None
-    if any(b.retain for b in backwards[:-1]) or any(b.explicit for b in backwards):
-        return None
-    if len({b.loss_fn for b in backwards}) > 1:
-        return None
-    if len({b.params for b in backwards if b.params is not None}) > 1:
-        return None
-    if any(_mixes_constants(b.root) for b in backwards):
-        return None
-    names = sorted({str(b.loss_fn) for b in backwards})
-    if all(is_loss_node(b.loss_fn) for b in backwards):
-        return "error", f"each is the output of {names[0]}, with nothing dividing it"
-    return "warning", (f"each backward started from {', '.join(names)}, which is no loss function the audit "
-                       "recognises: it cannot tell microbatches of one loss from different losses")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import sys
 import textwrap
@@ -103,7 +104,7 @@ def fp8_lines() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m reference", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m reference", description=__doc__.split("\n\n")[0].strip())
     parser.add_argument("--preset", default="torch", choices=sorted(scaling.PRESETS), help="scaling policy (default: torch)")
     parser.add_argument("--fp8", action="store_true", help="the rules of scaled float8 training instead")
     args = parser.parse_args(argv)
@@ -127,4 +128,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:
+        # The reader stopped early (`| head`): what it wanted was printed. Point stdout at devnull
+        # so the interpreter's final flush does not raise again, as Python's signal docs advise.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)

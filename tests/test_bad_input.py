@@ -401,6 +401,19 @@ def test_a_trace_file_that_is_not_a_trace_is_never_overwritten(run_copy, target)
         assert checksums(run_copy) == before, extra
 
 
+@pytest.mark.parametrize("target, why", [
+    ("ck/metrics.csv", "is a name the run keeps for"), ("ck/step-00000009.ckpt", "is a name the run keeps for"),
+    ("ck/precision_stats.csv", "is a name the run keeps for"), ("logs/metrics.csv", "is a name the run keeps for"),
+    ("ck/.ampspec.lock", "not a trace"),  # the command line's lock exists (with its pid) when the trace is checked
+])
+def test_a_trace_named_as_another_run_file_is_refused_before_it_exists(tmp_path, target, why):
+    # a fresh folder: nothing exists yet, so only the name can tell the trace would write over that file
+    args = ["train", *sets("train.steps=2", "checkpoint.folder=ck", f"train.trace_file={target}",
+                           *(["logging.dir=logs"] if target.startswith("logs") else []))]
+    refused(cli(*args, cwd=tmp_path), 2, "train.trace_file", target, why)
+    assert checksums(tmp_path) == {}
+
+
 # ------------------------------------------------------------------ 6. damaged checkpoints
 
 
@@ -765,8 +778,9 @@ def test_compare_overwrite_replaces_the_earlier_report(tmp_path):
 # ------------------------------------------------------------------ 7. counters a callback changed
 
 
-# (the value set, the counter the save sees: 2.5 is not due for a save, the next step's 3.5 is)
-@pytest.mark.parametrize("value,seen", [(-5, -5), (2.5, 3.5), (10**8, 10**8)])
+# A counter of the wrong type or sign is refused as the hook returns (torchimpl.callback_checks);
+# one of the right type past the checkpoint names' range is refused at the save.
+@pytest.mark.parametrize("value,seen", [(10**8, 10**8)])
 def test_a_step_counter_set_to_nonsense_by_a_callback_is_refused_at_the_save(tmp_path, value, seen):
     from torchimpl.config import load_config
     from torchimpl.tasks import build_task
@@ -786,3 +800,44 @@ def test_a_step_counter_set_to_nonsense_by_a_callback_is_refused_at_the_save(tmp
                                          + re.escape(repr(seen)) + r".*trainer\.state\.step"):
         Trainer(cfg, [Meddle()]).fit(task.model, task.train_data, loss_fn=task.loss_fn)
     assert not list((tmp_path / "ck").glob("step-*")), "a checkpoint was written under a nonsense name"
+
+
+@pytest.mark.parametrize("value, fragment", [(-5, "got -5"), (2.5, "got 2.5 (float)"), ("3", "got '3' (str)")])
+def test_a_step_counter_of_the_wrong_type_or_sign_is_refused_as_the_hook_returns(tmp_path, value, fragment):
+    from torchimpl.callback_checks import CallbackStateError
+    from torchimpl.config import load_config
+    from torchimpl.tasks import build_task
+    from torchimpl.trainer import Callback, Trainer
+
+    class Meddle(Callback):
+        def on_step_end(self, trainer, state):
+            state.step = value
+
+    cfg = load_config(overrides=[*TINY, "train.steps=3", f"checkpoint.folder={tmp_path / 'ck'}",
+                                 "checkpoint.interval=1", "logging.dir=null"])
+    task = build_task(cfg.task, seed=0, batch_size=4)
+    with pytest.raises(CallbackStateError, match=r"callback Meddle\.on_step_end set trainer\.state\.step: .*"
+                                                  + re.escape(fragment)):
+        Trainer(cfg, [Meddle()]).fit(task.model, task.train_data, loss_fn=task.loss_fn)
+    assert not list((tmp_path / "ck").glob("step-*")), "a checkpoint was written under a nonsense name"
+
+
+# ------------------------------------------------------------------ doctor --task options
+
+
+@pytest.mark.parametrize("extra, names", [
+    (["--batch-size", "0"], ["--batch-size must be at least 1, got 0"]),
+    (["--lr", "nan"], ["--lr must be a finite number >= 0, got nan"]),
+    (["--lr", "-1"], ["--lr must be a finite number >= 0"]),
+    (["--report", "notes.txt"], ["--report notes.txt exists and is not a doctor report", "choose another path"]),
+    (["--report", "sub"], ["--report sub is a folder"]),
+    (["--report", "link.json"], ["link.json is a symbolic link"]),
+])
+def test_doctor_options_are_refused_before_any_work(tmp_path, extra, names):
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.json").symlink_to(tmp_path / "notes.txt")
+    before = checksums(tmp_path)
+    refused(cli("doctor", "--task", "mlp", "--size", "tiny", "--steps", "1", "--precision", "bf16", *extra,
+                cwd=tmp_path), 2, *names)
+    assert checksums(tmp_path) == before

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import re
+import shlex
+import subprocess
+import sys
+
+import pytest
 
 from reference import scaling
 from reference.__main__ import rule_lines
@@ -47,3 +52,23 @@ def test_audit_help_and_the_readme_say_the_same_about_where_the_script_runs(caps
     root = Path(__file__).resolve().parents[1]
     pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
     assert any(phrase.replace("__main__", "`__main__`") in " ".join(p.read_text().split()) for p in pages)
+
+
+def test_help_states_the_whole_first_paragraph_of_the_module_docstring(capsys):
+    """The description is the docstring's first paragraph, not its first line cut mid-sentence."""
+    import reference.__main__ as cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    # argparse rewraps (and breaks at hyphens): compare without the whitespace.
+    out = "".join(capsys.readouterr().out.split())
+    paragraph = "".join(cli.__doc__.split("\n\n")[0].split())
+    assert paragraph in out, out
+
+
+def test_output_piped_into_a_reader_that_stops_early_gives_no_traceback():
+    """`python -m reference --fp8 | head -1`: no BrokenPipeError traceback on stderr."""
+    proc = subprocess.run(f"{shlex.quote(sys.executable)} -m reference --fp8 | head -1", shell=True,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip(), "nothing printed"
+    assert "Traceback" not in proc.stderr, proc.stderr

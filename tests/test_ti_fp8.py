@@ -6,6 +6,7 @@ only); the resolution rules and the errors without torchao run everywhere.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -234,3 +235,130 @@ def test_a_root_linear_is_replaced_and_the_trainer_keeps_torchaos_module():
     summary = trainer.fit(model, data, loss_fn=lambda m, b: ((m(b[0]).float() - b[1]) ** 2).mean())
     assert type(trainer.model).__name__ == "Float8Linear" and summary.fp8["converted"] == [""]
     assert trainer.model.weight is model.weight  # the same parameter, trained
+
+
+# ----------------------------------------------------------------------------- refused up front
+
+TORCH_2_11_CPU_REFUSAL = ("(scale_a.numel() == 1 && scale_b.numel() == 1) INTERNAL ASSERT FAILED at "
+                          "\"aten/src/ATen/native/Blas.cpp\":249, please report a bug to PyTorch. "
+                          "Now _scaled_mm only supports per-tensor scaling for CPU backend")
+
+
+def _torch_2_11_scaled_mm(monkeypatch):
+    """torch 2.11's CPU torch._scaled_mm, as conformance/expectations.py records it: rowwise
+    (more than one element) scales are refused, per-tensor ones computed."""
+    real = torch._scaled_mm
+
+    def scaled_mm(a, b, *args, scale_a=None, scale_b=None, **kwargs):
+        if a.device.type == "cpu" and (scale_a.numel() > 1 or scale_b.numel() > 1):
+            raise RuntimeError(TORCH_2_11_CPU_REFUSAL)
+        return real(a, b, *args, scale_a=scale_a, scale_b=scale_b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    probe = getattr(tfp8, "rowwise_refusal", None)
+    if probe is not None:  # a fresh cache for the patched torch, the real one's left as it was
+        monkeypatch.setattr(tfp8, "rowwise_refusal", functools.cache(probe.__wrapped__))
+
+
+@needs_torchao
+def test_the_rowwise_probe_agrees_with_the_keyed_fact():
+    from conformance import expectations
+
+    tfp8.rowwise_refusal.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", expectations.UnmeasuredTorchVersion)
+        expected = expectations.rowwise_scaled_mm_on_cpu()
+    assert (tfp8.rowwise_refusal() is None) == expected
+
+
+@needs_torchao
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_rowwise_on_a_cpu_torch_without_rowwise_scaled_mm_is_refused_before_any_work(monkeypatch, tmp_path, recipe):
+    _torch_2_11_scaled_mm(monkeypatch)
+    fix = r"precision.fp8_recipe tensorwise or mxfp8, or torch 2.12 or newer"
+    with pytest.raises(ValueError, match=rf"precision.fp8_recipe '{recipe}'.*only supports per-tensor.*{fix}"):
+        resolve_precision(PrecisionConfig(mode="fp8", fp8_recipe=recipe), "cpu")
+    with pytest.raises(ValueError, match=fix):
+        tfp8.convert_to_fp8(nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)]), recipe, "cpu")
+    cfg = fp8_cfg(f"checkpoint.folder={tmp_path / 'ck'}", recipe=recipe)
+    task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
+    before = {k: v.clone() for k, v in task.model.state_dict().items()}
+    started = []
+
+    class Started(Callback):
+        def on_fit_start(self, trainer):
+            started.append(True)
+
+    with pytest.raises(ValueError, match=fix):
+        Trainer(cfg, [Started()]).fit(task.model, task.train_data, loss_fn=task.loss_fn)
+    assert not started and not list((tmp_path / "ck").glob("*"))
+    assert all(torch.equal(v, before[k]) for k, v in task.model.state_dict().items())
+    # tensorwise passes one-element scales, which that torch computes
+    assert resolve_precision(PrecisionConfig(mode="fp8", fp8_recipe="tensorwise"), "cpu").mode == "fp8"
+
+
+def test_the_rowwise_check_reads_the_probe_on_the_cpu_only(monkeypatch):
+    monkeypatch.setattr(tfp8, "rowwise_refusal", lambda: "only supports per-tensor scaling for CPU backend")
+    with pytest.raises(ValueError, match="rowwise"):
+        tfp8.check_recipe("rowwise", "cpu")
+    tfp8.check_recipe("tensorwise", "cpu")
+    tfp8.check_recipe("mxfp8", "cpu")
+    tfp8.check_recipe("rowwise", "cuda")  # measured on the CPU only: CUDA's kernels are another matter
+    monkeypatch.setattr(tfp8, "rowwise_refusal", lambda: None)
+    tfp8.check_recipe("rowwise", "cpu")
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(n, 64, generator=g), torch.randn(n, 64, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def _mx_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+
+
+def _mse(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+@needs_torchao
+def test_mx_layers_refuse_rows_that_are_not_a_multiple_of_32_before_the_first_step(tmp_path):
+    cfg = load_config(overrides=["device=cpu", "precision.mode=fp8", "precision.fp8_recipe=mxfp8", "train.steps=2",
+                                 f"checkpoint.folder={tmp_path / 'ck'}", "checkpoint.interval=1"])
+    model = _mx_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = torch.utils.data.DataLoader(_Rows(40), batch_size=20)  # 20 rows: not a multiple of 32
+    with pytest.raises(ValueError) as info:
+        Trainer(cfg).fit(model, data, loss_fn=_mse)
+    text = str(info.value)
+    assert "layer '2'" in text and "shape [20, 64]" in text and "20 rows" in text
+    assert "multiple of 32" in text and "drop_last=True" in text and "precision.fp8_recipe tensorwise" in text
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not list((tmp_path / "ck").glob("*.ckpt"))
+
+
+@needs_torchao
+def test_an_mx_batch_the_first_one_hides_is_refused_in_its_forward_before_its_backward(tmp_path):
+    cfg = load_config(overrides=["device=cpu", "precision.mode=fp8", "precision.fp8_recipe=mxfp8", "train.steps=3",
+                                 f"checkpoint.folder={tmp_path / 'ck'}", "checkpoint.interval=1"])
+    model = _mx_model()
+    data = torch.utils.data.DataLoader(_Rows(80), batch_size=32)  # 32, 32, then a short last batch of 16
+    with pytest.raises(ValueError, match=r"layer '2' gets an input of shape \[16, 64\], 16 rows"):
+        Trainer(cfg).fit(model, data, loss_fn=_mse)
+    # the two good steps were saved; the third never ran its backward
+    assert [p.name for p in sorted((tmp_path / "ck").glob("*.ckpt"))] == ["step-00000001.ckpt", "step-00000002.ckpt"]
+    ok = load_config(overrides=["device=cpu", "precision.mode=fp8", "precision.fp8_recipe=mxfp8", "train.steps=2"])
+    summary = Trainer(ok).fit(_mx_model(), torch.utils.data.DataLoader(_Rows(80), batch_size=32, drop_last=True),
+                              loss_fn=_mse)
+    assert summary.steps_applied == 2
+    with torch.no_grad():  # evaluation has no backward: any rows
+        model(torch.randn(3, 64))

@@ -150,7 +150,7 @@ def test_temporary_files_of_interrupted_writes_are_removed(tmp_path):
 def test_a_save_from_every_allowed_hook_resumes_bit_for_bit(tmp_path, hook):
     sets = ("precision.mode=bf16", "train.force_scaler=true", "train.microbatches=2", "train.clip_norm=0.5",
             "train.log_interval=1")
-    c, task = _tiny(tmp_path, *sets)
+    c, task = _tiny(tmp_path / "whole", *sets)  # a folder of its own: a run folder belongs to one run
     whole = Trainer(c)
     whole.fit(task.model, task.train_data)
 

@@ -26,6 +26,7 @@ __all__ = [
     "_get_fused_kernels_supported_devices",
     "_refresh_per_optimizer_state",
     "missing_names",
+    "scaled_mm",
     "tree_leaves",
 ]
 
@@ -82,6 +83,18 @@ _get_fused_kernels_supported_devices = _private(
     "torch.utils._foreach_utils", "_get_fused_kernels_supported_devices",
     "the device types where torch has fused Adam, AdamW and SGD kernels (optim.py's registry rows); "
     "optim.py falls back to ('cpu', 'cuda', 'mps', 'xpu') when it is gone", required=False)
+
+# --- float8 (torchimpl.fp8) --------------------------------------------------------------------
+
+_private("torch", "_scaled_mm",
+         "torchao's float8 matmul; torchimpl.fp8 probes whether the CPU's takes rowwise scales (torch 2.11's "
+         "refuses them) before a rowwise recipe trains", required=False)
+
+
+def scaled_mm(*args: Any, **kwargs: Any) -> Any:
+    """``torch._scaled_mm``, looked up at each call as torchao looks it up."""
+    return torch._scaled_mm(*args, **kwargs)
+
 
 # --- operator-level diagnostics (torchimpl.diagnostics) --------------------------------------
 

@@ -17,6 +17,10 @@ followed by the payload, the bytes of ``torch.save(contents)``. Rules:
    ``torch.distributed.checkpoint`` with this module's ``meta.ckpt`` file inside; it is
    written under a temporary name and renamed when complete (see ``torchimpl.distributed``), so
    it verifies when its ``meta.ckpt`` and ``.metadata`` do.
+6. A save never replaces a file that is not a checkpoint (a path named by mistake: the
+   configuration, a notes file): ``ValueError`` naming it, and nothing written. A damaged
+   checkpoint may be replaced: a file under a checkpoint's name (rule 4), or any file starting
+   with this format's header or cut inside it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ __all__ = [
     "CheckpointError",
     "capture_rng_state",
     "checkpoint_name",
+    "is_checkpoint_name",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
@@ -57,6 +62,11 @@ _NAME = re.compile(r"^step-(\d{8})(?:-mb(\d{3}))?\.(?:ckpt|dcp)$")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used, with the reason."""
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint's file or folder name (rule 4)."""
+    return _NAME.match(name) is not None
 
 
 def checkpoint_name(step: int, microbatch: int = 0) -> str:
@@ -82,28 +92,48 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _refuse_foreign(path: Path) -> None:
+    """Rule 6: ``path`` may be replaced only when it is missing or a checkpoint (even a damaged one)."""
+    if path.is_symlink() or not path.exists() or (is_checkpoint_name(path.name) and path.is_file()):
+        # os.replace replaces a link itself, never its target; a file under a checkpoint's name
+        # is the run's own, however damaged (a resume passed over it)
+        return
+    if path.is_dir():
+        raise ValueError(f"checkpoint {path} is a folder; give a file path such as {path / 'model.ckpt'}")
+    with open(path, "rb") as f:
+        head = f.read(len(_MAGIC))
+    if head != _MAGIC[:len(head)]:  # an empty file or a header torn short is still a checkpoint's
+        raise ValueError(f"checkpoint {path} exists and is not an ampspec checkpoint; ampspec overwrites only its "
+                         "own files: choose another path, or move that file away")
+
+
 def save_checkpoint(contents: dict[str, Any], path: str | Path) -> Path:
-    """Write ``contents`` to ``path`` atomically (rule 1) with a checksummed header (rule 2)."""
+    """Write ``contents`` to ``path`` atomically (rule 1) with a checksummed header (rule 2),
+    never over a file that is not a checkpoint (rule 6)."""
     path = Path(path)
+    _refuse_foreign(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     torch.save(contents, buf)
     payload = buf.getvalue()
     header = b"%s %d %s %d\n" % (_MAGIC, _VERSION, hashlib.sha256(payload).hexdigest().encode(), len(payload))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + path.name + "-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+    from torchimpl.safe_files import writing
+
+    with writing(path, "checkpoint"):  # a full disk names the file and the fix
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-" + path.name + "-", dir=path.parent)
         try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+            with os.fdopen(fd, "wb") as f:
+                f.write(header)
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
     _fsync_dir(path.parent)
     return path
 

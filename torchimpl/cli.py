@@ -158,19 +158,9 @@ def _train(args: argparse.Namespace) -> int:
 
 def _run_locks(cfg: Any) -> contextlib.ExitStack:
     """The locks on this run's folders and trace (``torchimpl.run_lock``), held by rank 0 alone."""
-    from torchimpl.run_folder import fixed_log_folder
-    from torchimpl.run_lock import hold
+    from torchimpl.run_lock import run_locks
 
-    stack = contextlib.ExitStack()
-    if launch_rank() != 0:
-        return stack
-    folders = {Path(f).resolve(): field for f, field in ((fixed_log_folder(cfg), "logging.dir"),
-                                                       (cfg.checkpoint.folder, "checkpoint.folder")) if f is not None}
-    for folder, field in folders.items():
-        stack.enter_context(hold(folder, f"{field} {folder}"))
-    if cfg.train.trace_file is not None:
-        stack.enter_context(hold(Path(cfg.train.trace_file), f"train.trace_file {cfg.train.trace_file}", is_file=True))
-    return stack
+    return run_locks(cfg) if launch_rank() == 0 else contextlib.ExitStack()
 
 
 def _outcome_message(summary) -> str | None:
@@ -357,6 +347,16 @@ def _audit(args: argparse.Namespace) -> int:
                       strict=args.strict)
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """``(default: X)`` after an option's help wherever the default says something: not for an
+    option that is off or unset unless given (a default of None or False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _verbosity(parser: argparse.ArgumentParser, default: object) -> None:
     """``-v``/``-q`` on ``parser``; the subcommands' default is SUPPRESS so that a flag given
     before the subcommand is not reset by the subcommand's own default."""
@@ -367,8 +367,8 @@ def _verbosity(parser: argparse.ArgumentParser, default: object) -> None:
 
 def _add_compare(sub: Any, common: argparse.ArgumentParser) -> None:
     c = sub.add_parser(
-        "compare", parents=[common], help="train one model in fp32, bf16 (and fp16 on CUDA) and compare",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "compare", parents=[common], help="train one model in every precision this device supports and compare the curves",
+        formatter_class=_Defaults,
         description="Train the same model from the same seed and data in every precision this device "
                     "supports (on a CPU also bf16 with a loss scaler, to show the scaler at work), print a "
                     "table, write OUT/report.json and OUT/compare.png. Exit status 1 when a curve does not "
@@ -386,8 +386,8 @@ def _add_compare(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _add_train(sub: Any, common: argparse.ArgumentParser) -> None:
-    t = sub.add_parser("train", parents=[common], help="train from a configuration file",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    t = sub.add_parser("train", parents=[common], help="train the embedded task or your own model",
+                       formatter_class=_Defaults,
                        description="Train the embedded task or your own (task.name: module:function) and print "
                                    "the run summary as JSON. Every field is documented in torchimpl/config.py.")
     t.add_argument("--config", metavar="FILE", help="YAML configuration file (none: every field at its default)")
@@ -403,6 +403,7 @@ def _add_train(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def _add_export(sub: Any, common: argparse.ArgumentParser) -> None:
     e = sub.add_parser("export", parents=[common], help="write a checkpoint's model weights as a plain state_dict",
+                       formatter_class=_Defaults,
                        description="Write the model's state_dict from CKPT (a step-NNNNNNNN.ckpt file, an FSDP2 "
                                    ".dcp folder, or a checkpoint folder: its newest good checkpoint) to OUT: "
                                    "OUT.pt (torch.save; torch.load(OUT, weights_only=True) reads it) or "
@@ -424,6 +425,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_train(sub, common)
     _add_export(sub, common)
     d = sub.add_parser("doctor", parents=[common], help="what this machine supports; with --task, a model's precision",
+                       formatter_class=_Defaults,
                        description="Without --task: what this machine supports. With --task: run the model in each "
                                    "precision beside an fp32 shadow and give verdicts with fixes (exit status 1 when "
                                    "a verdict is an error).")
@@ -431,15 +433,20 @@ def _parser() -> argparse.ArgumentParser:
 
     add_options(d, _task_name)
     d.set_defaults(func=_doctor)
-    r = sub.add_parser("replay", parents=[common], help="recompute a trace's scale history with the reference")
-    r.add_argument("trace")
-    r.add_argument("--config", help="the scaler settings to replay with (default: those the trace's header records)")
+    r = sub.add_parser("replay", parents=[common], help="recompute a trace's scale history with the reference",
+                       formatter_class=_Defaults,
+                       description="Recompute the scale history of TRACE (a train.trace_file, JSON Lines) from its "
+                                   "found_inf bits with the reference specification and name the first step whose "
+                                   "scale or growth tracker differs. Exit status 1 when a step differs.")
+    r.add_argument("trace", metavar="TRACE")
+    r.add_argument("--config", metavar="FILE", help="the scaler settings to replay with (default: those the trace's header records)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="change one field of the policy replayed, e.g. scaler.growth_interval=7 (repeatable): of "
                         "the trace's recorded policy, or of --config's when given")
     r.set_defaults(func=_replay)
     a = sub.add_parser("audit", parents=[common],
                        help="run your own training script and check it against the specification",
+                       formatter_class=_Defaults,
                        description="Run SCRIPT.py as __main__ in the ampspec process itself (runpy, not a subprocess) "
                                    "under instrumentation of torch's AMP calls; "
                                    "report order-rule findings and numeric divergences from the specification. "
@@ -452,7 +459,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--no-replay", action="store_true", help="order rules only: copy no numbers, replay nothing")
     a.add_argument("--strict", action="store_true", help="warnings and info fail the audit too (exit status 1)")
     a.add_argument("script", metavar="SCRIPT.py")
-    a.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
+    a.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
     a.set_defaults(func=_audit)
     return p
 

@@ -286,6 +286,10 @@ class LoggingConfig(_Checked):
             out.append(("tensorboard", "true needs a run folder, but logging.dir is null; set logging.dir "
                                        "(or 'auto'), or logging.tensorboard=false"))
         out += _int_at_least("precision_stats", self.precision_stats, 0)
+        if self.dir is None and isinstance(self.precision_stats, int) and self.precision_stats > 0:
+            # its file goes in the run folder: without one the statistics would vanish unwritten
+            out.append(("precision_stats", (f"{self.precision_stats} needs a run folder, but logging.dir is null; "
+                                            "set logging.dir (or 'auto'), or logging.precision_stats=0")))
         if self.progress not in ("auto", "bar", "lines", "off"):
             out.append(("progress", f"must be one of 'auto', 'bar', 'lines', 'off', got {self.progress!r}"))
         return out

@@ -535,9 +535,12 @@ class DistributedContext:
         resharded if the world size changed (at a window boundary only)."""
         path = Path(path)
         if path.is_dir():
-            if not self.sharded:
-                from torchimpl.checkpoint import CheckpointError
+            from torchimpl.checkpoint import CheckpointError
 
+            if path.suffix != ".dcp" and not (path / "meta.ckpt").exists():  # a folder given by mistake
+                raise CheckpointError(f"{path} is a folder, not a checkpoint: give a checkpoint file (step-*.ckpt), "
+                                      "or resume='latest' (--resume) with checkpoint.folder set to that folder")
+            if not self.sharded:
                 raise CheckpointError(f"{path} is a sharded (FSDP2) checkpoint; resume it with train.distributed=fsdp2")
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict

@@ -5,8 +5,10 @@
    task's fourth element, or the model's own loss) is the loss.
 2. ``--precision all`` runs bf16, fp16 and (with torchao) fp8, one report each; without torchao
    fp8 is left out with a note, and an explicit ``--precision fp8`` fails naming the extra.
-3. ``--report FILE.json`` writes ``{"reports": [...]}``, each report's ``to_dict()``;
-   ``--plot FILE.png`` needs matplotlib (``pip install 'ampspec[plot]'``), checked before any work.
+3. ``--report FILE.json`` writes ``{"reports": [...]}``, each report's ``to_dict()``, whole
+   (``torchimpl.safe_files``); ``--plot FILE.png`` needs matplotlib (``pip install
+   'ampspec[plot]'``). Both are checked before any work, with the numbers: an existing file
+   that is not an earlier report (or PNG), a link or a folder is refused, never overwritten.
 4. Exit status: 0 when no verdict is an error (healthy, or warnings only), 1 when one is.
 """
 
@@ -33,12 +35,44 @@ def _precisions(requested: str) -> tuple[list[str], list[str]]:
     return ["bf16", "fp16"], ["fp8 left out: torchao is not installed (pip install 'ampspec[fp8]')"]
 
 
-def _check_outputs(args: Any) -> None:
+def _is_own(path: Path, option: str) -> bool:
+    """Whether an existing ``path`` is a file this command wrote (a report, a PNG), so replaceable."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 20)
+    if option == "--plot":
+        return head.startswith(b"\x89PNG")
+    try:
+        data = json.loads(head.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and "reports" in data
+
+
+def _check_inputs(args: Any) -> None:
+    """Every option checked before any work (rule 3, and the numbers)."""
+    import math
+
+    if args.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if not math.isfinite(args.lr) or args.lr < 0:
+        raise ValueError(f"--lr must be a finite number >= 0, got {args.lr}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ImportError("--plot needs matplotlib, the optional 'plot' extra: pip install 'ampspec[plot]'")
+    from torchimpl.safe_files import refuse_link
+
     for option, path in (("--report", args.report), ("--plot", args.plot)):
-        if path and not Path(path).resolve().parent.is_dir():
+        if not path:
+            continue
+        if not Path(path).resolve().parent.is_dir():
             raise ValueError(f"{option} {path}: the folder {Path(path).resolve().parent} does not exist")
+        refuse_link(path, option)
+        if Path(path).is_dir():
+            raise ValueError(f"{option} {path} is a folder; give a file path")
+        if Path(path).is_file() and Path(path).stat().st_size and not _is_own(Path(path), option):
+            raise ValueError(f"{option} {path} exists and is not a doctor {'plot' if option == '--plot' else 'report'}; "
+                             "ampspec overwrites only its own files: choose another path")
 
 
 def run_doctor(args: Any) -> int:
@@ -49,11 +83,10 @@ def run_doctor(args: Any) -> int:
     from torchimpl.device import resolve_device
     from torchimpl.doctor import inspect_precision
     from torchimpl.doctor_report import save_plot
+    from torchimpl.safe_files import replace_text
     from torchimpl.tasks import build_task
 
-    if args.steps < 1:
-        raise ValueError(f"--steps must be at least 1, got {args.steps}")
-    _check_outputs(args)
+    _check_inputs(args)
     precisions, notes = _precisions(args.precision)
     task = build_task(TaskConfig(name=args.task, size=args.size), seed=args.seed, batch_size=args.batch_size)
     device = resolve_device(args.device)
@@ -70,7 +103,7 @@ def run_doctor(args: Any) -> int:
         print(f"note: {n}")
     if args.report:
         data = {"task": args.task, "steps": args.steps, "reports": [r.to_dict() for r in reports], "notes": notes}
-        Path(args.report).write_text(json.dumps(data, indent=2, allow_nan=False))
+        replace_text(args.report, json.dumps(data, indent=2, allow_nan=False), what="--report")
         print(f"report: {args.report}")
     if args.plot:
         print(f"plot: {save_plot(reports, args.plot)}")

@@ -28,7 +28,17 @@ Rules:
    MX operands dequantized): a correctness run, slower than bf16, never a speed-up. On CUDA
    the float8 recipes need compute capability 8.9 (Ada, Hopper); mxfp8's native kernels need
    10.0 (Blackwell) and are emulated below that.
-5. Converted layers keep their parameter names (``weight``, ``bias``): model state dicts and
+5. A recipe the installed torch cannot run on the device is refused before any work
+   (:func:`check_recipe`, a ``ValueError`` naming ``precision.fp8_recipe`` and the fix): the
+   rowwise recipes on a CPU whose ``torch._scaled_mm`` takes per-tensor scales only (torch
+   2.11), found by a probe of one small matmul, not by the version number.
+6. An MX layer's backward quantizes its input and gradient in blocks of 32 along the
+   flattened rows (every dimension but the last), which torchao asserts mid-backward. Each MX
+   layer checks its input's rows in its forward (a ``ValueError`` naming the layer, the shape
+   and the fix, before any backward), and :func:`check_mx_rows` runs one batch forward before
+   training (no gradients, eval mode, generators restored) so that a batch shape the blocks
+   cannot take is refused before the first step.
+7. Converted layers keep their parameter names (``weight``, ``bias``): model state dicts and
    checkpoints are the same as without float8, and a run resumes bit for bit on CPU.
 
 torchao is an optional dependency (``pip install 'ampspec[fp8]'``, pinning 0.18.0, the version
@@ -37,8 +47,10 @@ whose arithmetic ``reference.fp8`` states); it is imported only when fp8 is requ
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -47,20 +59,29 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from torchimpl._torch_compat import scaled_mm
 from torchimpl.precision import FP8_RECIPES
 
 __all__ = [
     "FP8_RECIPES",
+    "ROWWISE_RECIPES",
     "TORCHAO_VERSION",
     "Fp8Report",
+    "check_mx_batch",
+    "check_mx_rows",
+    "check_recipe",
     "convert_to_fp8",
     "fp8_kernel",
     "require_torchao",
+    "rowwise_refusal",
     "torchao_available",
 ]
 
 TORCHAO_VERSION = "0.18.0"
 """The torchao release reference.fp8 states and the conformance suite checks."""
+
+ROWWISE_RECIPES = ("rowwise", "rowwise_with_gw_hp")
+"""The recipes whose matmuls pass torch._scaled_mm an (M, 1) and a (1, N) scale."""
 
 _FLOAT8_CAPABILITY = (8, 9)
 _MX_CAPABILITY = (10, 0)
@@ -113,6 +134,37 @@ def fp8_kernel(recipe: str, device: torch.device | str) -> tuple[str | None, str
         return (f"float8 matmuls need CUDA compute capability 8.9 or newer (Ada, Hopper), this GPU has "
                 f"{cap[0]}.{cap[1]}"), ""
     return None, f"float8 {recipe} on CUDA capability {cap[0]}.{cap[1]}: native torch._scaled_mm"
+
+
+@functools.cache
+def rowwise_refusal() -> str | None:
+    """None when the CPU's ``torch._scaled_mm`` takes rowwise scales, else torch's refusal.
+
+    torch 2.11 refuses them on the CPU ("Now _scaled_mm only supports per-tensor scaling for
+    CPU backend"); 2.12 and later compute them. The first rowwise forward would raise that
+    mid-run, so the recipe is checked here, on a 2x16 by 16x2 matmul, once per process.
+    """
+    a = torch.ones(2, 16).to(torch.float8_e4m3fn)
+    b = torch.ones(2, 16).to(torch.float8_e4m3fn).t()
+    try:
+        scaled_mm(a, b, scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 2), out_dtype=torch.bfloat16)
+    except (RuntimeError, ValueError) as exc:  # an internal assert is a RuntimeError
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        return lines[-1] if lines else type(exc).__name__
+    return None
+
+
+def check_recipe(recipe: str, device: torch.device | str) -> None:
+    """Rule 5: raise ``ValueError`` naming ``precision.fp8_recipe`` and the fix when the
+    installed torch cannot run ``recipe`` on ``device``."""
+    if recipe not in ROWWISE_RECIPES or torch.device(device).type != "cpu":
+        return
+    refused = rowwise_refusal()
+    if refused is not None:
+        raise ValueError(
+            f"precision.fp8_recipe {recipe!r}: torch {torch.__version__}'s CPU torch._scaled_mm does not take "
+            f"rowwise scales ({refused}), so its first float8 matmul would fail. Fix: precision.fp8_recipe "
+            "tensorwise or mxfp8, or torch 2.12 or newer for the rowwise recipes on the CPU")
 
 
 @dataclass(frozen=True)
@@ -191,12 +243,14 @@ def convert_to_fp8(model: nn.Module, recipe: str, device: torch.device | str, *,
     """Rules 1-4: the model with its eligible linear layers in float8, and the report.
 
     Returns the module torchao returns (a root ``nn.Linear`` is replaced, not changed in place).
-    Raises ``ValueError`` when no layer is eligible and ``RuntimeError`` when torchao is missing
+    Raises ``ValueError`` when no layer is eligible or the recipe cannot run here (rule 5) and
+    ``RuntimeError`` when torchao is missing
     or float8 cannot run on ``device``.
     """
     if recipe not in FP8_RECIPES:
         raise ValueError(f"precision.fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {recipe!r}")
     require_torchao()
+    check_recipe(recipe, device)
     why_not, kernel = fp8_kernel(recipe, device)
     if why_not is not None:
         raise RuntimeError(f"precision.mode 'fp8': {why_not}; use precision.mode bf16")
@@ -220,6 +274,9 @@ def convert_to_fp8(model: nn.Module, recipe: str, device: torch.device | str, *,
         model = _convert_mx(model, keep, device)
         hook = _cast_input_hook(_weight_dtype) if torch.device(device).type != "cuda" or \
             torch.cuda.get_device_capability(device) < _MX_CAPABILITY else None
+        for name, module in model.named_modules():
+            if (name or "") in eligible:
+                module.register_forward_pre_hook(_mx_rows_hook(name))
     else:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -231,6 +288,67 @@ def convert_to_fp8(model: nn.Module, recipe: str, device: torch.device | str, *,
             if (name or "") in eligible:
                 module.register_forward_pre_hook(hook)
     return model, Fp8Report(recipe, kernel, converted, kept)
+
+
+MX_BLOCK = 32
+_probing = [False]  # check_mx_rows's forward checks without gradients too
+
+
+def _mx_rows_message(name: str, shape: tuple[int, ...]) -> str:
+    rows = math.prod(shape[:-1])
+    return (f"precision.fp8_recipe 'mxfp8': layer {name or '(the root nn.Linear)'!r} gets an input of shape "
+            f"{list(shape)}, {rows} rows once its leading dimensions are flattened; its backward quantizes them "
+            f"in MX blocks of {MX_BLOCK}, so they must be a multiple of {MX_BLOCK}. Fix: a batch size (times the "
+            f"sequence length) that is a multiple of {MX_BLOCK} (drop_last=True for a DataLoader's short last "
+            "batch), or precision.fp8_recipe tensorwise")
+
+
+def _mx_rows_hook(name: str) -> Callable:
+    """Rule 6: refuse an input whose flattened rows the MX backward cannot block."""
+    def hook(module: nn.Module, args: tuple) -> None:
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or not (torch.is_grad_enabled() or _probing[0]):
+            return
+        if math.prod(x.shape[:-1]) % MX_BLOCK:
+            raise ValueError(_mx_rows_message(name, tuple(x.shape)))
+
+    return hook
+
+
+def check_mx_rows(model: nn.Module, train_data: Any, run: Callable[[nn.Module, Any], Any]) -> None:
+    """Rule 6 before training: ``run(model, batch)`` (the loss function, under the run's
+    autocast) on ``train_data``'s first batch without gradients, in eval mode, with torch's
+    generators restored, so that a layer's ``ValueError`` comes before step 1. A one-shot
+    iterator is not read (its batches belong to the run); each forward still checks."""
+    from collections.abc import Iterator
+
+    if isinstance(train_data, Iterator):
+        return
+    was_training = model.training
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        try:
+            batch = next(iter(train_data), None)
+            if batch is None:
+                return
+            model.eval()
+            _probing[0] = True
+            run(model, batch)
+        finally:
+            _probing[0] = False
+            model.train(was_training)
+
+
+def check_mx_batch(model: nn.Module, train_data: Any, loss_fn: Callable[[nn.Module, Any], Any],
+                   autocast: Any, device: torch.device) -> None:
+    """:func:`check_mx_rows` with the trainer's loss function under the run's autocast."""
+    from torchimpl.batches import to_device
+
+    def forward(m: nn.Module, batch: Any) -> Any:
+        with autocast:
+            return loss_fn(m, to_device(batch, device))
+
+    check_mx_rows(model, train_data, forward)
 
 
 def _import_torchao_quietly() -> None:

@@ -3,8 +3,9 @@
 1. **Before step 1** (:func:`preflight`): everything that would otherwise fail only after
    training: the checkpoint folder is created and written to, the trace file opened, the run
    folder of the metrics files (``torchimpl.metrics``) written to, TensorBoard found when
-   ``logging.tensorboard`` asks for it, the validation data checked for batches. A problem
-   raises ``ValueError`` naming the field and the fix, before any work.
+   ``logging.tensorboard`` asks for it, the training (:func:`check_train_data`) and validation
+   data checked for batches. A problem raises ``ValueError`` naming the field and the fix,
+   before any work.
 2. **Interrupts** (:class:`Interrupts`): the first SIGINT (Ctrl-C) or SIGTERM asks the run to
    stop at the next step boundary; the trainer then flushes the records, saves a checkpoint
    when ``checkpoint.folder`` is set and returns its summary. A second signal aborts at once
@@ -30,12 +31,29 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import Any, Iterable
 
-__all__ = ["EXIT_CODES", "Interrupted", "Interrupts", "command_interrupts", "outcome", "preflight"]
+__all__ = ["EXIT_CODES", "Interrupted", "Interrupts", "check_train_data", "command_interrupts", "outcome", "preflight"]
 
 EXIT_CODES = {"completed": 0, "stopped": 0, "failed": 1, "no_progress": 3,
               "interrupted:SIGINT": 130, "interrupted:SIGTERM": 143}
 """Exit status of ``ampspec train`` by outcome (2 is a usage error: a bad configuration, a file
 that cannot be read, a refused resume)."""
+
+
+def check_train_data(train_data: Any) -> None:
+    """Rule 1 for ``fit``'s ``train_data``: iterable batches, a sequence's first holding a tensor."""
+    from collections.abc import Sequence
+
+    from torchimpl.task_checks import holds_tensor
+
+    if isinstance(train_data, (str, bytes)) or not hasattr(train_data, "__iter__"):
+        raise ValueError(f"train_data is of type {type(train_data).__name__}, not batches: pass a re-iterable source of "
+                         "batches (a list of batches, a DataLoader)")
+    if isinstance(train_data, Sequence):
+        if len(train_data) == 0:
+            raise ValueError("train_data holds no batches; pass at least one batch")
+        if not holds_tensor(train_data[0]):
+            raise ValueError(f"train_data[0] is a {type(train_data[0]).__name__} holding no tensor; a batch is a "
+                             "tensor, or a tuple, list or dict of tensors")
 
 
 def preflight(config: Any, val_data: Iterable[Any] | None, *, is_main: bool) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable, Protocol
 
 from torchimpl.records import StepRecord
-from torchimpl.safe_files import open_run_file, refuse_link, replace_text
+from torchimpl.safe_files import open_run_file, refuse_link, replace_text, writing
 
 __all__ = ["COLUMNS", "CsvMetrics", "MetricsSink", "RUNS_ENV", "TensorBoardMetrics", "check_tensorboard", "open_metrics",
            "open_run_folder", "planned_folder", "read_metrics", "rows_for", "runs_root", "tensorboard_available",
@@ -92,8 +92,10 @@ def open_run_folder(config: Any) -> Path | None:
 
 
 def wants_files(config: Any) -> bool:
+    """Whether the run writes anything in its run folder (``precision_stats.csv`` counts)."""
     lg = config.logging
-    return lg.csv or lg.tensorboard is True or (lg.tensorboard is None and tensorboard_available())
+    return (lg.csv or lg.tensorboard is True or (lg.tensorboard is None and tensorboard_available())
+            or bool(lg.precision_stats))
 
 
 # ---------------------------------------------------------------- rows
@@ -140,8 +142,9 @@ class CsvMetrics:
     def write(self, rows: list[dict]) -> None:
         if self._file is None:
             raise ValueError(f"metrics file {self.path} is closed")
-        self._file.write("".join(",".join(_cell(row[c]) for c in COLUMNS) + "\n" for row in rows))
-        self._file.flush()
+        with writing(self.path, "metrics file"):
+            self._file.write("".join(",".join(_cell(row[c]) for c in COLUMNS) + "\n" for row in rows))
+            self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:

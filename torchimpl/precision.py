@@ -41,8 +41,10 @@ Rules:
 7. ``fp8`` (``precision.fp8_recipe``: tensorwise, rowwise, rowwise_with_gw_hp, mxfp8) runs the
    eligible linear layers in float8 through torchao (``torchimpl.fp8``) and the rest under bf16
    autocast, with no loss scaler. It needs torchao: without it resolution raises, naming the
-   fix. The plan's ``note`` says what runs where (on a CPU: torch's float8 emulation, a
-   correctness run, never a speed-up); mxfp8 below CUDA capability 10.0 is emulated too.
+   fix; so does a recipe the installed torch cannot run on the device (the rowwise recipes on
+   torch 2.11's CPU: ``torchimpl.fp8`` rule 5). The plan's ``note`` says what runs where (on a
+   CPU: torch's float8 emulation, a correctness run, never a speed-up); mxfp8 below CUDA
+   capability 10.0 is emulated too.
 8. ``mode`` also takes the spellings of Lightning (``"bf16-mixed"``, ``"16-mixed"``, ``16``,
    ``"32-true"``, ...) and Accelerate (``"no"``), case-insensitively (:data:`SPELLINGS`). The
    config stores the canonical mode, so a spelled and a canonical precision compare equal; the
@@ -300,9 +302,10 @@ def _resolve(config: PrecisionConfig, device: str | torch.device) -> PrecisionPl
 
 def _resolve_fp8(config: PrecisionConfig, device: torch.device) -> PrecisionPlan:
     """Rule 7: fp8 where float8 can run, else the table's downgrade for mixed precision."""
-    from torchimpl.fp8 import fp8_kernel, require_torchao
+    from torchimpl.fp8 import check_recipe, fp8_kernel, require_torchao
 
     require_torchao()
+    check_recipe(config.fp8_recipe, device)  # refused, not downgraded: a recipe is the user's numerics
     why_not, note = fp8_kernel(config.fp8_recipe, device)
     if why_not is None:
         return PrecisionPlan("fp8", torch.bfloat16, False, True, device.type, None, config.fp8_recipe,

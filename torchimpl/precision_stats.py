@@ -10,7 +10,9 @@
 2. The rows go to ``precision_stats.csv`` in the run folder (``step, module, dtype, amax,
    headroom_bits, subnormal_fraction``), written at the end of each measured step, and as
    TensorBoard scalars ``precision/<module>/amax`` (and ``headroom_bits``, ``subnormal_fraction``)
-   when the run writes TensorBoard. A resumed run cuts the file back to the resumed step.
+   when the run writes TensorBoard. A resumed run cuts the file back to the resumed step. The
+   file is a run file (``torchimpl.safe_files``): never written through a link, rewritten
+   whole on a resume, a failed write named.
 3. Off by default (0). A measured step reads every statistic on the host (a sync per module
    and statistic): ``bench/doctor_cost.py`` states the cost.
 """
@@ -18,8 +20,8 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +29,13 @@ from torch import nn
 
 from torchimpl import health
 from torchimpl.doctor_probe import first_float
+from torchimpl.run_folder import PRECISION_STATS
+from torchimpl.safe_files import open_run_file, replace_text, writing
 
 __all__ = ["COLUMNS", "FILE_NAME", "PrecisionStats", "precision_stats_callbacks"]
 
 COLUMNS = ("step", "module", "dtype", "amax", "headroom_bits", "subnormal_fraction")
-FILE_NAME = "precision_stats.csv"
+FILE_NAME = PRECISION_STATS
 
 
 def precision_stats_callbacks(config: Any) -> list[Any]:
@@ -51,10 +55,9 @@ def _truncate(path: Path, step: int) -> None:
     with open(path, encoding="utf-8", newline="") as f:
         rows = list(csv.reader(f))
     kept = [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) < step]
-    tmp = path.with_name(f".tmp-{path.name}")
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        csv.writer(f).writerows([list(COLUMNS), *kept])
-    os.replace(tmp, path)
+    text = io.StringIO(newline="")
+    csv.writer(text).writerows([list(COLUMNS), *kept])
+    replace_text(path, text.getvalue(), what="precision statistics file")
 
 
 class PrecisionStats:
@@ -78,9 +81,12 @@ class PrecisionStats:
         if step and self.path.exists():
             _truncate(self.path, step)
         else:
-            with open(self.path, "w", encoding="utf-8", newline="") as f:
+            with writing(self.path, "precision statistics file"), \
+                    open_run_file(self.path, "w", what="precision statistics file") as f:
                 csv.writer(f).writerow(COLUMNS)
-        self._tb = next((s for s in getattr(trainer.reporter, "metrics", ()) if hasattr(s, "_writer")), None)
+        from torchimpl.metrics import TensorBoardMetrics
+
+        self._tb = next((s for s in getattr(trainer.reporter, "metrics", ()) if isinstance(s, TensorBoardMetrics)), None)
         for name, module in trainer.model.named_modules():
             if name:
                 self._handles.append(module.register_forward_hook(self._hook(name)))
@@ -120,7 +126,8 @@ class PrecisionStats:
         if not self.rows or self.path is None:
             self.rows.clear()
             return
-        with open(self.path, "a", encoding="utf-8", newline="") as f:
+        with writing(self.path, "precision statistics file"), \
+                open_run_file(self.path, "a", what="precision statistics file") as f:
             w = csv.writer(f)
             for r in self.rows:
                 w.writerow([r[c] if not isinstance(r[c], float) else repr(r[c]) for c in COLUMNS])

@@ -29,7 +29,7 @@ from typing import IO, Any, Iterable, Iterator
 
 import torch
 
-from torchimpl.safe_files import open_run_file, refuse_link, replace_text
+from torchimpl.safe_files import open_run_file, refuse_link, replace_text, writing
 
 __all__ = ["FIELDS", "HEADER_KEY", "METRIC_KEYS", "PendingRecords", "StepRecord", "TraceWriter", "check_step_order",
            "read_numbered_trace", "read_trace", "read_trace_header", "read_trace_metrics", "write_trace"]
@@ -210,8 +210,9 @@ class TraceWriter:
         self._file: IO[str] | None = open_run_file(self.path, "a" if resume_at is not None else "w",
                                                     what="trace file")
         if header is not None and self.kept_header is None and self.kept == 0:
-            self._file.write(json.dumps({HEADER_KEY: 1, **header}) + "\n")
-            self._file.flush()
+            with writing(self.path, "trace file"):
+                self._file.write(json.dumps({HEADER_KEY: 1, **header}) + "\n")
+                self._file.flush()
 
     def write(self, records: Iterable[StepRecord], metrics: Iterable[dict[str, Any]] | None = None) -> None:
         """One line per record; ``metrics``, one mapping per record, adds its keys (of
@@ -222,12 +223,15 @@ class TraceWriter:
         extras = list(metrics) if metrics is not None else [{}] * len(records)
         if len(extras) != len(records):
             raise ValueError(f"metrics: {len(extras)} mappings for {len(records)} records; give one per record")
+        lines = []
         for record, extra in zip(records, extras):
             unknown = [k for k in extra if k not in METRIC_KEYS]
             if unknown:
                 raise ValueError(f"metrics: unknown keys {unknown}; a trace line may add only {list(METRIC_KEYS)}")
-            self._file.write(json.dumps({**asdict(record), **extra}) + "\n")
-        self._file.flush()
+            lines.append(json.dumps({**asdict(record), **extra}) + "\n")
+        with writing(self.path, "trace file"):  # a torn line is cut on the resume
+            self._file.write("".join(lines))
+            self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:

@@ -116,8 +116,10 @@ class Reporter:
         self._write(records, losses, val_loss)
         self._show(records[-1], losses[-1], val_loss)
         callbacks: Sequence[Any] = self.trainer.callbacks
+        from torchimpl.callback_checks import checked_hook
+
         for cb in callbacks:
-            cb.on_log(self.trainer, self.trainer.state, records, losses)
+            checked_hook(cb.on_log, lambda: self.trainer.state)(self.trainer, self.trainer.state, records, losses)
         return problem
 
     def _write(self, records: list[StepRecord], losses: list[float], val_loss: float | None) -> None:

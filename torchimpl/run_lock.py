@@ -10,23 +10,34 @@
 3. Taking the lock checks that the file it locked is still the one under that name (its last
    holder may have removed it between the open and the lock), so two processes never both
    believe they hold it.
+4. Within a process the lock is the thread's: the same thread taking it again (the command
+   line around ``Trainer.fit``, which takes it too) holds it once more; another thread is
+   refused as another process would be.
+5. :func:`run_locks` holds every lock of a run: its checkpoint folder, its fixed run folder
+   (``logging.dir``) and its trace file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
+from typing import Any
 
 try:
     import fcntl
 except ImportError:  # Windows: no flock; runs are not guarded there
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LOCK_NAME", "RunLockedError", "hold", "lock_path"]
+__all__ = ["LOCK_NAME", "RunLockedError", "hold", "lock_path", "run_locks"]
 
 LOCK_NAME = ".ampspec.lock"
+
+# Rule 4: lock file (real path) -> (holding thread, depth), for the locks this process holds.
+_HELD: dict[str, tuple[int, int]] = {}
+_HELD_GUARD = threading.Lock()
 
 
 class RunLockedError(RuntimeError):
@@ -82,12 +93,50 @@ def hold(target: str | Path, what: str, *, is_file: bool = False) -> Iterator[No
     made = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     path = lock_path(target, is_file=is_file)
+    key, me = os.path.realpath(path), threading.get_ident()
+    with _HELD_GUARD:
+        holder = _HELD.get(key)
+        if holder is not None and holder[0] != me:
+            raise RunLockedError(f"{what} is in use by another run in this process (thread {holder[0]}, lock file "
+                                 f"{path}); wait for it to end, or use another folder")
+        if holder is not None:  # rule 4: this thread holds it already
+            _HELD[key] = (me, holder[1] + 1)
+    if holder is not None:
+        try:
+            yield
+        finally:
+            with _HELD_GUARD:
+                _HELD[key] = (me, _HELD[key][1] - 1)
+        return
     fd = _take(path, what)
+    with _HELD_GUARD:
+        _HELD[key] = (me, 1)
     try:
         yield
     finally:
+        with _HELD_GUARD:
+            del _HELD[key]
         path.unlink(missing_ok=True)
         os.close(fd)
         if made:
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only when empty: the run wrote nothing there (rule 2)
+
+
+def run_locks(config: Any) -> contextlib.ExitStack:
+    """Rule 5: an ``ExitStack`` holding the locks on ``config``'s run folders and trace file."""
+    from torchimpl.run_folder import fixed_log_folder
+
+    stack = contextlib.ExitStack()
+    folders = {Path(f).resolve(): field for f, field in ((fixed_log_folder(config), "logging.dir"),
+                                                       (config.checkpoint.folder, "checkpoint.folder")) if f is not None}
+    try:
+        for folder, field in folders.items():
+            stack.enter_context(hold(folder, f"{field} {folder}"))
+        if config.train.trace_file is not None:
+            stack.enter_context(hold(Path(config.train.trace_file), f"train.trace_file {config.train.trace_file}",
+                                     is_file=True))
+    except BaseException:
+        stack.close()  # the locks taken before the refused one
+        raise
+    return stack

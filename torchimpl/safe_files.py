@@ -6,18 +6,52 @@
 2. A file rewritten whole (a trace or ``metrics.csv`` cut back on a resume, a report) is
    written to a fresh temporary file in the same folder (``mkstemp``: a new name, opened
    exclusively) and renamed over the old one, so a kill leaves the old file or the new one.
+3. A write that fails (a full disk, a read-only or vanished folder, an I/O error) raises
+   :class:`RunFileWriteError`, an ``OSError`` naming the file, what it is, the reason and the
+   fix, instead of a bare ``[Errno 28] No space left on device``; a checkpoint's temporary file
+   is removed, so the checkpoints written before stay the run's last good ones.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["open_run_file", "refuse_link", "replace_text", "write_report"]
+__all__ = ["RunFileWriteError", "open_run_file", "refuse_link", "replace_text", "write_report", "writing"]
+
+
+class RunFileWriteError(OSError):
+    """A run file that could not be written (rule 3); ``errno`` and ``filename`` are the failed write's."""
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __init__(self, message: str, err: int | None, filename: str):
+        super().__init__(err, message, filename)
+        self.message = message
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, what: str) -> Iterator[None]:
+    """Rule 3 around a write of ``what`` (``"checkpoint"``, ``"trace file"``) at ``path``."""
+    try:
+        yield
+    except RunFileWriteError:
+        raise
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        if exc.errno == errno.ENOSPC or exc.errno == getattr(errno, "EDQUOT", None):
+            fix = "free space on that disk (or train into a folder on another one)"
+        else:
+            fix = "make that folder writable (permissions, a read-only mount) or train into another one"
+        raise RunFileWriteError(f"{what} {path}: cannot write: {reason}; {fix}, then resume from the run's last "
+                                "checkpoint (the ones already written are intact)", exc.errno, str(path)) from exc
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _FLAGS = {"w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND}
@@ -45,16 +79,17 @@ def replace_text(path: str | Path, text: str, *, what: str = "run file") -> None
     """Rule 2: ``path`` holds ``text``, written whole and renamed into place."""
     path = Path(path)
     refuse_link(path, what)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with writing(path, what):
+        fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def write_report(path: str | Path, report: Any) -> None:

@@ -558,10 +558,14 @@ def build_step_engine(*, config: Any, sync_free: bool, model: nn.Module, forward
 
 def bind_hooks(callbacks: Sequence[Any], owner: Any, base: type) -> StepHooks:
     """The callbacks' step hooks, leaving out those that are ``base``'s no-op, bound to ``owner``."""
+    from torchimpl.callback_checks import checked_hook, hook_name
+
     def active(name: str) -> list[Callable[[Any], None]]:
         default = getattr(base, name)
         hooks = [getattr(cb, name) for cb in callbacks]
-        return [functools.partial(h, owner) for h in hooks if getattr(h, "__func__", None) is not default]
+        # Each checked for what it leaves in the trainer's state (torchimpl.callback_checks).
+        return [checked_hook(functools.partial(h, owner), lambda: owner.state, hook_name(h))
+                for h in hooks if getattr(h, "__func__", None) is not default]
 
     return StepHooks(active("on_microbatch_end"), active("on_after_backward"), active("on_before_optimizer_step"),
                      active("on_step_end"))

@@ -28,7 +28,7 @@ from torch import nn
 
 from torchimpl.errors import TaskFailed
 
-__all__ = ["TaskFailed", "call_task", "check_imported", "check_module", "check_result", "import_failure",
+__all__ = ["TaskFailed", "call_task", "check_imported", "check_module", "check_result", "holds_tensor", "import_failure",
            "task_failure"]
 
 
@@ -88,15 +88,15 @@ def call_task(entry: str, func: Any) -> Any:
         raise ValueError(f"task.name {entry!r}: {name}() raised {type(exc).__name__}: {exc}{_where(exc)}") from None
 
 
-def _holds_tensor(batch: Any, depth: int = 0) -> bool:
+def holds_tensor(batch: Any, depth: int = 0) -> bool:
     if isinstance(batch, torch.Tensor):
         return True
     if depth > 4 or isinstance(batch, (str, bytes)):
         return False
     if isinstance(batch, Mapping):
-        return any(_holds_tensor(v, depth + 1) for v in batch.values())
+        return any(holds_tensor(v, depth + 1) for v in batch.values())
     if isinstance(batch, (tuple, list)):
-        return any(_holds_tensor(v, depth + 1) for v in batch)
+        return any(holds_tensor(v, depth + 1) for v in batch)
     return False
 
 
@@ -104,7 +104,7 @@ def _check_data(entry: str, what: str, data: Any) -> None:
     if isinstance(data, (str, bytes)) or isinstance(data, Iterator) or not hasattr(data, "__iter__"):
         raise ValueError(f"task.name {entry!r}: {what} is a {type(data).__name__}; give re-iterable batches "
                          "(a list of batches, a DataLoader)")
-    if isinstance(data, Sequence) and len(data) and not _holds_tensor(data[0]):
+    if isinstance(data, Sequence) and len(data) and not holds_tensor(data[0]):
         raise ValueError(f"task.name {entry!r}: {what}[0] is a {type(data[0]).__name__} holding no tensor; a batch "
                          "is a tensor, or a tuple, list or dict of tensors")
 

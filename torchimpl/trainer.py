@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from torchimpl.batches import to_device
+from torchimpl.callback_checks import checked_hook
 from torchimpl.cadence import Checkpointer, Evaluator, LogPoints, StepClock
 from torchimpl.checkpoint import check_loadable, remove_stale_temporaries
 from torchimpl.config import Config, ScheduleConfig
@@ -46,12 +47,13 @@ from torchimpl.diagnostics import NonFiniteError, report_nonfinite
 from torchimpl.distributed import init_distributed
 from torchimpl.optim import BuiltOptimizer, OptimizerConfig, adopt_optimizer, build_optimizer
 from torchimpl.precision import PrecisionDowngradeWarning, autocast_context, resolve_precision
-from torchimpl.lifecycle import Interrupts, outcome, preflight
+from torchimpl.lifecycle import Interrupts, check_train_data, outcome, preflight
 from torchimpl.loss_protocol import default_loss_fn
 from torchimpl.records import StepRecord
 from torchimpl.fp32_modules import apply_fp32_modules
 from torchimpl.precision_stats import precision_stats_callbacks
 from torchimpl.reporting import Reporter, open_reporter
+from torchimpl.run_folder import claimed_run
 from torchimpl.run_state import DataCursor, RunState, TrainState
 from torchimpl.scaler import make_grad_scaler
 from torchimpl.schedule import AppliedStepSchedule, UserSchedule, adopt_scheduler
@@ -209,6 +211,41 @@ def _optimizer_and_schedule(cfg: Config, fit: _Fit) -> tuple[BuiltOptimizer, Any
     return built, scheduler, schedule
 
 
+def _checked_callbacks(callbacks: Any) -> list[Callback]:
+    """``Trainer(callbacks=...)`` as a list, each a ``Callback`` instance, else ``TypeError`` naming it."""
+    # One callback where a sequence belongs is what the user means.
+    if isinstance(callbacks, Callback):
+        return [callbacks]
+    if isinstance(callbacks, (str, bytes)) or not hasattr(callbacks, "__iter__"):
+        raise TypeError(f"callbacks must be a list of Callback instances, got {type(callbacks).__name__}")
+    out = list(callbacks)
+    for i, cb in enumerate(out):
+        if isinstance(cb, type):
+            raise TypeError(f"callbacks[{i}] is the class {cb.__name__}, not an instance: pass {cb.__name__}()")
+        if not isinstance(cb, Callback):
+            raise TypeError(f"callbacks[{i}] is a {type(cb).__name__}, not a Callback: subclass torchimpl.Callback "
+                            "and override the hooks you need (the others stay no-ops)")
+    return out
+
+
+def _check_resume_target(resume: str | Path | None, cfg: Config, overwrite: bool) -> None:
+    """``fit(resume=...)`` that names nothing to resume from, or with ``overwrite``: refused."""
+    from torchimpl.checkpoint import CheckpointError
+
+    if resume is None:
+        return
+    if overwrite:
+        raise ValueError("fit(resume=..., overwrite=True) contradict each other: resume continues the run in the "
+                         "folder, overwrite replaces it; give one")
+    if str(resume) == "latest":
+        if cfg.checkpoint.folder is None:
+            raise ValueError("resume='latest' needs checkpoint.folder (the folder to look in): set it, or give "
+                             "resume= a checkpoint file")
+    elif not Path(resume).exists():
+        raise CheckpointError(f"cannot read checkpoint {resume}: No such file or directory; give an existing "
+                              "checkpoint file, or resume='latest' with checkpoint.folder")
+
+
 class Trainer:
     """Trains a model by the step contract; see the module docstring.
 
@@ -225,8 +262,7 @@ class Trainer:
         applied: ``Trainer(precision="bf16-mixed", max_steps=200, accumulate=2)``. Everything is
         validated here, never first at ``fit``: one ``ConfigError`` names every bad keyword."""
         self.config = Config.from_kwargs(config, **kwargs)
-        # One callback where a sequence belongs is what the user means.
-        self.callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks)
+        self.callbacks = _checked_callbacks(callbacks)
         self.callbacks += precision_stats_callbacks(self.config)  # logging.precision_stats
         self._fit: _Fit | None = None
 
@@ -296,12 +332,16 @@ class Trainer:
 
     def fit(self, model: nn.Module, train_data: Iterable[Any], val_data: Iterable[Any] | None = None, *,
             loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-            resume: str | Path | None = None, optimizer: Any = None, scheduler: Any = None) -> RunSummary:
+            resume: str | Path | None = None, optimizer: Any = None, scheduler: Any = None,
+            overwrite: bool = False) -> RunSummary:
         """Train for ``train.steps`` optimizer steps (counting skipped ones) and summarise.
 
         ``resume``: a checkpoint path, or ``"latest"`` for the newest usable checkpoint in
         ``checkpoint.folder`` (see ``torchimpl.run_state`` for what may change on a resume).
         SIGINT and SIGTERM stop the run at the next step boundary (see ``torchimpl.lifecycle``).
+
+        A fresh ``fit`` into another run's folders is refused unless ``resume`` continues it or
+        ``overwrite=True`` replaces it; so is one into folders a run trains in (``torchimpl.run_folder``).
 
         ``optimizer``: your own ``torch.optim.Optimizer`` over ``model.parameters()``, or a
         function ``params -> Optimizer`` (called once the model is on its device; needed with
@@ -313,6 +353,8 @@ class Trainer:
         rule 4 of ``torchimpl.schedule``).
         """
         cfg = self.config
+        _check_resume_target(resume, cfg, overwrite)  # before any work (the model moved, the folders claimed)
+        check_train_data(train_data)
         if scheduler is not None and optimizer is None:
             raise ValueError("scheduler= needs the optimizer it drives: pass optimizer= too")
         if isinstance(optimizer, torch.optim.Optimizer) and cfg.train.distributed == "fsdp2":
@@ -325,17 +367,19 @@ class Trainer:
         fit.dist = init_distributed(cfg.train.distributed, device=fit.device, timeout_s=cfg.train.distributed_timeout_s)
         try:
             preflight(cfg, val_data, is_main=fit.dist.is_main)
-            self._set_up(model, train_data)
-            self._seed()
-            resumed = self._resume(resume)
-            if cfg.checkpoint.folder is not None and fit.dist.is_main:  # only once the run is accepted
-                remove_stale_temporaries(cfg.checkpoint.folder)
-            self._open(resumed, val_data)
-            with Interrupts() as fit.interrupts:
-                self._loop()
-            return self._summarise()
+            with claimed_run(cfg, resume=resume is not None, overwrite=overwrite, is_main=fit.dist.is_main):
+                self._set_up(model, train_data)
+                self._seed()
+                resumed = self._resume(resume)
+                if cfg.checkpoint.folder is not None and fit.dist.is_main:  # only once the run is accepted
+                    remove_stale_temporaries(cfg.checkpoint.folder)
+                self._open(resumed, val_data)
+                with Interrupts() as fit.interrupts:
+                    self._loop()
+                return self._summarise()
         finally:
             fit.dist.close()
+
 
     def _set_up(self, model: nn.Module, train_data: Iterable[Any]) -> None:
         """The plan, the model on its device, the optimizer built on it, the step engine."""
@@ -353,12 +397,14 @@ class Trainer:
             warnings.warn(f"precision: {plan.reason}", PrecisionDowngradeWarning, stacklevel=3)
         model = model.to(device)
         if plan.mode == "fp8":  # torchao swaps the linear layers: keep the module it returns
-            from torchimpl.fp8 import convert_to_fp8
+            from torchimpl.fp8 import check_mx_batch, convert_to_fp8
 
             model, fit.fp8_report = convert_to_fp8(model, plan.fp8_recipe, device,
                                                    skip_first_last=plan.fp8_skip_first_last)
             for line in fit.fp8_report.lines():
                 log.info("precision: %s", line)
+            if plan.fp8_recipe == "mxfp8":  # a batch shape MX blocks cannot take, refused before step 1
+                check_mx_batch(model, fit.train_data, fit.loss_fn, autocast_context(plan, device), device)
         fit.fp32_modules = apply_fp32_modules(model, cfg.precision.fp32_modules)  # before DDP wraps it
         fit.model, forward_model = fit.dist.wrap_model(model, plan)
         fit.model.train()
@@ -418,7 +464,7 @@ class Trainer:
             "from on_fit_start of a resumed run: its data position and random streams are restored only after "
             "on_fit_start; save from on_step_end or later")
         for cb in self.callbacks:
-            cb.on_fit_start(self)
+            checked_hook(cb.on_fit_start, lambda: fit.state)(self)
         fit.save_refused = None
         # The step hooks that do something, bound once (Callback's own are no-ops).
         fit.engine.hooks = bind_hooks(self.callbacks, self, Callback)
@@ -547,5 +593,5 @@ class Trainer:
             fp32_modules=fit.fp32_modules,
         )
         for cb in self.callbacks:
-            cb.on_fit_end(self, summary)
+            checked_hook(cb.on_fit_end, lambda: fit.state)(self, summary)
         return summary

@@ -1,0 +1,127 @@
+"""The rules of an optimizer's windows and steps, each declared on its check: what happens between
+two steps (zero_grad, the accumulation's losses), the optimizer's parameters, the schedule.
+
+Each check reads what the recorder keeps (`audit.records`: the window's backward passes, the
+optimizer's track, the schedule's record) and yields findings; it changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from audit import windows
+from audit.findings import ERROR, WARNING, Finding, rule
+
+
+@rule("zero-grad-in-window", ERROR,
+      "zero_grad discarded gradients accumulated by a backward pass that no optimizer step has used",
+      "zero the gradients once per optimizer step, after the step (or before the window's first backward)")
+def zero_grad_in_window(name: str, where: str, optimizer: str, step: int, backwards: list[Any]
+                        ) -> Iterator[Finding]:
+    """``zero_grad`` (of the optimizer, or of a module holding its parameters) after a backward pass
+    of the window (``backwards``) and before its step."""
+    if not backwards:
+        return
+    k = len(backwards)
+    yield Finding("zero-grad-in-window", step, where,
+                  f"{name}() at {where} discarded the gradients of {k} backward pass(es) (the first at "
+                  f"{backwards[0].where}) before {optimizer} stepped",
+                  expected="zero_grad after the optimizer step", got=f"zero_grad after {k} backward pass(es)")
+
+
+# Certain only for micro-batches of one loss; a warning when the graph cannot tell.
+@rule("loss-not-divided", ERROR,
+      "an accumulation window's losses were not divided by its number of microbatches",
+      "divide each microbatch's loss by the window's number of microbatches before scaling and backward")
+def loss_not_divided(optimizer: str, step: int, backwards: list[Any]) -> Iterator[Finding]:
+    """A window of k >= 2 backward passes whose every loss reached backward undivided (a factor of
+    exactly 1 read from the autograd graph, `audit.windows.describe`), and which are microbatches
+    of one loss. Not a window: a backward that kept its graph for the next (``retain_graph``),
+    one from explicit gradients, different loss functions at the roots, different parameters
+    reached, a root mixing constants (`audit.windows.mixes_constants`). An error when every root
+    is a loss function (`audit.windows.is_loss_node`), else a warning."""
+    k = len(backwards)
+    if k < 2 or not all(b.factor == 1.0 for b in backwards):
+        return
+    if any(b.retain for b in backwards[:-1]) or any(b.explicit for b in backwards):
+        return
+    if len({b.loss_fn for b in backwards}) > 1 or len({b.params for b in backwards if b.params is not None}) > 1:
+        return
+    if any(windows.mixes_constants(b.root) for b in backwards):
+        return
+    names = sorted({str(b.loss_fn) for b in backwards})
+    certain = all(windows.is_loss_node(b.loss_fn) for b in backwards)
+    if certain:
+        seen = f"each is the output of {names[0]}, with nothing dividing it"
+        tail = f": the accumulated gradient is {k} times the mean"
+    else:
+        seen = (f"each backward started from {', '.join(names)}, which is no loss function the audit recognises: "
+                "it cannot tell microbatches of one loss from different losses")
+        tail = f"; if they are microbatches of one loss, the accumulated gradient is {k} times the mean"
+    yield Finding("loss-not-divided", step, backwards[0].where,
+                  f"the {k} losses of the window of step {step} reached backward (first at {backwards[0].where}) "
+                  f"undivided ({seen}){tail}", expected=f"each loss divided by {k}", got="each loss undivided",
+                  level=None if certain else WARNING)
+
+
+@rule("optimizer-before-to", ERROR,
+      "parameters moved to another device or dtype after the optimizer holding them was built",
+      "move the model with model.to(device) before building the optimizer")
+def optimizer_before_to(o: Any, where: str) -> Iterator[Finding]:
+    """At a step, a parameter's dtype differs from when optimizer track ``o`` received it, or its
+    device does while the optimizer already holds state for it (or was built fused). A device
+    move of a parameter with no state yet is no finding: parameters keep their identity across
+    ``Module.to``, and the optimizer creates their state on the new device (what Lightning
+    Fabric's and Accelerate's setup do after the optimizer is built)."""
+    fused = any(g.get("fused") for g in o.obj.param_groups)
+    for p, device, dtype in o.meta.values():
+        if p.dtype != dtype or (p.device != device and (fused or bool(o.obj.state.get(p)))):
+            held = " (with optimizer state already on the old device)" if p.device != device else ""
+            yield Finding("optimizer-before-to", o.steps, where,
+                          f"a parameter of {o.label} (built at {o.where}) is now {p.device} {p.dtype} but was "
+                          f"{device} {dtype} when the optimizer received it: the model moved after the optimizer "
+                          f"was built{held}", expected=f"{device} {dtype}", got=f"{p.device} {p.dtype}")
+            return
+
+
+@rule("scheduler-on-skipped-step", ERROR,
+      "the LR scheduler stepped although its optimizer applied no step since the scheduler's last step",
+      "advance the schedule only when the optimizer step was applied (with a GradScaler: when "
+      "scaler.get_scale() did not decrease across scaler.update())")
+def scheduler_on_skipped_step(scheduler: str, where: str, o: Any, mark: int) -> Iterator[Finding]:
+    """``scheduler.step()`` when optimizer track ``o`` applied no step since that scheduler's
+    previous step (``mark``: its applied steps then): a skipped step, or no step yet. The
+    constructor's own initial step is not counted."""
+    if o.applied_steps != mark:
+        return
+    if o.steps == 0:
+        message = f"{scheduler}.step() at {where} before {o.label} took any step"
+    elif o.last_record is not None and not o.last_record.applied:
+        message = f"{scheduler}.step() at {where} after step {o.steps - 1} of {o.label}, which was skipped"
+    else:
+        message = f"{scheduler}.step() at {where}: {o.label} applied no step since this scheduler's previous step"
+    yield Finding("scheduler-on-skipped-step", max(o.steps - 1, 0), where,
+                  message + ": the learning-rate schedule advanced without an applied optimizer step",
+                  expected="no scheduler.step without an applied optimizer step", got="scheduler.step")
+
+
+@rule("lr-changed-on-skipped-step", WARNING,
+      "a learning rate changed across a skipped step, and no LRScheduler of that optimizer stepped",
+      "if the schedule is a function of the iteration, count applied optimizer steps instead (skip the "
+      "update when scaler.get_scale() decreased across scaler.update())")
+def lr_changed_on_skipped_step(optimizer: str, skipped: int, changes: list[Any]) -> Iterator[Finding]:
+    """At the end of the run: the scheduled hyperparameters that changed between a skipped step and
+    the next (``changes``, `audit.schedules.ScheduleWatch`), across skipped steps over which no
+    ``LRScheduler`` of the optimizer stepped (that is ``scheduler-on-skipped-step``): a schedule
+    the audit cannot see advanced. One finding per optimizer, at the first such step."""
+    advanced = [c for c in changes if not c.scheduler_stepped]
+    if not advanced:
+        return
+    steps = [c.step for c in advanced]
+    first = "; ".join(advanced[0].moved[:4])
+    listed = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
+    yield Finding("lr-changed-on-skipped-step", steps[0], advanced[0].where,
+                  f"the schedule of {optimizer} advanced across {len(steps)} of its {skipped} skipped step(s) (steps "
+                  f"{listed}) with no LRScheduler stepping; after step {steps[0]}: {first}: the schedule runs "
+                  f"{len(steps)} step(s) ahead of the applied updates",
+                  expected="the hyperparameters of the skipped step kept", got="changed")

@@ -1,0 +1,123 @@
+"""What a rule is and what it finds: the severity contract, `Rule`, the `rule` decorator, `Finding`.
+
+The severity contract (every rule keeps to it):
+
+- ``error``: the audit is certain, from what its instrumentation saw, that the loop breaks a
+  clause of the step contract. Nothing that uninstrumented user code could legitimately do
+  explains it (torch would raise, or the numbers show a division or multiplication by the loss
+  scale, or a call order that no correct loop has).
+- ``warning``: probably wrong, but a cause the audit cannot see could make it right; the
+  finding says what was seen and why the audit cannot decide.
+- ``info``: the loop's own code changed something the specification does not model (gradients
+  edited after ``unscale_``, a learning rate set by hand); stated with its numbers. Not a
+  mistake in itself.
+
+A rule with a certain and an uncertain form (``loss-not-divided``, ``clip-threshold-scaled``,
+``checkpoint-without-scaler``) gives its finding the lower severity when uncertain
+(`Finding.level`). Exit status, as linters do it: 0 when no finding is an error, 1 when one is;
+with ``strict`` warnings and info count as well; 2 when the audited program failed.
+
+A rule is declared with its check (`rule`): the row (name, severity, meaning, fix) stands on the
+function that decides it, so that a reader finds the two together. No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, TypeVar
+
+__all__ = ["Rule", "rule", "Finding", "ERROR", "WARNING", "INFO", "SEVERITIES"]
+
+ERROR = "error"
+WARNING = "warning"
+INFO = "info"
+SEVERITIES = (ERROR, WARNING, INFO)
+
+Check = Callable[..., Iterator["Finding"]]
+C = TypeVar("C", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule: its name, severity, what breaking it means, the fix, and its ``check`` (a
+    generator of findings that reads the recorder's records and changes nothing)."""
+
+    name: str
+    severity: str
+    summary: str
+    fix: str
+    check: Check | None = None
+
+
+def rule(name: str, severity: str, summary: str, fix: str) -> Callable[[C], C]:
+    """Declare a rule on its check: the decorated function keeps its row in ``.rule``."""
+    if severity not in SEVERITIES:
+        raise ValueError(f"severity of rule {name!r} must be one of {SEVERITIES}, got {severity!r}")
+
+    def declare(check: C) -> C:
+        check.rule = Rule(name, severity, summary, fix, check)  # type: ignore[attr-defined]
+        return check
+
+    return declare
+
+
+@dataclass
+class Finding:
+    """One finding: a rule broken at one step, at one call site of the user's code.
+
+    ``level``: set for the uncertain form of a rule (a warning where the rule's certain form is an
+    error); None keeps the rule's severity.
+
+    ``step`` is the optimizer step (0-based, counting skipped steps) the call belongs to, or None
+    when no step has started. ``expected`` and ``got`` are what the contract wants and what the
+    loop did (numbers where the replay has them, else a description).
+    """
+
+    rule: str
+    step: int | None
+    where: str
+    message: str
+    expected: Any = None
+    got: Any = None
+    level: str | None = None  # the rule's uncertain form: a lower severity than the rule's own
+
+    def __post_init__(self) -> None:
+        from audit.rules import RULES  # the catalogue imports the checks, which import this module
+
+        if self.rule not in RULES:
+            raise ValueError(f"unknown rule {self.rule!r}; known: {sorted(RULES)}")
+        if self.level is not None and self.level not in SEVERITIES:
+            raise ValueError(f"level must be one of {SEVERITIES}, got {self.level!r}")
+
+    @property
+    def severity(self) -> str:
+        from audit.rules import RULES
+
+        return self.level or RULES[self.rule].severity
+
+    @property
+    def fix(self) -> str:
+        from audit.rules import RULES
+
+        return RULES[self.rule].fix
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rule": self.rule, "severity": self.severity, "step": self.step, "where": self.where,
+                "message": self.message, "expected": _jsonable(self.expected), "got": _jsonable(self.got),
+                "fix": self.fix}
+
+
+def _jsonable(value: Any) -> Any:
+    """Numbers as JSON numbers when finite, else as their repr; everything else as is or str."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else repr(value)
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    try:
+        return _jsonable(float(value))
+    except (TypeError, ValueError):
+        return str(value)

@@ -1,0 +1,103 @@
+"""The shape of the audit's rules: each row has exactly one check beside it, each is broken by a
+loop of the catalogue, and the GradScaler rules read the specification's call sequence.
+
+Adding a rule means one row with its check (`audit.findings.rule`, in its family's
+``audit/checks_*.py``) and one catalogue loop that breaks it; these tests hold every rule to that.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from audit import sequence
+from audit.rules import FAMILIES, RULES
+from audit.runner import run_script
+from reference import scaling
+from test_audit_catalogue import PLANTED
+from test_audit_real import CASES
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOPS = ROOT / "tests" / "audit_loops"
+
+
+def _declared() -> dict[str, list[str]]:
+    """Rule name -> the functions declaring it, read from the source of every audit module."""
+    out: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "audit").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                for dec in node.decorator_list:
+                    if isinstance(dec, ast.Call) and getattr(dec.func, "id", None) == "rule" and dec.args:
+                        out.setdefault(dec.args[0].value, []).append(f"{path.name}:{node.name}")
+    return out
+
+
+def test_every_rule_row_has_exactly_one_check_beside_it():
+    declared = _declared()
+    assert sorted(declared) == sorted(RULES), "a rule declared outside the families, or a family not listed"
+    assert {n: fs for n, fs in declared.items() if len(fs) != 1} == {}, "a rule declared twice"
+    for name, row in RULES.items():
+        check = row.check
+        assert check is not None and check.rule is row, name
+        assert inspect.isgeneratorfunction(check), f"{name}: a check yields its findings"
+        assert inspect.getmodule(check) in FAMILIES, f"{name}: its check is in no family module"
+        assert check.__doc__ and check.__doc__.strip(), f"{name}: its check says what it decides"
+
+
+def test_every_rule_is_broken_by_a_loop_of_the_catalogue():
+    triggered = {rule for _, _, rule, steps, _ in PLANTED if steps}
+    triggered |= {rule for _, _, expected, _ in CASES for (rule, _), steps in expected.items() if steps}
+    assert sorted(set(RULES) - triggered) == [], "rules no catalogue loop breaks: add a loop (tests/audit_loops/)"
+
+
+def test_the_checks_read_and_never_write():
+    """A check yields findings; it assigns to nothing but its own locals."""
+    offenders = []
+    for name, row in RULES.items():
+        tree = ast.parse(inspect.getsource(row.check).lstrip())
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            offenders += [f"{name}: {ast.unparse(t)}" for t in targets if not isinstance(t, (ast.Name, ast.Tuple))]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in ("append", "extend", "add", "pop", "clear", "update", "remove"):
+                offenders.append(f"{name}: {ast.unparse(node)}")
+    assert offenders == []
+
+
+@pytest.mark.parametrize("bug,torch_says", [
+    ("unscale-twice-call", "unscale_() has already been called on this optimizer since the last update()"),
+    ("step-without-update", "unscale_() is being called after step()"),
+])
+def test_a_call_the_spec_refuses_is_recorded_with_torchs_exception_and_left_to_torch(bug, torch_says):
+    """The spec's stage function refuses the call with the exception torch raises: the finding
+    quotes it, and the program fails as it would without the audit (torch raised, not the audit)."""
+    report = run_script(LOOPS / "scaler_loop.py", ["--bug", bug, "--steps", "3"])
+    assert torch_says in report.error
+    assert "audit/instrument.py" not in report.error and "audit/track_scaler.py" not in report.error
+    assert len(report.findings) == 1 and torch_says in report.findings[0].message, report.text()
+
+
+def test_the_sequence_advances_through_the_specifications_stages():
+    f32 = [sequence.numpy_dtypes(["torch.float32"])[0]]
+    ready = sequence.READY_STAGE
+    un = sequence.unscale_call(ready, optimizer="SGD#0", step=0, where="t.py:1", scaled=True, grad_dtypes=f32)
+    assert un.after == scaling.unscale_stage(ready, scaled=True, grad_dtypes=f32) and un.refused is None
+    again = sequence.unscale_call(un.after, optimizer="SGD#0", step=0, where="t.py:2", scaled=True, grad_dtypes=f32)
+    assert again.after is None and again.refused.startswith("unscale_() has already been called")
+    assert sequence.stage_after(again, ok=False) == un.after  # torch raised: the stage stays
+    step = sequence.step_call(ready, optimizer="SGD#0", step=0, where="t.py:3", scaled=True, grad_dtypes=[],
+                              closure=False, amp_aware=False)
+    assert step.refused == "No inf checks were recorded for this optimizer."
+    assert sequence.stage_after(step, ok=False) == scaling.OptimizerStage(scaling.UNSCALED, False)
+    fused = sequence.step_call(ready, optimizer="Adam#0", step=0, where="t.py:4", scaled=True, grad_dtypes=[],
+                               closure=False, amp_aware=True)
+    assert fused.refused is None and fused.after.stage == scaling.STEPPED  # the fused kernel's own inf check
+    update = sequence.update_call({}, scaler="GradScaler#0", step=0, where="t.py:5", scaled=True, new_scale=False,
+                                  bypasses=[])
+    assert update.refused == "No inf checks were recorded prior to update." and not update.stepped
+    assert sequence.numpy_dtypes(["torch.float16", "torch.bfloat16", "torch.int64"])[0] == "float16"
