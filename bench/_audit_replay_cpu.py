@@ -22,10 +22,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import _harness  # noqa: E402,F401  (puts the repository root on sys.path)
-import audit_overhead  # noqa: E402
-
-import torch  # noqa: E402
+import _harness  # noqa: F401  (puts the repository root on sys.path)
+import audit_overhead
+import torch
 
 
 def main() -> int:
