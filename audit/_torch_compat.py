@@ -29,8 +29,6 @@ def _private(module: str, name: str, why: str) -> Any:
 
 _foreach_sqrt = _private("torch", "_foreach_sqrt",
                          "the replay takes Adam's square root with the kernel the foreach path uses")
-_foreach_copy_ = _private("torch", "_foreach_copy_",
-                          "the replay process copies a step's tensors out of shared memory in one call")
 
 GRAD_SCALER_ATTRIBUTES: dict[str, str] = {
     "_per_optimizer_states": "found_inf as the scaler recorded it for each optimizer",

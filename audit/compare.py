@@ -42,10 +42,10 @@ class Comparison:
     got: Any = None
 
 
-def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound: int) -> tuple[np.ndarray, float]:
+def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound: int) -> tuple[np.ndarray, float, bool]:
     """Whole-array passes over flat ``g`` and ``e`` (``gi``, ``ei``: their bits as signed integers):
-    the flat indices the element-wise check must look at, and the largest ULP distance among the
-    others, which agree.
+    the flat indices the element-wise check must look at, the largest ULP distance among the
+    others, which agree, and whether every value was seen to be finite.
 
     At ``bound`` 0 the pairs whose bits differ. Otherwise the pairs not plainly within ``bound // 2``
     ULPs: the difference of the bit patterns, wrapping in their integer type, has a magnitude of
@@ -55,7 +55,7 @@ def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound:
     ``bound // 2`` below the sign bit (a NaN) or below all ones (a negative NaN).
     """
     if bound == 0:
-        return (_NO_INDEX, 0.0) if np.array_equal(gi, ei) else (np.flatnonzero(gi != ei), 0.0)
+        return (_NO_INDEX, 0.0, False) if np.array_equal(gi, ei) else (np.flatnonzero(gi != ei), 0.0, False)
     half = bound // 2
     d = np.subtract(gi, ei)
     np.abs(d, out=d)  # the most negative difference stays negative: the unsigned view makes it huge
@@ -63,18 +63,40 @@ def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound:
     if np.isfinite(g).all() and np.isfinite(e).all():
         worst = int(du.max(initial=0))
         if worst <= half:
-            return _NO_INDEX, float(worst)
+            return _NO_INDEX, float(worst), True
         idx = np.flatnonzero(du > half)
+        finite = True
     else:
         near = du <= half
         near &= np.isfinite(g)
         near &= np.isfinite(e)
         idx = np.flatnonzero(~near)
+        finite = False
     du[idx] = 0  # our own scratch: the largest distance left is that of the pairs that agree
-    return idx, float(du.max(initial=0))
+    return idx, float(du.max(initial=0)), finite
 
 
 _NO_INDEX = np.zeros(0, np.intp)
+
+
+def _distances(g: np.ndarray, e: np.ndarray, idx: np.ndarray, bound: int, x_abs: Any, finite: Any) -> np.ndarray:
+    """The distances of the pairs at flat indices ``idx`` (values ``g``, ``e``): in ULPs of the values,
+    and in ULPs of ``x_abs`` for those more than ``bound // 2`` apart where ``x_abs`` is given;
+    0 where ``finite`` (a mask; None: all are) is False."""
+    dist = np.abs(_ordinals(g) - _ordinals(e))
+    if finite is not None:
+        dist = np.where(finite, dist, 0.0)
+    if x_abs is None:
+        return dist
+    far = dist > bound // 2
+    if finite is not None:
+        far &= finite
+    if far.any():
+        sub = idx[far]
+        xa = np.abs(x_abs(sub) if callable(x_abs) else np.asarray(x_abs, np.float64).reshape(-1)[sub])
+        unit = np.maximum(np.spacing(xa.astype(g.dtype)).astype(np.float64), float(np.finfo(g.dtype).smallest_subnormal))
+        dist[far] = np.abs(g[far].astype(np.float64) - e[far].astype(np.float64)) / unit
+    return dist
 
 
 def compare(got: np.ndarray, expected: np.ndarray, bound: int, x_abs: Any = None) -> Comparison:
@@ -95,25 +117,20 @@ def compare(got: np.ndarray, expected: np.ndarray, bound: int, x_abs: Any = None
                           f"{expected.dtype}", math.inf)
     gflat, eflat = got.reshape(-1), expected.reshape(-1)
     gi, ei = gflat.view(_SINT[got.dtype.itemsize]), eflat.view(_SINT[got.dtype.itemsize])
-    idx, fast_worst = _screen(gflat, eflat, gi, ei, bound)
+    idx, fast_worst, all_finite = _screen(gflat, eflat, gi, ei, bound)
     if idx.size == 0:
         return Comparison(None, fast_worst)
     g, e = gflat[idx], eflat[idx]
-    g_nan, e_nan = np.isnan(g), np.isnan(e)
     with np.errstate(invalid="ignore", over="ignore"):
-        finite = np.isfinite(g) & np.isfinite(e)
-        if bound == 0:
-            dist = np.where(g_nan & e_nan, 0.0, math.inf)
+        if all_finite and bound:  # every value finite (the screen saw it): the distances alone decide
+            dist = _distances(g, e, idx, bound, x_abs, None)
+            bad = dist > bound
         else:
-            dist = np.where(finite, np.abs(_ordinals(g) - _ordinals(e)), 0.0)
-            far = finite & (dist > bound // 2) if x_abs is not None else None
-            if far is not None and far.any():
-                sub = idx[far]
-                xa = np.abs(x_abs(sub) if callable(x_abs) else np.asarray(x_abs, np.float64).reshape(-1)[sub])
-                unit = np.maximum(np.spacing(xa.astype(got.dtype)).astype(np.float64),
-                                  float(np.finfo(got.dtype).smallest_subnormal))
-                dist[far] = np.abs(g[far].astype(np.float64) - e[far].astype(np.float64)) / unit
-    bad = np.where(g_nan | e_nan, g_nan != e_nan, np.where(finite, dist > bound, g != e))
+            g_nan, e_nan = np.isnan(g), np.isnan(e)
+            finite = np.isfinite(g) & np.isfinite(e)
+            dist = np.where(g_nan & e_nan, 0.0, math.inf) if bound == 0 else _distances(g, e, idx, bound, x_abs,
+                                                                                        finite)
+            bad = np.where(g_nan | e_nan, g_nan != e_nan, np.where(finite, dist > bound, g != e))
     good = dist[~bad]
     worst = max(fast_worst, float(good.max()) if good.size else 0.0)
     if not bad.any():

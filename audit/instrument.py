@@ -142,15 +142,13 @@ class Instrumentation:
             kind = name
             cell = _impl_cell(public)
             impl = cell.cell_contents if cell is not None else public
-            signature = inspect.signature(impl)
+            bind = _binder(inspect.signature(impl))
 
-            def make(impl, kind=kind, signature=signature):
+            def make(impl, kind=kind, bind=bind):
                 def wrapper(*args, **kwargs):
                     if rec.in_clip:
                         return impl(*args, **kwargs)
-                    bound = signature.bind(*args, **kwargs)
-                    bound.apply_defaults()
-                    arguments = dict(bound.arguments)
+                    arguments = bind(args, kwargs)
                     parameters = arguments["parameters"]
                     if isinstance(parameters, torch.Tensor):
                         tensors = [parameters]
@@ -342,6 +340,32 @@ def _scaler_wrappers(rec: Any) -> tuple[Callable[[Any], Any], tuple[tuple[str, C
     load_state_dict = _after(lambda s, state, out=None: rec.on_scaler_loaded(s))
     return init, (("scale", scale), ("unscale_", unscale), ("step", step), ("update", update),
                   ("state_dict", state_dict), ("load_state_dict", load_state_dict))
+
+
+def _binder(signature: inspect.Signature) -> Callable[[tuple, dict], dict[str, Any]]:
+    """``signature.bind`` with its defaults applied, as a dict: for the plain case (positional or
+    keyword parameters, every one given or defaulted, no name twice) without the cost of
+    `inspect`'s general binding, which a clipping call per step would pay; any other call goes
+    through ``signature.bind`` (and its TypeError)."""
+    params = signature.parameters
+    names = tuple(params)
+    defaults = {n: p.default for n, p in params.items() if p.default is not p.empty}
+    plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params.values())
+
+    def general(args: tuple, kwargs: dict) -> dict[str, Any]:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    def bind(args: tuple, kwargs: dict) -> dict[str, Any]:
+        if not plain or len(args) > len(names) or any(k not in params or k in names[:len(args)] for k in kwargs):
+            return general(args, kwargs)
+        arguments = {**defaults, **dict(zip(names, args)), **kwargs}
+        if len(arguments) != len(names):  # a required argument missing
+            return general(args, kwargs)
+        return {n: arguments[n] for n in names}  # in the signature's order, as bind gives them
+
+    return bind
 
 
 def _impl_cell(public: Any) -> Any:

@@ -380,14 +380,7 @@ class Replayer(StepStages, UpdateCheck):
             self._check(o, rec, f"{name} (no gradient) after the step", d.params_after[i], new_p, 0, where)
             return
         entry, torch_state, exact = o.entry, d.state_after[i], self.exact
-        row = entry.spec
-        mags = functools.cache(lambda: row.magnitudes(cfg, p, g, old, new)) if row.magnitudes else None
-
-        def x_abs(fld: str) -> Any:
-            if exact or mags is None:
-                return None
-            return lambda ix: _flat(mags()[fld], ix)
-
+        x_abs = _magnitudes(entry, cfg, (p, g, old, new), exact)
         for fld in dataclasses.fields(new):
             value, got = getattr(new, fld.name), torch_state.get(fld.name)
             if value is None or got is None:
@@ -472,3 +465,41 @@ def _as_tensor(a: np.ndarray) -> torch.Tensor:
 
 def _flat(a: np.ndarray, ix: np.ndarray) -> np.ndarray:
     return np.asarray(a).reshape(-1)[ix].astype(np.float64)
+
+
+# The specification's rows whose magnitudes are element-wise (each element's from the same element
+# of the inputs; tests/test_audit_fast_paths.py checks each against the whole-parameter ones).
+# Adafactor's are not (row and column means, the parameter's RMS), nor need a user's row be.
+ELEMENTWISE_MAGNITUDES = frozenset({"SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "Adadelta", "NAdam",
+                                    "RAdam"})
+
+
+def _magnitudes(entry: Any, cfg: Any, values: tuple, exact: bool) -> Any:
+    """``x_abs`` of one parameter's fields: a function of the field's name giving None (bit for bit,
+    or a row without magnitudes: ULPs of the value) or a function of flat indices.
+
+    Element-wise magnitudes (`ELEMENTWISE_MAGNITUDES`) are evaluated only at the elements the
+    compare needs them for (those more than half the bound apart), not over the whole parameter;
+    any other row's once over the whole parameter."""
+    row, p = entry.spec, values[0]
+    if exact or row.magnitudes is None:
+        return lambda fld: None
+    if entry.builtin and row.name in ELEMENTWISE_MAGNITUDES and np.ndim(p) > 0:
+        return lambda fld: lambda ix: np.asarray(row.magnitudes(cfg, *_at(values, p.shape, ix))[fld], np.float64)
+    mags = functools.cache(lambda: row.magnitudes(cfg, *values))
+    return lambda fld: lambda ix: _flat(mags()[fld], ix)
+
+
+def _at(values: tuple, shape: tuple[int, ...], ix: np.ndarray) -> list[Any]:
+    """``values`` (arrays of the parameter's ``shape``, and states holding such arrays) at the
+    flat indices ``ix``; scalars and other fields as they are."""
+
+    def pick(v: Any) -> Any:
+        if isinstance(v, np.ndarray) and v.shape == shape:
+            return v.reshape(-1)[ix]
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return dataclasses.replace(v, **{f.name: pick(getattr(v, f.name)) for f in dataclasses.fields(v)
+                                              if f.init})
+        return v
+
+    return [pick(v) for v in values]

@@ -121,7 +121,7 @@ class OptimizerCalls:
                                   threads=torch.get_num_threads(),
                                   before_unscale=s is not None and s.enabled and s.used and not unscaled)
                 params = o.params()
-                stage.grads_in = [None if params[i].grad is None else self.snap(params[i].grad, d) for i in idx]
+                stage.grads_in = self.snap.grads([params[i] for i in idx], d)
                 w.data.clips.append(stage)
                 self._clip_current.append(stage)
             if kind == "clip_grad_norm_":

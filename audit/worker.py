@@ -171,36 +171,46 @@ class ReplayProcess:
     # ------------------------------------------------------------------ copies
 
     def copy(self, tensors: list[torch.Tensor], owner: Any) -> list[SlabArray] | None:
-        """`SlabArray` copies of ``tensors`` (bit for bit), side by side in a slab of ``owner``;
-        None when one of them cannot go there (another device or dtype, or no shared memory)."""
+        """`SlabArray` copies of ``tensors`` (bit for bit) in a slab of ``owner``: those of one dtype
+        back to back, written by one concatenation (one kernel, not one copy per tensor); None
+        when one of them cannot go there (another device or dtype, or no shared memory)."""
         if self._no_memory or self._result is not None:
             return None
         self._reclaim()
-        sizes = []
-        for t in tensors:
+        groups: dict[torch.dtype, list[int]] = {}
+        shapes, counts = [], []
+        for k, t in enumerate(tensors):
             if t.dtype not in _NUMPY or t.device.type != "cpu":
                 return None
-            sizes.append(-(-max(t.numel() * t.element_size(), 1) // _ALIGN) * _ALIGN)
+            groups.setdefault(t.dtype, []).append(k)
+            shapes.append(tuple(t.shape))
+            counts.append(t.numel())
+        total = {dt: sum(counts[k] for k in ks) for dt, ks in groups.items()}
+        sizes = {dt: -(-max(n * _NUMPY[dt].itemsize, 1) // _ALIGN) * _ALIGN for dt, n in total.items()}
         try:
-            slab, offset = self._reserve(owner, sum(sizes))
+            slab, offset = self._reserve(owner, sum(sizes.values()))
         except OSError:
             self._no_memory = True  # shared memory is exhausted or refused: ordinary copies from now on
             return None
-        outs, dst, src = [], [], []
-        for t, size in zip(tensors, sizes):
-            dtype, shape = _NUMPY[t.dtype], tuple(t.shape)
-            a = np.frombuffer(slab.map, dtype=dtype, count=t.numel(), offset=offset).reshape(shape)
-            out = a.view(SlabArray)
-            out.place = (slab.id, offset, dtype, shape)
-            outs.append(out)
-            if t.numel():
-                bf16 = t.dtype == torch.bfloat16  # NumPy has no bfloat16: the bits travel as int16
-                dst.append(torch.from_numpy(a.view(np.int16) if bf16 else a))
-                src.append(t.view(torch.int16) if bf16 else t)
-            offset += size
-        if dst:
-            with torch.no_grad():
-                torch._foreach_copy_(dst, src)
+        outs: list[Any] = [None] * len(tensors)
+        for dt, ks in groups.items():
+            dtype = _NUMPY[dt]
+            # Views of one np.frombuffer array: they hold the mapping's buffer, so that the slab
+            # cannot be unmapped while one lives (an ndarray made with buffer= would not hold it).
+            flat = np.frombuffer(slab.map, dtype=dtype, count=total[dt], offset=offset)
+            if total[dt]:
+                bf16 = dt == torch.bfloat16  # NumPy has no bfloat16: the bits travel as int16
+                with torch.no_grad():  # views of parameters that need no autograd node
+                    src = [tensors[k].reshape(-1) for k in ks]
+                    torch.cat([t.view(torch.int16) for t in src] if bf16 else src,
+                              out=torch.from_numpy(flat.view(np.int16) if bf16 else flat))
+            at = 0
+            for k in ks:
+                out = flat[at:at + counts[k]].reshape(shapes[k]).view(SlabArray)
+                out.place = (slab.id, offset + at * dtype.itemsize, dtype, shapes[k])
+                outs[k] = out
+                at += counts[k]
+            offset += sizes[dt]
         return outs
 
     def expect(self, nbytes: int) -> None:
