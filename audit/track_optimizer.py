@@ -15,6 +15,7 @@ import torch
 from audit.checks_clipping import clip_before_unscale, clip_threshold_scaled
 from audit.checks_steps import optimizer_before_to, zero_grad_in_window
 from audit.records import ClipStage, OptTrack, ScalerTrack, call_site, plain_tensor, to_numpy
+from audit.restep import check_restep
 from reference.scaling import STEPPED, UNSCALED
 
 
@@ -48,6 +49,8 @@ class OptimizerCalls:
             stage = self._stage(s, o).stage if s is not None else None
             if s is not None and s.enabled and stage != STEPPED:
                 s.bypass[id(o.obj)] = (o, where)  # a direct step on gradients of a loss it scaled
+            elif s is None:
+                check_restep(self, o, where)
             self._start_data(o, "optimizer.step", s if s is not None and stage != UNSCALED else None)
         d = w.data
         if d is not None and d.copying:

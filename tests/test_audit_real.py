@@ -91,3 +91,67 @@ def test_each_real_loop_gives_exactly_its_truth(loop, args, expected, ci, tmp_pa
         assert report.replay["steps_replayed"] == len(report.steps)
     errors = any(sev == "error" for _, sev in expected)
     assert report.exit_status == (1 if errors else 0)
+
+
+# Loops whose originals run under torchrun (two DDP ranks: rank 0 audited, rank 1 forked, see
+# tests/audit_loops/real/_ddp.py) or compile their model. The steps and the skipped steps are
+# stated per case: several of these loops step a number of times of their own (torchvision's
+# two steps per batch, YOLOv5's accumulation that grows during warmup).
+# (loop, arguments, {(rule, severity): steps}, optimizer steps, skipped steps, in CI)
+_ODD = list(range(1, 24, 2))
+DIST_CASES = [
+    ("nanogpt_ddp_compile.py", ["--inf-at", "3,7", "--backend", "aot_eager"],
+     {("checkpoint-without-scaler", "error"): [4, 9], ("lr-changed-on-skipped-step", "warning"): [3]}, 12, {3, 7},
+     True),
+    ("nanogpt_ddp_compile.py", ["--inf-at", "3,7"],
+     {("checkpoint-without-scaler", "error"): [4, 9], ("lr-changed-on-skipped-step", "warning"): [3]}, 12, {3, 7},
+     False),
+    ("nanogpt_ddp_compile.py", ["--inf-at", "3,7", "--inf-rank", "0", "--compile", "0"],
+     {("checkpoint-without-scaler", "error"): [4, 9], ("lr-changed-on-skipped-step", "warning"): [3]}, 12, {3, 7},
+     False),
+    ("nanogpt_ddp_compile.py", ["--inf-at", "3,7", "--backend", "aot_eager", "--bug", "clip-before-unscale"],
+     {("clip-before-unscale", "error"): list(range(12)), ("checkpoint-without-scaler", "error"): [4, 9],
+      ("lr-changed-on-skipped-step", "warning"): [3]}, 12, {3, 7}, False),
+    ("torchvision_classification.py", ["--inf-at", ""],
+     {("step-bypasses-scaler", "error"): _ODD, ("checkpoint-without-scaler", "error"): [7, 15, 23]}, 24, set(), True),
+    # The overflow at batch 5 (step 10): the second step applies the inf gradients, the
+    # parameters become NaN and the scaler skips every step after.
+    ("torchvision_classification.py", ["--inf-at", "5"],
+     {("step-bypasses-scaler", "error"): _ODD, ("checkpoint-without-scaler", "error"): [7, 15, 23]}, 24,
+     set(range(10, 24, 2)), False),
+    ("torchvision_classification.py", ["--inf-at", "5", "--fixed", "1"],
+     {("checkpoint-without-scaler", "error"): [3, 7, 11]}, 12, {5}, False),
+    ("yolov5_train.py", ["--inf-at", "3,10"],
+     {("lr-changed-on-skipped-step", "warning"): [3], ("checkpoint-without-scaler", "error"): [5, 8],
+      ("zero-grad-in-window", "error"): [6]}, 9, {3, 7}, True),
+    ("yolov5_train.py", ["--inf-at", "", "--bug", "update-without-step"],
+     {("update-without-step", "error"): list(range(9)), ("checkpoint-without-scaler", "error"): [5, 8],
+      ("zero-grad-in-window", "error"): [6]}, 9, set(), False),
+    ("timm_ddp_compile.py", ["--inf-at", "4,7", "--torchcompile", "aot_eager"], {}, 12, {4, 7}, False),
+    ("timm_ddp_compile.py", ["--inf-at", "4,7"], {}, 12, {4, 7}, False),
+    ("timm_ddp_compile.py", ["--inf-at", "4,7", "--torchcompile", "aot_eager", "--clip-grad", "1.0"], {}, 12, {4, 7},
+     False),
+    ("timm_ddp_compile.py", ["--inf-at", "4,7", "--torchcompile", "aot_eager", "--clip-grad", "1.0", "--bug",
+                             "clip-before-unscale"], {("clip-before-unscale", "error"): list(range(12))}, 12, {4, 7},
+     False),
+]
+
+
+@pytest.mark.parametrize("loop,args,expected,n_steps,skipped,ci", [
+    pytest.param(*c, marks=() if c[5] else pytest.mark.slow) for c in DIST_CASES],
+    ids=[f"{c[0]}:{' '.join(c[1])}" for c in DIST_CASES])
+def test_each_ddp_or_compiled_loop_gives_exactly_its_truth(loop, args, expected, n_steps, skipped, ci, tmp_path,
+                                                           request):
+    if not ci and not _slow_enabled(request.config):
+        pytest.skip("a slow catalogue loop: opt in with --runslow or AMPSPEC_RUNSLOW=1")
+    report = run_script(REAL / loop, [*args, "--out", str(tmp_path)])
+    assert report.error is None and report.script_status is None, report.error
+    got: dict[tuple[str, str], list[int]] = {}
+    for f in report.findings:
+        got.setdefault((f.rule, f.severity), []).append(f.step)
+    assert {k: sorted(v) for k, v in got.items()} == expected, report.text()
+    assert len(report.steps) == n_steps, report.text()
+    assert {r.step for r in report.steps if not r.applied} == skipped, report.text()
+    assert report.replay["not_replayed"] == {}, report.replay
+    assert report.replay["steps_replayed"] == n_steps
+    assert report.exit_status == (1 if any(sev == "error" for _, sev in expected) else 0)
