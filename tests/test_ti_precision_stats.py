@@ -143,3 +143,21 @@ def test_statistics_without_a_run_folder_are_refused_naming_the_fix():
 
     with pytest.raises(ConfigError, match=r"logging.precision_stats: 2 needs a run folder, but logging.dir is null"):
         load_config(overrides=["logging.dir=null", "logging.precision_stats=2"])
+
+
+def test_a_fit_that_fails_mid_run_leaves_no_hook_on_the_model(tmp_path):
+    cfg = _cfg(tmp_path)
+    task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
+
+    def data():  # two batches, then the data source breaks
+        for i, batch in enumerate(task.train_data):
+            if i == 2:
+                raise RuntimeError("the data source broke")
+            yield batch
+
+    with pytest.raises(Exception, match="the data source broke"):
+        Trainer(cfg).fit(task.model, data(), loss_fn=task.loss_fn)
+    assert (tmp_path / FILE_NAME).exists()  # the statistics were on, so hooks were hung
+    left = [name for name, m in task.model.named_modules()
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks]
+    assert not left, f"hooks left on {left}"

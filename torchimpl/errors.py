@@ -7,6 +7,9 @@
    exit 2.
 3. The user's task failing while it trains (:class:`TaskFailed`):
    ``<command>: error: task.name '...' failed while training: ...``, exit 1.
+3a. A run file that cannot be written once work has begun (a full disk, a folder turned
+   read-only: :class:`~torchimpl.safe_files.RunFileWriteError`): the environment, not the
+   input, stopped a run, so it exits 1 like any failed run; its one line names the file and fix.
 4. Anything else (an unexpected fault):
    ``<command>: error: <type>: <message> (at file:line)``, exit 1; ``-v`` adds the traceback.
 """
@@ -18,6 +21,7 @@ import traceback
 from typing import Any, Callable
 
 from torchimpl.lifecycle import Interrupted
+from torchimpl.safe_files import RunFileWriteError
 
 __all__ = ["TaskFailed", "USAGE_ERRORS", "run_command", "where"]
 
@@ -55,6 +59,9 @@ def run_command(func: Callable[[Any], int], args: Any, name: str, *, verbose: bo
     except RecursionError as exc:  # a subclass of RuntimeError, but never the input's fixable mistake
         print(f"{name}: error: nesting too deep ({exc}) at {where(exc)}", file=sys.stderr)
         return 2
+    except RunFileWriteError as exc:  # before USAGE_ERRORS: an OSError, but a failed run (rule 3a)
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return 1
     except USAGE_ERRORS + (RuntimeError,) as exc:
         print(f"{name}: error: {_one_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
         return 2

@@ -118,6 +118,10 @@ class PrecisionStats:
 
     def on_fit_end(self, trainer: Any, summary: Any) -> None:
         self._flush()
+        self.release()
+
+    def release(self) -> None:
+        """Remove the forward hooks from the model; the trainer calls it on every exit, a failed fit's too."""
         for h in self._handles:
             h.remove()
         self._handles.clear()

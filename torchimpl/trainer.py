@@ -246,6 +246,17 @@ def _check_resume_target(resume: str | Path | None, cfg: Config, overwrite: bool
                               "checkpoint file, or resume='latest' with checkpoint.folder")
 
 
+def _close(fit: _Fit, callbacks: list[Callback]) -> None:
+    """On every exit from ``fit``: callbacks drop what they hung on the user's model, then the processes close."""
+    try:
+        for cb in callbacks:
+            release = getattr(cb, "release", None)
+            if release is not None:
+                release()  # a failed fit never reaches on_fit_end: its hooks would stay on the model
+    finally:
+        fit.dist.close()
+
+
 class Trainer:
     """Trains a model by the step contract; see the module docstring.
 
@@ -378,7 +389,7 @@ class Trainer:
                     self._loop()
                 return self._summarise()
         finally:
-            fit.dist.close()
+            _close(fit, self.callbacks)
 
 
     def _set_up(self, model: nn.Module, train_data: Iterable[Any]) -> None:
