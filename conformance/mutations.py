@@ -194,14 +194,23 @@ SPEC_MUTANTS = (
 )
 
 
-def _copy_tree(dest: Path) -> None:
-    for name in ("reference", "torchimpl", "conformance"):
-        shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"))
+# What a mutant's copy of the project holds, and the environment its tests run in: the
+# conformance suite's, in exact mode under the CI profile. Other catalogues (the audit's) pass theirs.
+COPIED = ("reference", "torchimpl", "conformance")
+TEST_ENV = {"ATEN_CPU_CAPABILITY": "default", "AMPSPEC_HYPOTHESIS_PROFILE": "ci"}
 
 
-def _run_tests(root: Path, tests: tuple[str, ...]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", AMPSPEC_HYPOTHESIS_PROFILE="ci", PYTHONPATH=str(root),
-               PYTHONDONTWRITEBYTECODE="1")
+def _copy_tree(dest: Path, copied: tuple[str, ...] = COPIED) -> None:
+    for name in copied:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"))
+        else:
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+
+
+def _run_tests(root: Path, tests: tuple[str, ...], env: dict[str, str] = TEST_ENV) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **env, PYTHONPATH=str(root), PYTHONDONTWRITEBYTECODE="1")
     return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
                           cwd=root, env=env, capture_output=True, text=True)
 
@@ -211,8 +220,10 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def run(names: list[str], mutants: tuple[Mutant, ...] = MUTANTS) -> int:
-    """Run the ``mutants`` named (all when ``names`` is empty); 0 when every one is killed."""
+def run(names: list[str], mutants: tuple[Mutant, ...] = MUTANTS, copied: tuple[str, ...] = COPIED,
+        env: dict[str, str] = TEST_ENV) -> int:
+    """Run the ``mutants`` named (all when ``names`` is empty), each in a copy of the project's
+    ``copied`` folders and files, its tests under ``env``; 0 when every one is killed."""
     chosen = [m for m in mutants if not names or m.name in names]
     unknown = sorted(set(names) - {m.name for m in mutants})
     if unknown:
@@ -221,9 +232,9 @@ def run(names: list[str], mutants: tuple[Mutant, ...] = MUTANTS) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ampspec-mutants-") as tmp:
         base = Path(tmp) / "baseline"
-        _copy_tree(base)
+        _copy_tree(base, copied)
         tests = tuple(sorted({t for m in chosen for t in m.tests}))
-        proc = _run_tests(base, tests)
+        proc = _run_tests(base, tests, env)
         if proc.returncode != 0:
             print(f"baseline (no mutation) FAILS, so kills would mean nothing:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}")
             return 1
@@ -232,14 +243,14 @@ def run(names: list[str], mutants: tuple[Mutant, ...] = MUTANTS) -> int:
         for m in chosen:
             t1 = time.perf_counter()
             work = Path(tmp) / m.name
-            _copy_tree(work)
+            _copy_tree(work, copied)
             path = work / m.file
             source = path.read_text()
             if source.count(m.old) != 1:
                 print(f"{m.name}: the edit no longer applies to {m.file} ({source.count(m.old)} matches): update it")
                 return 1
             path.write_text(source.replace(m.old, m.new))
-            proc = _run_tests(work, m.tests)
+            proc = _run_tests(work, m.tests, env)
             dead = proc.returncode != 0
             killed += dead
             first = next((ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))), "")

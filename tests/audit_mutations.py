@@ -18,18 +18,14 @@ checks that every edit still applies (fast) and, marked slow, runs them all.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from conformance.mutations import Mutant, _last_line  # noqa: E402  (the project's mutant record)
+from conformance import mutations  # noqa: E402  (the project's mutant record and runner)
+from conformance.mutations import Mutant  # noqa: E402
 
 CATALOGUE = "tests/test_audit_catalogue.py"
 PLANTED_TEST = f"{CATALOGUE}::test_each_planted_mistake_is_flagged_at_its_steps_and_nothing_else"
@@ -131,58 +127,14 @@ MUTANTS = (
            (planted("scaler_loop.py", "--bug", "unscale-twice-call"),)),
 )
 
-_COPIED = ("audit", "reference", "conformance", "tests")
-
-
-def _copy_tree(dest: Path) -> None:
-    for name in _COPIED:
-        shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"))
-    for name in ("conftest.py", "pyproject.toml"):
-        shutil.copy2(ROOT / name, dest / name)
-
-
-def _run_tests(root: Path, tests: tuple[str, ...]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(root), PYTHONDONTWRITEBYTECODE="1")
-    return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
-                          cwd=root, env=env, capture_output=True, text=True)
+_COPIED = ("audit", "reference", "conformance", "tests", "conftest.py", "pyproject.toml")
 
 
 def run(names: list[str]) -> int:
-    """Run the mutants named (all when ``names`` is empty); 0 when every one is killed."""
-    chosen = [m for m in MUTANTS if not names or m.name in names]
-    unknown = sorted(set(names) - {m.name for m in MUTANTS})
-    if unknown:
-        print(f"unknown mutants {unknown}; known: {[m.name for m in MUTANTS]}", file=sys.stderr)
-        return 2
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="ampspec-audit-mutants-") as tmp:
-        base = Path(tmp) / "baseline"
-        _copy_tree(base)
-        proc = _run_tests(base, tuple(sorted({t for m in chosen for t in m.tests})))
-        if proc.returncode != 0:
-            print(f"baseline (no mutation) FAILS, so kills would mean nothing:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}")
-            return 1
-        print(f"baseline passes: {_last_line(proc.stdout)}  ({time.perf_counter() - t0:.0f} s)")
-        killed = 0
-        for m in chosen:
-            t1 = time.perf_counter()
-            path = base / m.file
-            source = path.read_text()
-            if source.count(m.old) != 1:
-                print(f"{m.name}: the edit no longer applies to {m.file} ({source.count(m.old)} matches): update it")
-                return 1
-            path.write_text(source.replace(m.old, m.new))
-            try:
-                proc = _run_tests(base, m.tests)
-            finally:
-                path.write_text(source)  # the next mutant starts from the unmutated copy
-            dead = proc.returncode != 0
-            killed += dead
-            first = next((ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))), "")
-            print(f"{m.name:28s} {'killed' if dead else 'SURVIVED'}  ({time.perf_counter() - t1:.0f} s)  "
-                  f"{m.bug}\n    {first or _last_line(proc.stdout)}")
-    print(f"{killed} of {len(chosen)} mutants killed in {time.perf_counter() - t0:.0f} s")
-    return 0 if killed == len(chosen) else 1
+    """Run the mutants named (all when ``names`` is empty); 0 when every one is killed. The
+    conformance catalogue's runner, over a copy holding the audit and its tests, in the
+    environment the suite runs in (native kernels, the default profile)."""
+    return mutations.run(names, MUTANTS, copied=_COPIED, env={})
 
 
 if __name__ == "__main__":

@@ -68,18 +68,25 @@ def _restore_threads():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("loop,args,expected,ci", [
-    pytest.param(*c, marks=() if c[3] else pytest.mark.slow) for c in CASES],
-    ids=[f"{c[0]}:{' '.join(c[1])}" for c in CASES])
-def test_each_real_loop_gives_exactly_its_truth(loop, args, expected, ci, tmp_path, request):
-    if not ci and not _slow_enabled(request.config):
-        pytest.skip("a slow catalogue loop: opt in with --runslow or AMPSPEC_RUNSLOW=1")
+def _run_and_check(loop: str, args: list[str], expected: dict, tmp_path: Path):
+    """Run a catalogue loop under the audit; its findings, as {(rule, severity): steps}, must be
+    ``expected`` exactly. Returns the report."""
     report = run_script(REAL / loop, [*args, "--out", str(tmp_path)])
     assert report.error is None and report.script_status is None, report.error
     got: dict[tuple[str, str], list[int]] = {}
     for f in report.findings:
         got.setdefault((f.rule, f.severity), []).append(f.step)
     assert {k: sorted(v) for k, v in got.items()} == expected, report.text()
+    return report
+
+
+@pytest.mark.parametrize("loop,args,expected,ci", [
+    pytest.param(*c, marks=() if c[3] else pytest.mark.slow) for c in CASES],
+    ids=[f"{c[0]}:{' '.join(c[1])}" for c in CASES])
+def test_each_real_loop_gives_exactly_its_truth(loop, args, expected, ci, tmp_path, request):
+    if not ci and not _slow_enabled(request.config):
+        pytest.skip("a slow catalogue loop: opt in with --runslow or AMPSPEC_RUNSLOW=1")
+    report = _run_and_check(loop, args, expected, tmp_path)
     assert len(report.steps) == 12 * (2 if "multiple" in args else 1), report.text()
     skipped = {int(s) for s in args[args.index("--inf-at") + 1].split(",")}
     if len({r.optimizer for r in report.steps}) == 1:
@@ -144,12 +151,7 @@ def test_each_ddp_or_compiled_loop_gives_exactly_its_truth(loop, args, expected,
                                                            request):
     if not ci and not _slow_enabled(request.config):
         pytest.skip("a slow catalogue loop: opt in with --runslow or AMPSPEC_RUNSLOW=1")
-    report = run_script(REAL / loop, [*args, "--out", str(tmp_path)])
-    assert report.error is None and report.script_status is None, report.error
-    got: dict[tuple[str, str], list[int]] = {}
-    for f in report.findings:
-        got.setdefault((f.rule, f.severity), []).append(f.step)
-    assert {k: sorted(v) for k, v in got.items()} == expected, report.text()
+    report = _run_and_check(loop, args, expected, tmp_path)
     assert len(report.steps) == n_steps, report.text()
     assert {r.step for r in report.steps if not r.applied} == skipped, report.text()
     assert report.replay["not_replayed"] == {}, report.replay
