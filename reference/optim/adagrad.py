@@ -36,7 +36,7 @@ import numpy as np
 
 from reference.optim import _lr
 from reference.optim._common import (add, addcdiv, addcmul, check_inputs, check_lr, check_nonnegative, check_param,
-                                     for_each_param, frozen, lr_value, require, step_counter)
+                                     for_each_param, freeze, frozen, lr_value, require, step_counter)
 
 __all__ = ["AdagradConfig", "AdagradState", "adagrad_init_state", "adagrad_magnitudes", "adagrad_step"]
 
@@ -86,7 +86,7 @@ def _update(config: AdagradConfig, lr: float, sqrt: Callable[[np.ndarray], np.nd
         denominator = 1 + (float(step) - 1) * config.lr_decay
         total = addcmul(s.sum, d, d, 1.0)
         std = sqrt(total) + f(config.eps)
-        new_state = AdagradState(step=step, sum=frozen(total))
+        new_state = AdagradState(step=step, sum=freeze(total))  # total is the step's own array
         if tensor is None:
             return addcdiv(p, d, std, -(lr / denominator)), new_state, g
         minus_clr = _lr.over(-tensor, denominator)  # rule 6
