@@ -23,8 +23,10 @@ function that decides it, so that a reader finds the two together. No torch here
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, TypeVar
+
+from audit.frameworks import FRAMEWORKS, FrameworkCall
 
 __all__ = ["Rule", "rule", "Finding", "ERROR", "WARNING", "INFO", "SEVERITIES"]
 
@@ -40,22 +42,32 @@ C = TypeVar("C", bound=Callable[..., Any])
 @dataclass(frozen=True)
 class Rule:
     """One rule: its name, severity, what breaking it means, the fix, and its ``check`` (a
-    generator of findings that reads the recorder's records and changes nothing)."""
+    generator of findings that reads the recorder's records and changes nothing).
+
+    ``framework_fixes``: the fix as a framework's setting, by framework (a key of
+    `audit.frameworks.FRAMEWORKS`), for a finding whose call site lies inside that framework."""
 
     name: str
     severity: str
     summary: str
     fix: str
     check: Check | None = None
+    framework_fixes: Mapping[str, str] = field(default_factory=dict)
 
 
-def rule(name: str, severity: str, summary: str, fix: str) -> Callable[[C], C]:
+def rule(name: str, severity: str, summary: str, fix: str,
+         framework_fixes: Mapping[str, str] | None = None) -> Callable[[C], C]:
     """Declare a rule on its check: the decorated function keeps its row in ``.rule``."""
     if severity not in SEVERITIES:
         raise ValueError(f"severity of rule {name!r} must be one of {SEVERITIES}, got {severity!r}")
+    fixes = dict(framework_fixes or {})
+    unknown = sorted(set(fixes) - {key for key, _, _ in FRAMEWORKS})
+    if unknown:
+        raise ValueError(f"framework_fixes of rule {name!r} names unknown frameworks {unknown}; "
+                         f"known: {sorted({key for key, _, _ in FRAMEWORKS})}")
 
     def declare(check: C) -> C:
-        check.rule = Rule(name, severity, summary, fix, check)  # type: ignore[attr-defined]
+        check.rule = Rule(name, severity, summary, fix, check, fixes)  # type: ignore[attr-defined]
         return check
 
     return declare
@@ -80,8 +92,11 @@ class Finding:
     expected: Any = None
     got: Any = None
     level: str | None = None  # the rule's uncertain form: a lower severity than the rule's own
+    framework: FrameworkCall | None = None  # set from ``where`` when a framework's code made the call
 
     def __post_init__(self) -> None:
+        if self.framework is None:
+            self.framework = getattr(self.where, "via", None)
         from audit.rules import RULES  # the catalogue imports the checks, which import this module
 
         if self.rule not in RULES:
@@ -101,10 +116,29 @@ class Finding:
 
         return RULES[self.rule].fix
 
+    @property
+    def framework_fix(self) -> str | None:
+        """The fix as a setting of the framework that made the call (None: none declared, or no framework)."""
+        from audit.rules import RULES
+
+        return None if self.framework is None else RULES[self.rule].framework_fixes.get(self.framework.name)
+
+    def framework_note(self) -> str | None:
+        """The framework attribution in one line of the text report (None without a framework)."""
+        fw = self.framework
+        if fw is None:
+            return None
+        fix, user = self.framework_fix, fw.user_frame or "no frame of the user's code"
+        return (f"framework: {fw.name} {fw.version} made the call at {fw.frame}, reached from {user}"
+                + (f"; fix in {fw.name}: {fix}" if fix else ""))
+
     def to_dict(self) -> dict[str, Any]:
-        return {"rule": self.rule, "severity": self.severity, "step": self.step, "where": self.where,
+        fw = self.framework
+        return {"rule": self.rule, "severity": self.severity, "step": self.step, "where": str(self.where),
                 "message": self.message, "expected": _jsonable(self.expected), "got": _jsonable(self.got),
-                "fix": self.fix}
+                "fix": self.fix,
+                "framework": None if fw is None else {"name": fw.name, "version": fw.version, "call_site": fw.frame,
+                                                      "user_frame": fw.user_frame, "fix": self.framework_fix}}
 
 
 def _jsonable(value: Any) -> Any:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from audit import windows
+from audit.frameworks import attribute
 from audit.rules import Finding
 from audit.schedules import ScheduleWatch
 from audit.windows import Backward
@@ -51,17 +52,20 @@ def _frame_class(filename: str) -> int:
 
 def call_site() -> str:
     """``file:line`` of the innermost frame of the user's code; else of the innermost library frame
-    outside torch and this package (a loop driven by an installed framework)."""
+    outside torch and this package (a loop driven by an installed framework). When a framework's
+    code made the call, a `audit.frameworks.Site` naming it (`audit.frameworks.attribute`)."""
     f = sys._getframe(1)
-    fallback = None
+    library: list[tuple[str, int]] = []  # the library frames inside the user's innermost one
+    first = None  # the innermost library frame
     while f is not None:
         c = _frame_class(f.f_code.co_filename)
         if c == 0:
-            return _fmt(f)
-        if c == 1 and fallback is None:
-            fallback = _fmt(f)
+            return attribute(_fmt(f), library, True) if library else _fmt(f)
+        if c == 1:
+            first = first or f
+            library.append((f.f_code.co_filename, f.f_lineno))
         f = f.f_back
-    return fallback or "<unknown>"
+    return attribute(_fmt(first), library, False) if library else "<unknown>"
 
 
 _shown: dict[str, str] = {}

@@ -108,6 +108,8 @@ class AuditReport:
                 lines.append(f"    expected: {first.expected!r}")
                 lines.append(f"    got:      {first.got!r}")
             lines.append(f"    fix: {spec.fix}")
+            if first.framework is not None:
+                lines.append(f"    {first.framework_note()}")
             for f in fs[1:_LINES_PER_RULE]:
                 lines.append(f"  step {f.step}, {f.where}")
             if len(fs) > _LINES_PER_RULE:
