@@ -18,7 +18,13 @@ if TYPE_CHECKING:
 
 @rule("clip-before-unscale", ERROR,
       "gradients were clipped while still multiplied by the loss scale",
-      "call scaler.unscale_(optimizer) before clipping, then clip at the unscaled threshold")
+      "call scaler.unscale_(optimizer) before clipping, then clip at the unscaled threshold",
+      framework_fixes={
+          "lightning.pytorch": "clip with Trainer(gradient_clip_val=...): the precision plugin unscales first",
+          "lightning.fabric": "clip with fabric.clip_gradients(model, optimizer, max_norm=...): it unscales first",
+          "accelerate": "clip with accelerator.clip_grad_norm_(parameters, max_norm): it unscales first",
+          "transformers": "clip with TrainingArguments(max_grad_norm=...), not in a callback: the Trainer "
+                          "clips through accelerator.clip_grad_norm_, which unscales first"})
 def clip_before_unscale(kind: str, optimizer: str, step: int, where: str, stage: OptimizerStage | None,
                         scaler: Any, max_norm: float | None) -> Iterator[Finding]:
     """A clipping call on an optimizer's parameters in a window whose backward started from a loss
@@ -43,7 +49,12 @@ def clip_before_unscale(kind: str, optimizer: str, step: int, where: str, stage:
 # when only its size (at least the scale) suggests it.
 @rule("clip-threshold-scaled", ERROR,
       "the clipping threshold was multiplied by the loss scale although the gradients were unscaled",
-      "pass the plain max_norm: after scaler.unscale_ the gradients are unscaled, so the threshold must be too")
+      "pass the plain max_norm: after scaler.unscale_ the gradients are unscaled, so the threshold must be too",
+      framework_fixes={
+          "lightning.pytorch": "set Trainer(gradient_clip_val=...) to the unscaled threshold",
+          "lightning.fabric": "pass fabric.clip_gradients the unscaled max_norm",
+          "accelerate": "pass accelerator.clip_grad_norm_ the unscaled max_norm",
+          "transformers": "set TrainingArguments(max_grad_norm=...) to the unscaled threshold"})
 def clip_threshold_scaled(optimizer: str, step: int, where: str, max_norm: float, scale: float,
                           held: tuple[float, float, int] | None, earlier: Finding | None) -> Iterator[Finding]:
     """``clip_grad_norm_`` on unscaled gradients with a threshold that tracks the loss scale.

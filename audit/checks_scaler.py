@@ -22,7 +22,13 @@ if TYPE_CHECKING:
 @rule("unscale-twice", ERROR,
       "the gradients were unscaled twice in one step",
       "unscale once per step: scaler.unscale_(optimizer) before clipping, or let scaler.step do it; "
-      "never divide the gradients by the scale by hand as well")
+      "never divide the gradients by the scale by hand as well",
+      framework_fixes={
+          "accelerate": "call accelerator.clip_grad_norm_ (it unscales) once per step, under "
+                        "`if accelerator.sync_gradients:`, and no scaler.unscale_ of your own",
+          "lightning.fabric": "call fabric.clip_gradients (it unscales) once per step, after the last microbatch",
+          "lightning.pytorch": "leave unscaling to the precision plugin: clip with Trainer(gradient_clip_val=...) "
+                               "and do not call scaler.unscale_ in a hook"})
 def unscale_twice(ev: StageCall | Any) -> Iterator[Finding]:
     """A ``scaler.unscale_`` that the spec's sequence meets at UNSCALED (torch raises right after,
     `reference.scaling.unscale_stage`); or, from the numbers (a `audit.boundaries.Boundary`),
@@ -89,7 +95,12 @@ def update_without_step(ev: UpdateCall) -> Iterator[Finding]:
 
 @rule("step-bypasses-scaler", ERROR,
       "optimizer.step() applied gradients produced by a scaled loss, without scaler.step or scaler.update",
-      "with a GradScaler, step with scaler.step(optimizer) and then call scaler.update()")
+      "with a GradScaler, step with scaler.step(optimizer) and then call scaler.update()",
+      framework_fixes={
+          "lightning.fabric": "step the optimizer that fabric.setup returned: it steps through the precision "
+                              "plugin's scaler",
+          "accelerate": "step the optimizer that accelerator.prepare returned: it calls scaler.step and "
+                        "scaler.update"})
 def step_bypasses_scaler(scaler: str, bypasses: list[tuple[str, int, str]], next_scale: str | None,
                          reapplied: tuple[str, int, str, int, bool] | None = None) -> Iterator[Finding]:
     """Direct ``optimizer.step()`` calls on gradients of a loss ``scaler`` scaled, still without a

@@ -15,7 +15,12 @@ from audit.findings import ERROR, WARNING, Finding, rule
 
 @rule("zero-grad-in-window", ERROR,
       "zero_grad discarded gradients accumulated by a backward pass that no optimizer step has used",
-      "zero the gradients once per optimizer step, after the step (or before the window's first backward)")
+      "zero the gradients once per optimizer step, after the step (or before the window's first backward)",
+      framework_fixes={
+          "accelerate": "zero_grad the optimizer that accelerator.prepare returned, inside "
+                        "`with accelerator.accumulate(model):`: it zeroes only when gradients sync",
+          "lightning.pytorch": "accumulate with Trainer(accumulate_grad_batches=k): Lightning zeroes after "
+                               "the k-th microbatch"})
 def zero_grad_in_window(name: str, where: str, optimizer: str, step: int, backwards: list[Any]
                         ) -> Iterator[Finding]:
     """``zero_grad`` (of the optimizer, or of a module holding its parameters) after a backward pass
@@ -32,7 +37,16 @@ def zero_grad_in_window(name: str, where: str, optimizer: str, step: int, backwa
 # Certain only for micro-batches of one loss; a warning when the graph cannot tell.
 @rule("loss-not-divided", ERROR,
       "an accumulation window's losses were not divided by its number of microbatches",
-      "divide each microbatch's loss by the window's number of microbatches before scaling and backward")
+      "divide each microbatch's loss by the window's number of microbatches before scaling and backward",
+      framework_fixes={
+          "accelerate": "Accelerator(gradient_accumulation_steps=k) and `with accelerator.accumulate(model):` "
+                        "around each microbatch: accelerator.backward then divides each loss by k",
+          "transformers": "the Trainer divides by gradient_accumulation_steps only when it believes the model "
+                          "does not normalise the loss itself: a forward declaring **kwargs must divide by "
+                          "num_items_in_batch, or set model.accepts_loss_kwargs = False",
+          "lightning.pytorch": "Trainer(accumulate_grad_batches=k) divides training_step's loss by k; with manual "
+                               "optimization divide before self.manual_backward",
+          "lightning.fabric": "Fabric does not divide: pass loss / k to fabric.backward"})
 def loss_not_divided(optimizer: str, step: int, backwards: list[Any]) -> Iterator[Finding]:
     """A window of k >= 2 backward passes whose every loss reached backward undivided (a factor of
     exactly 1 read from the autograd graph, `audit.windows.describe`), and which are microbatches
@@ -87,7 +101,18 @@ def optimizer_before_to(o: Any, where: str) -> Iterator[Finding]:
 @rule("scheduler-on-skipped-step", ERROR,
       "the LR scheduler stepped although its optimizer applied no step since the scheduler's last step",
       "advance the schedule only when the optimizer step was applied (with a GradScaler: when "
-      "scaler.get_scale() did not decrease across scaler.update())")
+      "scaler.get_scale() did not decrease across scaler.update())",
+      framework_fixes={
+          "lightning.pytorch": "Lightning steps a scheduler of interval 'step' after every optimizer step, "
+                               "skipped or not (Lightning-AI/pytorch-lightning#5558): override "
+                               "LightningModule.lr_scheduler_step to skip it when the scaler's scale "
+                               "decreased, or use interval 'epoch'",
+          "accelerate": "pass the scheduler through accelerator.prepare: the AcceleratedScheduler does not "
+                        "step after a step the scaler skipped",
+          "lightning.fabric": "Fabric does not wrap schedulers: step it only when "
+                              "fabric.strategy.precision.scaler.get_scale() did not decrease",
+          "transformers": "let the Trainer step its own lr_scheduler (it skips a step Accelerate reports "
+                          "skipped) instead of stepping one in a callback"})
 def scheduler_on_skipped_step(scheduler: str, where: str, o: Any, mark: int) -> Iterator[Finding]:
     """``scheduler.step()`` when optimizer track ``o`` applied no step since that scheduler's
     previous step (``mark``: its applied steps then): a skipped step, or no step yet. The

@@ -52,7 +52,7 @@ class Rule:
     summary: str
     fix: str
     check: Check | None = None
-    framework_fixes: Mapping[str, str] = field(default_factory=dict)
+    framework_fixes: Mapping[str, str] = field(default_factory=dict, hash=False)
 
 
 def rule(name: str, severity: str, summary: str, fix: str,

@@ -4,7 +4,8 @@ Read from lightning 2.6's source: ``fabric.setup`` moves the model after the opt
 ``fabric.backward`` calls the precision plugin's ``backward``, which scales the loss with the
 plugin's scaler (``plugins/precision/amp.py``) and does not divide it by anything, so the loop
 divides each microbatch's loss by k itself; ``no_backward_sync`` only skips a gradient
-all-reduce; ``fabric.clip_gradients`` unscales through the plugin before clipping; the
+all-reduce; ``fabric.clip_gradients`` unscales through the plugin before clipping (and raises on
+a non-finite norm unless told not to); the
 optimizer ``fabric.setup`` returns steps through the plugin (``scaler.step`` then
 ``scaler.update``). Fabric does not wrap LR schedulers: with a scaler the loop steps its
 scheduler only when the scale did not drop (the step was applied). ``fabric.save`` does not add
@@ -55,7 +56,8 @@ for step in range(args.steps):
             if step in args.inf_at:
                 loss = loss * float("inf")
             fabric.backward(loss / args.k if divide else loss)
-    fabric.clip_gradients(model, opt, max_norm=1.0)
+    # Fabric raises on a non-finite norm by default; with a scaler an overflow is the scaler's to skip.
+    fabric.clip_gradients(model, opt, max_norm=1.0, error_if_nonfinite=scaler is None)
     before = scaler.get_scale() if scaler is not None else None
     opt.step()
     opt.zero_grad()
