@@ -56,9 +56,9 @@ for i, (x, y) in enumerate(batches(args.steps * args.k)):
         accelerator.backward(loss)
         if by_hand and (i + 1) % args.k:
             continue  # the next microbatch of the window, by hand
-        if args.bug == "clip-before-unscale":
+        if args.bug == "clip-before-unscale" and accelerator.sync_gradients:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        elif accelerator.sync_gradients or args.bug == "unscale-twice":
+        elif args.bug == "unscale-twice" or (accelerator.sync_gradients and args.bug != "clip-before-unscale"):
             accelerator.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
