@@ -4,7 +4,7 @@ Each loop is a plain script, audited unmodified in this process. The correct loo
 finding over 200 steps, with every step replayed through the specification; each planted
 mistake (``--bug``) must be flagged with its rule, at exactly the expected steps, and nothing
 else. The framework loops (Lightning Fabric, Accelerate) must give no false alarm; they are
-skipped, with the reason, where the ``bench`` extra is not installed.
+skipped, with the reason, where the ``frameworks`` extra is not installed.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def _peer(module: str) -> str | None:
     try:
         __import__(module)
     except Exception as exc:  # any import failure: the peer cannot run here
-        return f"{module} does not import ({exc!r}); install the 'bench' extra"
+        return f"{module} does not import ({exc!r}); install the 'frameworks' extra: pip install '.[frameworks]'"
     return None
 
 
