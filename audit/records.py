@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from audit import windows
-from audit.frameworks import attribute
+from audit.frameworks import attribute, framework_of
 from audit.rules import Finding
 from audit.schedules import ScheduleWatch
 from audit.windows import Backward
@@ -36,13 +36,15 @@ _site_cache: dict[str, int] = {}
 
 
 def _frame_class(filename: str) -> int:
-    """0: the user's code; 1: a library (stdlib, site-packages); 2: torch or this package."""
+    """0: the user's code; 1: a library (stdlib, site-packages, a framework wherever it is
+    installed: an editable install too); 2: torch or this package."""
     c = _site_cache.get(filename)
     if c is None:
         path = os.path.abspath(filename) if not filename.startswith("<") else filename
         if path.startswith(_TORCH_DIR) or path.startswith(_AUDIT_DIR):
             c = 2
-        elif path.startswith("<frozen") or any(path.startswith(d) for d in _LIBRARY_DIRS):
+        elif (path.startswith("<frozen") or any(path.startswith(d) for d in _LIBRARY_DIRS)
+              or framework_of(filename) is not None):
             c = 1
         else:
             c = 0

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from audit import frameworks
+from audit import frameworks, records
 from audit.findings import Finding, rule
 from audit.frameworks import FrameworkCall, Site, attribute, framework_of
 from audit.rules import RULES
@@ -199,3 +199,36 @@ def test_every_framework_fix_names_a_known_framework_and_the_roots_are_found_onc
     known = {key for key, _, _ in frameworks.FRAMEWORKS}
     assert all(set(r.framework_fixes) <= known for r in RULES.values())
     assert RULES["scheduler-on-skipped-step"].framework_fixes["lightning.pytorch"].count("lr_scheduler_step") == 1
+
+
+def test_a_framework_installed_outside_site_packages_is_attributed_end_to_end(tmp_path, monkeypatch):
+    """A framework's package wherever it lies (an editable install): its frames are the
+    framework's, not the user's, and the finding names it with the user's line. Needs no
+    framework installed: the package's directory is given as the import system would find it."""
+    package = tmp_path / "src" / "fakefw"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "def backward(loss):\n"
+        "    loss.backward()  # the framework's call\n")
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "import fakefw\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Linear(4, 2)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for step in range(2):\n"
+        "    for micro in range(2):\n"
+        "        loss = torch.nn.functional.mse_loss(model(torch.randn(3, 4)), torch.zeros(3, 2))\n"
+        "        fakefw.backward(loss)\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    monkeypatch.setattr(frameworks, "_roots", [(str(package) + os.sep, "accelerate", "fakefw-dist", str(package.parent))])
+    monkeypatch.setattr(frameworks, "_by_file", {})
+    monkeypatch.setattr(records, "_site_cache", {})
+    report = run_script(script)
+    assert [(f.rule, f.step) for f in report.findings] == [("loss-not-divided", 0), ("loss-not-divided", 1)]
+    for f in report.findings:
+        assert f.where.endswith("train.py:9")
+        assert f.framework == FrameworkCall("accelerate", "unknown", "fakefw/__init__.py:2", f.where)
