@@ -195,10 +195,12 @@ def test_a_rule_naming_an_unknown_framework_is_refused():
         rule("x", "error", "s", "f", framework_fixes={"keras": "..."})
 
 
-def test_every_framework_fix_names_a_known_framework_and_the_roots_are_found_once():
+def test_every_framework_fix_names_a_known_framework_and_each_attributed_bug_has_its_fix():
     known = {key for key, _, _ in frameworks.FRAMEWORKS}
     assert all(set(r.framework_fixes) <= known for r in RULES.values())
-    assert RULES["scheduler-on-skipped-step"].framework_fixes["lightning.pytorch"].count("lr_scheduler_step") == 1
+    # checkpoint-without-scaler's row (audit/checks_program.py) declares no framework fix yet.
+    missing = {(b[3], b[6]) for b in BUGS if b[6] is not None and b[6] not in RULES[b[3]].framework_fixes}
+    assert missing == {("checkpoint-without-scaler", "lightning.fabric")}
 
 
 def test_a_framework_installed_outside_site_packages_is_attributed_end_to_end(tmp_path, monkeypatch):
