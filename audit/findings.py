@@ -82,7 +82,9 @@ class Finding:
 
     ``step`` is the optimizer step (0-based, counting skipped steps) the call belongs to, or None
     when no step has started. ``expected`` and ``got`` are what the contract wants and what the
-    loop did (numbers where the replay has them, else a description).
+    loop did (numbers where the replay has them, else a description). ``framework``: the
+    framework whose code made the call (`audit.frameworks.FrameworkCall`, taken from a ``where``
+    that `audit.records.call_site` attributed), None when the user's code made it.
     """
 
     rule: str
