@@ -134,16 +134,7 @@ class AuditReport:
             lines.append("no findings: every audited step follows the step contract" +
                          (" (up to the failure)" if self.error is not None else
                           " (up to the interruption)" if self.interrupted is not None else ""))
-        if self.interrupted is not None:
-            lines.append("")
-            lines.append(f"interrupted by {self.interrupted}: the report is incomplete, it covers the steps recorded "
-                         "before the signal")
-        if self.ended is not None or self.script_status is not None:
-            lines.append("")
-        if self.ended is not None:
-            lines.append(self.ended)
-        if self.script_status is not None:
-            lines.append(f"the audited program exited with status {self.script_status}")
+        lines.extend(self._how_it_ended())
         if self.error is not None and not include_error:
             lines.append("")
             lines.append("the audited program failed (its traceback follows on stderr)")
@@ -152,6 +143,20 @@ class AuditReport:
             lines.append("the audited program failed:")
             lines.append(self.error.rstrip())
         return "\n".join(lines)
+
+    def _how_it_ended(self) -> list[str]:
+        """The lines on a run that did not end by returning: a signal, ``sys.exit``, ``os._exit``."""
+        lines = []
+        if self.interrupted is not None:
+            lines += ["", f"interrupted by {self.interrupted}: the report is incomplete, it covers the steps recorded "
+                          "before the signal"]
+        if self.ended is not None or self.script_status is not None:
+            lines.append("")
+        if self.ended is not None:
+            lines.append(self.ended)
+        if self.script_status is not None:
+            lines.append(f"the audited program exited with status {self.script_status}")
+        return lines
 
     def _matched(self) -> str:
         """How many replayed steps matched the specification bit for bit, in words that read right
