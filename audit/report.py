@@ -173,7 +173,7 @@ class AuditReport:
         rest = replayed - exact - diverged
         parts = [f"{exact} of the {replayed} replayed steps matched the specification bit for bit"]
         if rest > 0:
-            parts.append(f"{rest} within the bounds below")
+            parts.append(f"{rest} within the stated bounds")
         if diverged:
             parts.append(f"{diverged} diverged (see the findings)")
         return ", ".join(parts)

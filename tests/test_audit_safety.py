@@ -266,7 +266,7 @@ def _summary(steps_replayed: int, exact: int, verdicts: list[str]) -> str:
 def test_the_summary_counts_the_steps_that_matched():
     assert _summary(4, 4, ["bit for bit"] * 4) == ("numeric replay: 4 of 4 steps and 4 scaler updates replayed; all 4 "
                                                    "replayed steps matched the specification bit for bit; compared at: E")
-    assert "; 2 of the 4 replayed steps matched the specification bit for bit, 1 within the bounds below, " \
+    assert "; 2 of the 4 replayed steps matched the specification bit for bit, 1 within the stated bounds, " \
            "1 diverged (see the findings);" in _summary(4, 2, ["bit for bit", "within the bounds (largest 3.0 ULP)",
                                                               "diverged: param", "bit for bit"])
 
