@@ -9,7 +9,9 @@ Every line the ``ampspec`` command writes to stderr about a problem has the form
 - INFO records (``ampspec -v``) read ``ampspec: message``.
 
 Warnings raised outside ampspec (torch's, the user's task's) keep Python's own format, so that
-their file and line still point at the code that raised them. This module imports no torch:
+their file and line still point at the code that raised them. While ``ampspec audit`` runs a
+user's script, only ampspec's own loggers use this format (:func:`own_loggers_only`): the
+script's logging prints as it would under ``python``. This module imports no torch:
 ``ampspec --help`` must answer without it.
 """
 
