@@ -90,8 +90,9 @@ class Audit:
         if r is not None and r.process is not None:
             r.process.forget_in_child()
 
-    def stop(self, error: BaseException | None = None) -> AuditReport:
-        """Remove the instrumentation and build the report. ``error``: the audited code's failure."""
+    def stop(self, error: BaseException | None = None, *, interrupted: str | None = None) -> AuditReport:
+        """Remove the instrumentation and build the report. ``error``: the audited code's failure;
+        ``interrupted``: the signal that cut it short (the report says so; no end-of-run rules)."""
         if self._report is not None:
             return self._report
         if self._recorder is None:
@@ -110,7 +111,7 @@ class Audit:
         rec = self._recorder
         limited = isinstance(error, StepLimitReached) or rec.stopped_at_limit
         failed = error is not None and not isinstance(error, StepLimitReached)
-        rec.finish(completed=not failed)
+        rec.finish(completed=not failed and interrupted is None)
         text = None
         if failed:
             text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
@@ -127,7 +128,7 @@ class Audit:
         self._report = AuditReport(findings=list(rec.findings), steps=list(rec.records), replay=replay,
                                    target=self.target, argv=list(self.argv), error=text,
                                    stopped=f"stopped after {self.steps} steps as asked" if limited else None,
-                                   strict=self.strict)
+                                   strict=self.strict, interrupted=interrupted)
         return self._report
 
     @property

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from audit.report_file import write_report_file
 from audit.rules import ERROR, RULES, SEVERITIES, Finding
 
 __all__ = ["AuditReport", "EXIT_OK", "EXIT_FINDINGS", "EXIT_FAILED"]
@@ -21,10 +24,13 @@ _LINES_PER_RULE = 10
 @dataclass
 class AuditReport:
     """What an audit found. ``error`` is the audited program's failure (its traceback), if any;
-    ``script_status`` the non-zero status it passed to ``sys.exit``.
+    ``script_status`` the non-zero status it passed to ``sys.exit`` or ``os._exit``; ``ended``
+    how it ended when not by returning (``"the script left by os._exit(0)"``); ``interrupted``
+    the signal (``"SIGINT"``, ``"SIGTERM"``) that cut it short.
 
-    ``exit_status``, as linters do it: the script's own status when it exited with one, 2 when it
-    failed otherwise, else 1 when a finding is an error (with ``strict``: any finding), else 0.
+    ``exit_status``, as linters do it: the script's own status when it exited with one, 128 plus
+    the signal's number when one interrupted it (130, 143), 2 when it failed otherwise, else 1
+    when a finding is an error (with ``strict``: any finding), else 0.
     """
 
     findings: list[Finding]
@@ -36,6 +42,8 @@ class AuditReport:
     stopped: str | None = None
     strict: bool = False
     script_status: int | None = None
+    ended: str | None = None
+    interrupted: str | None = None
 
     def counts(self) -> dict[str, int]:
         """How many findings of each severity (every severity present, in the contract's order)."""
@@ -51,12 +59,19 @@ class AuditReport:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.script_status is None and not self.failing
+        return self.error is None and self.script_status is None and self.interrupted is None and not self.failing
+
+    @property
+    def complete(self) -> bool:
+        """Whether the report covers the whole run: not cut short by a signal or the script's failure."""
+        return self.error is None and self.interrupted is None
 
     @property
     def exit_status(self) -> int:
         if self.script_status is not None:
             return self.script_status
+        if self.interrupted is not None:
+            return 128 + int(getattr(signal, self.interrupted, signal.SIGINT))
         if self.error is not None:
             return EXIT_FAILED
         return EXIT_FINDINGS if self.failing else EXIT_OK
@@ -91,8 +106,7 @@ class AuditReport:
         else:
             r = self.replay
             lines.append(f"numeric replay: {r['steps_replayed']} of {n_steps} steps and {r['updates_checked']} scaler "
-                         f"updates replayed, {r['steps_bit_exact']} of the steps bit for bit; compared at: "
-                         f"{r['exactness']}")
+                         f"updates replayed; {self._matched()}; compared at: {r['exactness']}")
             for reason, count in r["not_replayed"].items():
                 lines.append(f"  not replayed ({count}x): {reason}")
             if r.get("fallback"):
@@ -104,7 +118,7 @@ class AuditReport:
             lines.append(f"{rule} ({levels}): {spec.summary}; {len(fs)} finding{'s' if len(fs) != 1 else ''}")
             first = fs[0]
             lines.append(f"  step {first.step}, {first.where}: {first.message}")
-            if first.expected is not None or first.got is not None:
+            if _telling(first.expected, first.got):
                 lines.append(f"    expected: {first.expected!r}")
                 lines.append(f"    got:      {first.got!r}")
             lines.append(f"    fix: {spec.fix}")
@@ -120,10 +134,9 @@ class AuditReport:
                          (" before the failure" if self.error is not None else ""))
         elif not self.findings:
             lines.append("no findings: every audited step follows the step contract" +
-                         (" (up to the failure)" if self.error is not None else ""))
-        if self.script_status is not None:
-            lines.append("")
-            lines.append(f"the audited program exited with status {self.script_status}")
+                         (" (up to the failure)" if self.error is not None else
+                          " (up to the interruption)" if self.interrupted is not None else ""))
+        lines.extend(self._how_it_ended())
         if self.error is not None and not include_error:
             lines.append("")
             lines.append("the audited program failed (its traceback follows on stderr)")
@@ -133,14 +146,52 @@ class AuditReport:
             lines.append(self.error.rstrip())
         return "\n".join(lines)
 
+    def _how_it_ended(self) -> list[str]:
+        """The lines on a run that did not end by returning: a signal, ``sys.exit``, ``os._exit``."""
+        lines = []
+        if self.interrupted is not None:
+            lines += ["", f"interrupted by {self.interrupted}: the report is incomplete, it covers the steps recorded "
+                          "before the signal"]
+        if self.ended is not None or self.script_status is not None:
+            lines.append("")
+        if self.ended is not None:
+            lines.append(self.ended)
+        if self.script_status is not None:
+            lines.append(f"the audited program exited with status {self.script_status}")
+        return lines
+
+    def _matched(self) -> str:
+        """How many replayed steps matched the specification bit for bit, in words that read right
+        whether all of them did or not; the others are within the stated bounds or diverged."""
+        r = self.replay or {}
+        replayed, exact = r.get("steps_replayed", 0), r.get("steps_bit_exact", 0)
+        if replayed == 0:
+            return "no step to compare"
+        if exact == replayed:
+            return ("the replayed step matched" if replayed == 1 else f"all {replayed} replayed steps matched") + \
+                " the specification bit for bit"
+        verdicts = [str(getattr(s, "replay", "")) for s in self.steps]
+        diverged = sum(v.startswith("diverged") for v in verdicts)
+        rest = replayed - exact - diverged
+        parts = [f"{exact} of the {replayed} replayed steps matched the specification bit for bit"]
+        if rest > 0:
+            parts.append(f"{rest} within the stated bounds")
+        if diverged:
+            parts.append(f"{diverged} diverged (see the findings)")
+        return ", ".join(parts)
+
     # ------------------------------------------------------------------ JSON
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "target": self.target,
             "argv": list(self.argv),
-            "status": ("failed" if self.error is not None or self.script_status is not None
+            "status": ("interrupted" if self.interrupted is not None and self.script_status is None
+                       else "failed" if self.error is not None or self.script_status is not None
                        else "findings" if self.failing else "ok"),
+            "complete": self.complete,
+            "ended": self.ended,
+            "interrupted": self.interrupted,
             "counts": self.counts(),
             "strict": self.strict,
             "script_status": self.script_status,
@@ -152,9 +203,19 @@ class AuditReport:
             "error": self.error,
         }
 
-    def write_json(self, path: str | Path) -> Path:
-        p = Path(path)
-        if p.parent and not p.parent.exists():
-            p.parent.mkdir(parents=True)
-        p.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        return p
+    def write_json(self, path: str | Path, *, force: bool = False, script: str | Path | None = None) -> Path:
+        """The JSON report at ``path``, written whole and renamed into place (`audit.report_file`):
+        never through a link, never over ``script``, a source file, or (without ``force``) an
+        existing file that is not an audit report; a failed write leaves the old report as it was."""
+        return write_report_file(Path(path), json.dumps(self.to_dict(), indent=1) + "\n", force=force,
+                                 script=None if script is None else Path(script))
+
+
+def _telling(expected: Any, got: Any) -> bool:
+    """Whether an expected/got pair says something: not when absent, nor when both are the same
+    non-finite number (``nan`` and ``nan``, ``inf`` and ``inf``: the message names the values)."""
+    if expected is None and got is None:
+        return False
+    if isinstance(expected, float) and isinstance(got, float) and not (math.isfinite(expected) or math.isfinite(got)):
+        return not (expected == got or (math.isnan(expected) and math.isnan(got)))
+    return True

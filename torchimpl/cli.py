@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from torchimpl.embedded import is_task_name
 from torchimpl.errors import run_command
 from torchimpl.lifecycle import EXIT_CODES, command_interrupts, restore_handlers
-from torchimpl.messages import configure_logging, launch_rank, plain_warnings, rank_prefix
+from torchimpl.messages import configure_logging, launch_rank, own_loggers_only, plain_warnings, rank_prefix
 from torchimpl.messages import line as message_line
 
 __all__ = ["main"]
@@ -343,8 +343,10 @@ def _audit(args: argparse.Namespace) -> int:
     # imports both; imported here, lazily, like replay's spec_bridge.
     from audit.runner import main as audit_main
 
-    return audit_main(args.script, args.args, report=args.report, steps=args.steps, no_replay=args.no_replay,
-                      strict=args.strict)
+    # The script's logging and warnings print as under `python SCRIPT.py`: once, in their own format.
+    with own_loggers_only():
+        return audit_main(args.script, args.args, report=args.report, steps=args.steps, no_replay=args.no_replay,
+                          strict=args.strict, force=args.force)
 
 
 class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -452,9 +454,14 @@ def _parser() -> argparse.ArgumentParser:
                                    "report order-rule findings and numeric divergences from the specification. "
                                    "The audit's options may also follow the script's arguments; after '--' "
                                    "everything goes to the script. Exit status: 0 no error-level finding, 1 errors "
-                                   "(with --strict: any finding), 2 the script raised, or the script's own "
-                                   "sys.exit status.")
-    a.add_argument("--report", metavar="FILE.json", help="also write the report as JSON")
+                                   "(with --strict: any finding), 2 the script raised or the report could not be "
+                                   "written, 130/143 SIGINT/SIGTERM (the report is still written), or the script's "
+                                   "own sys.exit or os._exit status.")
+    a.add_argument("--report", metavar="FILE.json",
+                   help="also write the report as JSON (never over the script, a source file or a link; over "
+                        "another existing file only with --force)")
+    a.add_argument("--force", action="store_true",
+                   help="let --report replace an existing file that is not an ampspec audit report")
     a.add_argument("--steps", type=int, metavar="N", help="stop the script after N optimizer steps")
     a.add_argument("--no-replay", action="store_true", help="order rules only: copy no numbers, replay nothing")
     a.add_argument("--strict", action="store_true", help="warnings and info fail the audit too (exit status 1)")

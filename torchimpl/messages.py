@@ -9,20 +9,25 @@ Every line the ``ampspec`` command writes to stderr about a problem has the form
 - INFO records (``ampspec -v``) read ``ampspec: message``.
 
 Warnings raised outside ampspec (torch's, the user's task's) keep Python's own format, so that
-their file and line still point at the code that raised them. This module imports no torch:
+their file and line still point at the code that raised them. While ``ampspec audit`` runs a
+user's script, only ampspec's own loggers use this format (:func:`own_loggers_only`): the
+script's logging prints as it would under ``python``. This module imports no torch:
 ``ampspec --help`` must answer without it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CliFormatter", "configure_logging", "launch_rank", "line", "plain_warnings", "rank_prefix"]
+__all__ = ["CliFormatter", "configure_logging", "launch_rank", "line", "own_loggers_only", "plain_warnings",
+           "rank_prefix"]
 
 _PACKAGE = str(Path(__file__).resolve().parent)
 
@@ -83,6 +88,42 @@ def configure_logging(level: int) -> None:
     handler.setFormatter(CliFormatter())
     root.addHandler(handler)
     root.setLevel(level)
+
+
+@contextlib.contextmanager
+def own_loggers_only(names: tuple[str, ...] = ("torchimpl", "audit")) -> Iterator[None]:
+    """While another program runs in this process (``ampspec audit``): the command's handler
+    moves from the root logger to ampspec's own loggers ``names``, and the root logger is as
+    Python starts it (no handler, level WARNING). The program's ``logging.basicConfig``, its own
+    handlers and a library's log records then print as under ``python SCRIPT.py``: once, in
+    their own format, never relabelled ``ampspec: warning:``. Everything comes back after (the
+    program's root handlers go: the command's lines must not print twice)."""
+    root = logging.getLogger()
+    ours = [h for h in root.handlers if isinstance(h.formatter, CliFormatter)]
+    if not ours:  # someone else's root logger (pytest, a program calling main()): theirs to keep
+        yield
+        return
+    handlers, level = list(root.handlers), root.level
+    own = [logging.getLogger(name) for name in names]
+    saved = [(lg, lg.level, lg.propagate, list(lg.handlers)) for lg in own]
+    for h in ours:
+        root.removeHandler(h)
+    root.setLevel(logging.WARNING)
+    for lg in own:
+        if lg.level == logging.NOTSET:
+            lg.setLevel(level)
+        lg.propagate = False  # a root handler of the program's must not print ampspec's lines again
+        for h in ours:
+            lg.addHandler(h)
+    try:
+        yield
+    finally:
+        for lg, lg_level, propagate, lg_handlers in saved:
+            lg.handlers[:] = lg_handlers
+            lg.setLevel(lg_level)
+            lg.propagate = propagate
+        root.handlers[:] = handlers
+        root.setLevel(level)
 
 
 def plain_warnings() -> None:
