@@ -182,7 +182,7 @@ class Instrumentation:
     def _install_optimizers(self) -> None:
         rec = self.rec
         self._handles.append(_optim_mod.register_optimizer_step_pre_hook(
-            lambda opt, args, kwargs: rec.on_optimizer_step_begin(opt)))
+            lambda opt, args, kwargs: rec.on_optimizer_step_begin(opt, args, kwargs)))
         self._handles.append(_optim_mod.register_optimizer_step_post_hook(
             lambda opt, args, kwargs: rec.on_optimizer_step_end(opt)))
 

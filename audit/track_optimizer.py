@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from audit import closures
 from audit.checks_clipping import clip_before_unscale, clip_threshold_scaled
 from audit.checks_steps import optimizer_before_to, zero_grad_in_window
 from audit.records import ClipStage, OptTrack, ScalerTrack, call_site, plain_tensor, to_numpy
@@ -35,16 +36,46 @@ class OptimizerCalls:
                 o.meta[id(p)] = (p, p.device, p.dtype)
         o.refresh_ids()
 
-    def on_optimizer_step_begin(self, opt: Any) -> None:
+    def on_optimizer_step_begin(self, opt: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """torch's step pre-hook. A step given a closure gets it wrapped (the returned arguments,
+        `audit.closures`): its step phase begins when the closure has returned."""
         o = self._opt(opt)
         o.hook_fired = True
         inside = self._in_scaler_step is not None and self._in_scaler_step[1] is o
         if not o.moved_flagged and o.meta and self._report(optimizer_before_to(o, o.where or call_site())):
             o.moved_flagged = True
+        where = call_site()
+        if not inside:
+            o.window.calls.append(f"optimizer.step@{where}")
+        closure = closures.closure_of(args, kwargs or {})
+        if closure is None:
+            o.closure = None
+            self._step_phase(o, inside, where)
+            return None
+        o.closure = closures.ClosureStep(where, inside)
+        wrapped = closures.wrap(closure, lambda: self.on_closure_begin(o), lambda: self.on_closure_end(o))
+        return closures.with_closure(args, kwargs or {}, wrapped)
+
+    def on_closure_begin(self, o: OptTrack) -> None:
+        if o.closure is not None:
+            o.closure.calls += 1
+
+    def on_closure_end(self, o: OptTrack) -> None:
+        """The closure returned: the gradients the update reads are there (the step phase begins
+        after the first evaluation; a second one makes the step's numbers not one set's)."""
+        c = o.closure
+        if c is None:
+            return
+        c.returned += 1
+        if c.returned == 1:
+            self._step_phase(o, c.inside, c.where)
+        elif (d := o.window.data) is not None and d.copying:
+            d.unsupported = closures.REEVALUATED.format(n=c.returned)
+
+    def _step_phase(self, o: OptTrack, inside: bool, where: str) -> None:
+        """The step's own checks and copies, as the update receives the gradients."""
         w = o.window
         if not inside:
-            where = call_site()
-            w.calls.append(f"optimizer.step@{where}")
             s = w.scaler
             stage = self._stage(s, o).stage if s is not None else None
             if s is not None and s.enabled and stage != STEPPED:
@@ -71,6 +102,9 @@ class OptimizerCalls:
             params = o.params()
             d.params_after = self.snap.many(params, d)
             d.state_after = self.snap.state(o.obj, params, d)
+        c, o.closure = o.closure, None
+        if c is not None and c.returned == 0 and d is not None and d.copying:
+            d.unsupported = "the optimizer did not call the closure it was given"
         inside = self._in_scaler_step is not None and self._in_scaler_step[1] is o
         if not inside:
             s = o.window.scaler
@@ -89,6 +123,11 @@ class OptimizerCalls:
         for o in owners:
             w = o.window
             w.calls.append(f"{name}@{where}")
+            if w.backwards and w.versions is not None and w.versions != _versions(o):
+                # The parameters moved since the window's last backward, with no step of this
+                # optimizer: those gradients were used (a two-pass step's ascent, a line search's
+                # move) and the next backward evaluates anew. The window's passes start again.
+                w.backwards = []
             if not w.zero_flagged and self._report(zero_grad_in_window(name, where, o.label, o.steps, w.backwards)):
                 w.zero_flagged = True
 
@@ -157,3 +196,8 @@ class OptimizerCalls:
             for o in self.optimizers.values():
                 if o.window.clip_norms and math.isnan(o.window.clip_norms[-1][0]):
                     o.window.clip_norms[-1] = (float(value), o.window.clip_norms[-1][1])
+
+
+def _versions(o: OptTrack) -> list[int]:
+    """The version counters of ``o``'s parameters (an in-place update of one advances it)."""
+    return [p._version for p in o.params()]
