@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["ClosureStep", "closure_of", "with_closure", "wrap", "own_evaluations", "REEVALUATED"]
+__all__ = ["ClosureStep", "closure_of", "with_closure", "wrap", "own_evaluations", "REEVALUATED", "RUNS_ANOTHER"]
 
 # Optimizer classes (and their subclasses) that evaluate the closure several times per step.
 OWN_EVALUATIONS: dict[type, str] = {
@@ -28,6 +28,8 @@ OWN_EVALUATIONS: dict[type, str] = {
                         "the spec has no LBFGS"),
 }
 
+RUNS_ANOTHER = ("its step ran {inner}'s step on the same parameters (a wrapper such as SAM's): the update is "
+                "replayed as {inner}'s")
 REEVALUATED = "the optimizer evaluated its closure {n} times in one step (its update reads more than one set of gradients)"
 
 
@@ -48,16 +50,17 @@ def own_evaluations(cls: type) -> str | None:
 
 
 def closure_of(args: tuple, kwargs: dict) -> Callable[..., Any] | None:
-    """The closure of an ``optimizer.step`` call (torch's optimizers take it first or as ``closure``)."""
-    closure = kwargs.get("closure") if "closure" in kwargs else (args[0] if args else None)
+    """The closure of an ``optimizer.step`` call as torch's step hooks receive it (``args[0]`` is
+    the optimizer; torch's optimizers take the closure next or as ``closure``)."""
+    closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
     return closure if callable(closure) else None
 
 
 def with_closure(args: tuple, kwargs: dict, closure: Callable[..., Any]) -> tuple[tuple, dict]:
-    """The step's arguments with ``closure`` in the place of the one given."""
+    """The step's arguments (the hooks', the optimizer first) with ``closure`` in the place of the one given."""
     if "closure" in kwargs:
         return args, {**kwargs, "closure": closure}
-    return (closure, *args[1:]), kwargs
+    return (args[0], closure, *args[2:]), kwargs
 
 
 def wrap(closure: Callable[..., Any], begin: Callable[[], None], end: Callable[[], None]) -> Callable[..., Any]:

@@ -224,6 +224,8 @@ class OptTrack:
         self.schedule = ScheduleWatch()
         self.skipped = 0
         self.closure: Any = None  # the step in progress that received a closure (audit.closures.ClosureStep)
+        self.stepping = False  # between its step's pre- and post-hook
+        self.runs: str | None = None  # the optimizer whose step its step in progress ran (a wrapper's base)
 
     def params(self) -> list[Any]:
         return [p for g in self.obj.param_groups for p in g["params"]]

@@ -41,6 +41,10 @@ class OptimizerCalls:
         `audit.closures`): its step phase begins when the closure has returned."""
         o = self._opt(opt)
         o.hook_fired = True
+        for outer in self.optimizers.values():
+            if outer.stepping and outer is not o and outer.param_ids & o.param_ids:
+                outer.runs = o.label  # a wrapper's step (SAM's, Lookahead's) running this one's
+        o.stepping, o.runs = True, None
         inside = self._in_scaler_step is not None and self._in_scaler_step[1] is o
         if not o.moved_flagged and o.meta and self._report(optimizer_before_to(o, o.where or call_site())):
             o.moved_flagged = True
@@ -61,16 +65,14 @@ class OptimizerCalls:
             o.closure.calls += 1
 
     def on_closure_end(self, o: OptTrack) -> None:
-        """The closure returned: the gradients the update reads are there (the step phase begins
-        after the first evaluation; a second one makes the step's numbers not one set's)."""
+        """The closure returned: the gradients the update reads are there. The step phase begins
+        after the first evaluation (a second one, counted, makes the step not replayable)."""
         c = o.closure
         if c is None:
             return
         c.returned += 1
         if c.returned == 1:
             self._step_phase(o, c.inside, c.where)
-        elif (d := o.window.data) is not None and d.copying:
-            d.unsupported = closures.REEVALUATED.format(n=c.returned)
 
     def _step_phase(self, o: OptTrack, inside: bool, where: str) -> None:
         """The step's own checks and copies, as the update receives the gradients."""
@@ -84,6 +86,9 @@ class OptimizerCalls:
                 check_restep(self, o, where)
             self._start_data(o, "optimizer.step", s if s is not None and stage != UNSCALED else None)
         d = w.data
+        own = closures.own_evaluations(type(o.obj)) if o.closure is not None else None
+        if own is not None and d is not None and d.copying:
+            d.unsupported = own  # its update is not one set of gradients' (audit.closures)
         if d is not None and d.copying:
             params = o.params()
             d.step_grads = self.snap.grads(params, d)
@@ -98,13 +103,16 @@ class OptimizerCalls:
     def on_optimizer_step_end(self, opt: Any) -> None:
         o = self._opt(opt)
         d = o.window.data
+        c, o.closure, o.stepping = o.closure, None, False
+        if d is not None and d.copying and o.runs is not None:
+            d.unsupported = closures.RUNS_ANOTHER.format(inner=o.runs)
+        elif c is not None and c.returned != 1 and d is not None and d.copying:
+            d.unsupported = (closures.REEVALUATED.format(n=c.returned) if c.returned else
+                             "the optimizer did not call the closure it was given")
         if d is not None and d.copying and d.on_cpu:
             params = o.params()
             d.params_after = self.snap.many(params, d)
             d.state_after = self.snap.state(o.obj, params, d)
-        c, o.closure = o.closure, None
-        if c is not None and c.returned == 0 and d is not None and d.copying:
-            d.unsupported = "the optimizer did not call the closure it was given"
         inside = self._in_scaler_step is not None and self._in_scaler_step[1] is o
         if not inside:
             s = o.window.scaler
@@ -117,8 +125,10 @@ class OptimizerCalls:
             owners = [o for o in self.optimizers.values() if o.param_ids & ids]
             name = f"{type(target).__name__}.zero_grad"
         else:
-            owners = [self._opt(target)]
-            name = f"{owners[0].label}.zero_grad"
+            first = self._opt(target)
+            # It zeroes its parameters' gradients, whichever optimizers also hold them (a wrapper's base).
+            owners = [first, *(o for o in self.optimizers.values() if o is not first and o.param_ids & first.param_ids)]
+            name = f"{first.label}.zero_grad"
         where = call_site()
         for o in owners:
             w = o.window
