@@ -51,12 +51,14 @@ class OptimizerCalls:
         where = call_site()
         if not inside:
             o.window.calls.append(f"optimizer.step@{where}")
+        # Inside a disabled scaler's step the optimizer's is a direct one (torch passes the call on).
+        phase_inside = inside and self._in_scaler_step[0].enabled
         closure = closures.closure_of(args, kwargs or {})
         if closure is None:
             o.closure = None
-            self._step_phase(o, inside, where)
+            self._step_phase(o, phase_inside, where)
             return None
-        o.closure = closures.ClosureStep(where, inside)
+        o.closure = closures.ClosureStep(where, phase_inside)
         wrapped = closures.wrap(closure, lambda: self.on_closure_begin(o), lambda: self.on_closure_end(o))
         return closures.with_closure(args, kwargs or {}, wrapped)
 
