@@ -30,17 +30,17 @@ OWN_EVALUATIONS: dict[type, str] = {
 
 RUNS_ANOTHER = ("its step ran {inner}'s step on the same parameters (a wrapper such as SAM's): the update is "
                 "replayed as {inner}'s")
-REEVALUATED = "the optimizer evaluated its closure {n} times in one step (its update reads more than one set of gradients)"
+REEVALUATED = ("the optimizer evaluated its closure {n} times in one step (its update reads more than one set of "
+               "gradients)")
 
 
 @dataclass
 class ClosureStep:
     """An optimizer step in progress that received a closure: where it was called, whether it
-    runs inside ``scaler.step``, and how often the closure began."""
+    runs inside an enabled scaler's ``scaler.step``, and how often the closure has returned."""
 
     where: str
     inside: bool
-    calls: int = 0
     returned: int = 0
 
 
@@ -57,17 +57,17 @@ def closure_of(args: tuple, kwargs: dict) -> Callable[..., Any] | None:
 
 
 def with_closure(args: tuple, kwargs: dict, closure: Callable[..., Any]) -> tuple[tuple, dict]:
-    """The step's arguments (the hooks', the optimizer first) with ``closure`` in the place of the one given."""
+    """The step's arguments (the hooks', the optimizer first) with ``closure`` in the place of the
+    one given."""
     if "closure" in kwargs:
         return args, {**kwargs, "closure": closure}
     return (args[0], closure, *args[2:]), kwargs
 
 
-def wrap(closure: Callable[..., Any], begin: Callable[[], None], end: Callable[[], None]) -> Callable[..., Any]:
-    """``closure``, reporting ``begin()`` before each call and ``end()`` after each that returns."""
+def wrap(closure: Callable[..., Any], end: Callable[[], None]) -> Callable[..., Any]:
+    """``closure``, reporting ``end()`` after each call that returns."""
 
     def reported(*args: Any, **kwargs: Any) -> Any:
-        begin()
         out = closure(*args, **kwargs)
         end()
         return out

@@ -14,8 +14,9 @@ What is wrapped (each wrapper calls the original unchanged and reports to a `Rec
   otherwise, the module attributes are replaced instead;
 - optimizer steps through torch's global step hooks (``register_optimizer_step_pre_hook`` and
   ``..._post_hook``; the pre-hook returns the step's arguments with a given closure wrapped, so
-  that the recorder knows when it ran, `audit.closures`), ``Optimizer.zero_grad``, ``Optimizer.add_param_group`` (where an optimizer
-  is built, and what device and dtype its parameters had), ``nn.Module.zero_grad``;
+  that the recorder knows when it has run, `audit.closures`), ``Optimizer.zero_grad``,
+  ``Optimizer.add_param_group`` (where an optimizer is built, and what device and dtype its
+  parameters had), ``nn.Module.zero_grad``;
 - ``LRScheduler.step`` and every torch scheduler that overrides it;
 - ``torch.autocast`` entry and exit;
 - ``Tensor.backward`` and ``torch.autograd.backward``;

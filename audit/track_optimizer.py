@@ -59,12 +59,8 @@ class OptimizerCalls:
             self._step_phase(o, phase_inside, where)
             return None
         o.closure = closures.ClosureStep(where, phase_inside)
-        wrapped = closures.wrap(closure, lambda: self.on_closure_begin(o), lambda: self.on_closure_end(o))
+        wrapped = closures.wrap(closure, lambda: self.on_closure_end(o))
         return closures.with_closure(args, kwargs or {}, wrapped)
-
-    def on_closure_begin(self, o: OptTrack) -> None:
-        if o.closure is not None:
-            o.closure.calls += 1
 
     def on_closure_end(self, o: OptTrack) -> None:
         """The closure returned: the gradients the update reads are there. The step phase begins
@@ -129,7 +125,8 @@ class OptimizerCalls:
         else:
             first = self._opt(target)
             # It zeroes its parameters' gradients, whichever optimizers also hold them (a wrapper's base).
-            owners = [first, *(o for o in self.optimizers.values() if o is not first and o.param_ids & first.param_ids)]
+            owners = [first, *(o for o in self.optimizers.values()
+                               if o is not first and o.param_ids & first.param_ids)]
             name = f"{first.label}.zero_grad"
         where = call_site()
         for o in owners:
