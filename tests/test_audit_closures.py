@@ -12,6 +12,10 @@ inside the precision's autocast region, ``manual_backward`` included.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -20,6 +24,7 @@ import torch
 
 from audit.runner import run_script
 
+ROOT = Path(__file__).resolve().parents[1]
 LOOPS = Path(__file__).resolve().parent / "audit_loops" / "frameworks"
 LIGHTNING = LOOPS / "lightning_trainer.py"
 REPLAYED = ("bit for bit", "within the bounds")
@@ -218,3 +223,22 @@ def test_the_update_of_a_closure_step_is_compared(form, tmp_path):
     assert [(f.rule, f.step) for f in report.findings] == [("replay-divergence", 0)], report.text()
     assert "5 step(s) diverged" in report.findings[0].message and report.exit_status == 0
     assert all(r.replay == "diverged: parameter 0" for r in report.steps), [r.replay for r in report.steps]
+
+
+def test_exact_kernels_replay_closure_steps_bit_for_bit():
+    """Under ATEN_CPU_CAPABILITY=default torch rounds every operation separately: the Trainer's
+    closure steps (accumulated, clipped inside the closure) and SAM's base steps equal the
+    specification bit for bit."""
+    _lightning()
+    code = ("import json, sys\nfrom audit.runner import run_script\nout = []\n"
+            "for loop, args in json.loads(sys.argv[1]):\n"
+            "    r = run_script(loop, args)\n"
+            "    out.append([r.exit_status, r.replay['steps_replayed'], r.replay['steps_bit_exact']])\n"
+            "print(json.dumps(out))\n")
+    cases = [(str(LIGHTNING), ["--steps", "4", "--accumulate", "2", "--clip", "0.5"]),
+             (str(LOOPS / "sam_loop.py"), ["--steps", "4", "--style", "closure", "--base", "adamw"])]
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[-1]) == [[0, 4, 4], [0, 4, 4]]
