@@ -13,8 +13,10 @@ What is wrapped (each wrapper calls the original unchanged and reports to a `Rec
   reference to the public object is seen. Where a torch version lays the function out
   otherwise, the module attributes are replaced instead;
 - optimizer steps through torch's global step hooks (``register_optimizer_step_pre_hook`` and
-  ``..._post_hook``), ``Optimizer.zero_grad``, ``Optimizer.add_param_group`` (where an optimizer
-  is built, and what device and dtype its parameters had), ``nn.Module.zero_grad``;
+  ``..._post_hook``; the pre-hook returns the step's arguments with a given closure wrapped, so
+  that the recorder knows when it has run, `audit.closures`), ``Optimizer.zero_grad``,
+  ``Optimizer.add_param_group`` (where an optimizer is built, and what device and dtype its
+  parameters had), ``nn.Module.zero_grad``;
 - ``LRScheduler.step`` and every torch scheduler that overrides it;
 - ``torch.autocast`` entry and exit;
 - ``Tensor.backward`` and ``torch.autograd.backward``;
@@ -182,7 +184,7 @@ class Instrumentation:
     def _install_optimizers(self) -> None:
         rec = self.rec
         self._handles.append(_optim_mod.register_optimizer_step_pre_hook(
-            lambda opt, args, kwargs: rec.on_optimizer_step_begin(opt)))
+            lambda opt, args, kwargs: rec.on_optimizer_step_begin(opt, args, kwargs)))
         self._handles.append(_optim_mod.register_optimizer_step_post_hook(
             lambda opt, args, kwargs: rec.on_optimizer_step_end(opt)))
 

@@ -8,6 +8,22 @@ included, as the spec's ``StepRecord.step``. Calls after a step event and before
 window's first backward (``scaler.update``, ``scheduler.step``, ``torch.save``) belong to that
 step.
 
+Closure steps (`audit.closures`). ``optimizer.step(closure)`` runs the closure, and so the
+step's backward passes, inside the step: after torch's step pre-hook, before the update. The
+pre-hook hands the step a wrapped closure; the backward passes it runs belong to the step's own
+window (the step closes at the post-hook), and the step phase (the copies of the gradients,
+parameters and state the update reads, the order checks of a direct step) begins when the
+closure has returned, with whatever clipping it did (Lightning's ``gradient_clip_val``) as the
+window's first step-phase call. The Lightning ``Trainer`` in automatic optimization steps so
+under ``32-true`` and ``bf16-mixed``; under ``16-mixed`` its plugin runs the closure before
+``scaler.step``, an ordinary window. A step whose optimizer evaluates the closure several times
+(LBFGS) or whose step runs another optimizer's step on the same parameters (a SAM-style wrapper:
+that base step is recorded and replayed as its own) is recorded and checked by the order rules
+and is not replayed, with the reason. A ``zero_grad`` after the parameters moved since the
+window's last backward, without a step of that optimizer (SAM's ascent, a line search's move),
+starts the window's passes again: the earlier gradients were used, not accumulated. A
+``zero_grad`` of an optimizer zeroes the gradients of every optimizer holding its parameters.
+
 The recorder records; the rules decide. Each rule is declared on its check (`audit.rules` lists
 them by family), a function that reads what the recorder recorded and yields findings, and the
 recorder runs it at the event it reads (`_report`), so that a finding names the call site:

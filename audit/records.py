@@ -177,6 +177,7 @@ class Window:
     clip_flagged: bool = False
     autocast_flagged: bool = False
     clip_norms: list[tuple[float, float | None]] = field(default_factory=list)  # (total_norm, max_norm)
+    versions: list[int] | None = None  # the parameters' version counters after the last backward
 
 
 class ScalerTrack:
@@ -228,6 +229,9 @@ class OptTrack:
         self.scaler_step_where: str | None = None
         self.schedule = ScheduleWatch()
         self.skipped = 0
+        self.closure: Any = None  # the step in progress that received a closure (audit.closures.ClosureStep)
+        self.stepping = False  # between its step's pre- and post-hook
+        self.runs: str | None = None  # the optimizer whose step its step in progress ran (a wrapper's base)
 
     def params(self) -> list[Any]:
         return [p for g in self.obj.param_groups for p in g["params"]]

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from audit import closures
 from audit.checks_clipping import clip_before_unscale, clip_threshold_scaled
 from audit.checks_steps import optimizer_before_to, zero_grad_in_window
 from audit.records import ClipStage, OptTrack, ScalerTrack, call_site, plain_tensor, to_numpy
@@ -35,16 +36,46 @@ class OptimizerCalls:
                 o.meta[id(p)] = (p, p.device, p.dtype)
         o.refresh_ids()
 
-    def on_optimizer_step_begin(self, opt: Any) -> None:
+    def on_optimizer_step_begin(self, opt: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """torch's step pre-hook. A step given a closure gets it wrapped (the returned arguments,
+        `audit.closures`): its step phase begins when the closure has returned."""
         o = self._opt(opt)
         o.hook_fired = True
+        for outer in self.optimizers.values():
+            if outer.stepping and outer is not o and outer.param_ids & o.param_ids:
+                outer.runs = o.label  # a wrapper's step (SAM's, Lookahead's) running this one's
+        o.stepping, o.runs = True, None
         inside = self._in_scaler_step is not None and self._in_scaler_step[1] is o
         if not o.moved_flagged and o.meta and self._report(optimizer_before_to(o, o.where or call_site())):
             o.moved_flagged = True
+        where = call_site()
+        if not inside:
+            o.window.calls.append(f"optimizer.step@{where}")
+        # Inside a disabled scaler's step the optimizer's is a direct one (torch passes the call on).
+        phase_inside = inside and self._in_scaler_step[0].enabled
+        closure = closures.closure_of(args, kwargs or {})
+        if closure is None:
+            o.closure = None
+            self._step_phase(o, phase_inside, where)
+            return None
+        o.closure = closures.ClosureStep(where, phase_inside)
+        wrapped = closures.wrap(closure, lambda: self.on_closure_end(o))
+        return closures.with_closure(args, kwargs or {}, wrapped)
+
+    def on_closure_end(self, o: OptTrack) -> None:
+        """The closure returned: the gradients the update reads are there. The step phase begins
+        after the first evaluation (a second one, counted, makes the step not replayable)."""
+        c = o.closure
+        if c is None:
+            return
+        c.returned += 1
+        if c.returned == 1:
+            self._step_phase(o, c.inside, c.where)
+
+    def _step_phase(self, o: OptTrack, inside: bool, where: str) -> None:
+        """The step's own checks and copies, as the update receives the gradients."""
         w = o.window
         if not inside:
-            where = call_site()
-            w.calls.append(f"optimizer.step@{where}")
             s = w.scaler
             stage = self._stage(s, o).stage if s is not None else None
             if s is not None and s.enabled and stage != STEPPED:
@@ -53,6 +84,9 @@ class OptimizerCalls:
                 check_restep(self, o, where)
             self._start_data(o, "optimizer.step", s if s is not None and stage != UNSCALED else None)
         d = w.data
+        own = closures.own_evaluations(type(o.obj)) if o.closure is not None else None
+        if own is not None and d is not None and d.copying:
+            d.unsupported = own  # its update is not one set of gradients' (audit.closures)
         if d is not None and d.copying:
             params = o.params()
             d.step_grads = self.snap.grads(params, d)
@@ -67,6 +101,12 @@ class OptimizerCalls:
     def on_optimizer_step_end(self, opt: Any) -> None:
         o = self._opt(opt)
         d = o.window.data
+        c, o.closure, o.stepping = o.closure, None, False
+        if d is not None and d.copying and o.runs is not None:
+            d.unsupported = closures.RUNS_ANOTHER.format(inner=o.runs)
+        elif c is not None and c.returned != 1 and d is not None and d.copying:
+            d.unsupported = (closures.REEVALUATED.format(n=c.returned) if c.returned else
+                             "the optimizer did not call the closure it was given")
         if d is not None and d.copying and d.on_cpu:
             params = o.params()
             d.params_after = self.snap.many(params, d)
@@ -83,12 +123,20 @@ class OptimizerCalls:
             owners = [o for o in self.optimizers.values() if o.param_ids & ids]
             name = f"{type(target).__name__}.zero_grad"
         else:
-            owners = [self._opt(target)]
-            name = f"{owners[0].label}.zero_grad"
+            first = self._opt(target)
+            # It zeroes its parameters' gradients, whichever optimizers also hold them (a wrapper's base).
+            owners = [first, *(o for o in self.optimizers.values()
+                               if o is not first and o.param_ids & first.param_ids)]
+            name = f"{first.label}.zero_grad"
         where = call_site()
         for o in owners:
             w = o.window
             w.calls.append(f"{name}@{where}")
+            if w.backwards and w.versions is not None and w.versions != _versions(o):
+                # The parameters moved since the window's last backward, with no step of this
+                # optimizer: those gradients were used (a two-pass step's ascent, a line search's
+                # move) and the next backward evaluates anew. The window's passes start again.
+                w.backwards = []
             if not w.zero_flagged and self._report(zero_grad_in_window(name, where, o.label, o.steps, w.backwards)):
                 w.zero_flagged = True
 
@@ -157,3 +205,8 @@ class OptimizerCalls:
             for o in self.optimizers.values():
                 if o.window.clip_norms and math.isnan(o.window.clip_norms[-1][0]):
                     o.window.clip_norms[-1] = (float(value), o.window.clip_norms[-1][1])
+
+
+def _versions(o: OptTrack) -> list[int]:
+    """The version counters of ``o``'s parameters (an in-place update of one advances it)."""
+    return [p._version for p in o.params()]
