@@ -335,3 +335,14 @@ def test_every_commands_help_shows_each_options_default_as_the_readme_says():
                     and f"(default: {action.default})" not in text):
                 missing.append(f"{name} {action.option_strings[-1]}")
     assert not missing, f"options whose --help does not show the default: {missing}"
+
+
+def test_the_run_summarys_keys_are_the_ones_docs_training_lists():
+    import dataclasses
+
+    from torchimpl.trainer import RunSummary
+
+    text = " ".join(_TRAINING.read_text().split())
+    listed = re.search(r"Its keys: (.*?)\.(?: |$)", text).group(1)
+    names = re.findall(r"`(\w+)`", listed)
+    assert names == [f.name for f in dataclasses.fields(RunSummary)]

@@ -93,7 +93,9 @@ class Callback:
 
 @dataclass
 class RunSummary:
-    """What a ``fit`` did, for people and for ``report.json``."""
+    """What a ``fit`` did, for people and for ``report.json``: read it as attributes
+    (``summary.final_train_loss``), as a plain dict (:meth:`to_dict`, what ``ampspec train``
+    prints as JSON) or by key (``summary["final_train_loss"]``, the same keys)."""
 
     device: str
     precision_mode: str
@@ -137,6 +139,13 @@ class RunSummary:
         """Plain values, valid JSON: a non-finite number becomes None."""
         return {k: None if isinstance(v, float) and not math.isfinite(v) else v
                 for k, v in dataclasses.asdict(self).items()}
+
+    def __getitem__(self, key: str) -> Any:
+        """``to_dict()[key]``; an unknown key is a KeyError naming the keys there are."""
+        values = self.to_dict()
+        if key not in values:
+            raise KeyError(f"RunSummary has no key {key!r}; keys: {', '.join(values)}")
+        return values[key]
 
 
 @dataclass
