@@ -32,6 +32,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 from torchimpl import safe_yaml
 from torchimpl.embedded import is_task_name, with_task_defaults
+from torchimpl.errors import ProblemList
 from torchimpl.optim import OptimizerConfig
 from torchimpl.precision import PrecisionConfig
 from torchimpl.scaler import ScalerConfig
@@ -50,8 +51,9 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A configuration with one or more bad fields; ``errors`` lists ``(dotted_path, message)``."""
+class ConfigError(ProblemList):
+    """A configuration with one or more bad fields; ``errors`` lists ``(dotted_path, message)``.
+    Several are written one per line (the command line prints them so, ``torchimpl.errors``)."""
 
     def __init__(self, errors: Sequence[tuple[str, str]]):
         self.errors = list(errors)

@@ -1,0 +1,29 @@
+"""A newcomer's first commands, and inputs that used to lose work or pass silently: each case
+through the real command line (``test_bad_input``'s helpers), or the function it names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from test_bad_input import checksums, cli, refused, sets
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------ configuration errors
+
+
+def test_several_configuration_errors_print_one_per_line(tmp_path):
+    r = cli("train", *sets("train.steps=0", "optimizer.lr=-1", "foo.bar=1"), cwd=tmp_path)
+    err = refused(r, 2, "train.steps", "optimizer.lr", "foo")
+    lines = err.rstrip("\n").splitlines()
+    assert lines[0] == "ampspec train: error: invalid configuration (3 errors):", err
+    assert [line.split(":")[0] for line in lines[1:]] == ["  foo", "  optimizer.lr", "  train.steps"], err
+    assert checksums(tmp_path) == {}
+
+
+def test_one_configuration_error_stays_on_one_line(tmp_path):
+    err = refused(cli("train", *sets("train.steps=0"), cwd=tmp_path), 2, "train.steps")
+    assert err == "ampspec train: error: invalid configuration: train.steps: must be an integer >= 1, got 0\n"
