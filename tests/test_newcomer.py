@@ -3,6 +3,9 @@ through the real command line (``test_bad_input``'s helpers), or the function it
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,3 +30,19 @@ def test_several_configuration_errors_print_one_per_line(tmp_path):
 def test_one_configuration_error_stays_on_one_line(tmp_path):
     err = refused(cli("train", *sets("train.steps=0"), cwd=tmp_path), 2, "train.steps")
     assert err == "ampspec train: error: invalid configuration: train.steps: must be an integer >= 1, got 0\n"
+
+
+# ------------------------------------------------------------------ a deleted working directory
+
+
+@pytest.mark.parametrize("command", [["train", "--set", "train.steps=2"], ["compare", "--steps", "2"]])
+def test_a_deleted_working_directory_is_refused_before_any_work(tmp_path, command):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    script = 'cd "$1" && rmdir "$1" && shift && exec "$@"'
+    r = subprocess.run(["bash", "-c", script, "bash", str(gone), sys.executable, "-m", "torchimpl.cli", *command],
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr
+    assert r.stderr == (f"ampspec {command[0]}: error: the working directory no longer exists (it was deleted or "
+                        "moved while this shell was in it); cd to an existing folder and run the command again\n")
+    assert not gone.exists() and list(tmp_path.iterdir()) == []

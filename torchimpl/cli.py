@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -499,6 +500,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         restore_handlers(previous)
 
 
+def _missing_working_directory() -> str | None:
+    """The message for a working directory deleted under the shell, else None: checked before
+    any work, because torch's libraries then fail to load with a fatal error naming neither."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return ("the working directory no longer exists (it was deleted or moved while this shell was in it); "
+                "cd to an existing folder and run the command again")
+    return None
+
+
 def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     head, tail = _audit_split(list(sys.argv[1:] if argv is None else argv))
@@ -507,6 +519,10 @@ def _main(argv: Sequence[str] | None) -> int:
         args.args = tail
     if args.verbose and args.quiet:
         parser.error("-v/--verbose and -q/--quiet contradict each other; give one")
+    gone = _missing_working_directory()
+    if gone is not None:
+        print(message_line("error", gone, args.command), file=sys.stderr)
+        return 2
     if getattr(args, "resume", False) and getattr(args, "overwrite", False):
         parser.error("--resume and --overwrite contradict each other: --resume continues the run in the folder, "
                      "--overwrite replaces it; give one")
