@@ -3,6 +3,7 @@ through the real command line (``test_bad_input``'s helpers), or the function it
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -46,3 +47,28 @@ def test_a_deleted_working_directory_is_refused_before_any_work(tmp_path, comman
     assert r.stderr == (f"ampspec {command[0]}: error: the working directory no longer exists (it was deleted or "
                         "moved while this shell was in it); cd to an existing folder and run the command again\n")
     assert not gone.exists() and list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------ replay --set
+
+
+def _one_step_trace(tmp_path: Path) -> Path:
+    rec = {"step": 0, "microbatches": 1, "scale_before": 65536.0, "found_inf": True, "applied": False,
+           "grad_norm": None, "clip_coef": None, "scale_after": 32768.0, "growth_tracker": 0, "lr": 0.001}
+    (tmp_path / "t.jsonl").write_text(json.dumps(rec) + "\n")
+    return tmp_path / "t.jsonl"
+
+
+@pytest.mark.parametrize("item", ["train.steps=5", "optimizer.lr=0.1", "device=cpu"])
+def test_replay_refuses_a_set_it_could_not_apply_naming_the_fields_it_can(tmp_path, item):
+    trace = _one_step_trace(tmp_path)
+    err = refused(cli("replay", trace, "--set", item, cwd=tmp_path), 2, f"--set {item}", "would change nothing",
+                  "it can change scaler.init_scale, scaler.growth_factor, scaler.backoff_factor, "
+                  "scaler.growth_interval")
+    assert len(err.splitlines()) == 1, err
+
+
+def test_replay_still_takes_a_set_of_the_scalers_fields(tmp_path):
+    trace = _one_step_trace(tmp_path)
+    rc, out, err = cli("replay", trace, "--set", "scaler.backoff_factor=0.5", cwd=tmp_path)
+    assert rc == 0 and "matches the reference" in out, out + err

@@ -262,6 +262,7 @@ def _replay(args: argparse.Namespace) -> int:
     # The CLI's boundary with the specification: the spec judges the recorded run.
     from reference.step import replay
 
+    _check_replay_sets(args.set)
     numbered = read_numbered_trace(args.trace)
     if not numbered:
         raise ValueError(f"{args.trace} holds no step records")
@@ -277,6 +278,19 @@ def _replay(args: argparse.Namespace) -> int:
         return 0
     print(f"first divergent {result.describe()}")
     return 1
+
+
+def _check_replay_sets(sets: list[str]) -> None:
+    """A replay recomputes the loss scale alone: a ``--set`` of a field outside the scaler
+    section, which would change nothing, is refused with the fields it can change."""
+    from torchimpl.scaler import ScalerConfig
+
+    for item in sets:
+        key = item.partition("=")[0].strip()
+        if key != "scaler" and not key.startswith("scaler."):
+            can = ", ".join(f"scaler.{f.name}" for f in dataclasses.fields(ScalerConfig))
+            raise ValueError(f"--set {item}: a replay recomputes the loss scale only, so {key} would change "
+                             f"nothing; it can change {can}")
 
 
 def _replay_policy(args: argparse.Namespace, header: dict | None) -> object:
