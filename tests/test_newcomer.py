@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from test_bad_input import checksums, cli, refused, sets
 
@@ -72,3 +73,42 @@ def test_replay_still_takes_a_set_of_the_scalers_fields(tmp_path):
     trace = _one_step_trace(tmp_path)
     rc, out, err = cli("replay", trace, "--set", "scaler.backoff_factor=0.5", cwd=tmp_path)
     assert rc == 0 and "matches the reference" in out, out + err
+
+
+# ------------------------------------------------------------------ ampspec config
+
+
+def test_ampspec_config_prints_the_defaults_train_uses():
+    from torchimpl.config import load_config
+
+    rc, out, err = cli("config")
+    assert rc == 0 and err == "", err
+    assert out.startswith("# ampspec train's configuration")
+    assert yaml.safe_load(out) == load_config(task_defaults=True).to_dict()
+
+
+def test_ampspec_config_round_trips_through_train_config(tmp_path):
+    from torchimpl.config import load_config
+
+    given = (tmp_path / "mine.yaml")
+    given.write_text("precision: bf16-mixed\noptimizer: {betas: [0.8, 0.95], eps: 1.0e-6}\nlogging: {progress: off}\n")
+    chosen = ["device=cpu", "task.name=mlp", "task.size=tiny", "train.steps=3", "train.batch_size=4",
+              "logging.dir=null", "schedule.name=constant"]
+    rc, out, err = cli("config", "--config", given, *sets_of(chosen), cwd=tmp_path)
+    assert rc == 0, err
+    (tmp_path / "printed.yaml").write_text(out)
+    want = load_config(given, chosen, task_defaults=True)
+    assert load_config(tmp_path / "printed.yaml", task_defaults=True) == want
+    assert load_config(tmp_path / "printed.yaml") == want  # every field written: no task defaults needed
+    rc, out, err = cli("train", "--config", "printed.yaml", cwd=tmp_path)
+    assert rc == 0, err
+    summary = json.loads(out)
+    assert (summary["steps"], summary["precision_mode"]) == (3, "bf16")
+
+
+def test_ampspec_config_refuses_a_bad_set_as_train_does(tmp_path):
+    refused(cli("config", "--set", "optimizer.eps=0", cwd=tmp_path), 2, "optimizer.eps", "> 0")
+
+
+def sets_of(items: list[str]) -> list[str]:
+    return [arg for item in items for arg in ("--set", item)]

@@ -1,4 +1,4 @@
-"""The ``ampspec`` command: ``compare``, ``train``, ``export``, ``doctor``, ``replay``, ``audit``.
+"""The ``ampspec`` command: ``compare``, ``train``, ``export``, ``config``, ``doctor``, ``replay``, ``audit``.
 
 User mistakes (a bad configuration, a missing file, an unavailable device, a refused resume)
 print one line to stderr and exit with status 2. ``train`` exits 0 when the run completed (or a
@@ -178,6 +178,19 @@ def _outcome_message(summary) -> str | None:
     if summary.outcome.startswith("interrupted"):
         return f"{summary.stopped}{where}; continue with --resume"
     return None
+
+
+def _config(args: argparse.Namespace) -> int:
+    """Print the configuration ``train`` would run with (the defaults, ``--config``, ``--set``)
+    as YAML that ``train --config`` reads back to the same configuration."""
+    import yaml
+
+    from torchimpl.config import load_config
+
+    cfg = load_config(args.config, args.set, task_defaults=True)
+    print("# ampspec train's configuration; every field is documented in torchimpl/config.py")
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False), end="")
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -416,6 +429,18 @@ def _add_train(sub: Any, common: argparse.ArgumentParser) -> None:
     t.set_defaults(func=_train)
 
 
+def _add_config(sub: Any, common: argparse.ArgumentParser) -> None:
+    c = sub.add_parser("config", parents=[common], help="print the configuration train would use, as YAML",
+                       formatter_class=_Defaults,
+                       description="Print the configuration `ampspec train` would run with, every field: the "
+                                   "defaults (with the embedded task's own), or with --config and --set the "
+                                   "resolved one. `ampspec train --config` reads the output back.")
+    c.add_argument("--config", metavar="FILE", help="YAML configuration file to resolve")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one field, e.g. train.steps=100 (repeatable; values are YAML)")
+    c.set_defaults(func=_config)
+
+
 def _add_export(sub: Any, common: argparse.ArgumentParser) -> None:
     e = sub.add_parser("export", parents=[common], help="write a checkpoint's model weights as a plain state_dict",
                        formatter_class=_Defaults,
@@ -439,6 +464,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_compare(sub, common)
     _add_train(sub, common)
     _add_export(sub, common)
+    _add_config(sub, common)
     d = sub.add_parser("doctor", parents=[common], help="what this machine supports; with --task, a model's precision",
                        formatter_class=_Defaults,
                        description="Without --task: what this machine supports. With --task: run the model in each "

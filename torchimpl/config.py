@@ -602,8 +602,8 @@ def _apply_dotted(tree: dict[str, Any], pairs: Sequence[tuple[str, Any]], bad: l
         try:
             for dotted, v in _dotted_pairs(key, value):
                 _set_dotted(tree, dotted, v)
-        except ConfigError as exc:
-            bad.extend(exc.errors)
+        except ConfigError as exc:  # a section that is not a mapping: named once, not once per key set in it
+            bad.extend(e for e in exc.errors if e[0] not in {path for path, _ in bad})
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
