@@ -248,10 +248,13 @@ def test_the_bad_configuration_example_prints_what_the_page_shows(tmp_path, monk
     from torchimpl.cli import main
 
     monkeypatch.chdir(tmp_path)
-    command, documented = _block_after(_TRAINING, "A bad configuration names every bad field at once:").strip().split("\n")
+    command, *documented = _block_after(_TRAINING, "A bad configuration names every bad field at once, one per "
+                                                   "line:").strip().split("\n")
     assert main(shlex.split(command.removeprefix("$ "))[1:]) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert _elided_matches(documented, line), f"documented:\n{documented}\nprinted:\n{line}"
+    printed = capsys.readouterr().err.strip().splitlines()
+    assert len(printed) == len(documented) == 3, printed
+    for doc, line in zip(documented, printed):
+        assert _elided_matches(doc, line), f"documented:\n{doc}\nprinted:\n{line}"
 
 
 def test_the_python_api_snippets_run(task_examples):

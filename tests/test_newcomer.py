@@ -112,3 +112,56 @@ def test_ampspec_config_refuses_a_bad_set_as_train_does(tmp_path):
 
 def sets_of(items: list[str]) -> list[str]:
     return [arg for item in items for arg in ("--set", item)]
+
+
+# ------------------------------------------------------------------ compare's ms/step
+
+# A task whose model advances a fake clock: 1 s on each of its first three training forwards
+# (the one-time costs of a precision), 2**-10 s on each later one; evaluation takes no time.
+CLOCKED_TASK = """
+import torch
+from torch import nn
+
+CLOCK = {"t": 0.0}
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.calls = 0
+
+    def forward(self, x, y):
+        if self.training:
+            self.calls += 1
+            CLOCK["t"] += 2.0 ** -10 if self.calls > 3 else 1.0
+        return ((self.lin(x).float() - y) ** 2).mean()
+
+
+def make():
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(4)]
+    return Model(), data, data[:1]
+"""
+
+
+def test_compare_times_each_precision_after_a_warm_up_and_says_so(tmp_path, monkeypatch):
+    import importlib
+    import time
+
+    from torchimpl.compare import WARMUP_STEPS, format_table, run_compare
+
+    (tmp_path / "clocked.py").write_text(CLOCKED_TASK)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    clocked = importlib.import_module("clocked")
+    monkeypatch.setattr(time, "perf_counter", lambda: clocked.CLOCK["t"])
+    # 6 steps: the warm-up is capped at half of them, 3, the three slow steps; a median of all six
+    # steps would be half slow.
+    res = run_compare(steps=6, device="cpu", out=tmp_path / "cmp", task="clocked:make")
+    assert len(res.rows) >= 3 and WARMUP_STEPS >= 3
+    for row in res.rows:
+        assert (row["time_per_step_ms"], row["warmup_steps"]) == (1000 * 2.0 ** -10, 3), row
+    assert format_table(res.rows).splitlines()[-1] == (
+        "ms/step: the median step after 3 warm-up steps in each precision, which are not counted "
+        "(they pay the precision's one-time costs)")
