@@ -165,3 +165,91 @@ def test_compare_times_each_precision_after_a_warm_up_and_says_so(tmp_path, monk
     assert format_table(res.rows).splitlines()[-1] == (
         "ms/step: the median step after 3 warm-up steps in each precision, which are not counted "
         "(they pay the precision's one-time costs)")
+
+
+# ------------------------------------------------------------------ busy cores, train.threads
+
+
+def _situation(**kw):
+    from torchimpl.threads import ThreadSituation
+
+    return ThreadSituation(**{"threads": 4, "cores": 4, "load": 6.0, "omp_env": None, **kw})
+
+
+def test_the_busy_cores_warning_comes_only_at_torchs_default_thread_count_on_busy_cores():
+    from torchimpl.threads import busy_warning
+
+    text = busy_warning(_situation(), "train", None)
+    assert text == ("the cores are busy (load 6.0 on 4 cores, about 5.0 of it other work) and torch runs 4 threads, "
+                    "its default: they will wait for each other and a small model can train many times slower; "
+                    "pass --set train.threads=1 (or set OMP_NUM_THREADS=1 before starting)")
+    assert busy_warning(_situation(), "compare", None).endswith("; set OMP_NUM_THREADS=1 before starting")
+    assert busy_warning(_situation(omp_env="4"), "train", None) is None  # the count was chosen
+    assert busy_warning(_situation(), "train", 4) is None  # train.threads chose it
+    assert busy_warning(_situation(load=1.0), "train", None) is None  # idle: the run's own load only
+    assert busy_warning(_situation(threads=1), "train", None) is None  # one thread waits for nobody
+    assert "OMP_NUM_THREADS=2" in busy_warning(_situation(load=3.0), "compare", None)  # two cores free
+
+
+@pytest.fixture
+def busy_machine(monkeypatch):
+    """The load average of a machine whose every core other work keeps busy, torch at two
+    threads and OMP_NUM_THREADS unset: the case of the warning."""
+    import torch
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (float(os.cpu_count() or 1) + 4.0, 0.0, 0.0))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+TINY_RUN = ["device=cpu", "task.name=mlp", "task.size=tiny", "train.steps=2", "train.batch_size=4",
+            "logging.dir=null", "logging.progress=off"]
+
+
+def test_train_and_compare_warn_once_on_busy_cores_and_train_threads_silences_it(tmp_path, busy_machine, caplog):
+    def busy() -> list[str]:  # pytest's log handler holds the records the command line prints
+        found = [r.getMessage() for r in caplog.records if r.getMessage().startswith("the cores are busy")]
+        caplog.clear()
+        return found
+
+    rc, out, err = cli("train", *sets_of(TINY_RUN), cwd=tmp_path)
+    assert rc == 0, err
+    [text] = busy()
+    assert "pass --set train.threads=" in text
+    rc, out, err = cli("train", *sets_of([*TINY_RUN, "train.threads=1"]), cwd=tmp_path)
+    assert rc == 0 and busy() == [], err
+    rc, out, err = cli("compare", "--task", "mlp", "--steps", "2", "--device", "cpu", "--out", "cmp", cwd=tmp_path)
+    [text] = busy()
+    assert "set OMP_NUM_THREADS=" in text and "train.threads" not in text
+
+
+def test_train_threads_sets_torchs_count_for_the_run_and_restores_it():
+    import torch
+
+    from torchimpl.config import load_config
+    from torchimpl.tasks import build_task
+    from torchimpl.trainer import Callback, Trainer
+
+    seen = []
+
+    class Threads(Callback):
+        def on_step_end(self, trainer, state):
+            seen.append(torch.get_num_threads())
+
+    before = torch.get_num_threads()
+    wanted = 3 if before != 3 else 2
+    cfg = load_config(overrides=[*TINY_RUN, f"train.threads={wanted}"])
+    task = build_task(cfg.task, seed=0, batch_size=4)
+    Trainer(cfg, [Threads()]).fit(task.model, task.train_data, loss_fn=task.loss_fn)
+    assert seen == [wanted, wanted] and torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "1.5", "'two'"])
+def test_train_threads_is_a_whole_number_of_at_least_one(value):
+    from torchimpl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"train\.threads: must be (an integer >= 1|an integer or null), got"):
+        load_config(overrides=[f"train.threads={value}"])

@@ -90,6 +90,7 @@ def _compare(args: argparse.Namespace) -> int:
     _plain_warnings()
     # A bad --task, device or setting is named before --out is made, locked or claimed.
     check_inputs(steps=args.steps, device=args.device, task=args.task, seed=args.seed, out=args.out)
+    _warn_busy_cores("compare", None, args.device)
     with hold(Path(args.out), f"--out {args.out}"):
         claim_compare_folder(args.out, overwrite=args.overwrite)
         res = run_compare(steps=args.steps, device=args.device, out=args.out, task=args.task, seed=args.seed)
@@ -133,6 +134,7 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set, task_defaults=True)
     if args.resume and cfg.checkpoint.folder is None:  # before make() runs
         raise ValueError("--resume needs checkpoint.folder in the configuration")
+    _warn_busy_cores("train", cfg.train.threads, cfg.device)
     with _run_locks(cfg):
         if launch_rank() == 0:
             claim_run_folder(cfg, resume=args.resume, overwrite=args.overwrite)
@@ -155,6 +157,20 @@ def _train(args: argparse.Namespace) -> int:
             level = None if summary.outcome.startswith("interrupted") else "error"
             print(message_line(level, problem, "train"), file=sys.stderr)
     return EXIT_CODES[summary.outcome]
+
+
+def _warn_busy_cores(command: str, threads: int | None, device: str) -> None:
+    """The warning of ``torchimpl.threads.busy_warning``, once, for a run on the CPU."""
+    from torchimpl.device import resolve_device
+    from torchimpl.threads import busy_warning, current
+
+    try:
+        on_cpu = resolve_device(device).type == "cpu"
+    except (ValueError, RuntimeError):  # the run itself names a device it cannot use
+        return
+    text = busy_warning(current(), command, threads) if on_cpu and launch_rank() == 0 else None
+    if text is not None:
+        log.warning("%s", text)
 
 
 def _run_locks(cfg: Any) -> contextlib.ExitStack:

@@ -193,6 +193,11 @@ class TrainConfig(_Checked):
     distributed_timeout_s: float = 300.0
     """Seconds any rank waits for the others (start-up, every collective) before failing."""
 
+    threads: int | None = None
+    """torch's CPU threads for the run (``torch.set_num_threads``, restored after it); ``null``
+    keeps torch's own count (``OMP_NUM_THREADS``, else one per core). On a machine whose cores
+    other work keeps busy, 1 can train a small model many times faster."""
+
     def _problems(self) -> list[tuple[str, str]]:
         out = _int_at_least("steps", self.steps, 1)
         if not out and self.steps > MAX_STEPS:
@@ -202,6 +207,8 @@ class TrainConfig(_Checked):
         out += _int_at_least("log_interval", self.log_interval, 1)
         out += _int_at_least("eval_interval", self.eval_interval, 0)
         out += _int_at_least("seed", self.seed, 0)
+        if self.threads is not None:
+            out += _int_at_least("threads", self.threads, 1)
         if isinstance(self.seed, int) and self.seed >= 2**32:
             out.append(("seed", f"must be below 2**32 (NumPy's seeds are 32-bit), got {self.seed!r}"))
         c = self.clip_norm

@@ -149,7 +149,7 @@ def model_problems(model: Any, signature: Any) -> list[str]:
 
 # Rule 11, by dotted configuration key (a section name covers its keys).
 _FREE = ("train.steps", "train.log_interval", "train.eval_interval", "train.trace_file", "train.guard",
-         "train.compile", "train.on_nonfinite", "train.distributed_timeout_s", "checkpoint", "logging")
+         "train.compile", "train.on_nonfinite", "train.distributed_timeout_s", "train.threads", "checkpoint", "logging")
 _REFUSED = ("task", "precision", "optimizer.name", "optimizer.fused", "optimizer.foreach",
             "optimizer.no_decay_bias_and_norm", "scaler.preset", "scaler.hysteresis", "scaler.min_scale",
             "scaler.max_scale", "scaler.raise_at_min_scale", "scaler.consecutive_hysteresis", "train.distributed")

@@ -58,6 +58,7 @@ from torchimpl.run_state import DataCursor, RunState, TrainState
 from torchimpl.scaler import make_grad_scaler
 from torchimpl.schedule import AppliedStepSchedule, UserSchedule, adopt_scheduler
 from torchimpl.step import bind_hooks, build_step_engine, choose_sync_free
+from torchimpl.threads import run_threads
 
 __all__ = ["Callback", "RunSummary", "StopTraining", "Trainer", "TrainState", "default_loss_fn"]
 
@@ -387,7 +388,8 @@ class Trainer:
         fit.dist = init_distributed(cfg.train.distributed, device=fit.device, timeout_s=cfg.train.distributed_timeout_s)
         try:
             preflight(cfg, val_data, is_main=fit.dist.is_main)
-            with claimed_run(cfg, resume=resume is not None, overwrite=overwrite, is_main=fit.dist.is_main):
+            with claimed_run(cfg, resume=resume is not None, overwrite=overwrite, is_main=fit.dist.is_main), \
+                    run_threads(cfg.train.threads):
                 self._set_up(model, train_data)
                 self._seed()
                 resumed = self._resume(resume)
