@@ -253,3 +253,17 @@ def test_train_threads_is_a_whole_number_of_at_least_one(value):
 
     with pytest.raises(ConfigError, match=r"train\.threads: must be (an integer >= 1|an integer or null), got"):
         load_config(overrides=[f"train.threads={value}"])
+
+
+# ------------------------------------------------------------------ resume with a changed task
+
+
+def test_a_resume_with_a_changed_task_size_names_the_field_not_a_damaged_checkpoint(tmp_path):
+    run = [*TINY_RUN, "checkpoint.folder=ck"]
+    rc, out, err = cli("train", *sets_of(run), cwd=tmp_path)
+    assert rc == 0, err
+    before = checksums(tmp_path)
+    err = refused(cli("train", *sets_of([*run, "task.size=small", "train.steps=4"]), "--resume", cwd=tmp_path), 2,
+                  "task.size: 'tiny' (checkpoint) -> 'small' (now)", "Resume with the checkpoint's values")
+    assert "damaged" not in err and "different model" not in err, err
+    assert checksums(tmp_path) == before

@@ -335,8 +335,10 @@ class RunState:
         """Rules 1-6 (the generators and the data position come later: :meth:`restore_rng_and_data`)."""
         if ckpt.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(f"{path}: checkpoint format {ckpt.get('format')!r}, expected {CHECKPOINT_FORMAT}")
-        self._check_signature(ckpt["model_signature"], ckpt["model"], path)
+        # The configuration first: a changed task (task.size) also changes the model's shapes, and
+        # the refusal should name the field, not call a good checkpoint another model's.
         applied = self._check_config(ckpt, path)
+        self._check_signature(ckpt["model_signature"], ckpt["model"], path)
         fresh = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
                  for g in self.optimizer.param_groups]
         try:
