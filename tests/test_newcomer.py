@@ -267,3 +267,22 @@ def test_a_resume_with_a_changed_task_size_names_the_field_not_a_damaged_checkpo
                   "task.size: 'tiny' (checkpoint) -> 'small' (now)", "Resume with the checkpoint's values")
     assert "damaged" not in err and "different model" not in err, err
     assert checksums(tmp_path) == before
+
+
+# ------------------------------------------------------------------ bench/doctor_cost.py
+
+
+def test_the_doctor_cost_benchmark_runs_several_rounds(tmp_path, capsys):
+    """A smoke run (2 rounds of 1 step on the tiny task): every training run gets a run folder of
+    its own, so the second round is not refused for the first one's files."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("doctor_cost", ROOT / "bench" / "doctor_cost.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main_(["--rounds", "2", "--steps", "1", "--size", "tiny", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "doctor_cost.json").read_text())
+    assert (data["rounds"], data["steps"], data["size"]) == (2, 1, "tiny")
+    assert sorted(data["ratio_vs_train"]) == ["doctor_bf16", "doctor_fp16", "train_stats_1", "train_stats_10"]
+    assert all(r["rounds"] == 2 for r in data["ratio_vs_train"].values())
+    assert "cost against a plain ampspec train of the same 1 steps" in capsys.readouterr().out
