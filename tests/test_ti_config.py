@@ -131,4 +131,5 @@ def test_a_value_outside_its_fields_domain_is_refused_naming_field_value_and_ran
     if value.startswith("["):  # a pair: the error names the item that is out of range
         value = next(v for v in value.strip("[]").split(", ") if not 0 <= float(v) < 1)
     assert where == path and allowed in message, (where, message)
+    assert message.startswith("must") or message.startswith(path.rsplit(".", 1)[-1]), message  # no class name
     assert f"got {float(value)!r}" in message or f"got {value}" in message, message

@@ -548,7 +548,9 @@ def _construct(cls: type, kwargs: dict[str, Any], prefix: str, errors: list[tupl
 
 
 def _strip_name(message: str, name: str) -> str:
-    # "growth_factor must be > 1, got 0.5" reads "scaler.growth_factor: must be > 1, got 0.5".
+    # "invalid ScalerConfig: growth_factor must be > 1, got 0.5" reads "scaler.growth_factor:
+    # must be > 1, got 0.5": the path already names the section and the field.
+    message = message.removeprefix("invalid ScalerConfig: ")
     return message[len(name):].lstrip(" :") if message.startswith(name + " ") else message
 
 
