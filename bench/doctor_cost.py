@@ -11,10 +11,12 @@ stdout discarded), on the embedded transformer (``lm``, size small, batch 16, CP
 
 R rounds, the order rotating each round, after one warm-up round; ratios are the median over
 rounds of the per-round ratio to ``train`` (pairing by round cancels a shared machine's drift).
-The issue's bound: the doctor for 20 steps costs at most 3x 20 training steps.
+Every training run writes a fresh run folder of its own (a folder holding an earlier run's
+files is refused). The issue's bound: the doctor for 20 steps costs at most 3x 20 training steps.
 
     PYTHONPATH=. python bench/doctor_cost.py              # ~3-6 minutes on 2 busy cores
     PYTHONPATH=. python bench/doctor_cost.py --rounds 5
+    PYTHONPATH=. python bench/doctor_cost.py --rounds 2 --steps 2 --size tiny --out /tmp/x   # a smoke run
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness  # noqa: E402  (puts the repository root on sys.path)
@@ -33,20 +37,27 @@ import _harness  # noqa: E402  (puts the repository root on sys.path)
 from torchimpl.cli import main  # noqa: E402
 
 STEPS = 20
-_TRAIN = ["train", "-q", "--set", "device=cpu", "--set", "task.name=lm", "--set", "train.batch_size=16",
-          "--set", f"train.steps={STEPS}", "--set", "precision.mode=bf16", "--set", "logging.progress=off"]
 
 
-def _candidates(folder: Path) -> dict[str, list[str]]:
-    def train(stats: int) -> list[str]:
+def _candidates(folder: Path, steps: int = STEPS, size: str = "small") -> dict[str, Callable[[], list[str]]]:
+    """Each candidate's command line, made afresh for each of its runs."""
+    runs = itertools.count()
+    base = ["train", "-q", "--set", "device=cpu", "--set", "task.name=lm", "--set", f"task.size={size}",
+            "--set", "train.batch_size=16", "--set", f"train.steps={steps}", "--set", "precision.mode=bf16",
+            "--set", "logging.progress=off"]
+
+    def train(stats: int) -> Callable[[], list[str]]:
         # every training candidate writes its run folder (metrics.csv, no TensorBoard), so that
-        # the precision_stats candidates differ from the baseline in that setting alone
-        return [*_TRAIN, "--set", f"logging.dir={folder / f'stats{stats}'}", "--set", "logging.tensorboard=false",
-                "--set", "checkpoint.folder=null", "--set", f"logging.precision_stats={stats}"]
+        # the precision_stats candidates differ from the baseline in that setting alone; a new
+        # folder for every run, since a folder holding an earlier run's files is refused
+        return lambda: [*base, "--set", f"logging.dir={folder / f'stats{stats}-run{next(runs)}'}",
+                        "--set", "logging.tensorboard=false", "--set", "checkpoint.folder=null",
+                        "--set", f"logging.precision_stats={stats}"]
 
-    doctor = ["doctor", "--task", "lm", "--batch-size", "16", "--steps", str(STEPS), "--device", "cpu"]
-    return {"train": train(0), "doctor_bf16": [*doctor, "--precision", "bf16"],
-            "doctor_fp16": [*doctor, "--precision", "fp16"], "train_stats_1": train(1),
+    doctor = ["doctor", "--task", "lm", "--size", size, "--batch-size", "16", "--steps", str(steps),
+              "--device", "cpu"]
+    return {"train": train(0), "doctor_bf16": lambda: [*doctor, "--precision", "bf16"],
+            "doctor_fp16": lambda: [*doctor, "--precision", "fp16"], "train_stats_1": train(1),
             "train_stats_10": train(10)}
 
 
@@ -60,19 +71,20 @@ def _time(argv: list[str]) -> float:
     return elapsed
 
 
-def run(rounds: int) -> dict:
+def run(rounds: int, steps: int = STEPS, size: str = "small") -> dict:
     with tempfile.TemporaryDirectory(prefix="ampspec-doctor-bench-") as tmp:
-        cands = _candidates(Path(tmp))
+        cands = _candidates(Path(tmp), steps, size)
         names = list(cands)
         for name in names:  # warm-up: imports, first-call allocations
-            _time(cands[name])
+            _time(cands[name]())
         blocks: dict[str, list[float]] = {n: [] for n in names}
         for r in range(rounds):
             for name in _harness.rotate(names, r):
-                blocks[name].append(_time(cands[name]))
+                blocks[name].append(_time(cands[name]()))
     return {
         "machine": _harness.machine(),
-        "steps": STEPS,
+        "steps": steps,
+        "size": size,
         "rounds": rounds,
         "seconds_median": {n: _harness.median(v) for n, v in blocks.items()},
         "ratio_vs_train": {n: _harness.paired_ratio(blocks, n, "train") for n in names if n != "train"},
@@ -83,10 +95,15 @@ def run(rounds: int) -> dict:
 def main_(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=STEPS, help="steps of every candidate")
+    p.add_argument("--size", choices=("tiny", "small"), default="small", help="the lm task's size")
     p.add_argument("--out", help="folder for doctor_cost.json (default bench/results)")
     args = p.parse_args(argv)
-    data = run(args.rounds)
+    if args.rounds < 1 or args.steps < 1:
+        p.error("--rounds and --steps must be at least 1")
+    data = run(args.rounds, args.steps, args.size)
     path = _harness.write_result("doctor_cost", data, args.out)
+    print(f"cost against a plain ampspec train of the same {args.steps} steps (task lm, size {args.size}):")
     for name, r in data["ratio_vs_train"].items():
         print(f"{name:16s} {r['median']:.2f}x train (min {r['min']:.2f}, max {r['max']:.2f}, {r['rounds']} rounds)")
     print(f"seconds (median): " + ", ".join(f"{n} {s:.1f}" for n, s in data["seconds_median"].items()))

@@ -735,13 +735,25 @@ def test_export_refuses_a_bad_source_naming_it_and_writes_nothing(run_copy, kind
     ("weights.bin", ["unknown format '.bin'"]),
     ("exists.pt", ["exists.pt exists", "--force"]),
     ("afolder.pt", ["afolder.pt", "folder"]),
+    ("dangling.pt", ["dangling.pt is a symbolic link (to gone.pt)", "--force"]),
+    ("linked.pt", ["linked.pt is a symbolic link (to exists.pt)", "--force"]),
 ])
 def test_export_refuses_a_bad_output_naming_it(run_copy, out, names):
     (run_copy / "exists.pt").write_text("keep me\n")
     (run_copy / "afolder.pt").mkdir()
+    (run_copy / "dangling.pt").symlink_to("gone.pt")
+    (run_copy / "linked.pt").symlink_to("exists.pt")
     before = checksums(run_copy)
     refused(cli("export", "ck", out, cwd=run_copy), 2, *names)
-    assert checksums(run_copy) == before
+    assert checksums(run_copy) == before and not (run_copy / "gone.pt").exists()
+
+
+def test_export_force_replaces_a_link_itself_never_its_target(run_copy):
+    (run_copy / "target.pt").write_text("keep me\n")
+    (run_copy / "out.pt").symlink_to("target.pt")
+    rc, out, err = cli("export", "ck", "out.pt", "--force", cwd=run_copy)
+    assert rc == 0, err
+    assert not (run_copy / "out.pt").is_symlink() and (run_copy / "target.pt").read_text() == "keep me\n"
 
 
 # ------------------------------------------------------------------ 12. compare --out

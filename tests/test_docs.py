@@ -248,10 +248,13 @@ def test_the_bad_configuration_example_prints_what_the_page_shows(tmp_path, monk
     from torchimpl.cli import main
 
     monkeypatch.chdir(tmp_path)
-    command, documented = _block_after(_TRAINING, "A bad configuration names every bad field at once:").strip().split("\n")
+    command, *documented = _block_after(_TRAINING, "A bad configuration names every bad field at once, one per "
+                                                   "line:").strip().split("\n")
     assert main(shlex.split(command.removeprefix("$ "))[1:]) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert _elided_matches(documented, line), f"documented:\n{documented}\nprinted:\n{line}"
+    printed = capsys.readouterr().err.strip().splitlines()
+    assert len(printed) == len(documented) == 3, printed
+    for doc, line in zip(documented, printed):
+        assert _elided_matches(doc, line), f"documented:\n{doc}\nprinted:\n{line}"
 
 
 def test_the_python_api_snippets_run(task_examples):
@@ -335,3 +338,14 @@ def test_every_commands_help_shows_each_options_default_as_the_readme_says():
                     and f"(default: {action.default})" not in text):
                 missing.append(f"{name} {action.option_strings[-1]}")
     assert not missing, f"options whose --help does not show the default: {missing}"
+
+
+def test_the_run_summarys_keys_are_the_ones_docs_training_lists():
+    import dataclasses
+
+    from torchimpl.trainer import RunSummary
+
+    text = " ".join(_TRAINING.read_text().split())
+    listed = re.search(r"Its keys: (.*?)\.(?: |$)", text).group(1)
+    names = re.findall(r"`(\w+)`", listed)
+    assert names == [f.name for f in dataclasses.fields(RunSummary)]

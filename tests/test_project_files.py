@@ -40,3 +40,18 @@ def _readme_benches() -> set[str]:
     """Benchmarks the README documents with their command (CONTRIBUTING points there)."""
     pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
     return {m for p in pages for m in re.findall(r"bench/(\w+\.py)", p.read_text())}
+
+
+def test_the_audit_extra_brings_what_the_pytest_fixture_imports():
+    """The pytest11 entry point's module imports pytest: ``pip install 'ampspec[audit]'`` brings it,
+    and the page that documents the fixture says so."""
+    import ast
+    import tomllib
+
+    project = tomllib.loads(_pyproject())["project"]
+    module = project["entry-points"]["pytest11"]["ampspec_audit"]
+    tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert "pytest" in imported
+    assert any(re.match(r"pytest\b", req) for req in project["optional-dependencies"]["audit"])
+    assert "pip install 'ampspec[audit]'" in (ROOT / "docs" / "audit.md").read_text()

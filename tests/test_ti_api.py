@@ -259,6 +259,17 @@ def test_a_keyword_trainer_trains_in_bf16_and_says_so():
     assert summary.to_dict()["precision_note"] == summary.precision_note
 
 
+def test_a_run_summary_reads_by_key_as_its_dict_does():
+    torch.manual_seed(0)
+    data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+    summary = Trainer(max_steps=2, device="cpu", overrides={"logging.dir": None}).fit(LossModel(), data)
+    plain = summary.to_dict()
+    assert plain["final_train_loss"] == summary.final_train_loss and plain["steps"] == 2
+    assert {key: summary[key] for key in plain} == plain
+    with pytest.raises(KeyError, match="no key 'final_loss'; keys: device, .*final_train_loss"):
+        summary["final_loss"]
+
+
 def test_every_public_config_name_is_exported():
     for name in (n for n in torchimpl.config.__all__ if not n.isupper()):  # constants stay in their module
         assert name in torchimpl.__all__ and getattr(torchimpl, name) is getattr(torchimpl.config, name)

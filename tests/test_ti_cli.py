@@ -60,16 +60,17 @@ def test_doctor_reports_the_environment():
         assert text in r.stdout, f"{text!r} missing from doctor output:\n{r.stdout}"
 
 
-def test_user_mistakes_print_one_line_and_exit_nonzero(tmp_path):
-    cases = [
-        ("train", "--set", "train.steps=0", "--set", "train.bogus=1"),
-        ("train", "--config", tmp_path / "missing.yaml"),
-        ("replay", tmp_path / "missing.jsonl"),
-        ("compare", "--device", "cuda", "--steps", "2"),
+def test_user_mistakes_print_one_line_per_problem_and_exit_nonzero(tmp_path):
+    cases = [  # (the command, the lines: a configuration's two bad fields come below a heading)
+        (("train", "--set", "train.steps=0", "--set", "train.bogus=1"), 3),
+        (("train", "--config", tmp_path / "missing.yaml"), 1),
+        (("replay", tmp_path / "missing.jsonl"), 1),
+        (("compare", "--device", "cuda", "--steps", "2"), 1),
     ]
-    for args in cases:
+    for args, count in cases:
         r = ampspec(*args)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2, (args, r.stderr)
-        assert len(lines) == 1 and lines[0].startswith("ampspec "), (args, r.stderr)
+        assert len(lines) == count and lines[0].startswith("ampspec "), (args, r.stderr)
+        assert all(line.startswith("  ") for line in lines[1:]), r.stderr
         assert "Traceback" not in r.stderr

@@ -85,3 +85,51 @@ def test_an_override_into_a_section_that_is_not_a_mapping_is_an_error():
     with pytest.raises(ConfigError, match=r"task: must be a mapping"):
         load_config(data={"task": "mlp"})
     assert load_config(data={"task": {"name": "mlp"}}, overrides=["task.size=tiny"]).task.name == "mlp"
+
+
+# Every field with a domain, at a value just outside it: (overrides, the field, what the error
+# must say of the allowed range). The value is named too, as "got <value>".
+_OUT_OF_DOMAIN = [
+    (["optimizer.lr=0"], "optimizer.lr", "> 0"),
+    (["optimizer.lr=-1e-3"], "optimizer.lr", "> 0"),
+    (["optimizer.eps=0"], "optimizer.eps", "> 0"),
+    (["optimizer.name=adagrad", "optimizer.eps=0"], "optimizer.eps", "> 0"),
+    (["optimizer.betas=[0.9, 1.0]"], "optimizer.betas", "[0, 1)"),
+    (["optimizer.betas=[-0.1, 0.9]"], "optimizer.betas", ">= 0.0"),
+    (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay", ">= 0.0"),
+    (["optimizer.name=sgd", "optimizer.momentum=-0.9"], "optimizer.momentum", ">= 0.0"),
+    (["optimizer.name=adadelta", "optimizer.rho=1.5"], "optimizer.rho", "[0, 1]"),
+    (["optimizer.name=rmsprop", "optimizer.alpha=-1"], "optimizer.alpha", ">= 0.0"),
+    (["optimizer.name=adafactor", "optimizer.d=0.5"], "optimizer.d", ">= 1.0"),
+    (["train.clip_norm=0"], "train.clip_norm", "> 0 or null"),
+    (["train.steps=0"], "train.steps", ">= 1"),
+    (["train.microbatches=0"], "train.microbatches", ">= 1"),
+    (["train.batch_size=0"], "train.batch_size", ">= 1"),
+    (["train.log_interval=0"], "train.log_interval", ">= 1"),
+    (["train.distributed_timeout_s=0"], "train.distributed_timeout_s", "> 0"),
+    (["scaler.growth_factor=1"], "scaler.growth_factor", "> 1"),
+    (["scaler.backoff_factor=1"], "scaler.backoff_factor", "> 0 and < 1"),
+    (["scaler.backoff_factor=0"], "scaler.backoff_factor", "> 0 and < 1"),
+    (["scaler.growth_interval=0"], "scaler.growth_interval", ">= 1"),
+    (["scaler.init_scale=0"], "scaler.init_scale", "> 0"),
+    (["scaler.hysteresis=0"], "scaler.hysteresis", ">= 1"),
+    (["schedule.min_lr_ratio=1.5"], "schedule.min_lr_ratio", "[0, 1]"),
+    (["schedule.warmup_steps=-1"], "schedule.warmup_steps", ">= 0"),
+    (["schedule.decay_steps=0"], "schedule.decay_steps", ">= 1"),
+    (["checkpoint.keep_last=0"], "checkpoint.keep_last", ">= 1"),
+    (["checkpoint.interval=-1"], "checkpoint.interval", ">= 0"),
+    (["logging.precision_stats=-1"], "logging.precision_stats", ">= 0"),
+]
+
+
+@pytest.mark.parametrize("overrides, path, allowed", _OUT_OF_DOMAIN, ids=[" ".join(c[0]) for c in _OUT_OF_DOMAIN])
+def test_a_value_outside_its_fields_domain_is_refused_naming_field_value_and_range(overrides, path, allowed):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides)
+    [(where, message)] = info.value.errors
+    value = overrides[-1].split("=", 1)[1]
+    if value.startswith("["):  # a pair: the error names the item that is out of range
+        value = next(v for v in value.strip("[]").split(", ") if not 0 <= float(v) < 1)
+    assert where == path and allowed in message, (where, message)
+    assert message.startswith("must") or message.startswith(path.rsplit(".", 1)[-1]), message  # no class name
+    assert f"got {float(value)!r}" in message or f"got {value}" in message, message

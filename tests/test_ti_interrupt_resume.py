@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
 import torch
 
 from torchimpl.checkpoint import load_checkpoint
@@ -37,7 +38,16 @@ class CtrlC(Callback):
             os.kill(os.getpid(), signal.SIGINT)
 
 
-def test_ctrl_c_mid_window_stops_at_the_boundary_and_resumes_bit_for_bit(tmp_path):
+@pytest.fixture
+def ctrl_c_handled():
+    """SIGINT raises KeyboardInterrupt in this test, as in a terminal, however the suite was
+    started: a shell starts a background job (``pytest &``, ``nohup``) with SIGINT ignored."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_mid_window_stops_at_the_boundary_and_resumes_bit_for_bit(tmp_path, ctrl_c_handled):
     straight, _ = _fit(_cfg(tmp_path, "straight"))
     cut = _cfg(tmp_path, "cut")
     _, summary = _fit(cut, [CtrlC()])

@@ -108,3 +108,77 @@ def test_the_error_says_what_to_do_for_a_read_only_folder(tmp_path):
     text = str(info.value)
     assert text.startswith(f"metrics file {tmp_path / 'x.csv'}: cannot write: Read-only file system;")
     assert "make that folder writable" in text and info.value.errno == errno.EROFS
+
+
+def _denied_inside(monkeypatch, folder):
+    """From the moment the returned function is called, every write into ``folder`` fails with
+    EACCES, as in a folder made read-only (simulated at the system calls: root writes anywhere)."""
+    import os
+    from pathlib import Path
+
+    denied = {"on": False}
+    real_open, real_unlink, real_replace = os.open, os.unlink, os.replace
+
+    def inside(p):
+        return denied["on"] and Path(os.fspath(p)).resolve().is_relative_to(Path(folder).resolve())
+
+    def deny(p):
+        raise PermissionError(errno.EACCES, "Permission denied", os.fspath(p))
+
+    def open_(p, flags, *a, **k):
+        if inside(p) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            deny(p)
+        return real_open(p, flags, *a, **k)
+
+    def unlink(p, *a, **k):
+        if inside(p):
+            deny(p)
+        return real_unlink(p, *a, **k)
+
+    def replace(src, dst, *a, **k):
+        if inside(dst):
+            deny(dst)
+        return real_replace(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(os, "replace", replace)
+    return lambda: denied.update(on=True)
+
+
+def _before_the_second_checkpoint(monkeypatch, action):
+    from torchimpl.cadence import Checkpointer
+
+    real, calls = Checkpointer.save, []
+
+    def save(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            action()
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Checkpointer, "save", save)
+
+
+def test_a_checkpoint_folder_made_read_only_mid_run_exits_1_naming_it_and_keeps_the_last_checkpoint(
+        tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "ro"
+    _before_the_second_checkpoint(monkeypatch, _denied_inside(monkeypatch, folder))
+    code, err = _main(_args(folder), capsys)
+    assert code == 1, err  # the environment stopped a run: not a usage error, and no raw errno
+    assert f"checkpoint {folder / 'step-00000004.ckpt'}: cannot write: Permission denied" in err, err
+    assert "make that folder writable" in err and "[Errno" not in err and ".ampspec.lock" not in err, err
+    monkeypatch.undo()
+    assert [p.name for p in list_checkpoints(folder)] == ["step-00000002.ckpt"]
+    load_checkpoint(folder / "step-00000002.ckpt")
+
+
+def test_a_checkpoint_folder_removed_mid_run_exits_1_naming_it(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    folder = tmp_path / "gone"
+    _before_the_second_checkpoint(monkeypatch, lambda: shutil.rmtree(folder))
+    code, err = _main(_args(folder), capsys)
+    assert code == 1, err
+    assert f"checkpoint.folder {folder}: it no longer exists (deleted or moved while the run wrote to it)" in err, err
+    assert not folder.exists()  # not made again, holding a run without its start

@@ -18,6 +18,7 @@ The :class:`StepClock` times the steps with evaluation and saving left out.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import time
@@ -29,6 +30,7 @@ import torch
 from torchimpl.checkpoint import CheckpointError, checkpoint_name, list_checkpoints, prune_checkpoints
 from torchimpl.config import CheckpointConfig
 from torchimpl.run_state import TrainState, check_contents
+from torchimpl.safe_files import RunFileWriteError
 
 __all__ = ["Checkpointer", "Evaluator", "LogPoints", "StepClock"]
 
@@ -82,6 +84,7 @@ class Checkpointer:
         self.dist = dist
         self.last: str | None = None
         """The path of the newest checkpoint this run wrote."""
+        self._folder_seen = self.folder is not None and Path(self.folder).is_dir()
 
     def due(self, step: int, *, last: bool, interrupted: bool) -> bool:
         return self.folder is not None and (_every(self.interval, step) or last or interrupted)
@@ -127,12 +130,24 @@ class Checkpointer:
             if self.folder is None:
                 raise ValueError("no path given and checkpoint.folder is not set")
             path = Path(self.folder) / checkpoint_name(state.step, state.window_done)
+            self._check_folder_there()
         written = self.dist.save_checkpoint(contents, Path(path))
+        self._folder_seen = self.folder is not None and Path(written).parent == Path(self.folder)
         self.last = str(written)
         log.info("saved checkpoint %s", written)
         if self.folder is not None and Path(written).parent == Path(self.folder) and self.dist.is_main:
             prune_checkpoints(self.folder, self.keep_last)
         return written
+
+
+    def _check_folder_there(self) -> None:
+        """A checkpoint folder that vanished during the run (deleted or moved) stops it: made
+        again, it would hold a run without its earlier checkpoints, metrics or lock."""
+        if self._folder_seen and not Path(self.folder).is_dir():
+            raise RunFileWriteError(f"checkpoint.folder {self.folder}: it no longer exists (deleted or moved while "
+                                    "the run wrote to it), so the run stopped; put the folder back (or a copy of "
+                                    "it) and resume from its last checkpoint, or start afresh in another folder",
+                                    errno.ENOENT, str(self.folder))
 
 
 class StepClock:

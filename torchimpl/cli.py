@@ -1,4 +1,4 @@
-"""The ``ampspec`` command: ``compare``, ``train``, ``export``, ``doctor``, ``replay``, ``audit``.
+"""The ``ampspec`` command: ``compare``, ``train``, ``export``, ``config``, ``doctor``, ``replay``, ``audit``.
 
 User mistakes (a bad configuration, a missing file, an unavailable device, a refused resume)
 print one line to stderr and exit with status 2. ``train`` exits 0 when the run completed (or a
@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -89,6 +90,7 @@ def _compare(args: argparse.Namespace) -> int:
     _plain_warnings()
     # A bad --task, device or setting is named before --out is made, locked or claimed.
     check_inputs(steps=args.steps, device=args.device, task=args.task, seed=args.seed, out=args.out)
+    _warn_busy_cores("compare", None, args.device)
     with hold(Path(args.out), f"--out {args.out}"):
         claim_compare_folder(args.out, overwrite=args.overwrite)
         res = run_compare(steps=args.steps, device=args.device, out=args.out, task=args.task, seed=args.seed)
@@ -132,6 +134,7 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set, task_defaults=True)
     if args.resume and cfg.checkpoint.folder is None:  # before make() runs
         raise ValueError("--resume needs checkpoint.folder in the configuration")
+    _warn_busy_cores("train", cfg.train.threads, cfg.device)
     with _run_locks(cfg):
         if launch_rank() == 0:
             claim_run_folder(cfg, resume=args.resume, overwrite=args.overwrite)
@@ -156,6 +159,20 @@ def _train(args: argparse.Namespace) -> int:
     return EXIT_CODES[summary.outcome]
 
 
+def _warn_busy_cores(command: str, threads: int | None, device: str) -> None:
+    """The warning of ``torchimpl.threads.busy_warning``, once, for a run on the CPU."""
+    from torchimpl.device import resolve_device
+    from torchimpl.threads import busy_warning, current
+
+    try:
+        on_cpu = resolve_device(device).type == "cpu"
+    except (ValueError, RuntimeError):  # the run itself names a device it cannot use
+        return
+    text = busy_warning(current(), command, threads) if on_cpu and launch_rank() == 0 else None
+    if text is not None:
+        log.warning("%s", text)
+
+
 def _run_locks(cfg: Any) -> contextlib.ExitStack:
     """The locks on this run's folders and trace (``torchimpl.run_lock``), held by rank 0 alone."""
     from torchimpl.run_lock import run_locks
@@ -177,6 +194,19 @@ def _outcome_message(summary) -> str | None:
     if summary.outcome.startswith("interrupted"):
         return f"{summary.stopped}{where}; continue with --resume"
     return None
+
+
+def _config(args: argparse.Namespace) -> int:
+    """Print the configuration ``train`` would run with (the defaults, ``--config``, ``--set``)
+    as YAML that ``train --config`` reads back to the same configuration."""
+    import yaml
+
+    from torchimpl.config import load_config
+
+    cfg = load_config(args.config, args.set, task_defaults=True)
+    print("# ampspec train's configuration; every field is documented in torchimpl/config.py")
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False), end="")
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -261,6 +291,7 @@ def _replay(args: argparse.Namespace) -> int:
     # The CLI's boundary with the specification: the spec judges the recorded run.
     from reference.step import replay
 
+    _check_replay_sets(args.set)
     numbered = read_numbered_trace(args.trace)
     if not numbered:
         raise ValueError(f"{args.trace} holds no step records")
@@ -276,6 +307,19 @@ def _replay(args: argparse.Namespace) -> int:
         return 0
     print(f"first divergent {result.describe()}")
     return 1
+
+
+def _check_replay_sets(sets: list[str]) -> None:
+    """A replay recomputes the loss scale alone: a ``--set`` of a field outside the scaler
+    section, which would change nothing, is refused with the fields it can change."""
+    from torchimpl.scaler import ScalerConfig
+
+    for item in sets:
+        key = item.partition("=")[0].strip()
+        if key != "scaler" and not key.startswith("scaler."):
+            can = ", ".join(f"scaler.{f.name}" for f in dataclasses.fields(ScalerConfig))
+            raise ValueError(f"--set {item}: a replay recomputes the loss scale only, so {key} would change "
+                             f"nothing; it can change {can}")
 
 
 def _replay_policy(args: argparse.Namespace, header: dict | None) -> object:
@@ -403,6 +447,18 @@ def _add_train(sub: Any, common: argparse.ArgumentParser) -> None:
     t.set_defaults(func=_train)
 
 
+def _add_config(sub: Any, common: argparse.ArgumentParser) -> None:
+    c = sub.add_parser("config", parents=[common], help="print the configuration train would use, as YAML",
+                       formatter_class=_Defaults,
+                       description="Print the configuration `ampspec train` would run with, every field: the "
+                                   "defaults (with the embedded task's own), or with --config and --set the "
+                                   "resolved one. `ampspec train --config` reads the output back.")
+    c.add_argument("--config", metavar="FILE", help="YAML configuration file to resolve")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one field, e.g. train.steps=100 (repeatable; values are YAML)")
+    c.set_defaults(func=_config)
+
+
 def _add_export(sub: Any, common: argparse.ArgumentParser) -> None:
     e = sub.add_parser("export", parents=[common], help="write a checkpoint's model weights as a plain state_dict",
                        formatter_class=_Defaults,
@@ -426,6 +482,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_compare(sub, common)
     _add_train(sub, common)
     _add_export(sub, common)
+    _add_config(sub, common)
     d = sub.add_parser("doctor", parents=[common], help="what this machine supports; with --task, a model's precision",
                        formatter_class=_Defaults,
                        description="Without --task: what this machine supports. With --task: run the model in each "
@@ -506,6 +563,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         restore_handlers(previous)
 
 
+def _missing_working_directory() -> str | None:
+    """The message for a working directory deleted under the shell, else None: checked before
+    any work, because torch's libraries then fail to load with a fatal error naming neither."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return ("the working directory no longer exists (it was deleted or moved while this shell was in it); "
+                "cd to an existing folder and run the command again")
+    return None
+
+
 def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     head, tail = _audit_split(list(sys.argv[1:] if argv is None else argv))
@@ -514,6 +582,10 @@ def _main(argv: Sequence[str] | None) -> int:
         args.args = tail
     if args.verbose and args.quiet:
         parser.error("-v/--verbose and -q/--quiet contradict each other; give one")
+    gone = _missing_working_directory()
+    if gone is not None:
+        print(message_line("error", gone, args.command), file=sys.stderr)
+        return 2
     if getattr(args, "resume", False) and getattr(args, "overwrite", False):
         parser.error("--resume and --overwrite contradict each other: --resume continues the run in the folder, "
                      "--overwrite replaces it; give one")

@@ -10,13 +10,16 @@ builds a fresh task from the same seed (``torchimpl.tasks.build_task``).
 Agreement rule (stated in the table's footer, the report and the plot): ``torchimpl.agreement``,
 a band relative to fp32's moving average with a floor from fp32's own step-to-step noise.
 A run's "max gap" is the largest absolute difference, in loss units, between its smoothed
-curve and fp32's.
+curve and fp32's. A run's ms/step is the median step after its first :data:`WARMUP_STEPS`
+(:func:`timed_steps`): the first steps in a precision pay its one-time costs (kernels chosen
+and built, buffers allocated), which would make the first low-precision row look slow.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 import sys
 import warnings
 import textwrap
@@ -35,13 +38,16 @@ from torchimpl.safe_files import write_report
 from torchimpl.records import read_trace
 from torchimpl.reporting import progress_log
 from torchimpl.tasks import build_task, check_task
-from torchimpl.trainer import Trainer
+from torchimpl.trainer import Callback, Trainer
 
 __all__ = ["CompareResult", "check_inputs", "run_compare", "format_table", "gap_explained"]
 
 log = logging.getLogger(__name__)
 
 SCALER_RUN = "bf16+scaler"
+
+WARMUP_STEPS = 5
+"""Steps at the start of each run that its ms/step leaves out (at most half the run)."""
 
 
 @dataclass
@@ -76,6 +82,33 @@ class _Curves:
     skipped: list[int]
     """1-based steps whose update was skipped (a non-finite gradient)."""
     uses_scaler: bool
+
+
+class _StepTimes(Callback):
+    """The wall time at the start of the run and at the end of each step (on CUDA after the
+    step's work has finished), for :func:`timed_steps`."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    def _now(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter())
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        self._now()
+
+    def on_step_end(self, trainer: Trainer, state: Any) -> None:
+        self._now()
+
+
+def timed_steps(times: list[float]) -> tuple[float, int]:
+    """(the median step's seconds after the warm-up, the warm-up's steps) from ``_StepTimes``:
+    the median also leaves out the steps followed by an evaluation or a checkpoint."""
+    steps = [b - a for a, b in zip(times, times[1:])]
+    warm = min(WARMUP_STEPS, len(steps) // 2)
+    return (statistics.median(steps[warm:]) if steps[warm:] else math.nan), warm
 
 
 class _RecordingTrainer(Trainer):
@@ -139,7 +172,8 @@ def _train_one(label: str, mode: str, extra: list[str], *, dev: torch.device, ta
     cfg = run_config(label, mode, extra, dev=str(dev), task=task, steps=steps, seed=seed, eval_every=eval_every,
                      out=out)
     t = build_task(cfg.task, seed=seed, batch_size=cfg.train.batch_size)
-    trainer = _RecordingTrainer(cfg)
+    clock = _StepTimes(dev)
+    trainer = _RecordingTrainer(cfg, [clock])
     with warnings.catch_warnings():
         # --out was claimed for this comparison (torchimpl.run_folder rule 4): each run replaces
         # its own files from an earlier comparison there, which that claim already allowed.
@@ -149,11 +183,12 @@ def _train_one(label: str, mode: str, extra: list[str], *, dev: torch.device, ta
                      scale=[s for _, s in trainer.scale_history],
                      skipped=[r.step + 1 for r in read_trace(trace) if not r.applied],
                      uses_scaler=summary.use_scaler)
+    seconds, warm = timed_steps(clock.times)
     row = {
         "precision": label, "plan": summary.precision_mode, "final_loss": curves.train[-1],
         "best_val_loss": summary.best_val_loss, "final_val_loss": summary.final_val_loss,
         "steps_skipped": summary.steps_skipped, "final_scale": summary.final_scale,
-        "time_per_step_ms": summary.time_per_step_s * 1e3,
+        "time_per_step_ms": seconds * 1e3, "warmup_steps": warm,
         "peak_memory_mb": None if summary.peak_memory_bytes is None else summary.peak_memory_bytes / 2**20,
         "downgrades": summary.downgrades,
     }
@@ -442,4 +477,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                       f(r["peak_memory_mb"], ".1f"), f(r["max_gap_to_fp32"], ".4f"),
                       "yes" if r["agrees"] else "NO"])
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in lines)
+    table = "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in lines)
+    warm = sorted({r["warmup_steps"] for r in rows})
+    return table + (f"\nms/step: the median step after {' or '.join(map(str, warm))} warm-up steps in each "
+                    "precision, which are not counted (they pay the precision's one-time costs)" if rows else "")

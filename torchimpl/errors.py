@@ -4,7 +4,9 @@
    SIGINT ...``, exit 130 or 143; a bare ``KeyboardInterrupt`` is a SIGINT.
 2. A user mistake found before work (``ValueError`` and its kinds: a bad configuration, a
    refused resume, a damaged file; ``OSError``; ``ImportError``): ``<command>: error: ...``,
-   exit 2.
+   exit 2. A usage error listing several problems (:class:`ProblemList`, such as a configuration
+   with several bad fields) prints its heading on that line and each problem on its own
+   indented line below it, so that no two problems run together.
 3. The user's task failing while it trains (:class:`TaskFailed`):
    ``<command>: error: task.name '...' failed while training: ...``, exit 1.
 3a. A run file that cannot be written once work has begun (a full disk, a folder turned
@@ -23,10 +25,14 @@ from typing import Any, Callable
 from torchimpl.lifecycle import Interrupted
 from torchimpl.safe_files import RunFileWriteError
 
-__all__ = ["TaskFailed", "USAGE_ERRORS", "run_command", "where"]
+__all__ = ["ProblemList", "TaskFailed", "USAGE_ERRORS", "run_command", "where"]
 
 USAGE_ERRORS = (ValueError, OSError, ImportError)
 """Exceptions that are the input's fault, found before work: exit status 2."""
+
+
+class ProblemList(ValueError):
+    """A usage error whose text is a heading line, then one problem per line (rule 2)."""
 
 
 class TaskFailed(Exception):
@@ -62,6 +68,10 @@ def run_command(func: Callable[[Any], int], args: Any, name: str, *, verbose: bo
     except RunFileWriteError as exc:  # before USAGE_ERRORS: an OSError, but a failed run (rule 3a)
         print(f"{name}: error: {exc}", file=sys.stderr)
         return 1
+    except ProblemList as exc:
+        heading, *problems = [_one_line(text) for text in str(exc).splitlines() if text.strip()] or [""]
+        print("\n".join([f"{name}: error: {heading}", *(f"  {p}" for p in problems)]), file=sys.stderr)
+        return 2
     except USAGE_ERRORS + (RuntimeError,) as exc:
         print(f"{name}: error: {_one_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
         return 2

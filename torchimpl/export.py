@@ -144,6 +144,11 @@ def _safetensors(path: Path, verb: str) -> Any:
 
 
 def _refuse_overwrite(out: Path, force: bool) -> None:
+    """An existing ``OUT`` is kept unless ``force``, and so is a symbolic link there, even one
+    whose target is gone (``exists()`` is false for it): ``--force`` replaces the link itself."""
+    if out.is_symlink() and not force:
+        raise FileExistsError(f"output {out} is a symbolic link (to {os.readlink(out)}); choose another name, "
+                              "or pass --force to replace the link (its target is left as it is)")
     if out.exists() and not force:
         raise FileExistsError(f"output {out} exists; choose another name, or pass --force to overwrite it")
     if out.is_dir():

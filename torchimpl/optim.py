@@ -27,6 +27,7 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -163,7 +164,7 @@ def _finite_at_least(name: str, value: Any, low: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if not (float(value) >= low and float(value) != float("inf")):
-        raise ValueError(f"{name} must be a finite number >= {low}, got {value!r}")
+        raise ValueError(f"{name} must be a finite number{'' if low == -math.inf else f' >= {low}'}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -201,17 +202,22 @@ class OptimizerConfig:
             raise ValueError(
                 f"optimizer name must be one of {', '.join(REGISTRY)}, got {self.name!r}"
             )
-        _finite_at_least("lr", self.lr, 0.0)
+        _finite_at_least("lr", self.lr, float("-inf"))
         if not 0.0 < float(self.lr) <= _F32_MAX:  # 0 trains nothing; torch keeps rates in float32 tensors too
             raise ValueError(f"lr must be > 0 and within float32's range (at most {_F32_MAX:.4g}), got {self.lr!r}")
         _finite_at_least("weight_decay", self.weight_decay, 0.0)
-        _finite_at_least("eps", self.eps, 0.0)
+        _finite_at_least("eps", self.eps, float("-inf"))
+        if not 0.0 < float(self.eps) < math.inf:  # eps = 0 divides 0 by 0 where a gradient has been zero: NaN weights
+            raise ValueError(f"eps must be a finite number > 0 (it keeps a zero second moment from dividing "
+                             f"by zero), got {self.eps!r}")
         _finite_at_least("momentum", self.momentum, 0.0)
         if self.dampening is not None:
             _finite_at_least("dampening", self.dampening, float("-inf"))
         for name in _NONNEGATIVE:
             if getattr(self, name) is not None:
                 _finite_at_least(name, getattr(self, name), 0.0)
+        if self.rho is not None and not float(self.rho) <= 1.0:  # torch's Adadelta refuses it only at build
+            raise ValueError(f"rho must be in [0, 1], got {self.rho!r}")
         if self.beta2_decay is not None:
             _finite_at_least("beta2_decay", self.beta2_decay, float("-inf"))
             if not float(self.beta2_decay) <= 0.0:

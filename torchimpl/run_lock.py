@@ -116,7 +116,10 @@ def hold(target: str | Path, what: str, *, is_file: bool = False) -> Iterator[No
     finally:
         with _HELD_GUARD:
             del _HELD[key]
-        path.unlink(missing_ok=True)
+        # A folder made read-only (or removed) during the run keeps its lock file: it is unlocked
+        # once closed (rule 3), and the error that stopped the run is the one to report.
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
         os.close(fd)
         if made:
             with contextlib.suppress(OSError):

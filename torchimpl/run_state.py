@@ -149,7 +149,7 @@ def model_problems(model: Any, signature: Any) -> list[str]:
 
 # Rule 11, by dotted configuration key (a section name covers its keys).
 _FREE = ("train.steps", "train.log_interval", "train.eval_interval", "train.trace_file", "train.guard",
-         "train.compile", "train.on_nonfinite", "train.distributed_timeout_s", "checkpoint", "logging")
+         "train.compile", "train.on_nonfinite", "train.distributed_timeout_s", "train.threads", "checkpoint", "logging")
 _REFUSED = ("task", "precision", "optimizer.name", "optimizer.fused", "optimizer.foreach",
             "optimizer.no_decay_bias_and_norm", "scaler.preset", "scaler.hysteresis", "scaler.min_scale",
             "scaler.max_scale", "scaler.raise_at_min_scale", "scaler.consecutive_hysteresis", "train.distributed")
@@ -335,8 +335,10 @@ class RunState:
         """Rules 1-6 (the generators and the data position come later: :meth:`restore_rng_and_data`)."""
         if ckpt.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(f"{path}: checkpoint format {ckpt.get('format')!r}, expected {CHECKPOINT_FORMAT}")
-        self._check_signature(ckpt["model_signature"], ckpt["model"], path)
+        # The configuration first: a changed task (task.size) also changes the model's shapes, and
+        # the refusal should name the field, not call a good checkpoint another model's.
         applied = self._check_config(ckpt, path)
+        self._check_signature(ckpt["model_signature"], ckpt["model"], path)
         fresh = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
                  for g in self.optimizer.param_groups]
         try:

@@ -58,6 +58,7 @@ from torchimpl.run_state import DataCursor, RunState, TrainState
 from torchimpl.scaler import make_grad_scaler
 from torchimpl.schedule import AppliedStepSchedule, UserSchedule, adopt_scheduler
 from torchimpl.step import bind_hooks, build_step_engine, choose_sync_free
+from torchimpl.threads import run_threads
 
 __all__ = ["Callback", "RunSummary", "StopTraining", "Trainer", "TrainState", "default_loss_fn"]
 
@@ -93,7 +94,9 @@ class Callback:
 
 @dataclass
 class RunSummary:
-    """What a ``fit`` did, for people and for ``report.json``."""
+    """What a ``fit`` did, for people and for ``report.json``: read it as attributes
+    (``summary.final_train_loss``), as a plain dict (:meth:`to_dict`, what ``ampspec train``
+    prints as JSON) or by key (``summary["final_train_loss"]``, the same keys)."""
 
     device: str
     precision_mode: str
@@ -137,6 +140,13 @@ class RunSummary:
         """Plain values, valid JSON: a non-finite number becomes None."""
         return {k: None if isinstance(v, float) and not math.isfinite(v) else v
                 for k, v in dataclasses.asdict(self).items()}
+
+    def __getitem__(self, key: str) -> Any:
+        """``to_dict()[key]``; an unknown key is a KeyError naming the keys there are."""
+        values = self.to_dict()
+        if key not in values:
+            raise KeyError(f"RunSummary has no key {key!r}; keys: {', '.join(values)}")
+        return values[key]
 
 
 @dataclass
@@ -378,7 +388,8 @@ class Trainer:
         fit.dist = init_distributed(cfg.train.distributed, device=fit.device, timeout_s=cfg.train.distributed_timeout_s)
         try:
             preflight(cfg, val_data, is_main=fit.dist.is_main)
-            with claimed_run(cfg, resume=resume is not None, overwrite=overwrite, is_main=fit.dist.is_main):
+            with claimed_run(cfg, resume=resume is not None, overwrite=overwrite, is_main=fit.dist.is_main), \
+                    run_threads(cfg.train.threads):
                 self._set_up(model, train_data)
                 self._seed()
                 resumed = self._resume(resume)
