@@ -43,7 +43,7 @@ def _lightning() -> None:
     try:
         import lightning.pytorch  # noqa: F401
     except Exception as exc:  # any import failure: the framework cannot run here
-        pytest.skip(f"lightning.pytorch does not import ({exc!r}); install the 'bench' extra")
+        pytest.skip(f"lightning.pytorch does not import ({exc!r}); install the 'frameworks' extra")
 
 
 def _steps(report, label: str) -> list[int]:
