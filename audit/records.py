@@ -213,7 +213,6 @@ class OptTrack:
         self.window = Window()
         self.last_record: StepRecord | None = None
         self.applied_steps = 0
-        self.sched_mark: dict[int, int] = {}  # id(scheduler) -> applied_steps at its last step
         self.moved_flagged = False
         self.threshold: tuple[float, float, int] | None = None  # (max_norm / scale, scale, first step)
         self.threshold_flagged = False
