@@ -14,8 +14,9 @@ import torch
 from audit import windows
 from audit.checks_program import backward_in_autocast, checkpoint_without_scaler
 from audit.checks_steps import lr_changed_on_skipped_step, scheduler_on_skipped_step
-from audit.records import (Backward, StepLimitReached, Window, OptTrack, _classify, _jsonish, _signature, _step_call,
-                           _touched, call_site)
+from audit.records import (Backward, StepLimitReached, Window, OptTrack, _jsonish, _signature, _step_call, _touched,
+                           call_site)
+from audit.saved import classify
 from audit.schedules import SCHEDULED
 
 
@@ -149,7 +150,7 @@ class ProgramCalls:
     # ------------------------------------------------------------------ torch.save
 
     def on_save(self, obj: Any) -> None:
-        holds_opt, holds_scaler = _classify(obj)
+        holds_opt, holds_scaler = classify(obj)
         where = call_site()
         if self.primary is not None and self.primary.last_record is not None:
             self.primary.last_record.calls.append(f"torch.save@{where}")
