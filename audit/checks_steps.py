@@ -95,11 +95,12 @@ def scheduler_on_skipped_step(optimizer: str, advance: Any) -> Iterator[Finding]
     stepped per epoch earns its advance with any applied step of the epoch; one stepped before
     the first optimizer step, or returned to where it stood, advanced across no skipped step."""
     a = advance
-    over = f"step {a.step} of {optimizer}, which was skipped" if a.skipped == 1 else \
-        f"steps {a.step - a.skipped + 1} to {a.step} of {optimizer}, all skipped"
+    over = f"step {a.step} of {optimizer} was skipped" if a.skipped == 1 else \
+        f"steps {a.step - a.skipped + 1} to {a.step} of {optimizer} were all skipped"
     yield Finding("scheduler-on-skipped-step", a.step, a.where,
-                  f"{a.scheduler}.step() at {a.where} moved its position from {a.before} to {a.after} across {over} "
-                  "since its previous advance: the learning-rate schedule advanced without an applied optimizer step",
+                  f"{a.scheduler}.step() at {a.where} moved its position from {a.before} to {a.after} after {over}, "
+                  "with no applied step since its previous advance: the learning-rate schedule advanced without an "
+                  "applied optimizer step",
                   expected="no advance of the schedule without an applied optimizer step",
                   got=f"last_epoch {a.before} -> {a.after}")
 
