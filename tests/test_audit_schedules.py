@@ -241,16 +241,22 @@ def test_the_walk_calls_no_code_of_the_saved_objects():
     assert saved.classify({"trainer": trap}) == (True, False)
 
 
-def test_a_checkpoint_with_the_scaler_nested_in_the_optimizer_state_is_no_finding(tmp_path):
+@pytest.mark.parametrize("layout", ["nested", "object", "left-out"])
+def test_a_checkpoint_with_the_scaler_inside_the_optimizer_state_is_no_finding(layout, tmp_path):
+    """MMEngine's layout (the scaler's state_dict beside the optimizer's ``state`` and
+    ``param_groups``) and a wrapper object holding the scaler; left out, still the error."""
     def save(step):
         model, opt, scaler = _train.objects
-        ckpt = {"state_dict": model.state_dict(), "optimizer": {**opt.state_dict(), "loss_scaler": scaler.state_dict()}}
-        torch.save(ckpt, tmp_path / "nested.pth")
-        torch.save({"optimizer": opt.state_dict(), "wrapper": _Wrapper(opt, scaler)}, tmp_path / "object.pth")
+        if layout == "nested":
+            optimizer = {**opt.state_dict(), "loss_scaler": scaler.state_dict()}
+        else:
+            optimizer = _Wrapper(opt, scaler) if layout == "object" else opt.state_dict()
+        torch.save({"state_dict": model.state_dict(), "optimizer": optimizer}, tmp_path / "ckpt.pth")
 
     with audit(replay=False) as session:
         _train(6, {1}, save=save)
-    assert _found(session) == [], session.report.text()
+    expected = [("checkpoint-without-scaler", "error", s) for s in (2, 5)] if layout == "left-out" else []
+    assert _found(session) == expected, session.report.text()
 
 
 def test_a_checkpoint_too_deep_to_read_whole_is_a_warning_that_says_so():
