@@ -12,7 +12,8 @@ Two records per optimizer, kept at the close of each of its steps:
   skipped: an epoch that applied updates earned its advance, whether or not its last step was
   skipped. Advances before the first optimizer step (a resumed scheduler stepped at the start of
   the first epoch, or returned to its built position) follow no skipped step. Only schedulers the
-  program stepped itself are judged (the children of ``SequentialLR`` move with their parent).
+  program moved forward itself with ``step()`` are judged (the children of ``SequentialLR`` move
+  with their parent; ``load_state_dict`` moves a scheduler to where a checkpoint left it).
   `audit.checks_steps.scheduler_on_skipped_step` decides;
 - the scheduled hyperparameters (``lr``, ``weight_decay``, ``momentum``, ``betas``) of every
   group, read at every step whoever set them. When they differ between a skipped step and the
@@ -81,8 +82,8 @@ class _Tracked:
         self.calls = 0  # its calls: the position of a scheduler with no last_epoch
         self.pos = pos
         self.anchor = (steps, applied)
-        self.called = False  # stepped by the program itself (not only by a parent scheduler)
-        self.where = "?"  # the latest call of the program that moved it forward
+        self.moved = False  # a step() of the program moved it forward since the last optimizer step
+        self.where = "?"  # that call
         self.before: int | None = None
 
     def position(self) -> int:
@@ -92,12 +93,12 @@ class _Tracked:
     def judge(self, steps: int, applied: int) -> Advance | None:
         """At a step, before the optimizer's ``steps`` (``applied`` of them applied): the advance
         since the last step, when it is due to skipped steps; moves the anchor on any move."""
-        now = self.position()
+        now, moved, self.moved = self.position(), self.moved, False
         if now == self.pos:
             return None
         before, self.pos = self.pos, now
         since = steps - self.anchor[0]
-        due = now > before and self.called and since > 0 and applied == self.anchor[1]
+        due = now > before and moved and since > 0 and applied == self.anchor[1]
         self.anchor = (steps, applied)
         return Advance(self.name, self.where, steps - 1, since, before, now) if due else None
 
@@ -134,7 +135,6 @@ class ScheduleWatch:
         """The program calls ``sched.step()`` (``last_applied``: whether the optimizer's last step
         was applied, for a scheduler first seen now)."""
         t = self._track(sched, True, last_applied)
-        t.called = True
         t.before = t.position()
 
     def on_call_end(self, sched: Any, where: str, groups: list[dict[str, Any]]) -> None:
@@ -144,7 +144,7 @@ class ScheduleWatch:
             return
         t.calls += 1
         if t.position() > t.before:
-            t.where = where
+            t.where, t.moved = where, True
         t.before = None
         self.scheduler_set = groups
 
