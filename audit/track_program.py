@@ -1,8 +1,9 @@
 """The recorder's other calls: LR schedulers, autocast, backward and torch.save.
 
-Runs the checks of scheduler-on-skipped-step (`audit.checks_steps`), backward-in-autocast and
-checkpoint-without-scaler (`audit.checks_program`) at the calls they read, and describes each
-backward pass for loss-not-divided (`audit.windows`).
+Runs the checks of backward-in-autocast and checkpoint-without-scaler (`audit.checks_program`)
+at the calls they read, and those of scheduler-on-skipped-step and lr-changed-on-skipped-step
+(`audit.checks_steps`) at each step's close and the run's end, from where the schedules stood
+(`audit.schedules`); describes each backward pass for loss-not-divided (`audit.windows`).
 """
 
 from __future__ import annotations
