@@ -90,13 +90,16 @@ def optimizer_before_to(o: Any, where: str) -> Iterator[Finding]:
       "scaler.get_scale() did not decrease across scaler.update())")
 def scheduler_on_skipped_step(optimizer: str, advance: Any) -> Iterator[Finding]:
     """A torch ``LRScheduler``'s position (``last_epoch``) was higher at a step of ``optimizer``
-    than at the step before, and every step since the scheduler's previous advance was skipped
-    (``advance``, `audit.schedules.Advance`). Judged by position, not by calls: a scheduler
-    stepped per epoch earns its advance with any applied step of the epoch; one stepped before
-    the first optimizer step, or returned to where it stood, advanced across no skipped step."""
+    than at the step before (``advance``, `audit.schedules.Advance`), a ``step()`` of the program
+    moved it, and the optimizer took steps since the scheduler's previous advance, all skipped.
+    Judged by position, not by calls: a scheduler stepped per epoch earns its advance with any
+    applied step of the epoch; one stepped before the first optimizer step, or returned to where
+    it stood, advanced across no skipped step."""
     a = advance
-    over = f"step {a.step} of {optimizer} was skipped" if a.skipped == 1 else \
-        f"steps {a.step - a.skipped + 1} to {a.step} of {optimizer} were all skipped"
+    if not a.by_call or a.since == 0 or a.applied:
+        return
+    over = f"step {a.step} of {optimizer} was skipped" if a.since == 1 else \
+        f"steps {a.step - a.since + 1} to {a.step} of {optimizer} were all skipped"
     yield Finding("scheduler-on-skipped-step", a.step, a.where,
                   f"{a.scheduler}.step() at {a.where} moved its position from {a.before} to {a.after} after {over}, "
                   "with no applied step since its previous advance: the learning-rate schedule advanced without an "

@@ -14,7 +14,7 @@ Two records per optimizer, kept at the close of each of its steps:
   the first epoch, or returned to its built position) follow no skipped step. Only schedulers the
   program moved forward itself with ``step()`` are judged (the children of ``SequentialLR`` move
   with their parent; ``load_state_dict`` moves a scheduler to where a checkpoint left it).
-  `audit.checks_steps.scheduler_on_skipped_step` decides;
+  This module records every advance; `audit.checks_steps.scheduler_on_skipped_step` decides;
 - the scheduled hyperparameters (``lr``, ``weight_decay``, ``momentum``, ``betas``) of every
   group, read at every step whoever set them. When they differ between a skipped step and the
   next, and they are not exactly what an ``LRScheduler`` of the optimizer set since (its moves
@@ -60,16 +60,18 @@ class Change:
 
 @dataclass(frozen=True)
 class Advance:
-    """Scheduler ``scheduler`` (its call at ``where``) moved from position ``before`` to ``after``
-    while its optimizer's ``skipped`` steps since its previous advance, the last ``step``, were
-    all skipped."""
+    """Scheduler ``scheduler`` stood at ``after`` at the step after ``step``, and at ``before`` at
+    ``step``; ``by_call``: a ``step()`` of the program (at ``where``) moved it forward; ``since``:
+    the optimizer's steps since the scheduler's previous advance, ``applied`` of them applied."""
 
     scheduler: str
     where: str
     step: int
-    skipped: int
     before: int
     after: int
+    by_call: bool
+    since: int
+    applied: int
 
 
 class _Tracked:
@@ -90,17 +92,16 @@ class _Tracked:
         pos = getattr(self.obj, "last_epoch", None)
         return pos if isinstance(pos, int) and not isinstance(pos, bool) else self.calls
 
-    def judge(self, steps: int, applied: int) -> Advance | None:
+    def advance(self, steps: int, applied: int) -> Advance | None:
         """At a step, before the optimizer's ``steps`` (``applied`` of them applied): the advance
-        since the last step, when it is due to skipped steps; moves the anchor on any move."""
+        since the last step (None: none); any move, back or forward, moves the anchor."""
         now, moved, self.moved = self.position(), self.moved, False
         if now == self.pos:
             return None
         before, self.pos = self.pos, now
-        since = steps - self.anchor[0]
-        due = now > before and moved and since > 0 and applied == self.anchor[1]
+        since, earned = steps - self.anchor[0], applied - self.anchor[1]
         self.anchor = (steps, applied)
-        return Advance(self.name, self.where, steps - 1, since, before, now) if due else None
+        return Advance(self.name, self.where, steps - 1, before, now, moved, since, earned) if now > before else None
 
 
 class ScheduleWatch:
@@ -150,8 +151,8 @@ class ScheduleWatch:
 
     def on_step(self, previous: Any, rec: Any, where: str) -> list[Advance]:
         """At the close of ``rec``, the step after ``previous`` (its record, None at the first):
-        the advances due to skipped steps since the last step."""
-        found = [a for t in self._tracked.values() if (a := t.judge(self.steps, self.applied)) is not None]
+        the schedulers' advances since the last step."""
+        found = [a for t in self._tracked.values() if (a := t.advance(self.steps, self.applied)) is not None]
         set_by, self.scheduler_set = self.scheduler_set, None
         self.steps += 1
         self.applied += int(rec.applied)
@@ -166,5 +167,5 @@ class ScheduleWatch:
         return found
 
     def at_end(self) -> list[Advance]:
-        """At the end of the run: the advances since the last step due to skipped steps."""
-        return [a for t in self._tracked.values() if (a := t.judge(self.steps, self.applied)) is not None]
+        """At the end of the run: the schedulers' advances since the last step."""
+        return [a for t in self._tracked.values() if (a := t.advance(self.steps, self.applied)) is not None]
