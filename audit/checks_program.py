@@ -21,21 +21,30 @@ def backward_in_autocast(step: int | None, where: str, autocast: str | None) -> 
                   expected="backward outside autocast", got="backward inside autocast")
 
 
-# Certain when nothing read the scaler's state after that step; a warning when
-# scaler.state_dict() was called (it may have been written by other means).
+# Certain when nothing read the scaler's state after that step and every saved object was read
+# whole; a warning when scaler.state_dict() was called (it may have been written by other means)
+# or a saved object was too large or deep to read whole (`audit.saved`).
 @rule("checkpoint-without-scaler", ERROR,
       "a checkpoint saved the optimizer state but not the scaler state while a GradScaler was in use",
-      "save scaler.state_dict() with the model and optimizer, and restore it with scaler.load_state_dict")
-def checkpoint_without_scaler(saves: list[tuple[str, bool, bool, int | None]], scaler: str | None,
+      "save scaler.state_dict() with the model and optimizer, and restore it with scaler.load_state_dict",
+      framework_fixes={
+          "lightning.fabric": "fabric.save leaves the precision plugin's state out: add "
+                              "fabric.strategy.precision.state_dict() to the saved state and restore it with "
+                              "fabric.strategy.precision.load_state_dict",
+          "accelerate": "save with accelerator.save_state: it writes the scaler's state (scaler.pt)"})
+def checkpoint_without_scaler(saves: list[tuple[str, bool, bool | None, int | None]], scaler: str | None,
                               state_read: str | None) -> Iterator[Finding]:
     """The ``torch.save`` calls after one step (``saves``: where, holds optimizer state, holds
-    scaler state, the step) saved optimizer state and no scaler state while ``scaler`` (an
-    enabled GradScaler that scaled a loss; None: none) was in use. Several files saved after one
-    step are one checkpoint (Accelerate saves the scaler in a file of its own). A warning when
-    ``scaler.state_dict()`` was called since the step (at ``state_read``): that state may be
-    written by means the audit does not see."""
+    scaler state (None: not known, the object was not read whole), the step) saved optimizer
+    state and no scaler state while ``scaler`` (an enabled GradScaler that scaled a loss; None:
+    none) was in use. Scaler state is recognised by its content at any depth (`audit.saved`).
+    Several files saved after one step are one checkpoint (Accelerate saves the scaler in a file
+    of its own). A warning when ``scaler.state_dict()`` was called since the step (at
+    ``state_read``): that state may be written by means the audit does not see; or when a saved
+    object was not read whole."""
     if scaler is None or not saves or any(holds_scaler for _, _, holds_scaler, _ in saves):
         return
+    unread = [where for where, _, holds_scaler, _ in saves if holds_scaler is None]
     for where, holds_opt, _, step in saves:
         if not holds_opt:
             continue
@@ -45,7 +54,10 @@ def checkpoint_without_scaler(saves: list[tuple[str, bool, bool, int | None]], s
         if state_read is not None:
             message += (f"; scaler.state_dict() was called at {state_read}, so the scaler state may be written by "
                         "means the audit does not see (pickle, safetensors)")
+        if unread:
+            message += (f"; the object saved at {unread[0]} was too large or deep to read whole, so the scaler state "
+                        "may be in the part not read")
         yield Finding("checkpoint-without-scaler", step, where, message,
                       expected="scaler.state_dict() in the checkpoint", got="no scaler state",
-                      level=WARNING if state_read is not None else None)
+                      level=WARNING if state_read is not None or unread else None)
         return

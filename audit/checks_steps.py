@@ -99,7 +99,7 @@ def optimizer_before_to(o: Any, where: str) -> Iterator[Finding]:
 
 
 @rule("scheduler-on-skipped-step", ERROR,
-      "the LR scheduler stepped although its optimizer applied no step since the scheduler's last step",
+      "an LR scheduler's position advanced although every optimizer step since its previous advance was skipped",
       "advance the schedule only when the optimizer step was applied (with a GradScaler: when "
       "scaler.get_scale() did not decrease across scaler.update())",
       framework_fixes={
@@ -113,33 +113,37 @@ def optimizer_before_to(o: Any, where: str) -> Iterator[Finding]:
                               "fabric.strategy.precision.scaler.get_scale() did not decrease",
           "transformers": "let the Trainer step its own lr_scheduler (it skips a step Accelerate reports "
                           "skipped) instead of stepping one in a callback"})
-def scheduler_on_skipped_step(scheduler: str, where: str, o: Any, mark: int) -> Iterator[Finding]:
-    """``scheduler.step()`` when optimizer track ``o`` applied no step since that scheduler's
-    previous step (``mark``: its applied steps then): a skipped step, or no step yet. The
-    constructor's own initial step is not counted."""
-    if o.applied_steps != mark:
+def scheduler_on_skipped_step(optimizer: str, advance: Any) -> Iterator[Finding]:
+    """A torch ``LRScheduler``'s position (``last_epoch``) was higher at a step of ``optimizer``
+    than at the step before (``advance``, `audit.schedules.Advance`), a ``step()`` of the program
+    moved it, and the optimizer took steps since the scheduler's previous advance, all skipped.
+    Judged by position, not by calls: a scheduler stepped per epoch earns its advance with any
+    applied step of the epoch; one stepped before the first optimizer step, or returned to where
+    it stood, advanced across no skipped step."""
+    a = advance
+    if not a.by_call or a.since == 0 or a.applied:
         return
-    if o.steps == 0:
-        message = f"{scheduler}.step() at {where} before {o.label} took any step"
-    elif o.last_record is not None and not o.last_record.applied:
-        message = f"{scheduler}.step() at {where} after step {o.steps - 1} of {o.label}, which was skipped"
-    else:
-        message = f"{scheduler}.step() at {where}: {o.label} applied no step since this scheduler's previous step"
-    yield Finding("scheduler-on-skipped-step", max(o.steps - 1, 0), where,
-                  message + ": the learning-rate schedule advanced without an applied optimizer step",
-                  expected="no scheduler.step without an applied optimizer step", got="scheduler.step")
+    over = f"step {a.step} of {optimizer} was skipped" if a.since == 1 else \
+        f"steps {a.step - a.since + 1} to {a.step} of {optimizer} were all skipped"
+    yield Finding("scheduler-on-skipped-step", a.step, a.where,
+                  f"{a.scheduler}.step() at {a.where} moved its position from {a.before} to {a.after} after {over}, "
+                  "with no applied step since its previous advance: the learning-rate schedule advanced without an "
+                  "applied optimizer step",
+                  expected="no advance of the schedule without an applied optimizer step",
+                  got=f"last_epoch {a.before} -> {a.after}")
 
 
 @rule("lr-changed-on-skipped-step", WARNING,
-      "a learning rate changed across a skipped step, and no LRScheduler of that optimizer stepped",
+      "a learning rate changed across a skipped step, to values no LRScheduler of that optimizer set",
       "if the schedule is a function of the iteration, count applied optimizer steps instead (skip the "
       "update when scaler.get_scale() decreased across scaler.update())")
 def lr_changed_on_skipped_step(optimizer: str, skipped: int, changes: list[Any]) -> Iterator[Finding]:
     """At the end of the run: the scheduled hyperparameters that changed between a skipped step and
-    the next (``changes``, `audit.schedules.ScheduleWatch`), across skipped steps over which no
-    ``LRScheduler`` of the optimizer stepped (that is ``scheduler-on-skipped-step``): a schedule
-    the audit cannot see advanced. One finding per optimizer, at the first such step."""
-    advanced = [c for c in changes if not c.scheduler_stepped]
+    the next (``changes``, `audit.schedules.ScheduleWatch`) to values other than those an
+    ``LRScheduler`` of the optimizer set between them (its moves are judged by position, in
+    ``scheduler-on-skipped-step``): a schedule the audit cannot see advanced across each of those
+    skipped steps. One finding per optimizer, at the first such step, counting every one."""
+    advanced = [c for c in changes if not c.by_scheduler]
     if not advanced:
         return
     steps = [c.step for c in advanced]
@@ -147,6 +151,6 @@ def lr_changed_on_skipped_step(optimizer: str, skipped: int, changes: list[Any])
     listed = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
     yield Finding("lr-changed-on-skipped-step", steps[0], advanced[0].where,
                   f"the schedule of {optimizer} advanced across {len(steps)} of its {skipped} skipped step(s) (steps "
-                  f"{listed}) with no LRScheduler stepping; after step {steps[0]}: {first}: the schedule runs "
+                  f"{listed}) to values no LRScheduler set; after step {steps[0]}: {first}: the schedule runs "
                   f"{len(steps)} step(s) ahead of the applied updates",
                   expected="the hyperparameters of the skipped step kept", got="changed")

@@ -218,7 +218,7 @@ class Instrumentation:
                 try:
                     return orig(self, *args, **kwargs)
                 finally:
-                    rec.on_scheduler_step_end(self)
+                    rec.on_scheduler_step_end(self, initial)
             return wrapper
 
         for c in classes:

@@ -56,9 +56,9 @@ from typing import Any, Iterable
 import torch
 
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
-from audit.checks_steps import loss_not_divided, lr_changed_on_skipped_step
+from audit.checks_steps import loss_not_divided
 from audit.records import (Backward, OptTrack, ScalerTrack, Snapshots, StepData, StepLimitReached, StepRecord,
-                           Window, _f32, _jsonish, _num, _step_call, _unwrap_optimizer, plain_tensor)
+                           Window, _f32, _jsonish, _num, _unwrap_optimizer, plain_tensor)
 from audit.records import _classify, _loss_factor, call_site  # noqa: F401  (the tests read these here)
 from audit.records import _signature
 from audit.rules import Finding
@@ -222,7 +222,7 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
         if w.clip_norms:
             rec.grad_norm, rec.max_norm = w.clip_norms[0]
         self.records.append(rec)
-        o.schedule.on_step(o.last_record, rec, _step_call(rec))
+        self._schedule_step(o, rec)
         o.skipped += int(not applied)
         o.last_record = rec
         o.steps += 1
@@ -244,6 +244,6 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
             self._flush_pending(s)
         self._check_saves()
         for o in self.optimizers.values():
-            self._report(lr_changed_on_skipped_step(o.label, o.skipped, o.schedule.changes))
+            self._schedule_end(o)
         if self.replayer is not None:
             self.replayer.finish(self)

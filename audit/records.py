@@ -17,6 +17,7 @@ import torch
 from audit import windows
 from audit.frameworks import attribute, framework_of
 from audit.rules import Finding
+from audit.saved import classify as _classify  # noqa: F401  (audit.recorder re-exports it)
 from audit.schedules import ScheduleWatch
 from audit.windows import Backward
 
@@ -220,7 +221,6 @@ class OptTrack:
         self.window = Window()
         self.last_record: StepRecord | None = None
         self.applied_steps = 0
-        self.sched_mark: dict[int, int] = {}  # id(scheduler) -> applied_steps at its last step
         self.moved_flagged = False
         self.threshold: tuple[float, float, int] | None = None  # (max_norm / scale, scale, first step)
         self.threshold_flagged = False
@@ -342,35 +342,6 @@ def _touched(o: OptTrack, before: list[tuple[Any, int]] | None) -> list[int]:
         return [id(p) for p in params if p.grad is not None]
     return [id(p) for p, s in zip(params, before)
             if p.grad is not None and (id(p.grad), p.grad._version) != s]
-
-
-def _classify(obj: Any) -> tuple[bool, bool]:
-    """(holds optimizer state, holds scaler state) for an object given to torch.save."""
-    holds_opt = holds_scaler = False
-    stack, seen, budget = [(obj, 0)], set(), 10000
-    scaler_keys = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
-    while stack and budget > 0:
-        x, depth = stack.pop()
-        budget -= 1
-        if id(x) in seen or depth > 8:
-            continue
-        seen.add(id(x))
-        if isinstance(x, torch.optim.Optimizer):
-            holds_opt = True
-        elif isinstance(x, torch.amp.GradScaler):
-            holds_scaler = True
-        elif isinstance(x, dict):
-            keys = set(k for k in x.keys() if isinstance(k, str))
-            if {"state", "param_groups"} <= keys:
-                holds_opt = True
-                continue
-            if scaler_keys <= keys:
-                holds_scaler = True
-                continue
-            stack.extend((v, depth + 1) for v in x.values() if not isinstance(v, torch.Tensor))
-        elif isinstance(x, (list, tuple)):
-            stack.extend((v, depth + 1) for v in x if not isinstance(v, torch.Tensor))
-    return holds_opt, holds_scaler
 
 
 def _found_inf(scaler: Any, opt: Any) -> float | None:

@@ -1,8 +1,9 @@
 """The recorder's other calls: LR schedulers, autocast, backward and torch.save.
 
-Runs the checks of scheduler-on-skipped-step (`audit.checks_steps`), backward-in-autocast and
-checkpoint-without-scaler (`audit.checks_program`) at the calls they read, and describes each
-backward pass for loss-not-divided (`audit.windows`).
+Runs the checks of backward-in-autocast and checkpoint-without-scaler (`audit.checks_program`)
+at the calls they read, and those of scheduler-on-skipped-step and lr-changed-on-skipped-step
+(`audit.checks_steps`) at each step's close and the run's end, from where the schedules stood
+(`audit.schedules`); describes each backward pass for loss-not-divided (`audit.windows`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import torch
 
 from audit import windows
 from audit.checks_program import backward_in_autocast, checkpoint_without_scaler
-from audit.checks_steps import scheduler_on_skipped_step
-from audit.records import Backward, StepLimitReached, Window, OptTrack, _classify, _signature, _touched, call_site
+from audit.checks_steps import lr_changed_on_skipped_step, scheduler_on_skipped_step
+from audit.records import (Backward, StepLimitReached, Window, OptTrack, _jsonish, _signature, _step_call, _touched,
+                           call_site)
+from audit.saved import classify
+from audit.schedules import SCHEDULED
 
 
 class ProgramCalls:
@@ -25,24 +29,35 @@ class ProgramCalls:
     def on_scheduler_step_begin(self, sched: Any, initial: bool) -> None:
         self._sched_depth += 1
         opt = getattr(sched, "optimizer", None)
-        if self._sched_depth > 1 or opt is None:
+        if self._sched_depth > 1 or opt is None or initial:
+            return  # a constructor's own first step is read at its end (the position built)
+        o = self._opt(opt)
+        o.schedule.on_call(sched, o.last_record is not None and o.last_record.applied)
+        if o.last_record is not None:
+            o.last_record.calls.append(f"scheduler.step@{call_site()}")
+
+    def on_scheduler_step_end(self, sched: Any, initial: bool) -> None:
+        self._sched_depth -= 1
+        opt = getattr(sched, "optimizer", None)
+        if self._sched_depth > 0 or opt is None:
             return
         o = self._opt(opt)
-        key = id(sched)
         if initial:
-            o.sched_mark[key] = o.applied_steps
+            o.schedule.on_built(sched)
             return
-        where = call_site()
-        o.schedule.scheduler_stepped = True
-        if o.last_record is not None:
-            o.last_record.calls.append(f"scheduler.step@{where}")
-        # A scheduler built before the audit: its previous step is taken to be just before the last step.
-        mark = o.sched_mark.get(key, o.applied_steps - int(o.last_record is not None and o.last_record.applied))
-        self._report(scheduler_on_skipped_step(type(sched).__name__, where, o, mark))
-        o.sched_mark[key] = o.applied_steps
+        groups = [{k: _jsonish(g[k]) for k in SCHEDULED if k in g} for g in o.obj.param_groups]
+        o.schedule.on_call_end(sched, call_site(), groups)
 
-    def on_scheduler_step_end(self, sched: Any) -> None:
-        self._sched_depth -= 1
+    def _schedule_step(self, o: OptTrack, rec: Any) -> None:
+        """At the close of step ``rec`` of ``o``: its schedulers' advances due to skipped steps."""
+        for advance in o.schedule.on_step(o.last_record, rec, _step_call(rec)):
+            self._report(scheduler_on_skipped_step(o.label, advance))
+
+    def _schedule_end(self, o: OptTrack) -> None:
+        """At the end of the run: the advances since ``o``'s last step, and the hand-set schedule."""
+        for advance in o.schedule.at_end():
+            self._report(scheduler_on_skipped_step(o.label, advance))
+        self._report(lr_changed_on_skipped_step(o.label, o.skipped, o.schedule.changes))
 
     # ------------------------------------------------------------------ autocast
 
@@ -138,7 +153,7 @@ class ProgramCalls:
     # ------------------------------------------------------------------ torch.save
 
     def on_save(self, obj: Any) -> None:
-        holds_opt, holds_scaler = _classify(obj)
+        holds_opt, holds_scaler = classify(obj)
         where = call_site()
         if self.primary is not None and self.primary.last_record is not None:
             self.primary.last_record.calls.append(f"torch.save@{where}")

@@ -133,8 +133,7 @@ def test_reported_framework_bugs_are_found_at_their_steps_with_the_framework_nam
     first = report.findings[0]
     if framework is not None:
         assert f"framework: {framework} " in report.text() and first.framework.frame in report.text()
-        if rule_name != "checkpoint-without-scaler":  # its row (audit/checks_program.py) names no framework fix yet
-            assert first.framework_fix and first.framework_fix in report.text()
+        assert first.framework_fix and first.framework_fix in report.text()
 
 
 # ---------------------------------------------------------------------------------- attribution
@@ -198,9 +197,8 @@ def test_a_rule_naming_an_unknown_framework_is_refused():
 def test_every_framework_fix_names_a_known_framework_and_each_attributed_bug_has_its_fix():
     known = {key for key, _, _ in frameworks.FRAMEWORKS}
     assert all(set(r.framework_fixes) <= known for r in RULES.values())
-    # checkpoint-without-scaler's row (audit/checks_program.py) declares no framework fix yet.
     missing = {(b[3], b[6]) for b in BUGS if b[6] is not None and b[6] not in RULES[b[3]].framework_fixes}
-    assert missing == {("checkpoint-without-scaler", "lightning.fabric")}
+    assert missing == set()
 
 
 def test_a_framework_installed_outside_site_packages_is_attributed_end_to_end(tmp_path, monkeypatch):

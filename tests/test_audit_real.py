@@ -50,6 +50,20 @@ CASES = [
     ("amp_examples.py", ["--example", "penalty", "--inf-at", "3"], {}, False),
     ("amp_examples.py", ["--example", "clipping", "--inf-at", "3"], {}, False),
     ("clip_lora_train.py", ["--inf-at", "3,7"], {("scheduler-on-skipped-step", "error"): [3, 7]}, False),
+    # Skipped: the last steps of epochs 0 and 1 and one inside; the scheduler steps at each epoch's start.
+    ("ultralytics_trainer.py", ["--inf-at", "2,4,5"], {("lr-changed-on-skipped-step", "warning"): [2]}, True),
+    ("ultralytics_trainer.py", ["--inf-at", "2,4,5", "--bug", "scheduler-per-step"],
+     {("scheduler-on-skipped-step", "error"): [2, 4, 5], ("lr-changed-on-skipped-step", "warning"): [2]}, True),
+    # Resumed after epoch 1: the second trainer's optimizer (steps from 0) skips batch 7, its step 1.
+    ("ultralytics_trainer.py", ["--inf-at", "2,4,7", "--resume-at", "2"],
+     {("lr-changed-on-skipped-step", "warning"): [1, 2]}, False),
+    # Every step of epoch 2 skipped: the scheduler's advance at epoch 3 is unearned (the warmup ends
+    # at batch 9, so the rate after step 8 is the scheduler's alone).
+    ("ultralytics_trainer.py", ["--inf-at", "6,7,8"],
+     {("scheduler-on-skipped-step", "error"): [8], ("lr-changed-on-skipped-step", "warning"): [6]}, False),
+    ("mmengine_amp_wrapper.py", ["--inf-at", "2,5"], {}, True),
+    ("mmengine_amp_wrapper.py", ["--inf-at", "2,5", "--bug", "checkpoint-without-scaler"],
+     {("checkpoint-without-scaler", "error"): [3, 7, 11]}, False),
 ]
 
 # Loops whose optimizer the specification does not know: their steps are named, not replayed
