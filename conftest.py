@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-RUNS_ENV = "AMPSPEC_RUNS_DIR"  # torchimpl.metrics.RUNS_ENV, spelled here so that no test imports torch for it
+RUNS_ENV = "AMPSPEC_RUNS_DIR"  # torchimpl.run.metrics.RUNS_ENV, spelled here so that no test imports torch for it
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -34,7 +34,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness  # noqa: E402  (puts the repository root on sys.path)
 
-from torchimpl.cli import main  # noqa: E402
+from torchimpl.cli.app import main  # noqa: E402
 
 STEPS = 20
 

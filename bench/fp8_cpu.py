@@ -31,9 +31,9 @@ CANDIDATES = ("bf16", "fp8:tensorwise", "fp8:rowwise", "fp8:rowwise_with_gw_hp",
 
 
 def run(candidate: str, args) -> dict:
-    from torchimpl.config import load_config
-    from torchimpl.tasks import build_task
-    from torchimpl.trainer import Trainer
+    from torchimpl.config.schema import load_config
+    from torchimpl.task.builtin import build_task
+    from torchimpl.train.trainer import Trainer
 
     mode, _, recipe = candidate.partition(":")
     sets = ["device=cpu", f"task.name={args.task}", f"train.steps={args.steps}", f"precision.mode={mode}",
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     args = ap.parse_args(argv)
-    from torchimpl.fp8 import torchao_available
+    from torchimpl.precision.fp8 import torchao_available
 
     if not torchao_available():
         print("fp8_cpu: torchao is not installed (pip install '.[fp8]'): nothing measured")

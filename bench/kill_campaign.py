@@ -51,7 +51,7 @@ def _env() -> dict[str, str]:
 
 
 def _final_state(folder: Path, steps: int) -> dict:
-    from torchimpl.checkpoint import load_checkpoint
+    from torchimpl.run.checkpoint import load_checkpoint
 
     c = load_checkpoint(folder / f"step-{steps:08d}.ckpt")
     return {"model": c["model"], "optimizer": c["optimizer"], "scaler": c["scaler"], "trainer": c["trainer"]}
@@ -71,7 +71,7 @@ def _equal(a, b) -> bool:
 
 
 def campaign(kills: int, steps: int, seed: int, work: Path, max_delay: float = 0.3, ddp: bool = False) -> dict:
-    from torchimpl.checkpoint import CheckpointError, verify_checkpoint
+    from torchimpl.run.checkpoint import CheckpointError, verify_checkpoint
 
     rng = random.Random(seed)
     whole, part = work / "whole", work / "part"

@@ -8,7 +8,7 @@ sizes should be), the same small stack of pre-norm transformer blocks learns to 
 fixed random teacher (MSE), from the same initial weights and the same batches, in five modes:
 ``fp32``, ``fp16+scaler`` (torchimpl's DynamicLossScaler), ``bf16``, ``bf16+compile``
 (``torch.compile``, default mode) and ``float8`` (the production path,
-``torchimpl.fp8.convert_to_fp8`` with the tensorwise recipe: torchao's
+``torchimpl.precision.fp8.convert_to_fp8`` with the tensorwise recipe: torchao's
 ``convert_to_float8_training`` under its module filter, first and last linear layers and
 ineligible widths kept in high precision and listed in the JSON; eager, bf16 autocast around
 it; skipped with the reason when torchao is missing, the GPU is older than sm_89, or no layer
@@ -83,7 +83,7 @@ def seed_all(seed: int) -> None:
 
 def tf32_state() -> dict:
     try:
-        from torchimpl.precision import tf32_settings
+        from torchimpl.precision.plan import tf32_settings
 
         return dict(tf32_settings())
     except Exception as exc:  # older or newer torch without the fp32_precision API
@@ -123,7 +123,7 @@ class Clock:
 
 
 def float8_skip_reason(d: int, device: torch.device) -> str | None:
-    from torchimpl.fp8 import fp8_kernel, torchao_available
+    from torchimpl.precision.fp8 import fp8_kernel, torchao_available
 
     if not torchao_available():
         return "torchao is not installed (pip install '.[fp8]')"
@@ -132,7 +132,7 @@ def float8_skip_reason(d: int, device: torch.device) -> str | None:
 
 
 def run_mode(mode: str, d: int, args, data, val, teacher_out, device: torch.device) -> dict:
-    from torchimpl.scaler import DynamicLossScaler
+    from torchimpl.train.scaler import DynamicLossScaler
 
     clock = Clock(device)
     if mode == "float8":
@@ -147,7 +147,7 @@ def run_mode(mode: str, d: int, args, data, val, teacher_out, device: torch.devi
     model = Model(d, args.layers).to(device)
     fp8_report = None
     if mode == "float8":
-        from torchimpl.fp8 import convert_to_fp8
+        from torchimpl.precision.fp8 import convert_to_fp8
 
         try:
             model, fp8_report = convert_to_fp8(model, "tensorwise", device)

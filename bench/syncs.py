@@ -48,8 +48,8 @@ from _loops import RUNNERS, Unsupported, Workload, add_baseline, available, run_
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from torchimpl.config import TaskConfig  # noqa: E402
-from torchimpl.tasks import build_task  # noqa: E402
+from torchimpl.config.schema import TaskConfig  # noqa: E402
+from torchimpl.task.builtin import build_task  # noqa: E402
 
 aten = torch.ops.aten
 SYNC = aten._local_scalar_dense.default
@@ -157,10 +157,10 @@ def count(runner, w: Workload, steps: int, warmup: int, on_cuda: bool) -> dict:
 
 
 def per_optimizer(built, batches, args, on_cuda: bool, lines: list[str]) -> dict:
-    """The Trainer's count for every registered optimizer (torchimpl.optim.REGISTRY), on the
+    """The Trainer's count for every registered optimizer (torchimpl.train.optim.REGISTRY), on the
     loss-scaler path: its default implementation, and its fused kernel in both skip modes
     where torch has one on this device."""
-    from torchimpl.optim import REGISTRY
+    from torchimpl.train.optim import REGISTRY
 
     dtype = torch.float16 if on_cuda else torch.bfloat16
     out: dict = {}
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {
         "machine": _harness.machine(),
         "settings": vars(args),
-        "model": "torchimpl.tasks RegressionMLP (small), batch 32",
+        "model": "torchimpl.task.builtin RegressionMLP (small), batch 32",
         "counted_by_dispatch_mode": tolist_is_counted(),
         "configs": {},
     }

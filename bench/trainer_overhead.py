@@ -3,7 +3,7 @@
 Same model, initial weights, batches, bf16 autocast, ``loss / k`` accumulation over k
 microbatches, clipping at norm 1.0 and for-loop AdamW for every candidate (see
 ``bench/_loops.py``); two configurations: plain bf16, and bf16 with a loss scaler forced on
-(the scaler code path, which on a GPU would be fp16's). Two models from ``torchimpl.tasks``:
+(the scaler code path, which on a GPU would be fp16's). Two models from ``torchimpl.task.builtin``:
 the small MLP (overhead-dominated) and the small transformer.
 
 Method: R rounds; in each round every candidate trains one fresh block of S steps, the order
@@ -39,8 +39,8 @@ from _loops import LOG_INTERVAL, RUNNERS, Unsupported, Workload, add_baseline, a
 
 import torch  # noqa: E402
 
-from torchimpl.config import TaskConfig  # noqa: E402
-from torchimpl.tasks import build_task  # noqa: E402
+from torchimpl.config.schema import TaskConfig  # noqa: E402
+from torchimpl.task.builtin import build_task  # noqa: E402
 
 
 def make_workloads(k: int, batch_size: int, n_batches: int) -> list[Workload]:

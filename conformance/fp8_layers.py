@@ -29,7 +29,7 @@ from torchao.prototype.mx_formats import mx_tensor
 
 from conformance.bridge import to_numpy
 from reference import fp8
-from torchimpl.trainer import Callback
+from torchimpl.train.trainer import Callback
 
 _GRANULARITY = {ScalingGranularity.TENSORWISE: "tensorwise", ScalingGranularity.AXISWISE: "axiswise"}
 

@@ -11,7 +11,7 @@ properties, run against the unchanged torchao, must fail. Same machinery as
 run).
 
 ``PRODUCTION_MUTANTS``: plausible bugs in the float8 code that runs in production, torchao
-0.18.0's float8 and MX training and ``torchimpl/fp8.py``, installed at runtime in the pytest
+0.18.0's float8 and MX training and ``torchimpl/precision/fp8.py``, installed at runtime in the pytest
 process (``-p conformance.fp8_mutations`` with ``AMPSPEC_FP8_MUTANT=<name>``) by
 ``conformance.torch_mutations``' machinery: an exact source edit of one function, which must
 match exactly once. The unmutated file runs first and must pass; a mutant is killed when pytest
@@ -95,7 +95,7 @@ _SEQUENCE_MAJOR = "transpose(0, -2).reshape(-1, input_hp_orig_shape[-1])"
 
 PRODUCTION_MUTANTS = (
     TorchMutant("torchimpl_mx_floor", "mx layer: torchimpl builds its MX layers with floor scales, not rceil", TESTS,
-                edits=(Edit("torchimpl.fp8", "_convert_mx", "scale_calculation_mode=ScaleCalculationMode.RCEIL",
+                edits=(Edit("torchimpl.precision.fp8", "_convert_mx", "scale_calculation_mode=ScaleCalculationMode.RCEIL",
                             "scale_calculation_mode=ScaleCalculationMode.FLOOR"),)),
     TorchMutant("torchao_mx_grad_weight_floor", "mx layer: the grad_weight casts (dim1) use floor, whatever the layer's mode",
                 TESTS, edits=(Edit("torchao.prototype.mx_formats.utils", "_to_mxfp8_dim1_kernel_wrapper",

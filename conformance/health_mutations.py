@@ -1,4 +1,4 @@
-"""Mutation check of the doctor's statistics: deliberate bugs in a copy of torchimpl/health.py,
+"""Mutation check of the doctor's statistics: deliberate bugs in a copy of torchimpl/precision/health.py,
 each of which conformance/test_health.py must catch against reference/health.py.
 
     PYTHONPATH=. python -m conformance.health_mutations            # every mutant (about 2 minutes)
@@ -16,7 +16,7 @@ import sys
 from conformance import mutations
 from conformance.mutations import Mutant
 
-HEALTH = "torchimpl/health.py"
+HEALTH = "torchimpl/precision/health.py"
 TESTS = ("conformance/test_health.py",)
 
 MUTANTS = (

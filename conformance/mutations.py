@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STEP = "torchimpl/step.py"
-SCALER = "torchimpl/scaler.py"
-OPTIM = "torchimpl/optim.py"
-SCHEDULE = "torchimpl/schedule.py"
+STEP = "torchimpl/train/step.py"
+SCALER = "torchimpl/train/scaler.py"
+OPTIM = "torchimpl/train/optim.py"
+SCHEDULE = "torchimpl/train/schedule.py"
 TRAINER_TESTS = ("conformance/test_trainer.py",)
 SCALER_TESTS = ("conformance/test_scaler.py", "conformance/test_trainer.py")
 DISTRIBUTED = "torchimpl/distributed.py"

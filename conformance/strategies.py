@@ -16,7 +16,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as nps
 
-from torchimpl import optim as ti_optim
+from torchimpl.train import optim as ti_optim
 
 FLT_MAX = float(np.finfo(np.float32).max)
 
@@ -332,7 +332,7 @@ def trainer_case(draw) -> dict:
     the CPU runs in fp32 with a forced loss scaler), ``force_scaler``, ``steps``,
     ``microbatches``, ``sync_free`` (only with a fused optimizer), ``log_interval`` (records are
     read at log points), ``batches_per_epoch`` (small, so short last windows happen),
-    ``clip_norm``, ``scaler`` (keyword arguments of ``torchimpl.scaler.ScalerConfig``),
+    ``clip_norm``, ``scaler`` (keyword arguments of ``torchimpl.train.scaler.ScalerConfig``),
     ``optimizer`` (of ``OptimizerConfig``: for-loop or fused, parameter groups with or without
     ``no_decay_bias_and_norm``), ``schedule`` (of ``ScheduleConfig``), ``faults`` (global microbatch
     index -> ``("data" | "hook" | "loss", value)``), ``resume`` (``None``, ``("step", r)`` to save after

@@ -45,8 +45,8 @@ def _run_case(rank: int, case: dict) -> dict:
     import torch
     from torch import nn
 
-    from torchimpl.config import load_config
-    from torchimpl.trainer import Callback, Trainer
+    from torchimpl.config.schema import load_config
+    from torchimpl.train.trainer import Callback, Trainer
 
     class Planted(nn.Module):
         def __init__(self, init):

@@ -20,7 +20,7 @@ Exactness, per property (inputs drawn as bit patterns, `conformance.fp8_strategi
   `reference.fp8.accumulation_bound`); bfloat16 results within the bfloat16 roundings of the
   interval's ends (rounding is monotonic). The fraction bit-equal to the correctly rounded sum
   and the share of the bound used are reported as Hypothesis statistics and targets;
-- torchimpl's converted layers as a user gets them (``torchimpl.fp8.convert_to_fp8``), every
+- torchimpl's converted layers as a user gets them (``torchimpl.precision.fp8.convert_to_fp8``), every
   recipe, mxfp8 included: the layer's configuration (float8) or each of its six MX casts
   (element format, block size, scale mode, shape) read back and compared with the spec's
   recipe, then output, grad_input and grad_weight bit for bit given torch's GEMM;
@@ -293,7 +293,7 @@ LAYER_RECIPES = RECIPES + ("mxfp8",)
 
 def _torchimpl_layer(case: dict, recipe: str) -> torch.nn.Module:
     """One nn.Linear with the case's weight and bias, converted by torchimpl as a user's model."""
-    from torchimpl.fp8 import convert_to_fp8
+    from torchimpl.precision.fp8 import convert_to_fp8
 
     w = case["weight"]
     lin = torch.nn.Linear(w.shape[1], w.shape[0])
@@ -382,9 +382,9 @@ def test_float8_training_on_the_transformer_follows_the_spec(recipe):
     the trainer's bf16 autocast, after torchimpl's pre-hook (bfloat16 for the float8 recipes,
     the weight's float32 for MX); the weights are the ones each step trained.
     """
-    from torchimpl.config import load_config
-    from torchimpl.tasks import build_task
-    from torchimpl.trainer import Trainer
+    from torchimpl.config.schema import load_config
+    from torchimpl.task.builtin import build_task
+    from torchimpl.train.trainer import Trainer
 
     cfg = load_config(overrides=["device=cpu", "task.name=lm", "train.batch_size=32", f"train.steps={TRANSFORMER_STEPS}",
                                  "train.log_interval=1", "precision.mode=fp8", f"precision.fp8_recipe={recipe}"])

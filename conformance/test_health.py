@@ -1,8 +1,8 @@
-"""The doctor's statistics (torchimpl.health) against the specification (reference.health).
+"""The doctor's statistics (torchimpl.precision.health) against the specification (reference.health).
 
 Counts, maxima and fractions match exactly (same integers, same division); the headroom is the
 same float64 formula on the same amax; SQNR is within the bound of rule 8 (two float64 sums
-in different orders). Mutants of torchimpl.health that these properties kill:
+in different orders). Mutants of torchimpl.precision.health that these properties kill:
 ``conformance/health_mutations.py``.
 """
 
@@ -17,7 +17,7 @@ from hypothesis import given
 from conformance import strategies as S
 from conformance.bridge import to_torch, torch_dtype
 from reference import health as spec
-from torchimpl import health as ti
+from torchimpl.precision import health as ti
 
 REPRO = "pytest conformance/test_health.py -k {name}"
 

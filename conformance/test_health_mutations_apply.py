@@ -1,5 +1,5 @@
 """The health mutation check (`python -m conformance.health_mutations`) stays runnable: each
-mutant's edit must match torchimpl/health.py exactly once."""
+mutant's edit must match torchimpl/precision/health.py exactly once."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The run's lifecycle contract (``torchimpl.run_state`` rules 10-11), as a state machine.
+"""The run's lifecycle contract (``torchimpl.run.state`` rules 10-11), as a state machine.
 
 Hypothesis drives one checkpoint folder through random sequences of: train k more steps
 (``--resume`` from the newest usable checkpoint, with a random log and checkpoint interval);
@@ -30,12 +30,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from torchimpl.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
-from torchimpl.config import load_config
-from torchimpl.records import read_trace
-from torchimpl.run_state import ResumeError
-from torchimpl.tasks import build_task
-from torchimpl.trainer import Callback, Trainer
+from torchimpl.run.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
+from torchimpl.config.schema import load_config
+from torchimpl.run.records import read_trace
+from torchimpl.run.state import ResumeError
+from torchimpl.task.builtin import build_task
+from torchimpl.train.trainer import Callback, Trainer
 
 MAX_STEPS = 24
 _BASE = ["device=cpu", "task.name=mlp", "task.size=tiny", "train.batch_size=4", "precision.mode=bf16",
@@ -190,7 +190,7 @@ class Lifecycle(RuleBasedStateMachine):
 
 def _resumed_step(folder: Path, corrupted: set[str]) -> int:
     """The step a resume starts from: the newest checkpoint not corrupted (rule 10)."""
-    from torchimpl.checkpoint import load_checkpoint
+    from torchimpl.run.checkpoint import load_checkpoint
 
     for p in reversed(list_checkpoints(folder)):
         if p.name not in corrupted:

@@ -15,7 +15,7 @@ import torch
 
 from conformance.assertions import Where, assert_equal
 from reference import precision as spec
-from torchimpl import precision as prod
+from torchimpl.precision import plan as prod
 
 CASES = list(itertools.product(spec.DEVICE_TYPES, spec.MODES, spec.DTYPES, [True, False, "probe error"]))
 

@@ -12,7 +12,7 @@ import dataclasses
 import json
 
 import reference.step as ref_step
-import torchimpl.records as ti_records
+import torchimpl.run.records as ti_records
 
 REPRO = "PYTHONPATH=. python -m pytest conformance/test_record_fields.py"
 
@@ -21,13 +21,13 @@ def test_record_fields_equal_the_spec_by_name_and_order():
     spec = tuple(f.name for f in dataclasses.fields(ref_step.StepRecord))
     ours = ti_records.FIELDS
     assert ours == spec, (
-        f"torchimpl.records.FIELDS differ from reference.step.StepRecord's fields:\n"
+        f"torchimpl.run.records.FIELDS differ from reference.step.StepRecord's fields:\n"
         f"  torchimpl: {ours}\n  reference: {spec}\n"
         f"  only in torchimpl: {sorted(set(ours) - set(spec))}; only in reference: {sorted(set(spec) - set(ours))}\n"
         f"{REPRO}"
     )
     assert ours == tuple(f.name for f in dataclasses.fields(ti_records.StepRecord)), \
-        "torchimpl.records.FIELDS is not StepRecord's own field list"
+        "torchimpl.run.records.FIELDS is not StepRecord's own field list"
 
 
 def test_a_trace_line_reads_back_as_the_specs_record():

@@ -6,7 +6,7 @@ A scale is collapsed when it is not positive, or when the factor that unscales,
 scale never arises (factors are positive); its inverse is finite, but it is no loss scale, so the
 spec and torchimpl call it collapsed, and torch's arithmetic is compared on the others. All three must agree on every float32 scale:
 the spec's rule (``reference.step.scale_collapsed``), torchimpl's host-side test
-(``torchimpl.step.scale_collapsed``, which stops a run) and torch's computation itself.
+(``torchimpl.train.step.scale_collapsed``, which stops a run) and torch's computation itself.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference.step as ref_step
-import torchimpl.step as ti_step
+import torchimpl.train.step as ti_step
 
 REPRO = "PYTHONPATH=. python -m pytest conformance/test_scale_collapse.py"
 

@@ -22,7 +22,7 @@ from conformance import strategies
 from conformance.assertions import Where, assert_equal, assert_same, assert_same_list
 from conformance.bridge import to_numpy, to_torch, torch_dtype
 from reference import scaling
-from torchimpl.scaler import DynamicLossScaler, ScaleAtMinimumError, ScalerConfig
+from torchimpl.train.scaler import DynamicLossScaler, ScaleAtMinimumError, ScalerConfig
 
 # Which production scaler, and the spec preset it must follow.
 SCALERS = ["GradScaler", "torch", "megatron", "deepspeed"]

@@ -14,8 +14,8 @@ continue. Callbacks watch the run and drive the reference in lockstep:
    same parameters, batches and dropout RNG state;
 2. those scaled gradients go to ``reference.step.train_step`` with a ``StepConfig`` built from
    the trainer's resolved configuration (optimizer, ``LRSchedule`` mirroring
-   ``torchimpl.schedule``, the scaler's resolved policy, clip norm) and from the rules of
-   ``torchimpl.optim``: the optimizer kind (the for-loop, or ``optimizer.fused``), the
+   ``torchimpl.train.schedule``, the scaler's resolved policy, clip norm) and from the rules of
+   ``torchimpl.train.optim``: the optimizer kind (the for-loop, or ``optimizer.fused``), the
    parameter groups (``no_decay_bias_and_norm``: ``ParamGroup`` options ``weight_decay=0`` for
    parameters of fewer than 2 dimensions) and the sync-free mode (``train.sync_free``: the
    fused kernel skips on ``found_inf``, the rate is a float32 device value looked up by a
@@ -67,17 +67,17 @@ from conformance import strategies
 from conformance.assertions import Where, assert_equal, assert_same_list
 from conformance.bridge import to_numpy, to_torch
 from reference import optim, scaling
-from torchimpl import optim as ti_optim
+from torchimpl.train import optim as ti_optim
 from torchimpl import spec_bridge
-from torchimpl.config import Config, ScheduleConfig
-from torchimpl.precision import autocast_context
-from torchimpl.records import FIELDS as RECORD_FIELDS
-from torchimpl.scaler import ScaleAtMinimumError
-from torchimpl.schedule import lr_at as ti_lr_at
-from torchimpl.schedule import lr_from_table as ti_lr_from_table
-from torchimpl.schedule import lr_table as ti_lr_table
-from torchimpl.tasks import SyntheticBatches, build_task
-from torchimpl.trainer import Callback, Trainer, default_loss_fn
+from torchimpl.config.schema import Config, ScheduleConfig
+from torchimpl.precision.plan import autocast_context
+from torchimpl.run.records import FIELDS as RECORD_FIELDS
+from torchimpl.train.scaler import ScaleAtMinimumError
+from torchimpl.train.schedule import lr_at as ti_lr_at
+from torchimpl.train.schedule import lr_from_table as ti_lr_from_table
+from torchimpl.train.schedule import lr_table as ti_lr_table
+from torchimpl.task.builtin import SyntheticBatches, build_task
+from torchimpl.train.trainer import Callback, Trainer, default_loss_fn
 
 REPRO = ("ATEN_CPU_CAPABILITY=default PYTHONPATH=. python -m pytest conformance/test_trainer.py "
          "with the @reproduce_failure blob printed above")

@@ -1,4 +1,4 @@
-"""``ampspec compare``'s agreement band (torchimpl.agreement) and how the plot draws it."""
+"""``ampspec compare``'s agreement band (torchimpl.cli.agreement) and how the plot draws it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from torchimpl.agreement import Band, moving_average, step_noise
+from torchimpl.cli.agreement import Band, moving_average, step_noise
 
 N = 200
 
@@ -60,7 +60,7 @@ def test_the_floor_follows_fp32s_noise_not_its_starting_loss():
 
 def _figure(curves, monkeypatch):
     plt = pytest.importorskip("matplotlib.pyplot", reason="the plot needs matplotlib (the 'plot' extra)")
-    from torchimpl import compare
+    from torchimpl.cli import compare
 
     rows = [{"precision": k, "steps_skipped": 0} for k in curves]
     compare._judge(rows, curves, Band())
@@ -72,7 +72,7 @@ def _figure(curves, monkeypatch):
 def test_a_run_drawn_exactly_under_another_stays_visible(tmp_path, monkeypatch):
     import numpy as np
 
-    from torchimpl import compare as c
+    from torchimpl.cli import compare as c
 
     ref = _fp32()
     other = [v * 1.2 for v in ref]
@@ -100,7 +100,7 @@ def test_a_run_drawn_exactly_under_another_stays_visible(tmp_path, monkeypatch):
 
 
 def test_the_bands_lower_edge_stays_on_a_log_axis(tmp_path, monkeypatch):
-    from torchimpl import compare as c
+    from torchimpl.cli import compare as c
 
     # Losses that jump by 60 % from step to step: the noise floor is most of the moving average,
     # and the band's lower edge comes down to a fraction of the lowest curve.

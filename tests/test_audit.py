@@ -19,7 +19,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 import torch
 
-import torchimpl.cli as cli
+import torchimpl.cli.app as cli
 from audit import RULES, Audit, Finding, audit
 from audit.recorder import _classify, _loss_factor, call_site
 from audit.runner import run_script, split_audit_options
@@ -262,7 +262,7 @@ def test_the_layering_holds_and_the_order_rules_load_only_the_specification_s_ca
     arithmetic: the replay alone loads the rest."""
     code = textwrap.dedent("""
         import sys
-        import reference, torchimpl, torchimpl.cli
+        import reference, torchimpl, torchimpl.cli.app
         assert not any(m.split(".")[0] == "audit" for m in sys.modules), "torchimpl or reference imported the audit"
         for m in [m for m in sys.modules if m == "reference" or m.startswith("reference.")]:
             del sys.modules[m]

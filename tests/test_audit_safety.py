@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-import torchimpl.cli as cli
+import torchimpl.cli.app as cli
 from audit.report import AuditReport
 from audit.rules import Finding
 from audit.runner import run_script

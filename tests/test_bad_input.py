@@ -46,7 +46,7 @@ def cli(*args, cwd: Path | None = None) -> tuple[int, str, str]:
     import contextlib
     import io
 
-    from torchimpl.cli import main
+    from torchimpl.cli.app import main
 
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     show = warnings.showwarning
@@ -420,7 +420,7 @@ def test_a_trace_named_as_another_run_file_is_refused_before_it_exists(tmp_path,
 def _damage(kind: str, good: Path, bad: Path) -> None:
     import torch
 
-    from torchimpl.checkpoint import load_checkpoint, save_checkpoint
+    from torchimpl.run.checkpoint import load_checkpoint, save_checkpoint
 
     data = good.read_bytes()
     if kind == "truncated":
@@ -479,7 +479,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_passed_over(run_copy, kind, ca
     # The warning goes through logging (a WARNING line on stderr in a terminal).
     assert any(m.startswith("cannot resume from step-00000003.ckpt") for m in caplog.messages), caplog.messages
     assert "resumed" in err or json.loads(out)["steps"] == 3
-    from torchimpl.records import read_trace
+    from torchimpl.run.records import read_trace
 
     assert [r.step for r in read_trace(ck / "trace.jsonl")] == [0, 1, 2]
 
@@ -790,13 +790,13 @@ def test_compare_overwrite_replaces_the_earlier_report(tmp_path):
 # ------------------------------------------------------------------ 7. counters a callback changed
 
 
-# A counter of the wrong type or sign is refused as the hook returns (torchimpl.callback_checks);
+# A counter of the wrong type or sign is refused as the hook returns (torchimpl.train.callback_checks);
 # one of the right type past the checkpoint names' range is refused at the save.
 @pytest.mark.parametrize("value,seen", [(10**8, 10**8)])
 def test_a_step_counter_set_to_nonsense_by_a_callback_is_refused_at_the_save(tmp_path, value, seen):
-    from torchimpl.config import load_config
-    from torchimpl.tasks import build_task
-    from torchimpl.trainer import Callback, Trainer
+    from torchimpl.config.schema import load_config
+    from torchimpl.task.builtin import build_task
+    from torchimpl.train.trainer import Callback, Trainer
 
     class Meddle(Callback):
         done = False
@@ -816,10 +816,10 @@ def test_a_step_counter_set_to_nonsense_by_a_callback_is_refused_at_the_save(tmp
 
 @pytest.mark.parametrize("value, fragment", [(-5, "got -5"), (2.5, "got 2.5 (float)"), ("3", "got '3' (str)")])
 def test_a_step_counter_of_the_wrong_type_or_sign_is_refused_as_the_hook_returns(tmp_path, value, fragment):
-    from torchimpl.callback_checks import CallbackStateError
-    from torchimpl.config import load_config
-    from torchimpl.tasks import build_task
-    from torchimpl.trainer import Callback, Trainer
+    from torchimpl.train.callback_checks import CallbackStateError
+    from torchimpl.config.schema import load_config
+    from torchimpl.task.builtin import build_task
+    from torchimpl.train.trainer import Callback, Trainer
 
     class Meddle(Callback):
         def on_step_end(self, trainer, state):

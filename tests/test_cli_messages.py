@@ -1,4 +1,4 @@
-"""The command line's one message format (torchimpl.messages): ``ampspec: warning: ...``."""
+"""The command line's one message format (torchimpl.cli.messages): ``ampspec: warning: ...``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from torchimpl.cli import main
-from torchimpl.messages import CliFormatter
+from torchimpl.cli.app import main
+from torchimpl.cli.messages import CliFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = {"step": 0, "microbatches": 1, "scale_before": 65536.0, "found_inf": False, "applied": True,
@@ -32,7 +32,7 @@ def test_a_logged_warning_prints_as_ampspec_warning(tmp_path):
 
 def test_the_format_by_level_and_under_torchrun(monkeypatch):
     def fmt(level: int, msg: str) -> str:
-        return CliFormatter().format(logging.LogRecord("torchimpl.trainer", level, __file__, 1, msg, (), None))
+        return CliFormatter().format(logging.LogRecord("torchimpl.train.trainer", level, __file__, 1, msg, (), None))
 
     monkeypatch.delenv("RANK", raising=False)
     assert fmt(logging.WARNING, "precision: bf16 unsupported") == "ampspec: warning: precision: bf16 unsupported"

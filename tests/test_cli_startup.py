@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 _PROBE = """
 import json, sys
-from torchimpl.cli import main
+from torchimpl.cli.app import main
 try:
     code = main(sys.argv[1:])
 except SystemExit as exc:

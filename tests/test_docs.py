@@ -32,9 +32,10 @@ def test_the_layout_names_every_part():
 
 def test_the_layout_names_every_module_of_torchimpl_and_audit():
     layout = _layout_section()
-    missing = [f"{pkg}/{path.name}" for pkg in ("torchimpl", "audit")
-               for path in sorted((_ROOT / pkg).glob("*.py"))
-               if path.name != "__init__.py" and f"`{path.name}`" not in layout]
+    missing = [f"{pkg}/{name}" for pkg, pattern in (("torchimpl", "**/*.py"), ("audit", "*.py"))
+               for path in sorted((_ROOT / pkg).glob(pattern))
+               if path.name not in ("__init__.py", "__main__.py")
+               and f"`{(name := path.relative_to(_ROOT / pkg).as_posix())}`" not in layout]
     assert not missing, f"the layout in docs/architecture.md omits {missing}: add a row saying what each holds"
 
 
@@ -189,7 +190,7 @@ def task_examples(tmp_path, monkeypatch):
 
 
 def _train(capsys, *sets: str) -> tuple[int, str, str]:
-    from torchimpl.cli import main
+    from torchimpl.cli.app import main
 
     args = ["train", "-q", "--set", "device=cpu"]
     for s in sets:
@@ -217,7 +218,7 @@ def test_the_training_pages_commands_train_resume_export_and_load(task_examples,
     ``load_weights`` snippet, on the README's own task."""
     import torch
 
-    from torchimpl.cli import main
+    from torchimpl.cli.app import main
 
     task = f"task.name={task_examples['mymodule']}:make"
     readme = _block_after(_README, "From Python, `Trainer(...).fit(model, data, loss_fn=loss_fn)`.")
@@ -245,7 +246,7 @@ def test_the_training_pages_commands_train_resume_export_and_load(task_examples,
 
 
 def test_the_bad_configuration_example_prints_what_the_page_shows(tmp_path, monkeypatch, capsys):
-    from torchimpl.cli import main
+    from torchimpl.cli.app import main
 
     monkeypatch.chdir(tmp_path)
     command, *documented = _block_after(_TRAINING, "A bad configuration names every bad field at once, one per "
@@ -265,7 +266,7 @@ def test_the_python_api_snippets_run(task_examples):
 
     import torch
 
-    from torchimpl.precision import PrecisionDowngradeWarning
+    from torchimpl.precision.plan import PrecisionDowngradeWarning
 
     make = importlib.import_module(task_examples["mymodule"]).make
     namespace = {"torch": torch}
@@ -282,7 +283,7 @@ def test_the_python_api_snippets_run(task_examples):
 
 
 def test_the_flat_keywords_the_training_page_lists_are_the_trainers():
-    from torchimpl.config import KEYWORDS
+    from torchimpl.config.schema import KEYWORDS
 
     text = " ".join(_TRAINING.read_text().split())
     listed = re.search(r"The flat keywords are (.*?); any other field", text).group(1)
@@ -326,7 +327,7 @@ def test_every_commands_help_shows_each_options_default_as_the_readme_says():
     unset unless given, default None or False, has none to show)."""
     import argparse
 
-    from torchimpl.cli import _parser
+    from torchimpl.cli.app import _parser
 
     missing = []
     for name, sub in _parser()._subparsers._group_actions[0].choices.items():
@@ -343,7 +344,7 @@ def test_every_commands_help_shows_each_options_default_as_the_readme_says():
 def test_the_run_summarys_keys_are_the_ones_docs_training_lists():
     import dataclasses
 
-    from torchimpl.trainer import RunSummary
+    from torchimpl.train.trainer import RunSummary
 
     text = " ".join(_TRAINING.read_text().split())
     listed = re.search(r"Its keys: (.*?)\.(?: |$)", text).group(1)

@@ -1,4 +1,4 @@
-"""The embedded tasks' training settings: one source (torchimpl.embedded), the same in
+"""The embedded tasks' training settings: one source (torchimpl.config.embedded), the same in
 ``ampspec train`` and ``ampspec compare``, and never over a value the user gave."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from torchimpl.compare import run_config
-from torchimpl.config import load_config
-from torchimpl.embedded import TASK_DEFAULTS
-from torchimpl.optim import OptimizerConfig
+from torchimpl.cli.compare import run_config
+from torchimpl.config.schema import load_config
+from torchimpl.config.embedded import TASK_DEFAULTS
+from torchimpl.train.optim import OptimizerConfig
 
 
 @pytest.mark.parametrize("task", ["lm", "mlp"])

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchimpl.cli import main
-from torchimpl.loss_protocol import bad_loss_message, default_loss_fn
+from torchimpl.cli.app import main
+from torchimpl.train.loss_protocol import bad_loss_message, default_loss_fn
 
 LOGITS_TASK = """
 import torch

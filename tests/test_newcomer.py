@@ -79,7 +79,7 @@ def test_replay_still_takes_a_set_of_the_scalers_fields(tmp_path):
 
 
 def test_ampspec_config_prints_the_defaults_train_uses():
-    from torchimpl.config import load_config
+    from torchimpl.config.schema import load_config
 
     rc, out, err = cli("config")
     assert rc == 0 and err == "", err
@@ -88,7 +88,7 @@ def test_ampspec_config_prints_the_defaults_train_uses():
 
 
 def test_ampspec_config_round_trips_through_train_config(tmp_path):
-    from torchimpl.config import load_config
+    from torchimpl.config.schema import load_config
 
     given = (tmp_path / "mine.yaml")
     given.write_text("precision: bf16-mixed\noptimizer: {betas: [0.8, 0.95], eps: 1.0e-6}\nlogging: {progress: off}\n")
@@ -149,7 +149,7 @@ def test_compare_times_each_precision_after_a_warm_up_and_says_so(tmp_path, monk
     import importlib
     import time
 
-    from torchimpl.compare import WARMUP_STEPS, format_table, run_compare
+    from torchimpl.cli.compare import WARMUP_STEPS, format_table, run_compare
 
     (tmp_path / "clocked.py").write_text(CLOCKED_TASK)
     monkeypatch.chdir(tmp_path)
@@ -171,13 +171,13 @@ def test_compare_times_each_precision_after_a_warm_up_and_says_so(tmp_path, monk
 
 
 def _situation(**kw):
-    from torchimpl.threads import ThreadSituation
+    from torchimpl.train.threads import ThreadSituation
 
     return ThreadSituation(**{"threads": 4, "cores": 4, "load": 6.0, "omp_env": None, **kw})
 
 
 def test_the_busy_cores_warning_comes_only_at_torchs_default_thread_count_on_busy_cores():
-    from torchimpl.threads import busy_warning
+    from torchimpl.train.threads import busy_warning
 
     text = busy_warning(_situation(), "train", None)
     assert text == ("the cores are busy (load 6.0 on 4 cores, about 5.0 of it other work) and torch runs 4 threads, "
@@ -229,9 +229,9 @@ def test_train_and_compare_warn_once_on_busy_cores_and_train_threads_silences_it
 def test_train_threads_sets_torchs_count_for_the_run_and_restores_it():
     import torch
 
-    from torchimpl.config import load_config
-    from torchimpl.tasks import build_task
-    from torchimpl.trainer import Callback, Trainer
+    from torchimpl.config.schema import load_config
+    from torchimpl.task.builtin import build_task
+    from torchimpl.train.trainer import Callback, Trainer
 
     seen = []
 
@@ -249,7 +249,7 @@ def test_train_threads_sets_torchs_count_for_the_run_and_restores_it():
 
 @pytest.mark.parametrize("value", ["0", "-1", "1.5", "'two'"])
 def test_train_threads_is_a_whole_number_of_at_least_one(value):
-    from torchimpl.config import ConfigError, load_config
+    from torchimpl.config.schema import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"train\.threads: must be (an integer >= 1|an integer or null), got"):
         load_config(overrides=[f"train.threads={value}"])

@@ -17,9 +17,9 @@ from conformance.test_optimizers import run_optimizer_case
 from reference import optim
 from reference import step as ref_step
 from reference.optim._common import check_inputs, for_each_param
-from torchimpl import optim as ti_optim
+from torchimpl.train import optim as ti_optim
 from torchimpl import spec_bridge
-from torchimpl.config import Config
+from torchimpl.config.schema import Config
 
 
 def _assert_every_consumer_covers_every_row() -> None:
@@ -43,7 +43,7 @@ def _assert_every_consumer_covers_every_row() -> None:
         assert entry is not None and entry.spec is row, f"{name}: the audit does not find it ({why})"
         assert fields <= set(entry.ulp) and all(entry.bound(f) == bounds[f] for f in fields), \
             f"{name}: the audit's bounds {dict(entry.ulp)} are not the conformance suite's {dict(bounds)}"
-        assert name in torch_rows, f"{name}: no torchimpl row (torchimpl/optim.py REGISTRY)"
+        assert name in torch_rows, f"{name}: no torchimpl row (torchimpl/train/optim.py REGISTRY)"
         assert row.magnitudes is not None, f"{name}: no magnitudes (x_abs) for the native-kernel bounds"
     for row in ti_optim.REGISTRY.values():
         spec_row = optim.spec(row.cls.__name__)

@@ -43,7 +43,7 @@ def test_audit_help_and_the_readme_say_the_same_about_where_the_script_runs(caps
 
     import pytest
 
-    from torchimpl.cli import main
+    from torchimpl.cli.app import main
 
     phrase = "as __main__ in the ampspec process itself (runpy, not a subprocess)"
     with pytest.raises(SystemExit):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from torchimpl.cli import main
-from torchimpl.threads import ThreadSituation, report_lines
+from torchimpl.cli.app import main
+from torchimpl.train.threads import ThreadSituation, report_lines
 
 
 def test_a_busy_machine_gets_the_advice_with_both_ways_to_set_the_count():

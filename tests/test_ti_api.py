@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import torchimpl
-from torchimpl.config import KEYWORDS, Config, ConfigError, TrainConfig, load_config
-from torchimpl.precision import PrecisionConfig, resolve_precision
-from torchimpl.run_state import config_changes
-from torchimpl.trainer import Callback, Trainer
+from torchimpl.config.schema import KEYWORDS, Config, ConfigError, TrainConfig, load_config
+from torchimpl.precision.plan import PrecisionConfig, resolve_precision
+from torchimpl.run.state import config_changes
+from torchimpl.train.trainer import Callback, Trainer
 
 
 def paths(info: pytest.ExceptionInfo[ConfigError]) -> list[str]:
@@ -30,7 +30,7 @@ SPELLED = [
 
 @pytest.mark.parametrize("spelling, mode, library", SPELLED)
 def test_each_spelling_maps_to_its_mode_with_a_note(spelling, mode, library, caplog):
-    with caplog.at_level(logging.INFO, logger="torchimpl.precision"):
+    with caplog.at_level(logging.INFO, logger="torchimpl.precision.plan"):
         cfg = PrecisionConfig(mode=spelling)
     assert cfg.mode == mode and cfg == PrecisionConfig(mode=mode)
     note = cfg.spelling_note
@@ -271,8 +271,8 @@ def test_a_run_summary_reads_by_key_as_its_dict_does():
 
 
 def test_every_public_config_name_is_exported():
-    for name in (n for n in torchimpl.config.__all__ if not n.isupper()):  # constants stay in their module
-        assert name in torchimpl.__all__ and getattr(torchimpl, name) is getattr(torchimpl.config, name)
+    for name in (n for n in torchimpl.config.schema.__all__ if not n.isupper()):  # constants stay in their module
+        assert name in torchimpl.__all__ and getattr(torchimpl, name) is getattr(torchimpl.config.schema, name)
     for name in ("PrecisionConfig", "OptimizerConfig", "ScalerConfig", "canonical_mode", "ResumeError"):
         assert name in torchimpl.__all__
     assert all(hasattr(torchimpl, name) for name in torchimpl.__all__)

@@ -1,5 +1,5 @@
 """A callback that leaves a trainer state field of the wrong type: named at once, the run fails
-and its checkpoints stay good (``torchimpl.callback_checks``)."""
+and its checkpoints stay good (``torchimpl.train.callback_checks``)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from torchimpl.callback_checks import CallbackStateError
-from torchimpl.checkpoint import list_checkpoints, load_checkpoint
-from torchimpl.config import load_config
-from torchimpl.tasks import build_task
-from torchimpl.trainer import Callback, Trainer
+from torchimpl.train.callback_checks import CallbackStateError
+from torchimpl.run.checkpoint import list_checkpoints, load_checkpoint
+from torchimpl.config.schema import load_config
+from torchimpl.task.builtin import build_task
+from torchimpl.train.trainer import Callback, Trainer
 
 
 def _cfg(folder, *sets):
@@ -103,10 +103,10 @@ def test_values_of_the_right_type_are_the_callbacks_to_set(tmp_path):
 
 
 def test_the_command_line_exits_non_zero_naming_the_callback(tmp_path, monkeypatch, capsys):
-    import torchimpl.trainer
-    from torchimpl.cli import main
+    import torchimpl.train.trainer
+    from torchimpl.cli.app import main
 
-    monkeypatch.setattr(torchimpl.trainer, "precision_stats_callbacks",
+    monkeypatch.setattr(torchimpl.train.trainer, "precision_stats_callbacks",
                         lambda config: [SetAt("on_step_end", "step", "3")])
     code = main(["train", "--set", "device=cpu", "--set", "task.name=mlp", "--set", "task.size=tiny",
                  "--set", "train.steps=6", "--set", "train.batch_size=8",
@@ -115,7 +115,7 @@ def test_the_command_line_exits_non_zero_naming_the_callback(tmp_path, monkeypat
     assert code == 1, err
     assert "SetAt.on_step_end set trainer.state.step" in err
     assert [p.name for p in list_checkpoints(tmp_path / "ck")] == ["step-00000002.ckpt"]
-    monkeypatch.setattr(torchimpl.trainer, "precision_stats_callbacks", lambda config: [])
+    monkeypatch.setattr(torchimpl.train.trainer, "precision_stats_callbacks", lambda config: [])
     code = main(["train", "--set", "device=cpu", "--set", "task.name=mlp", "--set", "task.size=tiny",
                  "--set", "train.steps=6", "--set", "train.batch_size=8",
                  "--set", f"checkpoint.folder={tmp_path / 'ck'}", "--set", "checkpoint.interval=2", "--resume"])

@@ -16,24 +16,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchimpl.checkpoint import (
+from torchimpl.run.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
-from torchimpl.config import load_config
-from torchimpl.tasks import build_task
-from torchimpl.trainer import Callback, Trainer
+from torchimpl.config.schema import load_config
+from torchimpl.task.builtin import build_task
+from torchimpl.train.trainer import Callback, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
 RUN = textwrap.dedent("""
     import sys, torch
-    from torchimpl.config import load_config
-    from torchimpl.tasks import build_task
-    from torchimpl.trainer import Callback, Trainer
+    from torchimpl.config.schema import load_config
+    from torchimpl.task.builtin import build_task
+    from torchimpl.train.trainer import Callback, Trainer
     mode, out, stop_step, stop_mb, *sets = sys.argv[1:]
     cfg = load_config(overrides=sets)
     task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
@@ -173,7 +173,7 @@ def test_checkpoint_holds_only_plain_types(tmp_path):
 
 SAVER = textwrap.dedent("""
     import sys, torch
-    from torchimpl.checkpoint import save_checkpoint, checkpoint_name
+    from torchimpl.run.checkpoint import save_checkpoint, checkpoint_name
     folder, start = sys.argv[1], int(sys.argv[2])
     blob = torch.arange(400_000, dtype=torch.float32)
     print("ready", flush=True)

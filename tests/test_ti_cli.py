@@ -23,7 +23,7 @@ def test_compare_prints_a_table_and_writes_the_report(tmp_path):
     assert "precision" in r.stdout and "fp32" in r.stdout and "bf16" in r.stdout, r.stdout
     assert "The curves" in r.stdout and "rule:" in r.stdout
     report = json.loads((tmp_path / "report.json").read_text())
-    from torchimpl.fp8 import torchao_available
+    from torchimpl.precision.fp8 import torchao_available
 
     assert [row["precision"] for row in report["rows"]] == (["fp32", "bf16", "bf16+scaler"]
                                                             + (["fp8"] if torchao_available() else []))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from torchimpl.config import Config, ConfigError, TrainConfig, load_config
-from torchimpl.schedule import lr_at, lr_from_table, lr_table
-from torchimpl.config import ScheduleConfig
+from torchimpl.config.schema import Config, ConfigError, TrainConfig, load_config
+from torchimpl.train.schedule import lr_at, lr_from_table, lr_table
+from torchimpl.config.schema import ScheduleConfig
 
 import torch
 

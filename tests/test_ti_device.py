@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchimpl.device import available_devices, resolve_device, same_device
+from torchimpl.precision.device import available_devices, resolve_device, same_device
 
 
 @pytest.fixture

@@ -6,15 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from torchimpl.diagnostics import (
-    DiagnosisReport,
-    Misplacement,
-    NonFiniteError,
-    NonFiniteGuard,
-    check_placement,
-    diagnose_nonfinite,
-)
-from torchimpl.precision import PrecisionConfig, PrecisionPlan, resolve_precision
+from torchimpl.precision.diagnostics import DiagnosisReport, diagnose_nonfinite
+from torchimpl.precision.guard import Misplacement, NonFiniteError, NonFiniteGuard, check_placement
+from torchimpl.precision.plan import PrecisionConfig, PrecisionPlan, resolve_precision
 
 FP32 = PrecisionPlan("fp32", torch.float32, False, False, "cpu")
 FP16 = PrecisionPlan("fp16", torch.float16, True, True, "cpu")

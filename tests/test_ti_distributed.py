@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conformance.multiproc import rank_group
-from torchimpl.checkpoint import CheckpointError
-from torchimpl.config import ConfigError, load_config
+from torchimpl.run.checkpoint import CheckpointError
+from torchimpl.config.schema import ConfigError, load_config
 from torchimpl.distributed import (
     DistributedError,
     ShardedData,
@@ -27,7 +27,7 @@ from torchimpl.distributed import (
     rank_seed,
     shard_data,
 )
-from torchimpl.tasks import SyntheticBatches
+from torchimpl.task.builtin import SyntheticBatches
 
 WORLD = 2
 WAIT_S = 120.0
@@ -90,7 +90,7 @@ def test_none_mode_hooks_are_identities():
 
 
 def test_under_torchrun_only_rank_0_prints_the_summary(monkeypatch, capsys, tmp_path):
-    from torchimpl.cli import main
+    from torchimpl.cli.app import main
 
     args = ["train", "--set", "device=cpu", "--set", "task.name=mlp", "--set", "task.size=tiny",
             "--set", "train.steps=2", "--set", "train.batch_size=8"]
@@ -98,7 +98,7 @@ def test_under_torchrun_only_rank_0_prints_the_summary(monkeypatch, capsys, tmp_
     assert main(args + ["--set", f"checkpoint.folder={tmp_path / 'rank1'}"]) == 0
     assert capsys.readouterr().out == "", "a rank other than 0 printed"
     monkeypatch.setenv("RANK", "0")
-    # A folder of its own: a fresh run into the first one's folder is refused (torchimpl.run_folder).
+    # A folder of its own: a fresh run into the first one's folder is refused (torchimpl.run.folder).
     assert main(args + ["--set", f"checkpoint.folder={tmp_path / 'rank0'}"]) == 0
     assert json.loads(capsys.readouterr().out)["steps"] == 2
 
@@ -147,8 +147,8 @@ def _count_syncs(trainer):
 
 
 def _train(mode: str, folder: str, resume=None, extra=(), mid_window_save=False, loss_fn=None):
-    from torchimpl.tasks import build_task
-    from torchimpl.trainer import Callback, Trainer
+    from torchimpl.task.builtin import build_task
+    from torchimpl.train.trainer import Callback, Trainer
 
     class Probe(Callback):
         def on_fit_start(self, trainer):
@@ -210,8 +210,8 @@ def _allreduce_job(rank, job):
 
 def _nonfinite_job(rank, job):
     """Rank 1 alone gets a NaN loss at step 2: both ranks stop there; rank 0 writes the diagnosis."""
-    from torchimpl.tasks import build_task
-    from torchimpl.trainer import default_loss_fn
+    from torchimpl.task.builtin import build_task
+    from torchimpl.train.trainer import default_loss_fn
 
     folder = os.path.join(job["folder"], "nonfinite-" + job["mode"])
     cfg = _cfg(job["mode"], folder)
@@ -315,8 +315,8 @@ def test_ddp_reduces_a_window_once(ranks):
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_a_mid_window_checkpoint_refuses_another_world_size(resumed, tmp_path, mode):
-    from torchimpl.tasks import build_task
-    from torchimpl.trainer import Trainer
+    from torchimpl.task.builtin import build_task
+    from torchimpl.train.trainer import Trainer
 
     src = os.path.join(resumed["folder"], mode, "whole", MIDWINDOW + (".dcp" if mode == "fsdp2" else ".ckpt"))
     cfg = _cfg(mode, str(tmp_path))
@@ -327,8 +327,8 @@ def test_a_mid_window_checkpoint_refuses_another_world_size(resumed, tmp_path, m
 
 
 def test_a_two_rank_fsdp2_checkpoint_loads_on_one_rank(resumed, tmp_path):
-    from torchimpl.tasks import build_task
-    from torchimpl.trainer import Trainer
+    from torchimpl.task.builtin import build_task
+    from torchimpl.train.trainer import Trainer
 
     path = os.path.join(resumed["folder"], "fsdp2", "whole", "step-00000006.dcp")
     cfg = _cfg("fsdp2", str(tmp_path))
@@ -384,8 +384,8 @@ def _damaged_fsdp2_folder(resumed, tmp_path):
 
 
 def _resume_one_rank(folder, resume):
-    from torchimpl.tasks import build_task
-    from torchimpl.trainer import Trainer
+    from torchimpl.task.builtin import build_task
+    from torchimpl.train.trainer import Trainer
 
     cfg = _cfg("fsdp2", str(folder), "train.steps=6")
     task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from torchimpl import inspect_precision
-from torchimpl.config import TaskConfig
-from torchimpl.doctor_verdicts import KINDS
-from torchimpl.fp8 import torchao_available
-from torchimpl.tasks import build_task
+from torchimpl.config.schema import TaskConfig
+from torchimpl.doctor.verdicts import KINDS
+from torchimpl.precision.fp8 import torchao_available
+from torchimpl.task.builtin import build_task
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doctor_models.models import CATALOGUE, forward_overflow  # noqa: E402
@@ -79,7 +79,7 @@ def test_the_users_model_gradients_and_generators_are_left_as_they_were():
 
 
 def test_the_shadow_starts_each_step_from_the_mixed_weights():
-    from torchimpl.doctor import _default_loss, _default_optimizer, _Runner
+    from torchimpl.doctor.inspect import _default_loss, _default_optimizer, _Runner
 
     model, train, _ = forward_overflow()
     runner = _Runner(model, "bf16", torch.device("cpu"), _default_loss, _default_optimizer, 1.0, (), "tensorwise", 0.999)
@@ -142,7 +142,7 @@ def test_no_batches_is_refused():
 
 
 def _cli(args, monkeypatch, capsys):
-    from torchimpl.cli import main
+    from torchimpl.cli.app import main
 
     monkeypatch.syspath_prepend(str(TESTS))
     code = main(args)
@@ -191,7 +191,7 @@ def test_cli_plot_draws_the_picture(tmp_path, monkeypatch, capsys):
 
 
 def _tiny_config(tmp_path, *sets):
-    from torchimpl.config import load_config
+    from torchimpl.config.schema import load_config
 
     c = load_config(overrides=["device=cpu", "task.name=mlp", "task.size=tiny", "train.batch_size=4",
                                "train.steps=3", "precision.mode=bf16", f"checkpoint.folder={tmp_path / 'ck'}", *sets])
@@ -244,7 +244,7 @@ def test_precision_stats_are_logged_every_n_steps(tmp_path):
     import csv
 
     from torchimpl import Trainer
-    from torchimpl.precision_stats import COLUMNS, FILE_NAME
+    from torchimpl.train.precision_stats import COLUMNS, FILE_NAME
 
     c, task = _tiny_config(tmp_path, "train.steps=5", "logging.precision_stats=2")
     Trainer(c).fit(task.model, task.train_data)
@@ -258,8 +258,8 @@ def test_precision_stats_are_logged_every_n_steps(tmp_path):
 
 def test_precision_stats_are_off_by_default(tmp_path):
     from torchimpl import Trainer
-    from torchimpl.config import LoggingConfig
-    from torchimpl.precision_stats import FILE_NAME
+    from torchimpl.config.schema import LoggingConfig
+    from torchimpl.train.precision_stats import FILE_NAME
 
     assert LoggingConfig().precision_stats == 0
     c, task = _tiny_config(tmp_path)
@@ -268,9 +268,9 @@ def test_precision_stats_are_off_by_default(tmp_path):
 
 
 def test_fp8_without_torchao_is_refused_or_left_out_with_a_note(monkeypatch, capsys):
-    import torchimpl.fp8
+    import torchimpl.precision.fp8
 
-    monkeypatch.setattr(torchimpl.fp8, "torchao_available", lambda: False)
+    monkeypatch.setattr(torchimpl.precision.fp8, "torchao_available", lambda: False)
     code, _, err = _cli(["doctor", "--task", "mlp", "--precision", "fp8", "--steps", "1"], monkeypatch, capsys)
     assert code == 2 and "pip install 'ampspec[fp8]'" in err
     code, out, _ = _cli(["doctor", "--task", "mlp", "--size", "tiny", "--steps", "1"], monkeypatch, capsys)
@@ -279,7 +279,7 @@ def test_fp8_without_torchao_is_refused_or_left_out_with_a_note(monkeypatch, cap
 
 
 def test_verdicts_are_a_fixed_vocabulary_ranked_by_harm():
-    from torchimpl.doctor_verdicts import Verdict, rank
+    from torchimpl.doctor.verdicts import Verdict, rank
 
     with pytest.raises(ValueError, match="unknown verdict kind 'overflow'"):
         Verdict("overflow", None, "m", "f")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchimpl.checkpoint import CheckpointError
-from torchimpl.config import load_config
-from torchimpl.tasks import build_task
-from torchimpl.trainer import Callback, Trainer
+from torchimpl.run.checkpoint import CheckpointError
+from torchimpl.config.schema import load_config
+from torchimpl.task.builtin import build_task
+from torchimpl.train.trainer import Callback, Trainer
 
 
 def _cfg(*sets):
@@ -53,10 +53,10 @@ def test_a_folder_given_as_the_checkpoint_to_resume_is_named_as_a_folder(tmp_pat
     ((), "missing.ckpt", "cannot read checkpoint missing.ckpt: No such file or directory; give an existing"),
 ])
 def test_a_resume_from_nothing_is_refused_before_the_model_moves(sets, resume, message, monkeypatch):
-    import torchimpl.trainer
+    import torchimpl.train.trainer
 
     calls = []
-    monkeypatch.setattr(torchimpl.trainer, "resolve_precision", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(torchimpl.train.trainer, "resolve_precision", lambda *a, **k: calls.append(a))
     task = build_task(_cfg().task, seed=0, batch_size=8)
     with pytest.raises(ValueError, match=message):
         Trainer(_cfg(*sets)).fit(task.model, task.train_data, resume=resume)
@@ -64,7 +64,7 @@ def test_a_resume_from_nothing_is_refused_before_the_model_moves(sets, resume, m
 
 
 def test_save_checkpoint_never_replaces_a_file_that_is_not_a_checkpoint(tmp_path):
-    from torchimpl.checkpoint import save_checkpoint
+    from torchimpl.run.checkpoint import save_checkpoint
 
     notes = tmp_path / "notes.txt"
     notes.write_text("keep me\n")
@@ -117,7 +117,7 @@ def test_callbacks_that_are_not_callback_instances_are_refused_when_the_trainer_
 
 
 def test_a_file_under_a_checkpoints_name_is_the_runs_own_however_damaged(tmp_path):
-    from torchimpl.checkpoint import save_checkpoint
+    from torchimpl.run.checkpoint import save_checkpoint
 
     damaged = tmp_path / "step-00000003.ckpt"
     damaged.write_text("not a checkpoint any more\n")

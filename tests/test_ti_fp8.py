@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-import torchimpl.fp8 as tfp8
-from torchimpl.config import ConfigError, load_config
-from torchimpl.precision import PrecisionConfig, PrecisionDowngradeWarning, resolve_precision
-from torchimpl.tasks import build_task
-from torchimpl.trainer import Callback, Trainer
+import torchimpl.precision.fp8 as tfp8
+from torchimpl.config.schema import ConfigError, load_config
+from torchimpl.precision.plan import PrecisionConfig, PrecisionDowngradeWarning, resolve_precision
+from torchimpl.task.builtin import build_task
+from torchimpl.train.trainer import Callback, Trainer
 
 needs_torchao = pytest.mark.skipif(not tfp8.torchao_available(),
                                    reason="torchao is not installed: pip install '.[fp8]' (torchao==0.18.0)")
@@ -77,7 +77,7 @@ def test_bad_fp8_fields_name_themselves():
 ])
 def test_cuda_fp8_by_compute_capability(monkeypatch, capability, recipe, mode, fragment):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr("torchimpl.precision.cuda_bf16_supported", lambda: True)
+    monkeypatch.setattr("torchimpl.precision.plan.cuda_bf16_supported", lambda: True)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         plan = resolve_precision(PrecisionConfig(mode="fp8", fp8_recipe=recipe), "cuda")
@@ -211,7 +211,7 @@ def test_resume_with_converted_modules_is_bit_for_bit(tmp_path, recipe):
 
 @needs_torchao
 def test_compare_has_an_fp8_row(tmp_path):
-    from torchimpl.compare import run_compare
+    from torchimpl.cli.compare import run_compare
 
     res = run_compare(steps=3, device="cpu", out=tmp_path, task="mlp", window=2)
     rows = {r["precision"]: r for r in res.rows}
@@ -219,7 +219,7 @@ def test_compare_has_an_fp8_row(tmp_path):
 
 
 def test_compare_leaves_fp8_out_without_torchao(tmp_path, monkeypatch):
-    from torchimpl.compare import run_compare
+    from torchimpl.cli.compare import run_compare
 
     monkeypatch.setattr(tfp8, "torchao_available", lambda: False)
     res = run_compare(steps=2, device="cpu", out=tmp_path, task="mlp", window=2)

@@ -9,10 +9,10 @@ import signal
 import pytest
 import torch
 
-from torchimpl.checkpoint import load_checkpoint
-from torchimpl.config import load_config
-from torchimpl.tasks import build_task
-from torchimpl.trainer import Callback, Trainer
+from torchimpl.run.checkpoint import load_checkpoint
+from torchimpl.config.schema import load_config
+from torchimpl.task.builtin import build_task
+from torchimpl.train.trainer import Callback, Trainer
 
 
 def _cfg(tmp_path, name):

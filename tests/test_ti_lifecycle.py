@@ -17,12 +17,12 @@ import pytest
 import torch
 from torch import nn
 
-from torchimpl.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
-from torchimpl.config import load_config
-from torchimpl.records import read_trace
-from torchimpl.run_state import ResumeError
-from torchimpl.tasks import build_task
-from torchimpl.trainer import Callback, Trainer
+from torchimpl.run.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from torchimpl.config.schema import load_config
+from torchimpl.run.records import read_trace
+from torchimpl.run.state import ResumeError
+from torchimpl.task.builtin import build_task
+from torchimpl.train.trainer import Callback, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,9 +90,9 @@ def test_a_collapsed_scale_stops_the_run_with_finite_weights_and_a_resumable_che
 
 KILLED = textwrap.dedent("""
     import os, sys
-    from torchimpl.config import load_config
-    from torchimpl.tasks import build_task
-    from torchimpl.trainer import Callback, Trainer
+    from torchimpl.config.schema import load_config
+    from torchimpl.task.builtin import build_task
+    from torchimpl.train.trainer import Callback, Trainer
     kill_after, resume, *sets = sys.argv[1:]
     cfg = load_config(overrides=sets)
     task = build_task(cfg.task, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
@@ -125,7 +125,7 @@ def test_the_trace_after_a_kill_and_resume_equals_the_uninterrupted_one(tmp_path
     r = _run_killed(-1, "1", sets(part))
     assert r.returncode == 0, r.stderr[-2000:]
     assert (part / "trace.jsonl").read_text() == (whole / "trace.jsonl").read_text()
-    from torchimpl.cli import main
+    from torchimpl.cli.app import main
 
     assert main(["replay", str(part / "trace.jsonl"), "--set", "scaler.growth_interval=3"]) == 0
 
@@ -331,7 +331,7 @@ def test_a_signal_stops_at_a_step_boundary_saves_and_exits_with_its_code(tmp_pat
 
 
 def test_a_run_that_applied_nothing_exits_3_with_valid_json(tmp_path, capsys, monkeypatch):
-    from torchimpl.cli import main
+    from torchimpl.cli.app import main
 
     (tmp_path / "always_inf.py").write_text(textwrap.dedent("""
         import math, torch

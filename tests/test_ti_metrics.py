@@ -14,14 +14,14 @@ import pytest
 import torch
 from torch import nn
 
-from torchimpl.cli import _parser, main
-from torchimpl.config import ConfigError, load_config
-from torchimpl.metrics import COLUMNS, read_metrics
-from torchimpl.records import read_trace, read_trace_header, read_trace_metrics
-from torchimpl.reporting import PROGRESS_LOGGER
-from torchimpl.run_state import config_changes
-from torchimpl.tasks import build_task
-from torchimpl.trainer import Callback, Trainer
+from torchimpl.cli.app import _parser, main
+from torchimpl.config.schema import ConfigError, load_config
+from torchimpl.run.metrics import COLUMNS, read_metrics
+from torchimpl.run.records import read_trace, read_trace_header, read_trace_metrics
+from torchimpl.train.reporting import PROGRESS_LOGGER
+from torchimpl.run.state import config_changes
+from torchimpl.task.builtin import build_task
+from torchimpl.train.trainer import Callback, Trainer
 
 BASE = ["device=cpu", "task.name=mlp", "task.size=tiny", "train.batch_size=4", "train.force_scaler=true",
         "scaler.growth_interval=2"]

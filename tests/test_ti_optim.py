@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-import torchimpl.optim as optim_mod
-from torchimpl.optim import (
+import torchimpl.train.optim as optim_mod
+from torchimpl.train.optim import (
     BuiltOptimizer,
     FusedOptimizerWarning,
     OptimizerConfig,
@@ -287,10 +287,10 @@ def test_fused_and_for_loop_both_train():
 def test_every_optimizer_trains_checkpoints_its_settings_and_resumes_bit_for_bit(tmp_path, sets):
     """A registered optimizer by name: its settings reach torch's class, are saved with the
     run's configuration, and resuming from a checkpoint equals the uninterrupted run."""
-    from torchimpl.checkpoint import latest_checkpoint, load_checkpoint
-    from torchimpl.config import load_config
-    from torchimpl.tasks import build_task
-    from torchimpl.trainer import Trainer
+    from torchimpl.run.checkpoint import latest_checkpoint, load_checkpoint
+    from torchimpl.config.schema import load_config
+    from torchimpl.task.builtin import build_task
+    from torchimpl.train.trainer import Trainer
 
     def run(steps: int, folder: str, resume: bool = False):
         cfg = load_config(overrides=["device=cpu", "task.name=mlp", "task.size=tiny", f"train.steps={steps}",

@@ -12,8 +12,8 @@ import warnings
 import pytest
 import torch
 
-from torchimpl.device import resolve_device
-from torchimpl.precision import (
+from torchimpl.precision.device import resolve_device
+from torchimpl.precision.plan import (
     PrecisionConfig,
     PrecisionDowngradeWarning,
     PrecisionPlan,
@@ -245,7 +245,7 @@ _MIXING_SCRIPT = """
 import warnings
 warnings.simplefilter("error")
 import torch
-from torchimpl.precision import configure_tf32, tf32_settings
+from torchimpl.precision.plan import configure_tf32, tf32_settings
 configure_tf32(True)
 s = tf32_settings()
 configure_tf32(False)

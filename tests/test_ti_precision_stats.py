@@ -1,5 +1,5 @@
 """``logging.precision_stats``: the TensorBoard scalars beside the CSV rows, and a resumed run's
-rows (``torchimpl.precision_stats`` rule 2). The scalars are checked through a recording writer
+rows (``torchimpl.train.precision_stats`` rule 2). The scalars are checked through a recording writer
 in every run (CI installs ``.[test]``, without tensorboard) and through the real package when it
 is installed."""
 
@@ -11,11 +11,11 @@ from typing import ClassVar
 
 import pytest
 
-import torchimpl.metrics
-from torchimpl.config import load_config
-from torchimpl.precision_stats import FILE_NAME
-from torchimpl.tasks import build_task
-from torchimpl.trainer import Callback, Trainer
+import torchimpl.run.metrics
+from torchimpl.config.schema import load_config
+from torchimpl.train.precision_stats import FILE_NAME
+from torchimpl.task.builtin import build_task
+from torchimpl.train.trainer import Callback, Trainer
 
 
 def _cfg(folder, *sets):
@@ -57,7 +57,7 @@ STATS = ("amax", "headroom_bits", "subnormal_fraction")
 
 def test_the_scalars_are_the_csv_rows(tmp_path, monkeypatch):
     RecordingWriter.written = []
-    monkeypatch.setattr(torchimpl.metrics, "_summary_writer_class", lambda: RecordingWriter)
+    monkeypatch.setattr(torchimpl.run.metrics, "_summary_writer_class", lambda: RecordingWriter)
     _fit(_cfg(tmp_path / "ck", "logging.tensorboard=true"))
     rows = _rows(tmp_path / "ck" / FILE_NAME)
     assert sorted({int(r["step"]) for r in rows}) == [0, 2, 4]
@@ -71,7 +71,7 @@ def test_the_scalars_are_the_csv_rows(tmp_path, monkeypatch):
 
 def test_without_tensorboard_only_the_csv_is_written(tmp_path, monkeypatch):
     RecordingWriter.written = []
-    monkeypatch.setattr(torchimpl.metrics, "_summary_writer_class", lambda: RecordingWriter)
+    monkeypatch.setattr(torchimpl.run.metrics, "_summary_writer_class", lambda: RecordingWriter)
     _fit(_cfg(tmp_path / "ck", "logging.tensorboard=false"))
     assert _rows(tmp_path / "ck" / FILE_NAME) and RecordingWriter.written == []
 
@@ -115,7 +115,7 @@ def test_a_resumed_run_has_the_uninterrupted_runs_rows(tmp_path):
 
 
 def test_a_link_planted_as_the_statistics_file_is_refused_before_any_work(tmp_path):
-    from torchimpl.run_folder import RunFolderError  # noqa: F401 - the refusal is a ValueError
+    from torchimpl.run.folder import RunFolderError  # noqa: F401 - the refusal is a ValueError
 
     (tmp_path / "ck").mkdir()
     target = tmp_path / "precious.txt"
@@ -128,7 +128,7 @@ def test_a_link_planted_as_the_statistics_file_is_refused_before_any_work(tmp_pa
 
 
 def test_another_runs_statistics_file_is_another_runs_file(tmp_path):
-    from torchimpl.run_folder import RunFolderError
+    from torchimpl.run.folder import RunFolderError
 
     _fit(_cfg(tmp_path / "ck", "logging.tensorboard=false", "logging.csv=false", "checkpoint.folder=null",
               f"logging.dir={tmp_path / 'ck'}"))
@@ -139,7 +139,7 @@ def test_another_runs_statistics_file_is_another_runs_file(tmp_path):
 
 
 def test_statistics_without_a_run_folder_are_refused_naming_the_fix():
-    from torchimpl.config import ConfigError
+    from torchimpl.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match=r"logging.precision_stats: 2 needs a run folder, but logging.dir is null"):
         load_config(overrides=["logging.dir=null", "logging.precision_stats=2"])

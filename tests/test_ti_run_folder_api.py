@@ -1,5 +1,5 @@
-"""``Trainer.fit`` applies the run folder rule and the run lock itself (``torchimpl.run_folder``
-rule 6, ``torchimpl.run_lock`` rules 4-5): a run started from Python never overwrites another."""
+"""``Trainer.fit`` applies the run folder rule and the run lock itself (``torchimpl.run.folder``
+rule 6, ``torchimpl.run.lock`` rules 4-5): a run started from Python never overwrites another."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchimpl.config import load_config
-from torchimpl.run_folder import RunFolderError
-from torchimpl.run_lock import RunLockedError, hold
-from torchimpl.tasks import build_task
-from torchimpl.trainer import Callback, Trainer
+from torchimpl.config.schema import load_config
+from torchimpl.run.folder import RunFolderError
+from torchimpl.run.lock import RunLockedError, hold
+from torchimpl.task.builtin import build_task
+from torchimpl.train.trainer import Callback, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +96,7 @@ def test_a_fit_into_a_folder_another_thread_trains_in_is_refused_at_once(tmp_pat
 
 
 def test_a_fit_into_a_folder_another_process_holds_is_refused_naming_its_pid(tmp_path):
-    code = ("import sys, time; from torchimpl.run_lock import hold\n"
+    code = ("import sys, time; from torchimpl.run.lock import hold\n"
             f"with hold({str(tmp_path / 'ck')!r}, 'ck'):\n"
             "    print('held', flush=True); time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)

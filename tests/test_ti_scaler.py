@@ -1,4 +1,4 @@
-"""torchimpl.scaler: the loss scaler's presets, exactness against torch, state and syncs."""
+"""torchimpl.train.scaler: the loss scaler's presets, exactness against torch, state and syncs."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchimpl.scaler import (
+from torchimpl.train.scaler import (
     PRESETS,
     DynamicLossScaler,
     ScaleAtMinimumError,

@@ -1,4 +1,4 @@
-"""torchimpl.step and torchimpl.run_state: the engine's parts, each on its own."""
+"""torchimpl.train.step and torchimpl.run.state: the engine's parts, each on its own."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from torchimpl.clipping import group_by_device_and_dtype
-from torchimpl.config import load_config
-from torchimpl.records import FIELDS, PendingRecords
-from torchimpl.run_state import DataCursor, TrainState
-from torchimpl.scaler import DynamicLossScaler, ScalerConfig
-from torchimpl.schedule import AppliedStepSchedule
-from torchimpl.step import DynamicScaling, HostSkip, KernelSkip, UnitScaling, choose_sync_free
+from torchimpl.train.clipping import group_by_device_and_dtype
+from torchimpl.config.schema import load_config
+from torchimpl.run.records import FIELDS, PendingRecords
+from torchimpl.run.state import DataCursor, TrainState
+from torchimpl.train.scaler import DynamicLossScaler, ScalerConfig
+from torchimpl.train.schedule import AppliedStepSchedule
+from torchimpl.train.step import DynamicScaling, HostSkip, KernelSkip, UnitScaling, choose_sync_free
 
 
 def _params(*values):
@@ -204,7 +204,7 @@ def test_dynamic_scaling_checks_the_unscaled_gradients_and_backs_off_on_them():
 
 
 def test_scale_collapse_is_the_float32_inverse_overflowing():
-    from torchimpl.step import scale_collapsed
+    from torchimpl.train.step import scale_collapsed
 
     scales = torch.tensor([0.0, 2.0**-149, 2.0**-128, 2.0**-127.5, 2.0**-127, 1.0, 2.0**127, math.nan])
     torch_says = ~torch.isfinite(scales.double().reciprocal().float())  # what unscale_ would multiply by

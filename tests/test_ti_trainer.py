@@ -11,10 +11,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchimpl.config import load_config
-from torchimpl.records import read_trace
-from torchimpl.tasks import build_task
-from torchimpl.trainer import Callback, Trainer
+from torchimpl.config.schema import load_config
+from torchimpl.run.records import read_trace
+from torchimpl.task.builtin import build_task
+from torchimpl.train.trainer import Callback, Trainer
 
 aten = torch.ops.aten
 

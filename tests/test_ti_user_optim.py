@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from torchimpl.checkpoint import load_checkpoint
-from torchimpl.config import load_config
-from torchimpl.run_state import ResumeError
-from torchimpl.trainer import Callback, Trainer
+from torchimpl.run.checkpoint import load_checkpoint
+from torchimpl.config.schema import load_config
+from torchimpl.run.state import ResumeError
+from torchimpl.train.trainer import Callback, Trainer
 
 
 class Regression(nn.Module):

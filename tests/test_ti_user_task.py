@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from torchimpl.checkpoint import CheckpointError, save_checkpoint
-from torchimpl.config import TaskConfig, load_config
-from torchimpl.export import export_weights, load_weights
-from torchimpl.precision import PrecisionDowngradeWarning
-from torchimpl.tasks import build_task
-from torchimpl.trainer import Trainer
+from torchimpl.run.checkpoint import CheckpointError, save_checkpoint
+from torchimpl.config.schema import TaskConfig, load_config
+from torchimpl.cli.export import export_weights, load_weights
+from torchimpl.precision.plan import PrecisionDowngradeWarning
+from torchimpl.task.builtin import build_task
+from torchimpl.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def _console_script(folder: Path) -> Path:
     sys.path (not the working directory), as console scripts do; ``python -m`` would add the cwd."""
     script = folder / "bin" / "ampspec_script.py"
     script.parent.mkdir(parents=True, exist_ok=True)
-    script.write_text("import sys\nfrom torchimpl.cli import main\nsys.exit(main())\n")
+    script.write_text("import sys\nfrom torchimpl.cli.app import main\nsys.exit(main())\n")
     return script
 
 
@@ -140,7 +140,7 @@ def test_a_missing_module_and_a_failing_import_say_which_and_how_to_fix(tmp_path
 
 
 def test_compare_runs_the_users_task_in_every_precision_from_a_fresh_seeded_task(user_module, tmp_path):
-    from torchimpl.compare import run_compare
+    from torchimpl.cli.compare import run_compare
 
     res = run_compare(steps=4, device="cpu", out=tmp_path / "cmp", task=f"{user_module}:make", window=2)
     labels = [r["precision"] for r in res.rows]
@@ -157,7 +157,7 @@ def test_compare_cli_takes_a_task_from_the_working_directory_and_explains_max_ga
                 cwd=tmp_path, script=_console_script(tmp_path / "elsewhere"))
     assert r.returncode in (0, 1), r.stderr
     assert "bf16+scaler" in r.stdout
-    from torchimpl.fp8 import torchao_available
+    from torchimpl.precision.fp8 import torchao_available
 
     if torchao_available():  # the task's 4x1 layer cannot run in float8: that row is left out, with why
         assert "note (fp8): left out: precision.mode 'fp8' found no linear layer" in r.stdout
@@ -167,7 +167,7 @@ def test_compare_cli_takes_a_task_from_the_working_directory_and_explains_max_ga
 
 
 def test_compare_report_has_validation_curves_skips_and_a_visible_scale_history(tmp_path):
-    from torchimpl.compare import run_compare
+    from torchimpl.cli.compare import run_compare
 
     run_compare(steps=20, device="cpu", out=tmp_path, task="mlp", window=5)
     report = json.loads((tmp_path / "report.json").read_text())
@@ -183,8 +183,8 @@ def test_the_plot_marks_skipped_steps_and_leaves_out_the_scale_panel_without_a_s
     pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the 'plot' extra)")
     import matplotlib.pyplot as plt
 
-    from torchimpl import compare
-    from torchimpl.agreement import Band
+    from torchimpl.cli import compare
+    from torchimpl.cli.agreement import Band
 
     n = 30
     base = [2.0 - i / n for i in range(n)]
@@ -306,7 +306,7 @@ def test_version_names_ampspec_and_torch(tmp_path):
 
 def test_version_falls_back_to_the_package_version_when_not_installed(monkeypatch):
     import torchimpl
-    from torchimpl.run_state import ampspec_version
+    from torchimpl.run.state import ampspec_version
 
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
@@ -322,7 +322,7 @@ def test_version_falls_back_to_the_package_version_when_not_installed(monkeypatc
     ("train", ["--set KEY=VALUE", "(default: [])", "values are YAML"]),
 ])
 def test_help_shows_what_each_option_does_and_its_default(command, shown):
-    from torchimpl.cli import _parser
+    from torchimpl.cli.app import _parser
 
     sub = _parser()._subparsers._group_actions[0].choices[command]
     text = sub.format_help()
@@ -369,7 +369,7 @@ def test_fp16_on_cpu_warns_python_users_once_at_their_fit_call():
 
 
 def test_the_cli_shows_its_own_warnings_plainly_and_others_as_python_does(monkeypatch, capsys):
-    import torchimpl.cli as cli
+    import torchimpl.cli.app as cli
 
     passed_on = []
     monkeypatch.setattr(warnings, "showwarning", lambda message, category, filename, lineno, *rest:

@@ -9,9 +9,9 @@ import errno
 import pytest
 import torch
 
-import torchimpl.checkpoint
-import torchimpl.records
-from torchimpl.checkpoint import list_checkpoints, load_checkpoint
+import torchimpl.run.checkpoint
+import torchimpl.run.records
+from torchimpl.run.checkpoint import list_checkpoints, load_checkpoint
 
 
 def _args(folder, *more):
@@ -22,7 +22,7 @@ def _args(folder, *more):
 
 
 def _main(args, capsys):
-    from torchimpl.cli import main
+    from torchimpl.cli.app import main
 
     code = main(args)
     return code, capsys.readouterr().err
@@ -43,7 +43,7 @@ def test_a_full_disk_during_a_checkpoint_names_it_and_the_resume_is_the_uninterr
                                                                                           capsys):
     code, err = _main(_args(tmp_path / "straight"), capsys)
     assert code == 0, err
-    real, calls = torchimpl.checkpoint.os.fsync, []
+    real, calls = torchimpl.run.checkpoint.os.fsync, []
 
     def fsync(fd):  # the second checkpoint's file (a directory fsync ignores its errors)
         calls.append(fd)
@@ -51,7 +51,7 @@ def test_a_full_disk_during_a_checkpoint_names_it_and_the_resume_is_the_uninterr
             raise _full_disk()
         return real(fd)
 
-    monkeypatch.setattr(torchimpl.checkpoint.os, "fsync", fsync)
+    monkeypatch.setattr(torchimpl.run.checkpoint.os, "fsync", fsync)
     folder = tmp_path / "full"
     code, err = _main(_args(folder), capsys)
     assert code == 1, err  # a failed run (environment), not a usage error
@@ -60,7 +60,7 @@ def test_a_full_disk_during_a_checkpoint_names_it_and_the_resume_is_the_uninterr
     assert [p.name for p in list_checkpoints(folder)] == ["step-00000002.ckpt"]
     assert not [p for p in folder.iterdir() if p.name.startswith(".tmp")]
     load_checkpoint(folder / "step-00000002.ckpt")
-    monkeypatch.setattr(torchimpl.checkpoint.os, "fsync", real)
+    monkeypatch.setattr(torchimpl.run.checkpoint.os, "fsync", real)
     code, err = _main([*_args(folder), "--resume"], capsys)
     assert code == 0, err
     _same_run(tmp_path / "straight", folder)
@@ -87,14 +87,14 @@ class _FillsUp:
 def test_a_full_disk_during_a_trace_write_leaves_a_torn_line_the_resume_cuts(tmp_path, monkeypatch, capsys):
     code, err = _main(_args(tmp_path / "straight"), capsys)
     assert code == 0, err
-    real = torchimpl.records.open_run_file
-    monkeypatch.setattr(torchimpl.records, "open_run_file", lambda *a, **k: _FillsUp(real(*a, **k), 5))
+    real = torchimpl.run.records.open_run_file
+    monkeypatch.setattr(torchimpl.run.records, "open_run_file", lambda *a, **k: _FillsUp(real(*a, **k), 5))
     folder = tmp_path / "full"
     code, err = _main(_args(folder), capsys)
     assert code == 1, err  # a failed run (environment), not a usage error
     assert f"trace file {folder / 'trace.jsonl'}: cannot write: No space left on device" in err
     assert not (folder / "trace.jsonl").read_text().endswith("\n")  # the torn line is there
-    monkeypatch.setattr(torchimpl.records, "open_run_file", real)
+    monkeypatch.setattr(torchimpl.run.records, "open_run_file", real)
     code, err = _main([*_args(folder), "--resume"], capsys)
     assert code == 0, err
     _same_run(tmp_path / "straight", folder)
@@ -147,7 +147,7 @@ def _denied_inside(monkeypatch, folder):
 
 
 def _before_the_second_checkpoint(monkeypatch, action):
-    from torchimpl.cadence import Checkpointer
+    from torchimpl.train.cadence import Checkpointer
 
     real, calls = Checkpointer.save, []
 

@@ -56,7 +56,7 @@ def test_a_deleted_private_attribute_is_named(monkeypatch):
                                                 "nn.Module._forward_hooks_always_called"]
 
 
-@pytest.mark.parametrize("package, name", [("torchimpl.trainer", "_foreach_mul_"), ("audit.recorder", "_foreach_sqrt")])
+@pytest.mark.parametrize("package, name", [("torchimpl.train.trainer", "_foreach_mul_"), ("audit.recorder", "_foreach_sqrt")])
 def test_importing_without_a_private_function_fails_with_its_name_and_the_torch_version(package, name):
     code = f"import torch; del torch.{name}; import {package}"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)

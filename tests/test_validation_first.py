@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from torchimpl.cli import main
-from torchimpl.reporting import PROGRESS_LOGGER
+from torchimpl.cli.app import main
+from torchimpl.train.reporting import PROGRESS_LOGGER
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,8 @@ Train a model: ``Trainer(precision="bf16-mixed", max_steps=200).fit(model, train
   `canonical_mode`), `autocast_context`, `configure_tf32`, `fp32_island`, `upcast`;
 - loss scaling: `DynamicLossScaler`, `make_grad_scaler`;
 - optimizers: `build_optimizer`, `supports_fused_adamw`, `FusedOptimizerWarning`;
-- training: `Trainer` (the run's cadence; the step itself is `torchimpl.step`'s engine, the
-  checkpoint contents `torchimpl.run_state`), `Callback`, `RunSummary`, `TrainState`,
+- training: `Trainer` (the run's cadence; the step itself is `torchimpl.train.step`'s engine, the
+  checkpoint contents `torchimpl.run.state`), `Callback`, `RunSummary`, `TrainState`,
   `default_loss_fn`, step records and checkpoints (`ResumeError` for a refused resume);
 - diagnostics: `NonFiniteGuard`, `check_placement`, `diagnose_nonfinite`; before a failure,
   `inspect_precision` (``ampspec doctor --task``: verdicts and fixes, a `PrecisionReport`);
@@ -27,56 +27,56 @@ from typing import TYPE_CHECKING, Any
 # Each public name and the module that defines it. Imported on first use (PEP 562), so that
 # ``import torchimpl.cli`` (the ``ampspec`` command) can answer --help without importing torch.
 _EXPORTS = {
-    "BuiltOptimizer": "optim",
-    "Callback": "trainer",
-    "CheckpointConfig": "config",
-    "CheckpointError": "checkpoint",
-    "Config": "config",
-    "ConfigError": "config",
-    "DiagnosisReport": "diagnostics",
-    "DynamicLossScaler": "scaler",
-    "FusedOptimizerWarning": "optim",
-    "LoggingConfig": "config",
-    "NonFiniteError": "diagnostics",
-    "NonFiniteGuard": "diagnostics",
-    "OptimizerConfig": "optim",
-    "PrecisionConfig": "precision",
-    "PrecisionDowngradeWarning": "precision",
-    "PrecisionPlan": "precision",
-    "PrecisionReport": "doctor_report",
-    "ResumeError": "run_state",
-    "RunSummary": "trainer",
-    "ScaleAtMinimumError": "scaler",
-    "ScalerConfig": "scaler",
-    "ScheduleConfig": "config",
-    "StepRecord": "records",
-    "StopTraining": "trainer",
-    "TaskConfig": "config",
-    "TrainConfig": "config",
-    "TrainState": "run_state",
-    "Trainer": "trainer",
-    "apply_overrides": "config",
-    "autocast_context": "precision",
-    "build_optimizer": "optim",
-    "canonical_mode": "precision",
-    "check_placement": "diagnostics",
-    "configure_reduced_precision_reduction": "precision",
-    "configure_tf32": "precision",
-    "default_loss_fn": "loss_protocol",
-    "diagnose_nonfinite": "diagnostics",
-    "fp32_island": "precision",
-    "inspect_precision": "doctor",
-    "latest_checkpoint": "checkpoint",
-    "load_checkpoint": "checkpoint",
-    "load_config": "config",
-    "load_weights": "export",
-    "make_grad_scaler": "scaler",
-    "read_trace": "records",
-    "resolve_device": "device",
-    "resolve_precision": "precision",
-    "save_checkpoint": "checkpoint",
-    "supports_fused_adamw": "optim",
-    "upcast": "precision",
+    "BuiltOptimizer": "train.optim",
+    "Callback": "train.trainer",
+    "CheckpointConfig": "config.schema",
+    "CheckpointError": "run.checkpoint",
+    "Config": "config.schema",
+    "ConfigError": "config.schema",
+    "DiagnosisReport": "precision.diagnostics",
+    "DynamicLossScaler": "train.scaler",
+    "FusedOptimizerWarning": "train.optim",
+    "LoggingConfig": "config.schema",
+    "NonFiniteError": "precision.guard",
+    "NonFiniteGuard": "precision.guard",
+    "OptimizerConfig": "train.optim",
+    "PrecisionConfig": "precision.plan",
+    "PrecisionDowngradeWarning": "precision.plan",
+    "PrecisionPlan": "precision.plan",
+    "PrecisionReport": "doctor.report",
+    "ResumeError": "run.state",
+    "RunSummary": "train.trainer",
+    "ScaleAtMinimumError": "train.scaler",
+    "ScalerConfig": "train.scaler",
+    "ScheduleConfig": "config.schema",
+    "StepRecord": "run.records",
+    "StopTraining": "train.trainer",
+    "TaskConfig": "config.schema",
+    "TrainConfig": "config.schema",
+    "TrainState": "run.state",
+    "Trainer": "train.trainer",
+    "apply_overrides": "config.schema",
+    "autocast_context": "precision.plan",
+    "build_optimizer": "train.optim",
+    "canonical_mode": "precision.plan",
+    "check_placement": "precision.guard",
+    "configure_reduced_precision_reduction": "precision.plan",
+    "configure_tf32": "precision.plan",
+    "default_loss_fn": "train.loss_protocol",
+    "diagnose_nonfinite": "precision.diagnostics",
+    "fp32_island": "precision.plan",
+    "inspect_precision": "doctor.inspect",
+    "latest_checkpoint": "run.checkpoint",
+    "load_checkpoint": "run.checkpoint",
+    "load_config": "config.schema",
+    "load_weights": "cli.export",
+    "make_grad_scaler": "train.scaler",
+    "read_trace": "run.records",
+    "resolve_device": "precision.device",
+    "resolve_precision": "precision.plan",
+    "save_checkpoint": "run.checkpoint",
+    "supports_fused_adamw": "train.optim",
+    "upcast": "precision.plan",
 }
 
 __all__ = [
@@ -136,7 +136,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        # A submodule by attribute (``torchimpl.trainer`` after ``import torchimpl``), as when
+        # A submodule by attribute (``torchimpl.train.trainer`` after ``import torchimpl``), as when
         # this file imported them all.
         try:
             return importlib.import_module(f"torchimpl.{name}")
@@ -154,8 +154,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what the names are, for type checkers and editors
-    from torchimpl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-    from torchimpl.config import (
+    from torchimpl.run.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+    from torchimpl.config.schema import (
         CheckpointConfig,
         Config,
         ConfigError,
@@ -166,25 +166,20 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
         apply_overrides,
         load_config,
     )
-    from torchimpl.device import resolve_device
-    from torchimpl.doctor import inspect_precision
-    from torchimpl.doctor_report import PrecisionReport
-    from torchimpl.export import load_weights
-    from torchimpl.diagnostics import (
-        DiagnosisReport,
-        NonFiniteError,
-        NonFiniteGuard,
-        check_placement,
-        diagnose_nonfinite,
-    )
-    from torchimpl.optim import (
+    from torchimpl.precision.device import resolve_device
+    from torchimpl.doctor.inspect import inspect_precision
+    from torchimpl.doctor.report import PrecisionReport
+    from torchimpl.cli.export import load_weights
+    from torchimpl.precision.diagnostics import DiagnosisReport, diagnose_nonfinite
+    from torchimpl.precision.guard import NonFiniteError, NonFiniteGuard, check_placement
+    from torchimpl.train.optim import (
         BuiltOptimizer,
         FusedOptimizerWarning,
         OptimizerConfig,
         build_optimizer,
         supports_fused_adamw,
     )
-    from torchimpl.precision import (
+    from torchimpl.precision.plan import (
         PrecisionConfig,
         PrecisionDowngradeWarning,
         PrecisionPlan,
@@ -196,7 +191,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
         resolve_precision,
         upcast,
     )
-    from torchimpl.records import StepRecord, read_trace
-    from torchimpl.run_state import ResumeError, TrainState
-    from torchimpl.scaler import DynamicLossScaler, ScaleAtMinimumError, ScalerConfig, make_grad_scaler
-    from torchimpl.trainer import Callback, RunSummary, StopTraining, Trainer, default_loss_fn
+    from torchimpl.run.records import StepRecord, read_trace
+    from torchimpl.run.state import ResumeError, TrainState
+    from torchimpl.train.scaler import DynamicLossScaler, ScaleAtMinimumError, ScalerConfig, make_grad_scaler
+    from torchimpl.train.trainer import Callback, RunSummary, StopTraining, Trainer, default_loss_fn

@@ -51,7 +51,7 @@ def _private(module: str, name: str, why: str, *, required: bool = True) -> Any:
             f"({why}); see torchimpl/_torch_compat.py. ({type(e).__name__}: {e})") from None
 
 
-# --- GradScaler internals (torchimpl.scaler.DynamicLossScaler subclasses GradScaler) ---------
+# --- GradScaler internals (torchimpl.train.scaler.DynamicLossScaler subclasses GradScaler) ---------
 
 OptState = _private(
     "torch.amp.grad_scaler", "OptState",
@@ -74,7 +74,7 @@ _amp_update_scale_ = _private(
 _foreach_mul_ = _private(
     "torch", "_foreach_mul_",
     "clip_grad_norm_'s multiply of each (device, dtype) group by the clip coefficient; "
-    "torchimpl.clipping calls it so its bits are torch's")
+    "torchimpl.train.clipping calls it so its bits are torch's")
 _get_foreach_kernels_supported_devices = _private(
     "torch.utils._foreach_utils", "_get_foreach_kernels_supported_devices",
     "whether torch's optimizers pick the foreach path by default on a device; optim.py "
@@ -84,10 +84,10 @@ _get_fused_kernels_supported_devices = _private(
     "the device types where torch has fused Adam, AdamW and SGD kernels (optim.py's registry rows); "
     "optim.py falls back to ('cpu', 'cuda', 'mps', 'xpu') when it is gone", required=False)
 
-# --- float8 (torchimpl.fp8) --------------------------------------------------------------------
+# --- float8 (torchimpl.precision.fp8) --------------------------------------------------------------------
 
 _private("torch", "_scaled_mm",
-         "torchao's float8 matmul; torchimpl.fp8 probes whether the CPU's takes rowwise scales (torch 2.11's "
+         "torchao's float8 matmul; torchimpl.precision.fp8 probes whether the CPU's takes rowwise scales (torch 2.11's "
          "refuses them) before a rowwise recipe trains", required=False)
 
 
@@ -96,7 +96,7 @@ def scaled_mm(*args: Any, **kwargs: Any) -> Any:
     return torch._scaled_mm(*args, **kwargs)
 
 
-# --- operator-level diagnostics (torchimpl.diagnostics) --------------------------------------
+# --- operator-level diagnostics (torchimpl.precision.diagnostics) --------------------------------------
 
 TorchDispatchMode = _private(
     "torch.utils._python_dispatch", "TorchDispatchMode",

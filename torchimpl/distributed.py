@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchimpl.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from torchimpl.run.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 __all__ = [
     "MODES",
@@ -535,8 +535,6 @@ class DistributedContext:
         resharded if the world size changed (at a window boundary only)."""
         path = Path(path)
         if path.is_dir():
-            from torchimpl.checkpoint import CheckpointError
-
             if path.suffix != ".dcp" and not (path / "meta.ckpt").exists():  # a folder given by mistake
                 raise CheckpointError(f"{path} is a folder, not a checkpoint: give a checkpoint file (step-*.ckpt), "
                                       "or resume='latest' (--resume) with checkpoint.folder set to that folder")

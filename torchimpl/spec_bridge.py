@@ -8,16 +8,16 @@ calls it. Only names and values cross here, never code: each side computes with 
 
 Translations:
 
-1. the scaler policy (``torchimpl.scaler.ResolvedScalerConfig``) becomes
+1. the scaler policy (``torchimpl.train.scaler.ResolvedScalerConfig``) becomes
    ``reference.scaling.ScalerConfig``: the spec's preset of the same name with every shared
    field taken from the policy (the spec-only fields, such as DeepSpeed's growth since the last
    overflow, come with the preset);
-2. the optimizer (``torchimpl.optim.OptimizerConfig``) becomes the configuration of the spec's
+2. the optimizer (``torchimpl.train.optim.OptimizerConfig``) becomes the configuration of the spec's
    registry row named as its torch class (``reference.optim.spec``), from the same keyword
    arguments torchimpl's row gives torch;
-3. the schedule (``torchimpl.config.ScheduleConfig``) becomes ``reference.step.LRSchedule``,
+3. the schedule (``torchimpl.config.schema.ScheduleConfig``) becomes ``reference.step.LRSchedule``,
    whose cosine spans ``schedule.decay_steps`` or else ``train.steps``;
-4. ``optimizer.no_decay_bias_and_norm`` (rule 4 of ``torchimpl.optim``) becomes two
+4. ``optimizer.no_decay_bias_and_norm`` (rule 4 of ``torchimpl.train.optim``) becomes two
    ``ParamGroup``: parameters of 2 or more dimensions, and the others with ``weight_decay=0``;
 5. everything else of the step (clip norm, optimizer kind, sync-free mode, whether a scaler
    runs) is passed through as the trainer resolved it;
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Sequence
+from torchimpl.train import optim as train_optim  # REGISTRY looked up when called (a new row counts)
 
 __all__ = ["autocast_device_note", "optimizer_config", "param_groups", "scaler_config", "schedule", "step_config"]
 
@@ -46,13 +47,11 @@ def scaler_config(policy: Any) -> Any:
 
 
 def optimizer_config(o: Any) -> Any:
-    """Rule 2: the spec's optimizer configuration for a ``torchimpl.optim.OptimizerConfig``: the
+    """Rule 2: the spec's optimizer configuration for a ``torchimpl.train.optim.OptimizerConfig``: the
     spec's row of the same torch class, given the keyword arguments torchimpl gives torch."""
     from reference import optim
 
-    from torchimpl.optim import REGISTRY
-
-    row = REGISTRY[o.name]
+    row = train_optim.REGISTRY[o.name]
     return optim.spec(row.cls.__name__).make_config(**row.kwargs(o))
 
 

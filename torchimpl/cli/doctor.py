@@ -1,0 +1,133 @@
+"""``ampspec doctor --task``: the doctor on a task, as text, JSON and a picture.
+
+1. The task (``lm``, ``mlp`` or ``module:make``) is built as ``ampspec train`` builds it
+   (seeded from ``--seed``); its training batches feed the doctor, its loss function (the
+   task's fourth element, or the model's own loss) is the loss.
+2. ``--precision all`` runs bf16, fp16 and (with torchao) fp8, one report each; without torchao
+   fp8 is left out with a note, and an explicit ``--precision fp8`` fails naming the extra.
+3. ``--report FILE.json`` writes ``{"reports": [...]}``, each report's ``to_dict()``, whole
+   (``torchimpl.safe_files``); ``--plot FILE.png`` needs matplotlib (``pip install
+   'ampspec[plot]'``). Both are checked before any work, with the numbers: an existing file
+   that is not an earlier report (or PNG), a link or a folder is refused, never overwritten.
+4. Exit status: 0 when no verdict is an error (healthy, or warnings only), 1 when one is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_doctor"]
+
+
+def _precisions(requested: str) -> tuple[list[str], list[str]]:
+    # imported when the doctor runs: the parser is built without torch
+    from torchimpl.precision.fp8 import torchao_available
+
+    if requested != "all":
+        if requested == "fp8" and not torchao_available():
+            raise RuntimeError("--precision fp8 needs torchao: pip install 'ampspec[fp8]'")
+        return [requested], []
+    if torchao_available():
+        return ["bf16", "fp16", "fp8"], []
+    return ["bf16", "fp16"], ["fp8 left out: torchao is not installed (pip install 'ampspec[fp8]')"]
+
+
+def _is_own(path: Path, option: str) -> bool:
+    """Whether an existing ``path`` is a file this command wrote (a report, a PNG), so replaceable."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 20)
+    if option == "--plot":
+        return head.startswith(b"\x89PNG")
+    try:
+        data = json.loads(head.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and "reports" in data
+
+
+def _check_inputs(args: Any) -> None:
+    """Every option checked before any work (rule 3, and the numbers)."""
+    import math
+
+    if args.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if not math.isfinite(args.lr) or args.lr < 0:
+        raise ValueError(f"--lr must be a finite number >= 0, got {args.lr}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ImportError("--plot needs matplotlib, the optional 'plot' extra: pip install 'ampspec[plot]'")
+    # imported when the doctor runs: the parser is built without torch
+    from torchimpl.safe_files import refuse_link
+
+    for option, path in (("--report", args.report), ("--plot", args.plot)):
+        if not path:
+            continue
+        if not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{option} {path}: the folder {Path(path).resolve().parent} does not exist")
+        refuse_link(path, option)
+        if Path(path).is_dir():
+            raise ValueError(f"{option} {path} is a folder; give a file path")
+        if Path(path).is_file() and Path(path).stat().st_size and not _is_own(Path(path), option):
+            raise ValueError(f"{option} {path} exists and is not a doctor {'plot' if option == '--plot' else 'report'}; "
+                             "ampspec overwrites only its own files: choose another path")
+
+
+def run_doctor(args: Any) -> int:
+    """Rules 1-4 for the parsed ``ampspec doctor`` options."""
+    import torch
+
+    # imported when the doctor runs: the parser is built without torch
+    from torchimpl.config.schema import TaskConfig
+    from torchimpl.precision.device import resolve_device
+    from torchimpl.doctor.inspect import inspect_precision
+    from torchimpl.doctor.report import save_plot
+    from torchimpl.safe_files import replace_text
+    from torchimpl.task.builtin import build_task
+
+    _check_inputs(args)
+    precisions, notes = _precisions(args.precision)
+    task = build_task(TaskConfig(name=args.task, size=args.size), seed=args.seed, batch_size=args.batch_size)
+    device = resolve_device(args.device)
+    reports = []
+    start = time.perf_counter()
+    for precision in precisions:
+        report = inspect_precision(task.model, task.train_data, task.loss_fn, precision=precision, steps=args.steps,
+                                   device=device, init_scale=args.init_scale, fp32_modules=args.fp32_module,
+                                   optimizer=lambda p: torch.optim.AdamW(p, lr=args.lr))
+        reports.append(report)
+        print(report.text())
+        print()
+    for n in notes:
+        print(f"note: {n}")
+    if args.report:
+        data = {"task": args.task, "steps": args.steps, "reports": [r.to_dict() for r in reports], "notes": notes}
+        replace_text(args.report, json.dumps(data, indent=2, allow_nan=False), what="--report")
+        print(f"report: {args.report}")
+    if args.plot:
+        print(f"plot: {save_plot(reports, args.plot)}")
+    print(f"took {time.perf_counter() - start:.1f} s")
+    return 1 if any(v.severity == "error" for r in reports for v in r.verdicts) else 0
+
+
+def add_options(d: Any, task_type: Any) -> None:
+    """The ``--task`` options on the ``doctor`` subparser."""
+    d.add_argument("--task", type=task_type, metavar="lm|mlp|MODULE:FUNCTION",
+                   help="diagnose this task's model (without --task: this machine's environment report)")
+    d.add_argument("--precision", default="all", choices=("bf16", "fp16", "fp8", "all"),
+                   help="the precision to diagnose (all: bf16, fp16 and, with torchao, fp8)")
+    d.add_argument("--steps", type=int, default=20, help="steps beside the fp32 shadow")
+    d.add_argument("--report", metavar="FILE.json", help="also write the reports as JSON")
+    d.add_argument("--plot", metavar="FILE.png", help="per-layer headroom and underflow bars (needs ampspec[plot])")
+    d.add_argument("--init-scale", type=float, default=2.0**16, help="the fp16 loss scale to measure at")
+    d.add_argument("--fp32-module", action="append", default=[], metavar="PATTERN",
+                   help="run modules matching PATTERN in fp32 (precision.fp32_modules); repeatable")
+    d.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate for the doctor's steps")
+    d.add_argument("--seed", type=int, default=0, help="the task's seed (model initialisation and data)")
+    d.add_argument("--batch-size", type=int, default=16, help="batch size of the embedded tasks")
+    d.add_argument("--size", default="small", choices=("tiny", "small"), help="size of the embedded tasks")
+    d.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N")

@@ -1,0 +1,381 @@
+"""``inspect_precision``: diagnose a model's precision before it fails (``ampspec doctor --task``).
+
+1. For ``steps`` batches the model runs in the requested precision (``bf16``, ``fp16`` or
+   ``fp8``) beside an fp32 shadow. Both are deep copies: the user's model, its gradients and
+   every random generator are left as they were. On a CPU, fp16 runs under CPU autocast in
+   float16 (the trainer refuses it there; the doctor measures it), fp8 through torchao's
+   emulation with the rest under bf16 autocast.
+2. Each step the shadow starts from the mixed model's weights and optimizer state (one step's
+   error, never drift) and from the same random state; both run forward and backward on the
+   same batch. fp16 runs scale the loss by ``init_scale`` (held constant: the doctor measures at
+   that scale) and skip the optimizer step on non-finite gradients, as the scaler does.
+3. The update each parameter should get is the shadow optimizer's (in fp32, from the shadow's
+   gradients); it is judged against the mixed model's stored weight (the half-ULP rule).
+4. The first step, and the first two steps whose mixed loss is non-finite, run under an op scan
+   (``torchimpl.precision.diagnostics``' scanner): unsafe math and fp16 normalisation, and which
+   operations ran in a 16-bit dtype, for the CPU/CUDA autocast note.
+5. The numbers are ``torchimpl.doctor.stats``'; the verdicts ``torchimpl.doctor.verdicts``'.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchimpl.precision import health
+from torchimpl._torch_compat import tree_leaves
+from torchimpl.run.checkpoint import capture_rng_state, restore_rng_state
+from torchimpl.precision.diagnostics import Finding, _fp16_norm_problem, _OpScanner, _unsafe_problem
+from torchimpl.precision.probe import Fp8Probe, Recorder, is_float8_layer
+from torchimpl.doctor.report import PrecisionReport
+from torchimpl.doctor.stats import Fp8Stats, LayerStats, ParamStats, dtype_name
+from torchimpl.doctor.verdicts import judge
+from torchimpl.precision.fp32_modules import apply_fp32_modules
+from torchimpl.train.loss_protocol import default_loss_fn
+from torchimpl.precision.plan import fp32_island
+from torchimpl.spec_bridge import autocast_device_note
+from torchimpl.precision.fp8 import convert_to_fp8
+
+__all__ = ["DOCTOR_PRECISIONS", "Observations", "inspect_precision"]
+
+DOCTOR_PRECISIONS = ("bf16", "fp16", "fp8")
+_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+_SCANS = 3
+_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                              "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n))
+
+
+@dataclass
+class Observations:
+    """What one doctor run saw (the input of ``doctor_verdicts.judge``)."""
+
+    precision: str
+    device: str
+    use_scaler: bool
+    scale: float
+    keep: float
+    steps: int = 0
+    skipped_steps: int = 0
+    layers: dict[str, LayerStats] = field(default_factory=dict)
+    params: dict[str, ParamStats] = field(default_factory=dict)
+    param_module: dict[str, str] = field(default_factory=dict)
+    fp8: dict[str, Fp8Stats] = field(default_factory=dict)
+    first_overflow: dict[str, int] = field(default_factory=dict)
+    shadow_failed: str | None = None
+    shadow_failed_step: int | None = None
+    loss_dtypes: set[str] = field(default_factory=set)
+    unsafe: list[Finding] = field(default_factory=list)
+    norm: list[Finding] = field(default_factory=list)
+    low_ops: dict[str, set[str]] = field(default_factory=dict)
+
+    @staticmethod
+    def format_max(dtype: str) -> float:
+        return float(torch.finfo(getattr(torch, dtype)).max)
+
+
+class _Scanner(_OpScanner):
+    """The diagnostics' op checks for unsafe math and fp16 normalisation (rule 4), without its
+    search for the first non-finite op (a check of every tensor of every op: the doctor compares
+    each layer with its shadow instead), and a note of the ops that ran on 16-bit inputs."""
+
+    def __init__(self) -> None:
+        super().__init__(unsafe=True, fp16_norm=True, limit=20)
+        self.low_ops: dict[str, set[str]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        # torch has no isfinite or comparisons for float8, and tensor subclasses (torchao's float8
+        # tensors) refuse them: the casts into float8 and the ops on float8 operands are not scanned.
+        if kwargs.get("dtype") in _FLOAT8 or any(
+                isinstance(a, torch.Tensor) and (a.dtype in _FLOAT8 or type(a) not in (torch.Tensor, nn.Parameter))
+                for a in tree_leaves(args)):
+            return func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        base = name[:-1] if name.endswith("_") and not name.endswith("__") else name
+        first = args[0] if args else None
+        if self.phase == "forward" and isinstance(first, torch.Tensor) and first.dtype in (torch.float16, torch.bfloat16):
+            self.low_ops.setdefault(name, set()).add(self._where())
+        for findings, check in ((self.unsafe_findings, _unsafe_problem), (self.norm_findings, _fp16_norm_problem)):
+            if len(findings) < self.limit:
+                problem = check(base, args)
+                if problem:
+                    findings.append(Finding(str(func), self._where(), self.phase, problem))
+        return func(*args, **kwargs)
+
+
+def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    return default_loss_fn(model, batch)
+
+
+def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def _check_args(precision: str, steps: int, init_scale: float, keep: float) -> None:
+    if precision not in DOCTOR_PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(DOCTOR_PRECISIONS)}, got {precision!r}")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
+        raise ValueError(f"init_scale must be a finite positive number, got {init_scale!r}")
+    if not 0 < keep <= 1:
+        raise ValueError(f"keep must be in (0, 1], got {keep!r}")
+
+
+def inspect_precision(
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    precision: str = "bf16",
+    steps: int = 20,
+    *,
+    device: str | torch.device | None = None,
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    init_scale: float = 2.0**16,
+    fp32_modules: Iterable[str] = (),
+    fp8_recipe: str = "tensorwise",
+    keep: float = 0.999,
+    sqnr_threshold_db: float = 20.0,
+) -> PrecisionReport:
+    """Diagnose ``model``'s precision on ``steps`` batches of ``batches`` (reused from the start
+    when there are fewer); see the module docstring. ``loss_fn(model, batch)`` (default: the
+    model returns the loss of ``model(*batch)``) is called under autocast, as in training.
+    ``optimizer`` builds the optimizer from parameters (default AdamW, lr 1e-3); ``init_scale``
+    is the fp16 loss scale; ``fp32_modules`` are patterns of modules to run in an fp32 island
+    (``precision.fp32_modules``); ``keep`` is the share of non-zero gradients a scale must keep
+    representable; ``sqnr_threshold_db`` the SQNR below which a layer is reported."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+    _check_args(precision, steps, init_scale, keep)
+    dev = torch.device(device) if device is not None else next(
+        (p.device for p in model.parameters()), torch.device("cpu"))
+    runner = _Runner(model, precision, dev, loss_fn or _default_loss, optimizer or _default_optimizer,
+                     init_scale if precision == "fp16" else 1.0, tuple(fp32_modules), fp8_recipe, keep)
+    rng = capture_rng_state()
+    try:
+        for i, batch in enumerate(itertools.islice(_cycle(batches), steps)):
+            runner.step(i, batch)
+    finally:
+        restore_rng_state(rng)
+    obs = runner.obs
+    return PrecisionReport(obs, judge(obs), runner.notes(), sqnr_threshold_db)
+
+
+def _cycle(batches: Iterable[Any]) -> Iterable[Any]:
+    while True:
+        empty = True
+        for b in batches:
+            empty = False
+            yield b
+        if empty:
+            raise ValueError("batches yielded nothing: pass at least one batch")
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+class _Runner:
+    """The mixed model, its fp32 shadow, their optimizers, and what they showed (rules 1-4)."""
+
+    def __init__(self, model: nn.Module, precision: str, device: torch.device, loss_fn: Callable, make_opt: Callable,
+                 scale: float, fp32_modules: tuple[str, ...], fp8_recipe: str, keep: float) -> None:
+        self.device, self.loss_fn, self.scale = device, loss_fn, scale
+        self.dtype = _DTYPE[precision]
+        self.shadow = copy.deepcopy(model).to(device).float().train()
+        mixed = copy.deepcopy(model).to(device).train()
+        self.fp8_report = None
+        if precision == "fp8":
+            mixed, self.fp8_report = convert_to_fp8(mixed, fp8_recipe, device)
+        self.fp32_modules = apply_fp32_modules(mixed, fp32_modules)
+        self.mixed = mixed
+        self.opt, self.shadow_opt = make_opt(mixed.parameters()), make_opt(self.shadow.parameters())
+        self.obs = Observations(precision, str(device), precision == "fp16", scale, keep)
+        names = dict(mixed.named_parameters())
+        for name, p in names.items():
+            self.obs.params[name] = ParamStats(name, dtype_name(p.dtype))
+            self.obs.param_module[name] = name.rpartition(".")[0]
+        rowwise = fp8_recipe.startswith("rowwise")
+        for name in self._fp8_names(mixed):
+            self.obs.fp8[name] = Fp8Stats(name, rowwise=rowwise)
+        self._scans = 0
+
+    @staticmethod
+    def _fp8_names(model: nn.Module) -> list[str]:
+        return [n for n, m in model.named_modules() if is_float8_layer(m)]
+
+    def _align(self) -> None:
+        """Rule 2: the shadow takes the mixed model's weights, buffers and optimizer state."""
+        with torch.no_grad():
+            theirs = self.mixed.state_dict()
+            for k, v in self.shadow.state_dict().items():
+                v.copy_(theirs[k])
+        self.shadow_opt.load_state_dict(copy.deepcopy(self.opt.state_dict()))
+
+    def _run(self, model: nn.Module, batch: Any, mixed: bool, rng: dict, scanner: _Scanner | None) -> tuple:
+        restore_rng_state(rng)
+        model.zero_grad(set_to_none=True)
+        rec = Recorder(model)
+        probe = Fp8Probe(model) if mixed and self.obs.fp8 else None
+        handles = _scan_hooks(model, scanner) if scanner is not None else []
+        ctx = torch.autocast(self.device.type, dtype=self.dtype) if mixed else _NoAutocast()
+        try:
+            with (scanner if scanner is not None else _Null()):
+                with ctx:
+                    loss = self.loss_fn(model, batch)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise ValueError("loss_fn(model, batch) must return a one-element loss tensor")
+                if scanner is not None:
+                    scanner.phase = "backward"
+                if loss.requires_grad and bool(torch.isfinite(loss.detach()).all()):
+                    (loss.float() * self.scale if mixed else loss).backward()
+        finally:
+            for h in [*rec.handles, *(probe.handles if probe else []), *handles]:
+                h.remove()
+        return loss.detach(), rec, probe
+
+    def step(self, i: int, batch: Any) -> None:
+        batch = _to(batch, self.device)
+        self._align()
+        rng = capture_rng_state()
+        scanner = _Scanner() if self._scans == 0 else None
+        loss, rec, probe = self._run(self.mixed, batch, True, rng, scanner)
+        if scanner is None and not bool(torch.isfinite(loss).all()) and self._scans < _SCANS:
+            scanner = _Scanner()
+            loss, rec, probe = self._run(self.mixed, batch, True, rng, scanner)
+        if scanner is not None:
+            self._scans += 1
+            self.obs.unsafe += scanner.unsafe_findings
+            self.obs.norm += scanner.norm_findings
+            for op, where in scanner.low_ops.items():
+                self.obs.low_ops.setdefault(op, set()).update(where)
+        shadow_loss, shadow_rec, _ = self._run(self.shadow, batch, False, rng, None)
+        self.obs.steps += 1
+        self.obs.loss_dtypes.add(dtype_name(loss.dtype))
+        with health.one_thread(self.device):
+            self._layers(i, rec, shadow_rec, shadow_loss)
+            if probe is not None:
+                self._fp8_layers(probe)
+        self._params_and_update()
+        restore_rng_state(rng)
+
+    def _layers(self, i: int, rec: Recorder, shadow_rec: Recorder, shadow_loss: torch.Tensor) -> None:
+        first, outputs = None, {}
+        for name in rec.order:
+            stats = self.obs.layers.setdefault(name, LayerStats(name))
+            for call, twin in zip(rec.calls[name], shadow_rec.calls.get(name, [])):
+                key = _identity(call.output)
+                if key in outputs:  # the same tensor as an inner module's (a container, a no-op dropout)
+                    stats.same_as = outputs[key]
+                    continue
+                outputs[key] = name
+                if stats.add_forward(call.output, twin.output) and first is None:
+                    first = name
+                if call.grad is not None and twin.grad is not None:
+                    stats.add_backward(call.grad, twin.grad, self.scale, self.obs.keep)
+            if stats.shadow_nonfinite and self.obs.shadow_failed is None:
+                self.obs.shadow_failed, self.obs.shadow_failed_step = name, i
+        if self.obs.shadow_failed is None and not bool(torch.isfinite(shadow_loss).all()):
+            self.obs.shadow_failed, self.obs.shadow_failed_step = "", i
+        if first is not None:
+            self.obs.layers[first].overflow_steps += 1
+            self.obs.first_overflow[first] = self.obs.first_overflow.get(first, 0) + 1
+
+    def _fp8_layers(self, probe: Fp8Probe) -> None:
+        for name, calls in probe.calls.items():
+            for ops in calls:
+                stats = self.obs.fp8[name]
+                stats.add("input", ops.input)
+                stats.add("weight", ops.weight)
+                stats.add("grad_output", ops.grad_output)
+
+    def _params_and_update(self) -> None:
+        """Rules 2-3: the mixed step (unscaled, skipped on non-finite gradients) and the shadow's
+        update judged against the mixed model's stored weights."""
+        mixed = dict(self.mixed.named_parameters())
+        shadow = dict(self.shadow.named_parameters())
+        before = {n: p.detach().clone() for n, p in shadow.items()}
+        stored = {n: p.detach().clone() for n, p in mixed.items()}
+        finite = True
+        with torch.no_grad():
+            for p in mixed.values():
+                if p.grad is not None:
+                    p.grad.div_(self.scale)
+                    finite &= bool(torch.isfinite(p.grad).all())
+        if all(p.grad is None for p in shadow.values()):
+            return
+        self.shadow_opt.step()
+        with health.one_thread(self.device):
+            for n, p in mixed.items():
+                sp = shadow.get(n)
+                update = (sp.detach() - before[n]) if sp is not None and sp.grad is not None else None
+                self.obs.params[n].add(stored[n], update, p.grad, sp.grad if sp is not None else None)
+        if finite:
+            self.opt.step()
+        else:
+            self.obs.skipped_steps += 1
+
+    def notes(self) -> list[str]:
+        out = []
+        if self.obs.device.startswith("cpu") and self.obs.precision in ("fp16", "bf16", "fp8"):
+            note = autocast_device_note(self.obs.low_ops, dtype_name(self.dtype))
+            if note:
+                out.append(note)
+        if self.obs.skipped_steps:
+            out.append(f"{self.obs.skipped_steps} of {self.obs.steps} steps had non-finite gradients at scale "
+                       f"{self.scale:g} and were skipped, as the loss scaler does")
+        if self.fp32_modules:
+            out.append(f"fp32 islands: {', '.join(self.fp32_modules)}")
+        if self.fp8_report is not None:
+            out += self.fp8_report.lines()
+        return out
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    """What makes two recorded outputs the same tensor (a container returns its last child's)."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) if t.numel() else (id(t),)
+
+
+def _scan_hooks(model: nn.Module, scanner: _Scanner) -> list[Any]:
+    """The scanner's module stack, kept by pre- and post-forward hooks (as the diagnosis does)."""
+    def leave(*_: Any) -> None:  # a forward hook returning a value would replace the output
+        scanner.module_stack.pop()
+
+    handles = []
+    for name, m in model.named_modules():
+        handles.append(m.register_forward_pre_hook(lambda *_, n=name: scanner.module_stack.append(n)))
+        handles.append(m.register_forward_hook(leave))
+    return handles
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _NoAutocast(_Null):
+    """The shadow runs in fp32: autocast off even if the caller has it on."""
+
+    def __enter__(self) -> None:
+        self._cm = fp32_island()
+        self._cm.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._cm.__exit__(*exc)
+

@@ -1,0 +1,131 @@
+"""The doctor's result: verdicts first, then the per-layer table, as text, JSON or a picture.
+
+``to_dict()`` is the JSON report's contract: ``precision``, ``device``, ``steps``,
+``healthy``, ``verdicts`` (each ``kind`` from ``torchimpl.doctor.verdicts.KINDS``, ``module``,
+``severity``, ``message``, ``fix``, ``numbers``), ``layers``, ``parameters``, ``fp8_layers``,
+``first_low_sqnr`` (the first layer, in hook order, whose SQNR against the fp32 shadow fell
+below ``sqnr_threshold_db``, or null) and ``notes``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torchimpl.doctor.verdicts import Verdict
+
+__all__ = ["PrecisionReport", "save_plot"]
+
+_PLOT_EXTRA = "pip install 'ampspec[plot]'"
+
+
+def _num(x: float, fmt: str = ".3g") -> str:
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if math.isnan(x):
+        return "nan"
+    return format(x, fmt)
+
+
+class PrecisionReport:
+    """What ``inspect_precision`` found: ``verdicts`` (ranked), ``layers`` (per-module numbers,
+    hook order), ``parameters``, ``fp8_layers``, ``notes``; ``healthy`` when no verdict."""
+
+    def __init__(self, obs: Any, verdicts: list[Verdict], notes: list[str], sqnr_threshold_db: float) -> None:
+        self.precision, self.device, self.steps = obs.precision, obs.device, obs.steps
+        self.verdicts = verdicts
+        self.layers = list(obs.layers.values())
+        self.parameters = list(obs.params.values())
+        self.fp8_layers = list(obs.fp8.values())
+        self.notes = notes
+        self.sqnr_threshold_db = sqnr_threshold_db
+        self.first_low_sqnr = next((s.name for s in self.layers if s.sqnr_db < sqnr_threshold_db), None)
+
+    @property
+    def healthy(self) -> bool:
+        return not self.verdicts
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"precision": self.precision, "device": self.device, "steps": self.steps, "healthy": self.healthy,
+                "verdicts": [v.to_dict() for v in self.verdicts], "layers": [s.to_dict() for s in self.layers],
+                "parameters": [p.to_dict() for p in self.parameters],
+                "fp8_layers": [f.to_dict() for f in self.fp8_layers],
+                "sqnr_threshold_db": self.sqnr_threshold_db, "first_low_sqnr": self.first_low_sqnr,
+                "notes": self.notes}
+
+    def text(self) -> str:
+        head = f"precision {self.precision} on {self.device}, {self.steps} steps beside an fp32 shadow"
+        lines = [head, ""]
+        if self.healthy:
+            lines.append("no verdict: healthy in this precision")
+        for v in self.verdicts:
+            where = v.module if v.module is not None else "<model>"
+            lines += [f"[{v.severity}] {v.kind} in {where}: {v.message}", f"    fix: {v.fix}"]
+        lines += ["", _table(self.layers)]
+        if self.first_low_sqnr is not None:
+            lines.append(f"first layer below {self.sqnr_threshold_db:g} dB SQNR: {self.first_low_sqnr}")
+        low = [p for p in self.parameters if p.lost[1]]
+        if low:
+            worst = max(low, key=lambda p: p.lost_update_fraction)
+            lines.append(f"lost updates (half-ULP rule): largest {worst.lost_update_fraction:.1%} in "
+                         f"{worst.name} ({worst.dtype})")
+        for f in self.fp8_layers:
+            d = f.to_dict()
+            lines.append(f"float8 {f.name}: amax in/w/grad {_num(d['input_amax'])}/{_num(d['weight_amax'])}/"
+                         f"{_num(d['grad_output_amax'])}, underflow {d['input_underflow_fraction']:.2%}/"
+                         f"{d['weight_underflow_fraction']:.2%}/{d['grad_output_underflow_fraction']:.2%}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _table(layers: list[Any]) -> str:
+    rows = [("layer", "dtype", "amax", "headroom bits", "underflow %", "SQNR dB", "grad underflow %")]
+    for s in layers:
+        if s.same_as is not None and not s.dtype:
+            rows.append((s.name, f"= {s.same_as}", "", "", "", "", ""))
+            continue
+        rows.append((s.name, s.dtype, _num(s.shadow_amax), _num(s.headroom_bits, ".1f"), _num(100 * s.underflow, ".2f"),
+                     _num(s.sqnr_db, ".1f"), _num(100 * s.grad_underflow, ".2f")))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for k, r in enumerate(rows):
+        out.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def save_plot(reports: list[PrecisionReport], path: str) -> str:
+    """Per-layer bars of headroom (bits) and underflow (%) for each report, the formats' limits
+    drawn (headroom 0: the largest finite value) and the verdicts' layers marked; needs
+    matplotlib (the ``plot`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError(f"--plot needs matplotlib: {_PLOT_EXTRA}") from None
+    fig, axes = plt.subplots(2, len(reports), figsize=(4.5 * len(reports) + 1, 5.5), squeeze=False)
+    for col, rep in enumerate(reports):
+        names = [s.name for s in rep.layers]
+        marked = {v.module for v in rep.verdicts}
+        head = [max(min(s.headroom_bits, 130.0), -20.0) for s in rep.layers]
+        under = [100 * s.underflow for s in rep.layers]
+        colors = ["tab:red" if n in marked else "tab:blue" for n in names]
+        ax = axes[0][col]
+        ax.barh(names, head, color=colors)
+        ax.axvline(0, color="black", lw=1)
+        ax.set_title(f"{rep.precision}: headroom (bits to max)", fontsize=9)
+        ax = axes[1][col]
+        ax.barh(names, under, color=colors)
+        ax.axvline(100 * (1 - 0.999), color="grey", lw=1, ls="--")
+        ax.set_title(f"{rep.precision}: underflow (% flushed)", fontsize=9)
+        for a in axes[:, col]:
+            a.tick_params(labelsize=6)
+            a.invert_yaxis()
+    fig.suptitle("ampspec doctor: red = a verdict's layer; 0 bits = the format's largest value", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return path

@@ -1,0 +1,223 @@
+"""The doctor's per-layer, per-parameter and per-float8-layer numbers, gathered over its steps.
+
+Every number comes from ``torchimpl.precision.health`` (the spec's rules, computed with torch):
+
+1. A layer (a module's output, ``LayerStats``): the mixed run's output dtype and amax, the
+   fp32 shadow's amax and the headroom in bits it leaves in the output's format (negative: the
+   values do not fit), the overflow count of the shadow's values in that format (what the
+   mixed run cannot hold) and the steps on which it was non-zero, the flushed fraction of the
+   shadow's non-zero outputs (zero in the mixed run), the lowest SQNR of the mixed output
+   against the shadow's, and whether the shadow's output was ever non-finite.
+2. The gradient reaching a layer's output: amax in the mixed run at the loss scale and
+   unscaled (divided by the scale), the flushed fraction of the shadow's non-zero entries
+   (zero in the mixed run, for any reason), the underflow fraction of the shadow's gradient at
+   the loss scale in the output's format (rule 5: lost to the scale itself), and the
+   power-of-two scale range (rule 10) of the shadow's gradient in that format.
+3. A parameter (``ParamStats``): its dtype, the lost-update fraction of the update the fp32
+   shadow's optimizer computes, judged against the stored weight (rule 9), and the flushed
+   fraction of its gradient.
+4. A float8 layer (``Fp8Stats``): for the input and weight (float8_e4m3fn) and grad_output
+   (float8_e5m2), the amax, and the saturated and underflowed fractions under the recipe's
+   scale (tensorwise: one f32(max / max(amax, 1e-12)) per tensor; the row-wise recipes: one per
+   row of the last dimension), and whether amax was ever 0.
+5. Counts are summed over steps and calls before dividing (so fractions are over everything
+   seen); maxima are maxima over steps; SQNR is the minimum.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchimpl.precision import health
+
+__all__ = ["Fp8Stats", "LayerStats", "ParamStats", "dtype_name"]
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _ratio(pair: list[int]) -> float:
+    return pair[0] / pair[1] if pair[1] else 0.0
+
+
+def _finite_or_none(x: float) -> float | None | str:
+    if math.isnan(x):
+        return None
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return x
+
+
+@dataclass
+class LayerStats:
+    """Rules 1 and 2 for one module."""
+
+    name: str
+    dtype: str = ""
+    amax: float = 0.0
+    shadow_amax: float = 0.0
+    overflow: int = 0
+    overflow_steps: int = 0
+    flushed: list[int] = field(default_factory=lambda: [0, 0])
+    sqnr_db: float = math.inf
+    shadow_nonfinite: bool = False
+    mixed_nonfinite: bool = False
+    grad_amax_scaled: float = 0.0
+    grad_amax: float = 0.0
+    grad_flushed: list[int] = field(default_factory=lambda: [0, 0])
+    grad_lost_at_scale: list[int] = field(default_factory=lambda: [0, 0])
+    scale_low: int | None = None
+    scale_high: int | None = None
+    same_as: str | None = None
+    """The inner module whose output tensor this one returns as is (its numbers are that one's)."""
+    _dtype: torch.dtype | None = None
+
+    @property
+    def low_precision(self) -> bool:
+        return self._dtype in _LOW
+
+    @property
+    def headroom_bits(self) -> float:
+        return health.headroom_bits(self.shadow_amax, self._dtype) if self._dtype is not None else math.inf
+
+    @property
+    def underflow(self) -> float:
+        return _ratio(self.flushed)
+
+    @property
+    def grad_underflow(self) -> float:
+        return _ratio(self.grad_flushed)
+
+    @property
+    def grad_underflow_at_scale(self) -> float:
+        return _ratio(self.grad_lost_at_scale)
+
+    def add_forward(self, mixed: torch.Tensor, shadow: torch.Tensor) -> bool:
+        """One call's outputs; True when the shadow's values overflow the mixed output's format."""
+        self._dtype, self.dtype = mixed.dtype, dtype_name(mixed.dtype)
+        self.amax = max(self.amax, health.amax(mixed))
+        self.shadow_amax = max(self.shadow_amax, health.amax(shadow))
+        sqnr = health.sqnr_db(shadow, mixed) if mixed.shape == shadow.shape else math.nan
+        if math.isnan(sqnr):  # a non-finite value in either (or shapes that differ): which one
+            self.shadow_nonfinite |= health.nonfinite_fraction(shadow) > 0
+            self.mixed_nonfinite |= health.nonfinite_fraction(mixed) > 0
+        else:
+            self.sqnr_db = min(self.sqnr_db, sqnr)
+        if mixed.shape != shadow.shape:
+            return False
+        over = health.overflow_count(shadow, mixed.dtype) if self.low_precision else 0
+        self.overflow += over
+        for i, n in enumerate(health.flushed_count(shadow, mixed)):
+            self.flushed[i] += n
+        return over > 0
+
+    def add_backward(self, mixed: torch.Tensor, shadow: torch.Tensor, scale: float, keep: float) -> None:
+        """One call's output gradients (``mixed`` at the loss scale)."""
+        self.grad_amax_scaled = max(self.grad_amax_scaled, health.amax(mixed))
+        self.grad_amax = max(self.grad_amax, health.amax(mixed) / scale)
+        if mixed.shape != shadow.shape:
+            return
+        for i, n in enumerate(health.flushed_count(shadow, mixed)):
+            self.grad_flushed[i] += n
+        if mixed.dtype in _LOW:
+            for i, n in enumerate(health.underflow_count(shadow, mixed.dtype, scale)):
+                self.grad_lost_at_scale[i] += n
+            r = health.scale_range(shadow, mixed.dtype, keep)
+            if r.low is not None:
+                self.scale_low = r.low if self.scale_low is None else max(self.scale_low, r.low)
+            if r.high is not None:
+                self.scale_high = r.high if self.scale_high is None else min(self.scale_high, r.high)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layer": self.name, "same_as": self.same_as, "dtype": self.dtype, "amax": _finite_or_none(self.amax),
+                "shadow_amax": _finite_or_none(self.shadow_amax), "headroom_bits": _finite_or_none(self.headroom_bits),
+                "overflow_count": self.overflow, "overflow_steps": self.overflow_steps,
+                "underflow_fraction": self.underflow, "sqnr_db": _finite_or_none(self.sqnr_db),
+                "shadow_nonfinite": self.shadow_nonfinite, "mixed_nonfinite": self.mixed_nonfinite,
+                "grad_amax_scaled": _finite_or_none(self.grad_amax_scaled), "grad_amax": _finite_or_none(self.grad_amax),
+                "grad_underflow_fraction": self.grad_underflow,
+                "grad_underflow_at_scale_fraction": self.grad_underflow_at_scale,
+                "scale_range_log2": [self.scale_low, self.scale_high]}
+
+
+@dataclass
+class ParamStats:
+    """Rule 3 for one parameter."""
+
+    name: str
+    dtype: str
+    lost: list[int] = field(default_factory=lambda: [0, 0])
+    grad_flushed: list[int] = field(default_factory=lambda: [0, 0])
+
+    @property
+    def lost_update_fraction(self) -> float:
+        return _ratio(self.lost)
+
+    @property
+    def grad_underflow(self) -> float:
+        return _ratio(self.grad_flushed)
+
+    def add(self, stored: torch.Tensor, update: torch.Tensor | None, mixed_grad: torch.Tensor | None,
+            shadow_grad: torch.Tensor | None) -> None:
+        if update is not None:
+            for i, n in enumerate(health.lost_update_count(stored, update)):
+                self.lost[i] += n
+        if mixed_grad is not None and shadow_grad is not None:
+            for i, n in enumerate(health.flushed_count(shadow_grad, mixed_grad)):
+                self.grad_flushed[i] += n
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"parameter": self.name, "dtype": self.dtype, "lost_update_fraction": self.lost_update_fraction,
+                "updates_seen": self.lost[1], "grad_underflow_fraction": self.grad_underflow}
+
+
+_FP8_FORMATS = {"input": torch.float8_e4m3fn, "weight": torch.float8_e4m3fn, "grad_output": torch.float8_e5m2}
+
+
+def _recipe_scale(x: torch.Tensor, dtype: torch.dtype, rowwise: bool) -> tuple[float | torch.Tensor, float]:
+    """Rule 4: the recipe's scale for ``x`` and its amax."""
+    a = x.detach().abs().double()
+    amax = a.amax(dim=-1, keepdim=True) if rowwise else a.max()
+    scale = (torch.finfo(dtype).max / amax.clamp_min(1e-12)).float()
+    return (scale if rowwise else float(scale)), float(a.max())
+
+
+@dataclass
+class Fp8Stats:
+    """Rule 4 for one float8 layer."""
+
+    name: str
+    rowwise: bool = False
+    amax: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_FP8_FORMATS, 0.0))
+    saturated: dict[str, list[int]] = field(default_factory=lambda: {k: [0, 0] for k in _FP8_FORMATS})
+    underflow: dict[str, list[int]] = field(default_factory=lambda: {k: [0, 0] for k in _FP8_FORMATS})
+    amax_zero: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(_FP8_FORMATS, False))
+
+    def add(self, operand: str, x: torch.Tensor | None) -> None:
+        if x is None:
+            return
+        dtype = _FP8_FORMATS[operand]
+        scale, amax = _recipe_scale(x, dtype, self.rowwise)
+        self.amax[operand] = max(self.amax[operand], amax)
+        self.amax_zero[operand] |= amax == 0
+        self.saturated[operand][0] += health.overflow_count(x, dtype, scale)
+        self.saturated[operand][1] += x.numel()
+        for i, n in enumerate(health.underflow_count(x, dtype, scale)):
+            self.underflow[operand][i] += n
+
+    def fraction(self, which: str, operand: str) -> float:
+        return _ratio((self.saturated if which == "saturated" else self.underflow)[operand])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layer": self.name, "scaling": "rowwise" if self.rowwise else "tensorwise",
+                **{f"{k}_amax": self.amax[k] for k in _FP8_FORMATS},
+                **{f"{k}_saturated_fraction": self.fraction("saturated", k) for k in _FP8_FORMATS},
+                **{f"{k}_underflow_fraction": self.fraction("underflow", k) for k in _FP8_FORMATS},
+                **{f"{k}_amax_zero": self.amax_zero[k] for k in _FP8_FORMATS}}

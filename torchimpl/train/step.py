@@ -1,0 +1,569 @@
+"""The step engine: one optimizer step by the contract of ``reference/step.py``.
+
+Built once from the resolved plan (precision, loss scaling, optimizer kind, clipping, sync
+mode) by :func:`build_step_engine`; then, for every optimizer step over ``k`` microbatches:
+
+1. ``begin_window`` zeroes the gradients and the step's flags; ``run_window`` runs each
+   microbatch: forward and loss under autocast, ``loss / k`` (``k`` the window's real size:
+   a window cut short by the end of an epoch divides by its own length), scale, backward.
+   Gradients accumulate at one constant scale; the window's float32 loss sum stays on the
+   device.
+2. ``finish_step`` unscales once and records ``found_inf``: set when a scaled gradient holds
+   inf or NaN (torch's check), when an unscaled one does, or when the window's loss is not
+   finite, so that a step never applies a non-finite value;
+3. clips the unscaled gradients at the configured threshold, unchanged by the scale;
+4. steps the optimizer unless ``found_inf``;
+5. updates the scale, and stops the run when a backoff has collapsed it (its float32 inverse
+   is not finite: no later step could unscale);
+6. advances the learning-rate schedule and the applied-step counter only if the step applied,
+   and keeps the step's record (see ``torchimpl.run.records``) on the device until a log point.
+
+Two objects carry what differs between runs, each chosen once:
+
+- the loss scaling: :class:`DynamicScaling` around a ``DynamicLossScaler``, or
+  :class:`UnitScaling` without one (scale 1, the inf/NaN check only: jmp's ``NoOpLossScale``);
+- the skip decision: :class:`HostSkip` (the host reads the step's one flag and calls the
+  optimizer only on a clean step: one host sync per step) or :class:`KernelSkip` (the
+  sync-free mode: a fused optimizer is called on every step, reads ``found_inf`` and skips
+  inside its kernel; the learning rate is looked up on the device in a table computed on the
+  host, by a device counter of applied steps: no host sync at all).
+
+Host syncs: none per microbatch; the step's found_inf flag and the window's loss sum are the
+real and imaginary part of one complex64 device scalar, so one ``zero_`` resets both and
+:class:`HostSkip`'s one read reads both.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+from torch import nn
+
+from torchimpl.precision.batches import batch_size, to_device
+from torchimpl.train.clipping import check_nonfinite_, clip_grad_norm_, group_by_device_and_dtype
+from torchimpl.train.optim import kernel_skip_refusal
+from torchimpl.run.records import PendingRecords, StepRecord
+from torchimpl.train.scaler import DynamicLossScaler
+from torchimpl.train.schedule import AppliedStepSchedule, lr_from_table, lr_table
+from torchimpl.train.callback_checks import checked_hook, hook_name
+from torchimpl.train.loss_protocol import bad_loss_message
+
+__all__ = [
+    "DynamicScaling",
+    "HostSkip",
+    "KernelSkip",
+    "StepEngine",
+    "StepHooks",
+    "UnitScaling",
+    "bind_hooks",
+    "build_step_engine",
+    "choose_sync_free",
+]
+
+
+# ----------------------------------------------------------------------------- loss scaling
+
+
+class UnitScaling:
+    """No loss scaler (bf16, fp32, or ``scaler.enabled=false``): the scale is 1 and never
+    changes; unscaling is the inf/NaN check at a factor of 1, which changes no bit."""
+
+    scaler: DynamicLossScaler | None = None
+    is_unit = True
+
+    def __init__(self, groups: list, one: torch.Tensor):
+        self._groups, self._one = groups, one
+
+    def scale_before(self) -> float:
+        return 1.0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def unscale_(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
+        check_nonfinite_(self._groups, found, self._one)
+
+    def check_unscaled(self, found: torch.Tensor) -> None:
+        """The gradients were never scaled: ``unscale_`` checked them."""
+
+    def update(self, found: torch.Tensor) -> tuple[float, int]:
+        return 1.0, 0
+
+    def collapsed(self) -> float | None:
+        return None
+
+    def materialise(self, device: torch.device) -> None: ...
+
+    def final_scale(self) -> float | None:
+        return None
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state: dict[str, Any] | None, path: Path, plan_mode: str) -> None:
+        if state is not None:
+            warnings.warn(f"{path} holds a loss-scaler state (scale {state.get('scale')}) but this run's "
+                          f"precision plan ({plan_mode}) uses no scaler; the state was ignored", stacklevel=3)
+
+
+class DynamicScaling:
+    """A ``DynamicLossScaler``: losses scaled, gradients unscaled once, the scale updated."""
+
+    is_unit = False
+
+    def __init__(self, scaler: DynamicLossScaler, groups: list, one: torch.Tensor):
+        self.scaler, self._groups, self._one = scaler, groups, one
+
+    def scale_before(self) -> torch.Tensor:
+        return self.scaler.state_tensors()[0].clone()  # update() changes the live tensor in place
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
+        self.scaler.unscale_(optimizer, found)
+
+    def check_unscaled(self, found: torch.Tensor) -> None:
+        """The check again, on the unscaled gradients: unscaling a finite gradient by the
+        inverse of a scale below 1 can overflow, and a collapsed scale gives ``0 * inf``."""
+        check_nonfinite_(self._groups, found, self._one)
+
+    def update(self, found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scale's update from ``found`` (the step's whole check), then its snapshots."""
+        for state in self.scaler._per_optimizer_states.values():
+            for record in state["found_inf_per_device"].values():
+                if record is not found:  # torch's own path kept a copy of the scaled check
+                    record.copy_(found.to(record.device))
+        self.scaler.update()
+        scale, tracker = self.scaler.state_tensors()
+        return scale.clone(), tracker.clone()
+
+    def collapsed(self) -> float | None:
+        """The scale when it has collapsed (rule 5 of ``reference/step.py``), else None; a sync."""
+        scale = float(self.scaler.state_tensors()[0])
+        return scale if scale_collapsed(scale) else None
+
+    def materialise(self, device: torch.device) -> None:
+        """Create the (possibly restored) scale on the device now, so that the step records
+        read it without touching the scaler's lazy initialisation."""
+        self.scaler.scale(torch.zeros((), device=device))
+
+    def final_scale(self) -> float | None:
+        return float(self.scaler.get_scale())
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None, path: Path, plan_mode: str) -> None:
+        if state is None:
+            warnings.warn(f"{path} holds no loss-scaler state (saved by a run without a scaler); the scaler "
+                          f"starts fresh at init_scale={self.scaler.policy.init_scale}", stacklevel=3)
+            return
+        self.scaler.load_state_dict(state)
+
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def scale_collapsed(scale: float) -> bool:
+    """A loss scale has collapsed when ``f32(1 / f64(scale))``, the factor that unscales, is
+    not finite: 0, NaN, or a scale below about ``2**-128``."""
+    if not scale > 0:
+        return True
+    inv = 1.0 / scale  # float64, as the unscale computes it
+    # Rounded to float32, inv overflows from the midpoint between float32's max and 2**128 on.
+    return not inv < _F32_MAX + 2.0**103
+
+
+def collapse_problem(step: int, scale: float) -> str:
+    return (f"loss scale collapsed to {scale!r} at step {step}: its float32 inverse is not finite, so no "
+            "gradient can be unscaled any more (every recent step overflowed; see the diagnosis). Resume "
+            "from the last checkpoint after fixing the overflow's cause, or with a larger scaler.init_scale")
+
+
+# ----------------------------------------------------------------------------- skip decision
+
+
+class Decision(NamedTuple):
+    """What rule 4 decided: the record's found_inf, loss sum and lr, device tensors or host
+    numbers; ``applied`` (``None`` while only the device knows); ``problem`` to stop the run."""
+
+    found: Any
+    loss_sum: Any
+    lr: Any
+    applied: bool | None
+    problem: str | None = None
+
+
+class _Skip:
+    """What both skip decisions share: the schedule's state for a checkpoint."""
+
+    schedule: AppliedStepSchedule
+
+    def schedule_state(self, applied_steps: int) -> dict[str, Any]:
+        out = self.schedule.state_dict()
+        out["applied_steps"] = applied_steps
+        return out
+
+
+class HostSkip(_Skip):
+    """The host decides: one read of the step's flags, the optimizer called only on a clean
+    step, the learning rate set on the host from the count of applied steps."""
+
+    sync_free = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: AppliedStepSchedule, *, fused: bool,
+                 stop_on_nonfinite: bool, unit_scaling: bool):
+        self.optimizer, self.schedule, self._fused = optimizer, schedule, fused
+        self._stop, self._unit = stop_on_nonfinite, unit_scaling
+
+    def step(self, flags: torch.Tensor, found: torch.Tensor, loss_acc: torch.Tensor) -> Decision:
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        # The one host sync of the step reads both at once: found_inf, the real part, and the
+        # loss sum (finite exactly when the mean is), the imaginary part.
+        value = flags.item()
+        found_value, loss_sum = value.real, value.imag
+        is_found, loss_bad = found_value > 0, not math.isfinite(loss_sum)
+        # Without a scaler nothing backs off, so non-finite gradients are a fault to stop on.
+        if self._stop and (loss_bad or (is_found and self._unit)):
+            return Decision(found_value, loss_sum, lr, None, "non-finite loss" if loss_bad else "non-finite gradients")
+        if loss_bad and not is_found:  # a non-finite loss is skipped like non-finite gradients
+            found.fill_(1.0)
+            found_value, is_found = 1.0, True
+        applied = not is_found
+        if applied:
+            if self._fused:
+                self.optimizer.grad_scale = None
+                self.optimizer.found_inf = found
+            self.optimizer.step()
+        return Decision(found_value, loss_sum, lr, applied)
+
+    def advance(self, decision: Decision, found: torch.Tensor, state: Any) -> None:
+        applied = decision.applied
+        self.schedule.step(applied)
+        state.applied_steps += int(applied)
+        state.skipped_steps += int(not applied)
+
+    def count(self, records: list[StepRecord], losses: list[float], state: Any) -> str | None:
+        """Counted at each step already (and a non-finite loss stopped the run there)."""
+        return None
+
+    def counters(self, state: Any) -> tuple[int, int]:
+        return state.applied_steps, state.skipped_steps
+
+    def load_schedule(self, state: dict[str, Any], total_steps: int) -> None:
+        self.schedule.load_state_dict(state)
+
+    def rebase(self, base_lrs: list[float], total_steps: int) -> None:
+        """New base rates (a resume whose configuration changed ``optimizer.lr``)."""
+        self.schedule.base_lrs = list(base_lrs)
+        self.schedule.apply()
+
+
+class KernelSkip(_Skip):
+    """The sync-free mode: a fused optimizer called on every step skips inside its kernel on
+    ``found_inf``; a float32 lr tensor per group, looked up in a host-computed table by a
+    device counter of applied steps. The host learns what applied at the next log point."""
+
+    sync_free = True
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: AppliedStepSchedule, *, device: torch.device,
+                 config: Any, total_steps: int, stop_on_nonfinite: bool):
+        self.optimizer, self.schedule, self._stop = optimizer, schedule, stop_on_nonfinite
+        self._device, self._config, self._total = device, config, total_steps
+        self._applied_t = torch.zeros((), dtype=torch.int64, device=device)
+        for group in optimizer.param_groups:  # fused kernels read tensor lrs
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+        self._build_tables(total_steps)
+
+    def _build_tables(self, last: int) -> None:
+        """Each group's rates for 0 .. ``last`` applied steps, on the device."""
+        self._tables = [lr_table(base, self._config, self._total, self._device, last)
+                        for base in self.schedule.base_lrs]
+
+    def step(self, flags: torch.Tensor, found: torch.Tensor, loss_acc: torch.Tensor) -> Decision:
+        # A non-finite loss is skipped like non-finite gradients, decided on the device.
+        found.copy_(torch.where(torch.isfinite(loss_acc), found, 1.0))
+        # Snapshots for the record: the next window zeroes both.
+        found_value, loss_sum = found.clone(), loss_acc.clone()
+        lr = self.optimizer.param_groups[0]["lr"].detach().clone()
+        self.optimizer.grad_scale = None
+        self.optimizer.found_inf = found
+        self.optimizer.step()
+        return Decision(found_value, loss_sum, lr, None)
+
+    def advance(self, decision: Decision, found: torch.Tensor, state: Any) -> None:
+        self._applied_t += (1.0 - found).to(torch.int64)
+        for group, table in zip(self.optimizer.param_groups, self._tables):
+            group["lr"].copy_(lr_from_table(table, self._applied_t))
+
+    def count(self, records: list[StepRecord], losses: list[float], state: Any) -> str | None:
+        """The flush counts every record once, when the host reads it; the problem to stop on
+        when a loss was not finite (``train.on_nonfinite: stop``)."""
+        applied = sum(r.applied for r in records)
+        state.applied_steps += applied
+        state.skipped_steps += len(records) - applied
+        for r in records:  # the host learns of a collapse here: every step since has been skipped
+            if scale_collapsed(r.scale_after):
+                return collapse_problem(r.step, r.scale_after)
+        if self._stop and any(not math.isfinite(x) for x in losses):
+            return "non-finite loss (seen at a log point in the sync-free mode)"
+        return None
+
+    def counters(self, state: Any) -> tuple[int, int]:
+        """Applied and skipped steps including those whose records are not read yet (a sync)."""
+        applied = int(self._applied_t.item())
+        return applied, state.step - applied
+
+    def load_schedule(self, state: dict[str, Any], total_steps: int) -> None:
+        self.schedule.base_lrs = [float(b) for b in state["base_lrs"]]
+        applied = int(state["applied_steps"])
+        self._applied_t.fill_(applied)
+        # A run saved with more steps than this one's train.steps still finds its rate.
+        self._set_rates(max(total_steps, applied))
+
+    def rebase(self, base_lrs: list[float], total_steps: int) -> None:
+        """New base rates (a resume whose configuration changed ``optimizer.lr``)."""
+        self.schedule.base_lrs = list(base_lrs)
+        self._set_rates(self._tables[0].numel() - 1 if self._tables else total_steps)
+
+    def _set_rates(self, last: int) -> None:
+        self._build_tables(last)
+        for group, table in zip(self.optimizer.param_groups, self._tables):
+            # A new tensor: load_state_dict put the saved group's lr (any type) there.
+            group["lr"] = lr_from_table(table, self._applied_t)
+
+
+def choose_sync_free(requested: bool, optimizer_kind: str, optimizer: torch.optim.Optimizer, *,
+                     scheduler: Any = None) -> tuple[bool, str | None]:
+    """Whether the sync-free mode runs, and why not when it was requested but cannot."""
+    if not requested:
+        return False, None
+    fallback = "using one host sync per step"
+    if optimizer_kind != "fused" or not getattr(optimizer, "_step_supports_amp_scaling", False):
+        # Only torch's fused kernels read found_inf and skip on it.
+        return False, (f"train.sync_free needs a fused optimizer, got {optimizer_kind} (set optimizer.fused=true, "
+                       f"or build your torch.optim optimizer with fused=True); {fallback}")
+    if scheduler is not None:
+        return False, (f"train.sync_free cannot run your scheduler ({type(scheduler).__name__}): it steps on the host "
+                       f"after each applied step, which only a host sync tells; {fallback}")
+    refused = kernel_skip_refusal(optimizer)
+    if refused:
+        return False, f"train.sync_free is refused for {refused}; {fallback}"
+    return True, None
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+class StepHooks(NamedTuple):
+    """The callbacks' step hooks that do something, each bound to its trainer; called with
+    the run's state."""
+
+    microbatch_end: list[Callable[[Any], None]]
+    after_backward: list[Callable[[Any], None]]
+    before_optimizer_step: list[Callable[[Any], None]]
+    step_end: list[Callable[[Any], None]]
+
+
+class StepEngine:
+    """Runs windows and finishes steps; see the module docstring. Built by
+    :func:`build_step_engine`.
+
+    ``found_inf`` (this step's device flag, from ``before_optimizer_step`` until the next
+    window) and ``grad_norm`` (the total norm before clipping, ``None`` without clipping) are
+    what the step hooks may read.
+    """
+
+    def __init__(self, *, model: nn.Module, params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
+                 scaling: UnitScaling | DynamicScaling, skip: HostSkip | KernelSkip,
+                 clip: Callable[[torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]] | None,
+                 dist: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor], autocast: Any, device: torch.device,
+                 state: Any, hooks: StepHooks, stop_requested: Callable[[], Any]):
+        self.model, self.params, self.optimizer = model, params, optimizer
+        self.scaling, self.skip, self.dist = scaling, skip, dist
+        self.loss_fn, self.autocast, self.device, self.state = loss_fn, autocast, device, state
+        self.hooks, self._stop_requested = hooks, stop_requested
+        self._clip = clip
+        # Rules 2-3, chosen once: without a scaler the check runs at a scale of 1 and changes no
+        # gradient, so the clip's multiply can carry it (one pass, the same found_inf and bits).
+        if clip is None:
+            self._unscale_and_clip = self._unscale_only
+        elif scaling.is_unit:
+            self._unscale_and_clip = clip
+        else:
+            self._unscale_and_clip = self._unscale_then_clip
+        self._flags = torch.zeros((), dtype=torch.complex64, device=device)
+        self._found, self.loss_acc = torch.view_as_real(self._flags).unbind()
+        self.pending = PendingRecords()
+        self.found_inf: torch.Tensor | None = None
+        self.grad_norm: torch.Tensor | None = None
+        self.window: list[Any] | None = None
+        self.scale_before: Any = None
+        self.save_refused: str | None = None  # why a checkpoint cannot be taken now
+
+    # --- rule 1 ------------------------------------------------------------------------
+
+    def begin_window(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._flags.zero_()  # found_inf and the loss sum
+
+    def run_window(self, window: list[Any], k: int) -> bool:
+        """Forward, ``loss / k``, scale and backward for each batch of ``window``; ``k`` is the
+        whole window's size (``window`` is its rest after a resume inside it). False when a
+        hook requested a stop before the window's end."""
+        st, scaling, loss_acc, device = self.state, self.scaling, self.loss_acc, self.device
+        self.window, self.scale_before = window, scaling.scale_before()
+        model, loss_fn, autocast, hooks = self.model, self.loss_fn, self.autocast, self.hooks.microbatch_end
+        # Multi-process runs hold back DDP's gradient all-reduce until the window's last backward.
+        accumulate = self.dist.accumulate if self.dist.enabled else None
+        for batch in window:
+            n = batch_size(batch)
+            batch = to_device(batch, device)
+            if accumulate is None:
+                with autocast:
+                    loss = loss_fn(model, batch)
+            else:
+                with accumulate(st.window_done + 1 == k), autocast:
+                    loss = loss_fn(model, batch)
+            if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
+                raise ValueError(_bad_loss(loss))
+            # Outside autocast from here: the accumulation, the division, the scaling and backward.
+            loss_acc.add_(loss.detach().float())
+            scaled = loss / k
+            scaled = scaling.scale(scaled)
+            scaled.backward()
+            st.window_done += 1
+            st.batch_index += 1
+            st.samples += n
+            for hook in hooks:
+                hook(st)
+            if self._stop_requested():
+                return False
+        self.window = None
+        return True
+
+    def fail_window(self) -> list[Any]:
+        """The batches of the current window from the one that failed (a guard hit) on."""
+        st, window = self.state, self.window
+        self.window = None
+        return window[len(window) - (st.window_size - st.window_done):]
+
+    def skip_window(self, rest: list[Any]) -> str | None:
+        """Finish a window whose ``rest`` could not run as a step with every gradient NaN: the
+        contract's path for non-finite gradients (found_inf, no update, the scale backs off,
+        the schedule holds, a record)."""
+        st = self.state
+        for batch in rest:
+            st.window_done += 1
+            st.batch_index += 1
+            st.samples += batch_size(batch)
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.full_like(p, math.nan)
+            else:
+                p.grad.fill_(math.nan)
+        self.loss_acc.fill_(math.nan)
+        return self.finish_step(st.window_size)
+
+    # --- rules 2-6 -----------------------------------------------------------------------
+
+    def _unscale_only(self, found: torch.Tensor) -> tuple[None, None]:
+        self.scaling.unscale_(self.optimizer, found)
+        self.scaling.check_unscaled(found)
+        return None, None
+
+    def _unscale_then_clip(self, found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.scaling.unscale_(self.optimizer, found)
+        return self._clip(found)  # the clip's multiply checks the unscaled gradients
+
+    def finish_step(self, k: int) -> str | None:
+        """Rules 2-6 after the window's last backward; the problem when the run must stop on a
+        non-finite loss or gradient (``train.on_nonfinite: stop``), before any update."""
+        st, hooks = self.state, self.hooks
+        for hook in hooks.after_backward:
+            hook(st)
+        found = self._found  # zeroed at the start of the window
+        grad_norm, clip_coef = self._unscale_and_clip(found)
+        agreed = self.dist.agree(found, self.scaling.scaler, self.loss_acc)
+        if agreed is not found:  # several processes: the all-reduced flag
+            found.copy_(agreed)
+        self.found_inf, self.grad_norm = found, grad_norm
+        self.save_refused = ("from on_before_optimizer_step: the gradients are unscaled and clipped but the step "
+                             "is not taken, so a resume would unscale and clip them again; save from "
+                             "on_after_backward or on_step_end")
+        for hook in hooks.before_optimizer_step:
+            hook(st)
+        self.save_refused = None
+        decision = self.skip.step(self._flags, found, self.loss_acc)
+        if decision.problem is not None:
+            return decision.problem
+        scale_after, tracker = self.scaling.update(found)
+        if decision.applied is False:  # only a backoff can collapse the scale
+            collapsed = self.scaling.collapsed()
+            if collapsed is not None:
+                return collapse_problem(st.step, collapsed)
+        self.skip.advance(decision, found, st)
+        # The record's values stay as they are (device tensors or host numbers) until the next
+        # log point, where the flush reads all pending ones in one transfer.
+        self.pending.add(decision.loss_sum, step=st.step, microbatches=k, scale_before=self.scale_before,
+                         found_inf=decision.found, applied=decision.applied, grad_norm=grad_norm,
+                         clip_coef=clip_coef, scale_after=scale_after, growth_tracker=tracker, lr=decision.lr)
+        st.step += 1
+        st.window_size = st.window_done = 0
+        for hook in hooks.step_end:
+            hook(st)
+        return None
+
+
+def _bad_loss(loss: Any) -> str:
+    return bad_loss_message(loss)
+
+
+def build_step_engine(*, config: Any, sync_free: bool, model: nn.Module, forward_model: nn.Module,
+                      optimizer: torch.optim.Optimizer, optimizer_kind: str, scaler: DynamicLossScaler | None,
+                      dist: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor], autocast: Any,
+                      device: torch.device, state: Any, hooks: StepHooks,
+                      stop_requested: Callable[[], Any], schedule: Any = None) -> StepEngine:
+    """The engine for a resolved plan: ``config`` is the run's ``Config``; ``model`` the module
+    whose parameters train, ``forward_model`` what the microbatches call (DDP's wrapper, a
+    compiled module); ``schedule`` the learning-rate schedule when it is not the
+    configuration's (a user's scheduler: ``torchimpl.train.schedule.UserSchedule``; the sync-free mode
+    takes an ``AppliedStepSchedule`` only, whose rates it tabulates)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = group_by_device_and_dtype(params)
+    one = torch.ones((), dtype=torch.float32, device=device)
+    scaling = DynamicScaling(scaler, groups, one) if scaler is not None else UnitScaling(groups, one)
+    if schedule is None:
+        schedule = AppliedStepSchedule(optimizer, config.schedule, config.train.steps)
+    stop = config.train.on_nonfinite == "stop"
+    if sync_free:
+        skip: HostSkip | KernelSkip = KernelSkip(optimizer, schedule, device=device, config=schedule.config,
+                                                 total_steps=config.train.steps, stop_on_nonfinite=stop)
+    else:
+        skip = HostSkip(optimizer, schedule, fused=optimizer_kind == "fused", stop_on_nonfinite=stop,
+                        unit_scaling=scaling.is_unit)
+    clip = None
+    if config.train.clip_norm is not None:
+        clip = functools.partial(clip_grad_norm_, groups, params, config.train.clip_norm, dist.total_norm, one)
+    return StepEngine(model=forward_model, params=params, optimizer=optimizer, scaling=scaling, skip=skip,
+                      clip=clip, dist=dist, loss_fn=loss_fn, autocast=autocast, device=device, state=state,
+                      hooks=hooks, stop_requested=stop_requested)
+
+
+def bind_hooks(callbacks: Sequence[Any], owner: Any, base: type) -> StepHooks:
+    """The callbacks' step hooks, leaving out those that are ``base``'s no-op, bound to ``owner``."""
+    def active(name: str) -> list[Callable[[Any], None]]:
+        default = getattr(base, name)
+        hooks = [getattr(cb, name) for cb in callbacks]
+        # Each checked for what it leaves in the trainer's state (torchimpl.train.callback_checks).
+        return [checked_hook(functools.partial(h, owner), lambda: owner.state, hook_name(h))
+                for h in hooks if getattr(h, "__func__", None) is not default]
+
+    return StepHooks(active("on_microbatch_end"), active("on_after_backward"), active("on_before_optimizer_step"),
+                     active("on_step_end"))
