@@ -99,10 +99,12 @@ def _distances(g: np.ndarray, e: np.ndarray, idx: np.ndarray, bound: int, x_abs:
     return dist
 
 
-def compare(got: np.ndarray, expected: np.ndarray, bound: int, x_abs: Any = None) -> Comparison:
+def compare(got: np.ndarray, expected: np.ndarray, bound: int, x_abs: Any = None, at: Any = None) -> Comparison:
     """``got`` against ``expected``: bit for bit (``bound`` 0), else within ``bound`` ULPs of the
     value, or of ``x_abs`` when given (an array, or a function of flat indices returning the
-    magnitudes there). NaN compares as a class.
+    magnitudes there). NaN compares as a class. ``at``: for arrays of sampled elements
+    (`audit.sampling`), ``(flat indices, shape)`` of the tensor they were taken from, so that a
+    mismatch is named at its index there.
 
     Work goes only where it is needed: the bits first; then the ULP distance of the values that
     differ; ``x_abs`` only for those more than ``bound // 2`` ULPs apart. That is safe because
@@ -136,10 +138,12 @@ def compare(got: np.ndarray, expected: np.ndarray, bound: int, x_abs: Any = None
     if not bad.any():
         return Comparison(None, worst)
     k = int(np.argmax(bad))
-    i = [int(v) for v in np.unravel_index(idx[k], got.shape)] if got.ndim else []
+    flat, shape = (idx[k], got.shape) if at is None else (at[0][idx[k]], at[1])
+    i = [int(v) for v in np.unravel_index(flat, shape)] if len(shape) else []
     unit_text = "" if bound == 0 else (f", {dist[k]:.1f} ULP{' of x_abs' if x_abs is not None else ''} apart "
                                        f"(bound {bound})")
-    return Comparison(f"{int(bad.sum())} of {got.size} elements differ; first at index {i}: torch {float(g[k])!r} "
+    of = f"{got.size} elements" if at is None else f"{got.size} sampled elements (of {math.prod(at[1])})"
+    return Comparison(f"{int(bad.sum())} of {of} differ; first at index {i}: torch {float(g[k])!r} "
                       f"({_bits_hex(g[k])}), spec {float(e[k])!r} ({_bits_hex(e[k])}){unit_text}",
                       math.inf, float(e[k]), float(g[k]))
 

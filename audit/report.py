@@ -97,6 +97,7 @@ class AuditReport:
                 lines.append(f"  not replayed ({count}x): {reason}")
             if r.get("fallback"):
                 lines.append(f"  {r['fallback']}")
+            lines.extend(_sampling_lines(r.get("sampling")))
         for rule, fs in self.by_rule().items():
             spec = RULES[rule]
             levels = "/".join(dict.fromkeys(f.severity for f in fs))
@@ -156,3 +157,20 @@ class AuditReport:
             p.parent.mkdir(parents=True)
         p.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
         return p
+
+
+def _sampling_lines(sm: dict[str, Any] | None) -> list[str]:
+    """The replay's sampling as the text report states it (audit.sampling)."""
+    if not sm:
+        return []
+    sample = sm["sample"]
+    what = (f"auto (whole up to {sm['auto_budget']} elements a step, then that many)" if sample == "auto"
+            else "all" if sample == 1.0 else f"{sample:g} of the elements")
+    out = [f"  sampling: every {sm['every']} step{'s' if sm['every'] != 1 else ''} "
+           f"({sm['steps_left_out']} left out), optimizer stage {what}, seed {sm['seed']}; "
+           f"order rules {sm['order_rules']}"]
+    for label, taken in sm["optimizer_stage"].items():
+        out.append(f"  optimizer stage of {label}: {taken}")
+    if sm["every"] != 1 or sm["steps_sampled"]:
+        out.append(f"  whole: {sm['whole']}")
+    return out

@@ -19,15 +19,16 @@ from typing import Any, Sequence
 
 from audit import Audit
 from audit.report import AuditReport
+from audit.sampling import parse_every, parse_fraction
 
 __all__ = ["run_script", "split_audit_options", "main"]
 
-_OWN = ("--report", "--steps")
+_OWN = ("--report", "--steps", "--replay-every", "--replay-sample", "--replay-seed")
 _FLAGS = ("--no-replay", "--strict")
 
 
 def run_script(script: str | os.PathLike, args: Sequence[str] = (), *, steps: int | None = None,
-               replay: bool = True, strict: bool = False) -> AuditReport:
+               replay: bool = True, strict: bool = False, **sampling: Any) -> AuditReport:
     """Audit one run of ``script`` with ``args``; raises FileNotFoundError when it does not exist.
 
     ``sys.exit(N)`` in the script ends the run like its end, with ``script_status`` N (1 with
@@ -35,7 +36,7 @@ def run_script(script: str | os.PathLike, args: Sequence[str] = (), *, steps: in
     path = Path(script)
     if not path.is_file():
         raise FileNotFoundError(f"no such script: {script}")
-    session = Audit(replay=replay, steps=steps, target=str(script), strict=strict)
+    session = Audit(replay=replay, steps=steps, target=str(script), strict=strict, **sampling)
     session.argv = [str(script), *args]
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(path), *args]
@@ -95,7 +96,8 @@ def _trim(error: BaseException | None) -> BaseException | None:
 def split_audit_options(rest: Sequence[str]) -> tuple[list[str], dict[str, str | bool]]:
     """The script's arguments and the audit's own options found among them.
 
-    ``--report FILE``, ``--steps N`` (also ``--report=FILE``), ``--no-replay`` and ``--strict`` are the audit's
+    ``--report FILE``, ``--steps N``, ``--replay-every N``, ``--replay-sample F|auto|all``,
+    ``--replay-seed S`` (also ``--report=FILE``), ``--no-replay`` and ``--strict`` are the audit's
     wherever they appear after the script, until a ``--``; everything after ``--`` goes to the
     script verbatim (for a script with options of the same names).
     """
@@ -115,13 +117,25 @@ def split_audit_options(rest: Sequence[str]) -> tuple[list[str], dict[str, str |
                     raise ValueError(f"{name} needs a value")
                 value = rest[i + 1]
                 i += 1
-            own[name[2:]] = value
+            own[name[2:].replace("-", "_")] = value
         elif a in _FLAGS:
             own[a[2:].replace("-", "_")] = True
         else:
             script_args.append(a)
         i += 1
     return script_args, own
+
+
+def _sampling_options(own: dict[str, Any], every: Any, sample: Any, seed: Any) -> dict[str, Any]:
+    """``--replay-every``, ``--replay-sample`` and ``--replay-seed`` checked (audit.sampling) before the script runs."""
+    every, sample, seed = own.get("replay_every", every), own.get("replay_sample", sample), own.get("replay_seed", seed)
+    try:
+        seed = int(seed)
+    except ValueError:
+        raise ValueError(f"--replay-seed needs an integer >= 0, got {seed!r}") from None
+    parse_every(every)
+    parse_fraction(sample)
+    return {"replay_every": parse_every(every), "replay_sample": sample, "replay_seed": seed}
 
 
 def _check_report_path(path: Path) -> None:
@@ -134,9 +148,11 @@ def _check_report_path(path: Path) -> None:
 
 
 def main(script: str, rest: Sequence[str], *, report: str | None = None, steps: int | None = None,
-         no_replay: bool = False, strict: bool = False) -> int:
+         no_replay: bool = False, strict: bool = False, replay_every: str | int = 1,
+         replay_sample: str = "auto", replay_seed: str | int = 0) -> int:
     """The ``ampspec audit`` subcommand: run, print the text report, write the JSON one."""
     args, own = split_audit_options(rest)
+    sampling = _sampling_options(own, replay_every, replay_sample, replay_seed)
     report = own.get("report", report)  # type: ignore[assignment]
     if "steps" in own:
         try:
@@ -152,7 +168,7 @@ def main(script: str, rest: Sequence[str], *, report: str | None = None, steps: 
     if report:
         _check_report_path(Path(report))
     pid = os.getpid()
-    result = run_script(script, args, steps=steps, replay=not no_replay, strict=strict)
+    result = run_script(script, args, steps=steps, replay=not no_replay, strict=strict, **sampling)
     if os.getpid() != pid:  # a child the script forked came back here: its parent reports
         return result.script_status or 0
     sys.stdout.flush()

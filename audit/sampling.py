@@ -1,0 +1,182 @@
+"""Which steps and which numbers the replay checks: every step whole, or a seeded sample.
+
+The order rules see every call of every step whatever the sampling (the recorder runs them);
+the sampling decides only what the numeric replay copies and recomputes, so that its cost stops
+growing with the model:
+
+- ``every`` N: the replay takes steps 0, N, 2N, ... of each optimizer; the others copy nothing.
+- ``fraction``: of a replayed step's optimizer stage (the parameters, their gradients entering
+  the step and their state, before and after), the share of the elements copied and
+  recomputed. ``None`` is ``auto``: everything while the optimizer holds at most
+  ``AUTO_BUDGET`` elements, else ``AUTO_BUDGET`` elements' worth. 1.0 is everything.
+
+What needs a whole tensor is always whole on a replayed step: found_inf and the skip, the
+unscale, every clipping call (its total norm is over every gradient), and the scale update.
+
+How the optimizer stage is sampled depends on its row (`audit.replay.ELEMENTWISE_MAGNITUDES`
+names the specification's element-wise optimizers: each element's update reads only the same
+element of the parameter, gradient and state):
+
+- element-wise: of each tensor, ``ceil(fraction * n)`` elements, at least ``MIN_ELEMENTS``
+  (a tensor that small is whole), chosen by a generator seeded with ``(seed, tensor index)``;
+- otherwise (Adafactor's factored statistics read whole rows and columns): whole tensors, in
+  an order seeded with ``seed``, until ``fraction`` of the elements are taken (at least one);
+- a user's registered optimizer: everything (its step may couple the parameters).
+
+The same elements are taken at every replayed step of a run: a fixed sample for a seed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Sampling", "StepSample", "AUTO_BUDGET", "MIN_ELEMENTS", "parse_fraction", "parse_every",
+           "sampling_statement"]
+
+# Elements of a step's optimizer stage replayed whole under ``auto``: the 0.2M-parameter MLP of
+# bench/audit_overhead.py is replayed whole; past it, the replay's share of a step shrinks as the
+# model grows (bench/audit_overhead.py --sizes shows the ratios).
+AUTO_BUDGET = 1 << 19
+MIN_ELEMENTS = 64
+
+
+def parse_fraction(text: Any) -> float | None:
+    """``--replay-sample``: ``auto`` (None), ``all`` (1.0) or a fraction in (0, 1]."""
+    if text is None or (isinstance(text, str) and text.strip().lower() == "auto"):
+        return None
+    if isinstance(text, str) and text.strip().lower() == "all":
+        return 1.0
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"replay_sample (--replay-sample) must be auto, all or a fraction in (0, 1], got {text!r}")
+    return value
+
+
+def parse_every(text: Any) -> int:
+    """``--replay-every``: an integer >= 1."""
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        value = 0
+    if isinstance(text, bool) or isinstance(text, float) or value < 1:
+        raise ValueError(f"replay_every (--replay-every) must be an integer >= 1, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The replay's sampling policy (module docstring)."""
+
+    every: int = 1
+    fraction: float | None = None
+    seed: int = 0
+
+    def describe(self) -> str:
+        what = (f"auto (whole up to {AUTO_BUDGET} elements a step, else that many)" if self.fraction is None
+                else "all" if self.fraction >= 1.0 else f"{self.fraction:g} of the elements")
+        return f"every {self.every} step{'s' if self.every != 1 else ''}, sample {what}, seed {self.seed}"
+
+    def replays(self, step: int) -> bool:
+        """Whether the replay takes this step of an optimizer."""
+        return step % self.every == 0
+
+    def plan(self, shapes: tuple[tuple[int, ...], ...], mode: str) -> "StepSample | None":
+        """The optimizer stage's sample for tensors of ``shapes``; ``mode`` ``elements``,
+        ``tensors`` or ``whole`` (what the row allows). None: everything."""
+        sizes = tuple(math.prod(s) for s in shapes)
+        total = sum(sizes)
+        fraction = self.fraction if self.fraction is not None else min(1.0, AUTO_BUDGET / max(total, 1))
+        if fraction >= 1.0 or mode == "whole" or total == 0:
+            return None
+        if mode == "elements":
+            take = tuple(_elements(n, fraction) for n in sizes)
+        else:
+            take = _whole_tensors(sizes, fraction, self.seed)
+        if all(k == n for k, n in zip(take, sizes)):
+            return None
+        return StepSample(self.seed, shapes, take)
+
+
+def _elements(n: int, fraction: float) -> int:
+    """Of a tensor of ``n`` elements: ``ceil(fraction * n)``, at least `MIN_ELEMENTS`, at most ``n``."""
+    return min(n, max(MIN_ELEMENTS, math.ceil(fraction * n)))
+
+
+def _whole_tensors(sizes: tuple[int, ...], fraction: float, seed: int) -> tuple[int, ...]:
+    """Whole tensors in a seeded order until ``fraction`` of the elements are taken (at least one)."""
+    order = np.random.default_rng([seed, 0x7E45]).permutation(len(sizes))
+    take, got = [0] * len(sizes), 0
+    for i in order:
+        if got >= fraction * sum(sizes) and got:
+            break
+        take[i], got = sizes[i], got + sizes[i]
+    return tuple(take)
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One optimizer's sample: per tensor (its index in ``param_groups`` order), of ``shapes``, how
+    many of its elements are taken (``take``: all of them, none, or some, chosen by `indices`)."""
+
+    seed: int
+    shapes: tuple[tuple[int, ...], ...]
+    take: tuple[int, ...]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
+
+    def whole(self, i: int) -> bool:
+        return self.take[i] == self.sizes[i]
+
+    def omitted(self, i: int) -> bool:
+        return self.take[i] == 0 and self.sizes[i] > 0
+
+    def indices(self, i: int) -> np.ndarray | None:
+        """The flat indices taken of tensor ``i`` (sorted; None: the whole tensor)."""
+        if self.whole(i):
+            return None
+        return _indices(self.seed, i, self.sizes[i], self.take[i])
+
+    @property
+    def elements(self) -> int:
+        return sum(self.take)
+
+    @property
+    def tensors(self) -> int:
+        return sum(1 for k in self.take if k)
+
+    def describe(self) -> str:
+        return (f"{self.elements} of {sum(self.sizes)} elements in {self.tensors} of {len(self.sizes)} tensors "
+                f"(seed {self.seed})")
+
+
+@functools.lru_cache(maxsize=256)
+def _indices(seed: int, i: int, n: int, k: int) -> np.ndarray:
+    """``k`` distinct flat indices of ``n``, sorted, from a generator seeded with ``(seed, i)``
+    (computed once per run, in each process that needs them)."""
+    ix = np.random.default_rng([seed, i]).choice(n, size=k, replace=False, shuffle=False)
+    ix.sort()
+    ix.flags.writeable = False
+    return ix
+
+
+WHOLE = ("found_inf and the skip, the unscale, every clipping call (its total norm over every gradient) and the "
+         "scale update, on every replayed step")
+
+
+def sampling_statement(replayer: Any) -> dict[str, Any]:
+    """What the replay of ``replayer`` (an `audit.replay.Replayer`) sampled, for the report."""
+    s = replayer.sampling
+    return {"every": s.every, "sample": "auto" if s.fraction is None else s.fraction, "seed": s.seed,
+            "auto_budget": AUTO_BUDGET, "steps_left_out": replayer.steps_left_out,
+            "steps_sampled": replayer.steps_sampled, "optimizer_stage": dict(replayer.samples),
+            "whole": WHOLE, "order_rules": "complete: every call of every step, whatever the sampling"}
