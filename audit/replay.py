@@ -66,7 +66,7 @@ from audit import _torch_compat  # noqa: F401  (checks the private torch names t
 from audit import optimizers
 from audit.optimizers import ADAM_MOMENT_ULP, ADAM_PARAM_ULP, SGD_BUFFER_ULP, SGD_PARAM_ULP
 from audit.checks_numbers import replay_divergence
-from audit.sampling import Sampling
+from audit.sampling import SampleBook, Sampling
 from audit.stages import CLIP_ULP, NORM_ULP, NotReplayable, StepStages, UpdateCheck
 
 __all__ = ["Replayer", "Divergence", "NORM_ULP", "CLIP_ULP", "SGD_BUFFER_ULP", "SGD_PARAM_ULP",
@@ -174,11 +174,7 @@ class Replayer(StepStages, UpdateCheck):
     _QUEUE = 4
 
     def __init__(self, mode: str | None = None, sampling: Sampling | None = None) -> None:
-        self.sampling = sampling if sampling is not None else Sampling()
-        self.samples: dict[str, str] = {}  # optimizer label -> its optimizer stage's sample (audit.sampling)
-        self.steps_left_out = 0  # steps the sampling left out (every Nth step)
-        self.steps_sampled = 0  # replayed steps whose optimizer stage took a sample
-        self._plans: dict[tuple[int, tuple[tuple[int, ...], ...]], Any] = {}
+        self.book = SampleBook(sampling if sampling is not None else Sampling())
         self.mode = default_mode() if mode is None else mode
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -287,27 +283,12 @@ class Replayer(StepStages, UpdateCheck):
     def sample_for(self, o: Any, params: list[Any]) -> tuple[bool, Any]:
         """For the step optimizer track ``o`` is in: (whether the sampling leaves it out, the
         `audit.sampling.StepSample` of its optimizer stage or None for the whole of it)."""
-        if not self.sampling.replays(o.steps):
-            return True, None
-        shapes = tuple(tuple(p.shape) for p in params)
-        key = (id(o.obj), shapes)
-        if key not in self._plans:
-            entry, _ = optimizers.lookup(type(o.obj))
-            mode = ("whole" if entry is None or not entry.builtin else
-                    "elements" if entry.spec.name in ELEMENTWISE_MAGNITUDES else "tensors")
-            plan = self._plans[key] = self.sampling.plan(shapes, mode)
-            self.samples[o.label] = ("whole" if plan is None else plan.describe()) + (
-                "; a registered optimizer is replayed whole (its step may couple its parameters)"
-                if entry is not None and not entry.builtin and self.sampling.fraction != 1.0 else "")
-        return False, self._plans[key]
+        return self.book.for_step(o, params, _sample_mode)
 
     def step(self, o: Any, d: Any, rec: Any, recorder: Any) -> None:
         """Replay one step of optimizer track ``o`` (where the mode says)."""
-        if d is not None and d.unsampled:  # nothing was copied: nothing to send
-            rec.replay = f"not sampled (the replay takes every {self.sampling.every}th step)"
-            self.steps_left_out += 1
+        if self.book.left_out(d, rec):  # nothing was copied: nothing to send
             return
-        self.steps_sampled += int(d is not None and d.sample is not None)
 
         def done(result: tuple[str, float | None]) -> None:
             rec.replay = result[0]
@@ -460,6 +441,16 @@ class Replayer(StepStages, UpdateCheck):
             rest.append(dv)
         self.unexplained = rest
         recorder.findings.extend(replay_divergence(rest))
+
+
+def _sample_mode(obj: Any) -> str:
+    """How `audit.sampling` may sample the optimizer stage of ``obj``'s row: ``elements`` (an
+    element-wise row of the specification), ``tensors`` (another of its rows), ``whole`` (a
+    registered or an unknown optimizer)."""
+    entry, _ = optimizers.lookup(type(obj))
+    if entry is None or not entry.builtin:
+        return "whole" if entry is None else "registered"
+    return "elements" if entry.spec.name in ELEMENTWISE_MAGNITUDES else "tensors"
 
 
 def _spec_config(o: OptimizerRef, group: dict[str, Any]) -> tuple[Any, str]:

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Sampling", "StepSample", "AUTO_BUDGET", "MIN_ELEMENTS", "parse_fraction", "parse_every",
+__all__ = ["Sampling", "SampleBook", "StepSample", "AUTO_BUDGET", "MIN_ELEMENTS", "parse_fraction", "parse_every",
            "sampling_statement"]
 
 # Elements of a step's optimizer stage replayed whole under ``auto``: the 0.2M-parameter MLP of
@@ -93,6 +93,7 @@ class Sampling:
         ``tensors`` or ``whole`` (what the row allows). None: everything."""
         sizes = tuple(math.prod(s) for s in shapes)
         total = sum(sizes)
+        mode = "whole" if mode == "registered" else mode
         fraction = self.fraction if self.fraction is not None else min(1.0, AUTO_BUDGET / max(total, 1))
         if fraction >= 1.0 or mode == "whole" or total == 0:
             return None
@@ -169,14 +170,51 @@ def _indices(seed: int, i: int, n: int, k: int) -> np.ndarray:
     return ix
 
 
+class SampleBook:
+    """The replay's sampling over a run (in the audited program's process): each optimizer's
+    plan, made once per set of shapes, and what was left out and sampled."""
+
+    def __init__(self, sampling: Sampling) -> None:
+        self.sampling = sampling
+        self.samples: dict[str, str] = {}  # optimizer label -> its optimizer stage's sample
+        self.steps_left_out = 0  # steps the sampling left out (every Nth step)
+        self.steps_sampled = 0  # replayed steps whose optimizer stage took a sample
+        self._plans: dict[tuple[int, tuple[tuple[int, ...], ...]], StepSample | None] = {}
+
+    def for_step(self, o: Any, params: list[Any], mode_of: Any) -> tuple[bool, StepSample | None]:
+        """For the step optimizer track ``o`` is in: (left out, the optimizer stage's sample or
+        None for the whole of it); ``mode_of(optimizer)``: what its row allows (`Sampling.plan`)."""
+        if not self.sampling.replays(o.steps):
+            return True, None
+        shapes = tuple(tuple(p.shape) for p in params)
+        key = (id(o.obj), shapes)
+        if key not in self._plans:
+            mode = mode_of(o.obj)
+            plan = self._plans[key] = self.sampling.plan(shapes, mode)
+            self.samples[o.label] = ("whole" if plan is None else plan.describe()) + (
+                "; a registered optimizer is replayed whole (its step may couple its parameters)"
+                if mode == "registered" and self.sampling.fraction != 1.0 else "")
+        return False, self._plans[key]
+
+    def left_out(self, d: Any, rec: Any) -> bool:
+        """Whether the step of ``d`` and ``rec`` was left out (its verdict set, counted); counts a sampled one."""
+        if d is not None and d.unsampled:
+            rec.replay = f"not sampled (replay_every={self.sampling.every}: the replay takes steps 0, N, 2N, ...)"
+            self.steps_left_out += 1
+            return True
+        self.steps_sampled += int(d is not None and d.sample is not None)
+        return False
+
+
 WHOLE = ("found_inf and the skip, the unscale, every clipping call (its total norm over every gradient) and the "
          "scale update, on every replayed step")
 
 
 def sampling_statement(replayer: Any) -> dict[str, Any]:
     """What the replay of ``replayer`` (an `audit.replay.Replayer`) sampled, for the report."""
-    s = replayer.sampling
+    book = replayer.book
+    s = book.sampling
     return {"every": s.every, "sample": "auto" if s.fraction is None else s.fraction, "seed": s.seed,
-            "auto_budget": AUTO_BUDGET, "steps_left_out": replayer.steps_left_out,
-            "steps_sampled": replayer.steps_sampled, "optimizer_stage": dict(replayer.samples),
-            "whole": WHOLE, "order_rules": "complete: every call of every step, whatever the sampling"}
+            "auto_budget": AUTO_BUDGET, "steps_left_out": book.steps_left_out, "steps_sampled": book.steps_sampled,
+            "optimizer_stage": dict(book.samples), "whole": WHOLE,
+            "order_rules": "complete: every call of every step, whatever the sampling"}
