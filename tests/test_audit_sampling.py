@@ -1,0 +1,253 @@
+"""The replay's sampling (`audit.sampling`): deterministic for a seed; a divergence planted in a
+sampled element is found and named at its index in the tensor; one outside the sample is not
+claimed as checked (the step's verdict and the report say what was); found_inf and the clip's
+total norm stay whole; every Nth step leaves the others out while the order rules see them all;
+bad options are refused before anything runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from audit import Audit, audit
+from audit.runner import split_audit_options
+from audit.sampling import MIN_ELEMENTS, Sampling, StepSample
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = ((64, 32), (64,), (4, 64), (4,))  # the loop's parameters, in param_groups order
+FRACTION = 0.05
+
+
+def _loop(steps: int = 3, plant: tuple[int, int] | None = None, inf: tuple[int, int] | None = None,
+          clip_first: bool = False) -> None:
+    """A GradScaler loop with AdamW (an element-wise row) and norm clipping. ``plant`` (step, flat
+    index): after that step the first weight's element is moved off torch's result (an
+    optimizer post hook, before the audit copies the parameters). ``inf`` (step, flat index):
+    backward leaves inf in that element of the first weight's gradient (a tensor hook).
+    ``clip_first``: the clip before the unscale (an order rule's error at every step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    weight = model[0].weight
+    count = [0]
+    if plant is not None:
+        def moved(optimizer, args, kwargs):
+            if count[0] == plant[0]:
+                with torch.no_grad():
+                    weight.view(-1)[plant[1]] += 1e-3
+        opt.register_step_post_hook(moved)
+    if inf is not None:
+        def with_inf(grad):
+            if count[0] != inf[0]:
+                return grad
+            grad = grad.clone()
+            grad.view(-1)[inf[1]] = float("inf")
+            return grad
+        weight.register_hook(with_inf)
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        count[0] = step
+        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        if clip_first:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.unscale_(opt)
+        if not clip_first:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+
+
+def _sample(seed: int, fraction: float = FRACTION) -> StepSample:
+    plan = Sampling(1, fraction, seed).plan(SHAPES, "elements")
+    assert plan is not None
+    return plan
+
+
+def _inside(seed: int) -> int:
+    return int(_sample(seed).indices(0)[3])
+
+
+def _outside(seed: int, *others: int) -> int:
+    taken = set(_sample(seed).indices(0).tolist())
+    for s in others:
+        taken |= set(_sample(s).indices(0).tolist())
+    return next(i for i in range(64 * 32 - 1, 0, -1) if i not in taken)
+
+
+def _divergences(session: Audit) -> list:
+    return [f for f in session.report.findings if f.rule == "replay-divergence"]
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def test_the_sample_is_a_function_of_the_seed():
+    a, b, c = _sample(5), _sample(5), _sample(6)
+    assert a == b and all(np.array_equal(a.indices(i), b.indices(i)) for i in range(4) if not a.whole(i))
+    assert not np.array_equal(a.indices(0), c.indices(0))
+    ix = a.indices(0)
+    assert len(ix) == int(np.ceil(FRACTION * 2048)) and len(set(ix.tolist())) == len(ix) and (np.diff(ix) > 0).all()
+    # A tensor of at most MIN_ELEMENTS elements is whole; a larger one gives at least that many.
+    assert a.whole(1) and a.whole(3) and a.take[2] == MIN_ELEMENTS
+
+
+def test_auto_replays_everything_up_to_the_budget_and_then_samples():
+    from audit.sampling import AUTO_BUDGET
+
+    auto = Sampling()
+    assert auto.plan(((AUTO_BUDGET // 2,), (AUTO_BUDGET // 2,)), "elements") is None
+    big = auto.plan(((AUTO_BUDGET,), (AUTO_BUDGET,)), "elements")
+    assert big is not None and big.elements == AUTO_BUDGET
+    # A row that is not element-wise (Adafactor) takes whole tensors; a registered one everything.
+    tensors = auto.plan(((AUTO_BUDGET,), (AUTO_BUDGET,), (AUTO_BUDGET,)), "tensors")
+    assert tensors is not None and sorted(tensors.take) == [0, 0, AUTO_BUDGET]
+    assert auto.plan(((4 * AUTO_BUDGET,),), "registered") is None
+
+
+# ----------------------------------------------------------------------------- the replay
+
+
+@pytest.mark.parametrize("mode", ["process", "inline"])
+def test_a_divergence_in_a_sampled_element_is_found_at_its_index(monkeypatch, mode):
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", mode)
+    e = _inside(5)
+    with audit(replay_sample=FRACTION, replay_seed=5) as session:
+        _loop(plant=(1, e))
+    (f,) = _divergences(session)
+    assert f.step == 1 and "parameter 0" in f.message
+    assert f"first at index [{e // 32}, {e % 32}]" in f.message and "sampled elements (of 2048)" in f.message
+
+
+def test_a_divergence_outside_the_sample_is_not_claimed_as_checked(monkeypatch):
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "inline")
+    e = _outside(5)
+    with audit(replay_sample=FRACTION, replay_seed=5) as session:
+        _loop(plant=(1, e))
+    assert _divergences(session) == []
+    taken = _sample(5)
+    for rec in session.report.steps:
+        assert rec.replay.endswith(f"optimizer stage on a sample: {taken.describe()}"), rec.replay
+    sm = session.report.to_dict()["replay"]["sampling"]
+    assert sm["steps_sampled"] == 3 and sm["optimizer_stage"] == {"AdamW#0": taken.describe()}
+    # The same element is found when everything is replayed, and by a seed whose sample holds it.
+    with audit(replay_sample="all") as whole:
+        _loop(plant=(1, e))
+    assert [f.step for f in _divergences(whole)] == [1]
+    seed = next(s for s in range(100) if e in set(_sample(s).indices(0).tolist()))
+    with audit(replay_sample=FRACTION, replay_seed=seed) as other:
+        _loop(plant=(1, e))
+    assert [f.step for f in _divergences(other)] == [1]
+
+
+def test_found_inf_is_checked_over_every_gradient_when_sampling(monkeypatch):
+    """An inf outside the sample, which a blind overflow check misses: the spec's check is whole."""
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "inline")
+    original = torch._amp_foreach_non_finite_check_and_unscale_
+
+    def blind_check(grads, found_inf, inv_scale):
+        original(grads, found_inf, inv_scale)
+        found_inf.zero_()
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", blind_check)
+    with audit(replay_sample=FRACTION, replay_seed=5) as session:
+        _loop(steps=2, inf=(1, _outside(5)))
+    f = _divergences(session)[0]
+    assert f.step == 1 and "found_inf" in f.message and (f.expected, f.got) == (True, False)
+    assert session.report.to_dict()["replay"]["sampling"]["steps_sampled"] == 2
+
+
+def test_the_clip_norm_is_checked_over_every_gradient_when_sampling(monkeypatch):
+    """A total norm that leaves out one element outside the sample: the spec's norm is whole."""
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "inline")
+    from torch.nn.utils import clip_grad
+
+    original = clip_grad._get_total_norm
+    outside = torch.ones(2048, dtype=torch.bool)
+    outside[torch.from_numpy(np.array(_sample(5).indices(0)))] = False
+
+    def short_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        grads = [g.clone() for g in grads]
+        flat = grads[0].view(-1)
+        flat[int(torch.argmax(flat.abs() * outside))] = 0.0
+        return original(grads, norm_type, error_if_nonfinite, foreach)
+
+    monkeypatch.setattr(clip_grad, "_get_total_norm", short_norm)
+    with audit(replay_sample=FRACTION, replay_seed=5) as session:
+        _loop(steps=2)
+    f = _divergences(session)[0]
+    assert f.step == 0 and "total norm of clip_grad_norm_" in f.message, f.message
+
+
+def test_every_nth_step_leaves_the_others_out_and_the_order_rules_see_all(monkeypatch):
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "process")
+    with audit(replay_every=2) as session:
+        _loop(steps=5, plant=(1, _inside(0)))
+    assert _divergences(session) == []  # step 1 is left out
+    verdicts = [r.replay for r in session.report.steps]
+    assert [v.startswith("not sampled") for v in verdicts] == [False, True, False, True, False], verdicts
+    assert session.report.replay["steps_replayed"] == 3
+    assert session.report.replay["sampling"]["steps_left_out"] == 2
+    with audit(replay_every=2) as found:
+        _loop(steps=5, plant=(2, _inside(0)))
+    assert [f.step for f in _divergences(found)] == [2]
+    with audit(replay_every=3) as rules:
+        _loop(steps=4, clip_first=True)
+    assert [f.step for f in rules.report.findings if f.rule == "clip-before-unscale"] == [0, 1, 2, 3]
+
+
+def test_the_text_and_json_reports_state_the_sample(tmp_path, monkeypatch):
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "inline")
+    with audit(replay_every=2, replay_sample=FRACTION, replay_seed=5) as session:
+        _loop(steps=3)
+    text = session.report.text()
+    assert ("sampling: every 2 steps (1 left out), optimizer stage 0.05 of the elements, seed 5; order rules "
+            "complete: every call of every step, whatever the sampling") in text
+    assert f"optimizer stage of AdamW#0: {_sample(5).describe()}" in text
+    assert "whole: found_inf and the skip, the unscale, every clipping call" in text
+    data = json.loads(json.dumps(session.report.to_dict()))["replay"]["sampling"]
+    assert {k: data[k] for k in ("every", "sample", "seed", "steps_left_out", "steps_sampled")} == \
+        {"every": 2, "sample": FRACTION, "seed": 5, "steps_left_out": 1, "steps_sampled": 2}
+    assert data["order_rules"].startswith("complete")
+
+
+# ----------------------------------------------------------------------------- options
+
+
+def test_the_command_takes_the_sampling_options_after_the_script_too():
+    args, own = split_audit_options(["--replay-every", "4", "x", "--replay-sample=0.1", "--replay-seed", "7"])
+    assert args == ["x"] and own == {"replay_every": "4", "replay_sample": "0.1", "replay_seed": "7"}
+
+
+@pytest.mark.parametrize("kwargs, field", [({"replay_every": 0}, "replay_every"),
+                                           ({"replay_every": 1.5}, "replay_every"),
+                                           ({"replay_sample": 0.0}, "replay_sample"),
+                                           ({"replay_sample": "most"}, "replay_sample"),
+                                           ({"replay_seed": -1}, "replay_seed")])
+def test_bad_sampling_is_refused_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        Audit(**kwargs)
+
+
+@pytest.mark.parametrize("option, value", [("--replay-every", "0"), ("--replay-sample", "2"),
+                                           ("--replay-seed", "x")])
+def test_bad_sampling_options_stop_the_command_before_the_script_runs(tmp_path, option, value):
+    marker = tmp_path / "ran"
+    script = tmp_path / "s.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    out = subprocess.run([sys.executable, "-m", "torchimpl.cli", "audit", str(script), option, value],
+                         capture_output=True, text=True, cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+                         timeout=300)
+    assert out.returncode == 2 and option in out.stderr and not marker.exists(), out.stderr
