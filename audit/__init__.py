@@ -42,7 +42,8 @@ class Audit:
 
     ``replay``: replay the steps through ``reference`` (copies gradients, parameters and state
     each replayed step); False checks the order rules only. ``replay_every`` N: replay steps 0,
-    N, 2N, ... of each optimizer; ``replay_sample``: of a replayed step's optimizer stage, the
+    N, 2N, ... of each optimizer (``"auto"``: every step up to `audit.sampling.AUTO_WHOLE_BUDGET`
+    elements, then every Nth); ``replay_sample``: of a replayed step's optimizer stage, the
     share of the elements replayed: ``"auto"`` (everything up to `audit.sampling.AUTO_BUDGET`
     elements, then that many), ``"all"``, or a fraction in (0, 1]; ``replay_seed``: the
     sample's seed (`audit.sampling`). The order rules always see every step. ``steps``: stop the audited code at the first
@@ -55,7 +56,7 @@ class Audit:
     """
 
     def __init__(self, replay: bool = True, steps: int | None = None, target: str = "the audited code",
-                 strict: bool = False, *, replay_every: int = 1, replay_sample: float | str = "auto",
+                 strict: bool = False, *, replay_every: int | str = "auto", replay_sample: float | str = "auto",
                  replay_seed: int = 0) -> None:
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise ValueError(f"steps must be None or an int >= 1, got {steps!r}")

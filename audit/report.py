@@ -166,11 +166,12 @@ def _sampling_lines(sm: dict[str, Any] | None) -> list[str]:
     sample = sm["sample"]
     what = (f"auto (whole up to {sm['auto_budget']} elements a step, then that many)" if sample == "auto"
             else "all" if sample == 1.0 else f"{sample:g} of the elements")
-    out = [f"  sampling: every {sm['every']} step{'s' if sm['every'] != 1 else ''} "
-           f"({sm['steps_left_out']} left out), optimizer stage {what}, seed {sm['seed']}; "
+    every = (f"auto (every step up to {sm['auto_whole_budget']} elements, then every Nth)" if sm["every"] == "auto"
+             else f"every {sm['every']} step{'s' if sm['every'] != 1 else ''}")
+    out = [f"  sampling: steps {every} ({sm['steps_left_out']} left out), optimizer stage {what}, seed {sm['seed']}; "
            f"order rules {sm['order_rules']}"]
     for label, taken in sm["optimizer_stage"].items():
         out.append(f"  optimizer stage of {label}: {taken}")
-    if sm["every"] != 1 or sm["steps_sampled"]:
+    if sm["steps_left_out"] or sm["steps_sampled"]:
         out.append(f"  whole: {sm['whole']}")
     return out

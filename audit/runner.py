@@ -133,9 +133,9 @@ def _sampling_options(own: dict[str, Any], every: Any, sample: Any, seed: Any) -
         seed = int(seed)
     except ValueError:
         raise ValueError(f"--replay-seed needs an integer >= 0, got {seed!r}") from None
-    parse_every(every)
     parse_fraction(sample)
-    return {"replay_every": parse_every(every), "replay_sample": sample, "replay_seed": seed}
+    return {"replay_every": every if parse_every(every) is None else parse_every(every), "replay_sample": sample,
+            "replay_seed": seed}
 
 
 def _check_report_path(path: Path) -> None:
@@ -148,7 +148,7 @@ def _check_report_path(path: Path) -> None:
 
 
 def main(script: str, rest: Sequence[str], *, report: str | None = None, steps: int | None = None,
-         no_replay: bool = False, strict: bool = False, replay_every: str | int = 1,
+         no_replay: bool = False, strict: bool = False, replay_every: str | int = "auto",
          replay_sample: str = "auto", replay_seed: str | int = 0) -> int:
     """The ``ampspec audit`` subcommand: run, print the text report, write the JSON one."""
     args, own = split_audit_options(rest)

@@ -5,6 +5,8 @@ the sampling decides only what the numeric replay copies and recomputes, so that
 growing with the model:
 
 - ``every`` N: the replay takes steps 0, N, 2N, ... of each optimizer; the others copy nothing.
+  ``None`` is ``auto``: every step while the optimizer holds at most ``AUTO_WHOLE_BUDGET``
+  elements, else every ``ceil(elements / AUTO_WHOLE_BUDGET)``-th.
 - ``fraction``: of a replayed step's optimizer stage (the parameters, their gradients entering
   the step and their state, before and after), the share of the elements copied and
   recomputed. ``None`` is ``auto``: everything while the optimizer holds at most
@@ -35,13 +37,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Sampling", "SampleBook", "StepSample", "AUTO_BUDGET", "MIN_ELEMENTS", "parse_fraction", "parse_every",
+__all__ = ["Sampling", "SampleBook", "StepSample", "AUTO_BUDGET", "AUTO_WHOLE_BUDGET", "MIN_ELEMENTS", "parse_fraction", "parse_every",
            "sampling_statement"]
 
-# Elements of a step's optimizer stage replayed whole under ``auto``: the 0.2M-parameter MLP of
-# bench/audit_overhead.py is replayed whole; past it, the replay's share of a step shrinks as the
-# model grows (bench/audit_overhead.py --sizes shows the ratios).
+# Elements of a step's optimizer stage replayed under ``auto`` (all of them up to this many), and
+# elements a step, on average, of the stages that need whole tensors (every step up to this many;
+# past it, every Nth). The 0.2M-parameter MLP of bench/audit_overhead.py is replayed whole at
+# every step; past it, the replay's work a step stops growing with the model (bench/audit_overhead.py
+# --sizes shows the ratios).
 AUTO_BUDGET = 1 << 19
+AUTO_WHOLE_BUDGET = 1 << 21
 MIN_ELEMENTS = 64
 
 
@@ -60,14 +65,16 @@ def parse_fraction(text: Any) -> float | None:
     return value
 
 
-def parse_every(text: Any) -> int:
-    """``--replay-every``: an integer >= 1."""
+def parse_every(text: Any) -> int | None:
+    """``--replay-every``: ``auto`` (None) or an integer >= 1."""
+    if text is None or (isinstance(text, str) and text.strip().lower() == "auto"):
+        return None
     try:
         value = int(text)
     except (TypeError, ValueError):
         value = 0
     if isinstance(text, bool) or isinstance(text, float) or value < 1:
-        raise ValueError(f"replay_every (--replay-every) must be an integer >= 1, got {text!r}")
+        raise ValueError(f"replay_every (--replay-every) must be auto or an integer >= 1, got {text!r}")
     return value
 
 
@@ -75,18 +82,15 @@ def parse_every(text: Any) -> int:
 class Sampling:
     """The replay's sampling policy (module docstring)."""
 
-    every: int = 1
+    every: int | None = None
     fraction: float | None = None
     seed: int = 0
 
-    def describe(self) -> str:
-        what = (f"auto (whole up to {AUTO_BUDGET} elements a step, else that many)" if self.fraction is None
-                else "all" if self.fraction >= 1.0 else f"{self.fraction:g} of the elements")
-        return f"every {self.every} step{'s' if self.every != 1 else ''}, sample {what}, seed {self.seed}"
-
-    def replays(self, step: int) -> bool:
-        """Whether the replay takes this step of an optimizer."""
-        return step % self.every == 0
+    def every_for(self, total: int) -> int:
+        """The replay's step interval for an optimizer of ``total`` elements: ``every``, or under
+        ``auto`` (None) 1 up to `AUTO_WHOLE_BUDGET` elements, else ``ceil(total / AUTO_WHOLE_BUDGET)``:
+        the whole-tensor stages then cost at most that many elements a step on average."""
+        return self.every if self.every is not None else max(1, math.ceil(total / AUTO_WHOLE_BUDGET))
 
     def plan(self, shapes: tuple[tuple[int, ...], ...], mode: str) -> "StepSample | None":
         """The optimizer stage's sample for tensors of ``shapes``; ``mode`` ``elements``,
@@ -179,27 +183,30 @@ class SampleBook:
         self.samples: dict[str, str] = {}  # optimizer label -> its optimizer stage's sample
         self.steps_left_out = 0  # steps the sampling left out (every Nth step)
         self.steps_sampled = 0  # replayed steps whose optimizer stage took a sample
-        self._plans: dict[tuple[int, tuple[tuple[int, ...], ...]], StepSample | None] = {}
+        self._plans: dict[tuple[int, tuple[tuple[int, ...], ...]], tuple[int, StepSample | None]] = {}
 
     def for_step(self, o: Any, params: list[Any], mode_of: Any) -> tuple[bool, StepSample | None]:
         """For the step optimizer track ``o`` is in: (left out, the optimizer stage's sample or
         None for the whole of it); ``mode_of(optimizer)``: what its row allows (`Sampling.plan`)."""
-        if not self.sampling.replays(o.steps):
-            return True, None
         shapes = tuple(tuple(p.shape) for p in params)
         key = (id(o.obj), shapes)
         if key not in self._plans:
             mode = mode_of(o.obj)
-            plan = self._plans[key] = self.sampling.plan(shapes, mode)
-            self.samples[o.label] = ("whole" if plan is None else plan.describe()) + (
+            every = self.sampling.every_for(sum(p.numel() for p in params))
+            plan = self._plans[key] = (every, self.sampling.plan(shapes, mode))
+            self.samples[o.label] = (f"every {every} step{'s' if every != 1 else ''}; "
+                                     + ("whole" if plan[1] is None else plan[1].describe()) + (
                 "; a registered optimizer is replayed whole (its step may couple its parameters)"
-                if mode == "registered" and self.sampling.fraction != 1.0 else "")
-        return False, self._plans[key]
+                if mode == "registered" and self.sampling.fraction != 1.0 else ""))
+        every, plan = self._plans[key]
+        if o.steps % every:
+            return True, None
+        return False, plan
 
     def left_out(self, d: Any, rec: Any) -> bool:
         """Whether the step of ``d`` and ``rec`` was left out (its verdict set, counted); counts a sampled one."""
         if d is not None and d.unsampled:
-            rec.replay = f"not sampled (replay_every={self.sampling.every}: the replay takes steps 0, N, 2N, ...)"
+            rec.replay = "not sampled (the replay takes steps 0, N, 2N, ...: N is in the report's sampling)"
             self.steps_left_out += 1
             return True
         self.steps_sampled += int(d is not None and d.sample is not None)
@@ -214,7 +221,7 @@ def sampling_statement(replayer: Any) -> dict[str, Any]:
     """What the replay of ``replayer`` (an `audit.replay.Replayer`) sampled, for the report."""
     book = replayer.book
     s = book.sampling
-    return {"every": s.every, "sample": "auto" if s.fraction is None else s.fraction, "seed": s.seed,
+    return {"every": "auto" if s.every is None else s.every, "auto_whole_budget": AUTO_WHOLE_BUDGET, "sample": "auto" if s.fraction is None else s.fraction, "seed": s.seed,
             "auto_budget": AUTO_BUDGET, "steps_left_out": book.steps_left_out, "steps_sampled": book.steps_sampled,
             "optimizer_stage": dict(book.samples), "whole": WHOLE,
             "order_rules": "complete: every call of every step, whatever the sampling"}

@@ -105,9 +105,12 @@ def test_the_sample_is_a_function_of_the_seed():
 
 
 def test_auto_replays_everything_up_to_the_budget_and_then_samples():
-    from audit.sampling import AUTO_BUDGET
+    from audit.sampling import AUTO_BUDGET, AUTO_WHOLE_BUDGET
 
     auto = Sampling()
+    assert [auto.every_for(n) for n in (1, AUTO_WHOLE_BUDGET, AUTO_WHOLE_BUDGET + 1, 25 * AUTO_WHOLE_BUDGET)] == \
+        [1, 1, 2, 25]
+    assert Sampling(every=3).every_for(25 * AUTO_WHOLE_BUDGET) == 3
     assert auto.plan(((AUTO_BUDGET // 2,), (AUTO_BUDGET // 2,)), "elements") is None
     big = auto.plan(((AUTO_BUDGET,), (AUTO_BUDGET,)), "elements")
     assert big is not None and big.elements == AUTO_BUDGET
@@ -141,7 +144,7 @@ def test_a_divergence_outside_the_sample_is_not_claimed_as_checked(monkeypatch):
     for rec in session.report.steps:
         assert rec.replay.endswith(f"optimizer stage on a sample: {taken.describe()}"), rec.replay
     sm = session.report.to_dict()["replay"]["sampling"]
-    assert sm["steps_sampled"] == 3 and sm["optimizer_stage"] == {"AdamW#0": taken.describe()}
+    assert sm["steps_sampled"] == 3 and sm["optimizer_stage"] == {"AdamW#0": f"every 1 step; {taken.describe()}"}
     # The same element is found when everything is replayed, and by a seed whose sample holds it.
     with audit(replay_sample="all") as whole:
         _loop(plant=(1, e))
@@ -213,9 +216,9 @@ def test_the_text_and_json_reports_state_the_sample(tmp_path, monkeypatch):
     with audit(replay_every=2, replay_sample=FRACTION, replay_seed=5) as session:
         _loop(steps=3)
     text = session.report.text()
-    assert ("sampling: every 2 steps (1 left out), optimizer stage 0.05 of the elements, seed 5; order rules "
+    assert ("sampling: steps every 2 steps (1 left out), optimizer stage 0.05 of the elements, seed 5; order rules "
             "complete: every call of every step, whatever the sampling") in text
-    assert f"optimizer stage of AdamW#0: {_sample(5).describe()}" in text
+    assert f"optimizer stage of AdamW#0: every 2 steps; {_sample(5).describe()}" in text
     assert "whole: found_inf and the skip, the unscale, every clipping call" in text
     data = json.loads(json.dumps(session.report.to_dict()))["replay"]["sampling"]
     assert {k: data[k] for k in ("every", "sample", "seed", "steps_left_out", "steps_sampled")} == \
@@ -251,3 +254,18 @@ def test_bad_sampling_options_stop_the_command_before_the_script_runs(tmp_path, 
                          capture_output=True, text=True, cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
                          timeout=300)
     assert out.returncode == 2 and option in out.stderr and not marker.exists(), out.stderr
+
+
+def test_auto_spaces_the_replayed_steps_of_a_large_optimizer(monkeypatch):
+    """Past AUTO_WHOLE_BUDGET elements (lowered here to 1000: the loop's AdamW holds 2372) the
+    default replays every ceil(2372 / 1000) = 3rd step, and the report says so."""
+    from audit import sampling
+
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "inline")
+    monkeypatch.setattr(sampling, "AUTO_WHOLE_BUDGET", 1000)
+    with audit() as session:
+        _loop(steps=4)
+    verdicts = [r.replay.startswith("not sampled") for r in session.report.steps]
+    assert verdicts == [False, True, True, False]
+    sm = session.report.replay["sampling"]
+    assert sm["every"] == "auto" and sm["optimizer_stage"] == {"AdamW#0": "every 3 steps; whole"}

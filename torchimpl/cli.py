@@ -459,8 +459,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--steps", type=int, metavar="N", help="stop the script after N optimizer steps")
     a.add_argument("--no-replay", action="store_true", help="order rules only: copy no numbers, replay nothing")
     a.add_argument("--strict", action="store_true", help="warnings and info fail the audit too (exit status 1)")
-    a.add_argument("--replay-every", default="1", metavar="N", help="replay steps 0, N, 2N, ... (the order rules "
-                   "still see every step)")
+    a.add_argument("--replay-every", default="auto", metavar="N|auto", help="replay steps 0, N, 2N, ... (the order "
+                   "rules still see every step); auto: every step up to 2**21 parameter elements, then every Nth")
     a.add_argument("--replay-sample", default="auto", metavar="F|auto|all",
                    help="of a replayed step's optimizer stage, the share of the elements replayed; auto: whole up "
                         "to 2**19 elements, then that many (found_inf, unscale, clipping and the scale update stay "
