@@ -15,7 +15,8 @@ training's with the parameters times the batch: the replay's ratio falls as the 
 Model sizes (``--sizes 0.2M,3M,12.8M,50M``): the MLP of depth 4 at the width giving about that
 many parameters (batch 64), each with ``plain``, ``order-rules``, ``replay`` (the default
 sampling, ``auto``: the optimizer stage whole up to ``audit.sampling.AUTO_BUDGET`` elements, then
-that many) and ``replay-all`` (``--replay-sample all``: every element; left out above
+that many, and past ``AUTO_WHOLE_BUDGET`` elements every Nth step only; a block then holds
+whole periods of N steps and the table reports the mean step) and ``replay-all`` (``--replay-sample all``: every element; left out above
 ``--whole-up-to`` parameters, whose copies would take gigabytes). Keep the large sizes to a few
 steps: ``--steps 6 --warmup 2 --rounds 2``.
 
@@ -45,6 +46,7 @@ import _audit_timer  # noqa: E402
 import torch  # noqa: E402
 
 from audit.runner import run_script  # noqa: E402
+from audit.sampling import Sampling  # noqa: E402
 
 SCRIPT = HERE / "_audit_workload.py"
 SIZES = {
@@ -124,31 +126,39 @@ def main(argv: list[str] | None = None) -> int:
         for label in args.sizes.split(","):
             params, SIZES[label] = parse_size(label)
             cands = tuple(c for c in SIZE_CANDIDATES if c != "replay-all" or params <= args.whole_up_to)
-            row = measure(label, cands, args)
-            row["parameters"] = params
+            # Whole periods of the default's replayed steps (audit.sampling: every Nth past a size),
+            # so that a block's mean step holds its share of replayed steps.
+            every = Sampling().every_for(params)
+            measured = -(-(args.steps - args.warmup) // every) * every
+            row = measure(label, cands, args, steps=args.warmup + measured)
+            row["parameters"], row["replay_every"], row["steps_measured"] = params, every, measured
             results["sizes"][label] = row
     else:
         for size in args.only or list(SIZES):
             results["sizes"][size] = measure(size, CANDIDATES, args)
     if args.sizes:
-        print("parameters  " + "  ".join(f"{c:>12}" for c in SIZE_CANDIDATES[1:]) + "   (ratio to plain)")
+        # The mean step: with every Nth step replayed, the median step would be an unreplayed one.
+        print("parameters  every  " + "  ".join(f"{c:>12}" for c in SIZE_CANDIDATES[1:])
+              + "   (ratio of the mean step to plain's, median over rounds)")
         for label, row in results["sizes"].items():
-            print(f"{row['parameters']:>10}  " + "  ".join(
-                f"{'x%.3f' % row['ratio_vs_plain'][c]['median'] if c in row['ratio_vs_plain'] else '-':>12}"
+            print(f"{row['parameters']:>10}  {row['replay_every']:>5}  " + "  ".join(
+                f"{'x%.3f' % row['mean_ratio_vs_plain'][c]['median'] if c in row['mean_ratio_vs_plain'] else '-':>12}"
                 for c in SIZE_CANDIDATES[1:]))
     path = _harness.write_result("audit_overhead", results, args.out)
     print(f"results: {path}")
     return 0
 
 
-def measure(size: str, candidates: tuple[str, ...], args: argparse.Namespace) -> dict:
-    """Interleaved paired rounds of ``candidates`` at one size; prints and returns its row."""
+def measure(size: str, candidates: tuple[str, ...], args: argparse.Namespace, steps: int | None = None) -> dict:
+    """Interleaved paired rounds of ``candidates`` at one size (``steps`` a block, default
+    ``--steps``); prints and returns its row."""
+    steps = steps or args.steps
     run_block("replay", size, 2)  # imports, first-call costs: outside every measured block
     blocks: dict[str, list[float]] = {c: [] for c in candidates}
     means: dict[str, list[float]] = {c: [] for c in candidates}
     for r in range(args.rounds):
         for c in _harness.rotate(candidates, r):
-            times = run_block(c, size, args.steps)[args.warmup:]
+            times = run_block(c, size, steps)[args.warmup:]
             blocks[c].append(_harness.median(times))
             means[c].append(sum(times) / len(times))
     row = {"median_step_ms": {c: 1e3 * _harness.median(blocks[c]) for c in candidates},
