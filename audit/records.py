@@ -6,7 +6,6 @@ Pure bookkeeping, no rules: `audit.recorder` and its parts (`audit.track_scaler`
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import sysconfig
@@ -326,13 +325,11 @@ class _Whole:
 
 
 def _index_tensor(sample: Any, i: int) -> torch.Tensor:
-    """The sampled flat indices of tensor ``i`` as a torch index (made once per run)."""
-    return _torch_indices(sample, i)
-
-
-@functools.lru_cache(maxsize=256)
-def _torch_indices(sample: Any, i: int) -> torch.Tensor:
-    return torch.from_numpy(np.array(sample.indices(i)))
+    """The sampled flat indices of tensor ``i`` as a torch index (made once per run, kept in the sample's memo)."""
+    ix = sample.memo.get(("torch", i))
+    if ix is None:
+        ix = sample.memo[("torch", i)] = torch.from_numpy(np.array(sample.indices(i)))
+    return ix
 
 
 

@@ -30,9 +30,8 @@ The same elements are taken at every replayed step of a run: a fixed sample for 
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -129,27 +128,43 @@ def _whole_tensors(sizes: tuple[int, ...], fraction: float, seed: int) -> tuple[
 @dataclass(frozen=True)
 class StepSample:
     """One optimizer's sample: per tensor (its index in ``param_groups`` order), of ``shapes``, how
-    many of its elements are taken (``take``: all of them, none, or some, chosen by `indices`)."""
+    many of its elements are taken (``take``: all of them, none, or some, chosen by `indices`).
+    ``memo``: the indices made so far in this process (never pickled: each process makes its own)."""
 
     seed: int
     shapes: tuple[tuple[int, ...], ...]
     take: tuple[int, ...]
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __reduce__(self) -> Any:
+        return (StepSample, (self.seed, self.shapes, self.take))
+
+    def size(self, i: int) -> int:
+        return math.prod(self.shapes[i])
 
     @property
     def sizes(self) -> tuple[int, ...]:
         return tuple(math.prod(s) for s in self.shapes)
 
     def whole(self, i: int) -> bool:
-        return self.take[i] == self.sizes[i]
+        return self.take[i] == self.size(i)
 
     def omitted(self, i: int) -> bool:
-        return self.take[i] == 0 and self.sizes[i] > 0
+        return self.take[i] == 0 and self.size(i) > 0
 
     def indices(self, i: int) -> np.ndarray | None:
-        """The flat indices taken of tensor ``i`` (sorted; None: the whole tensor)."""
+        """The flat indices taken of tensor ``i`` (sorted; None: the whole tensor): ``take[i]``
+        distinct ones from a generator seeded with ``(seed, i)``, made once per process."""
         if self.whole(i):
             return None
-        return _indices(self.seed, i, self.sizes[i], self.take[i])
+        ix = self.memo.get(i)
+        if ix is None:
+            ix = np.random.default_rng([self.seed, i]).choice(self.size(i), size=self.take[i], replace=False,
+                                                               shuffle=False)
+            ix.sort()
+            ix.flags.writeable = False
+            self.memo[i] = ix
+        return ix
 
     @property
     def elements(self) -> int:
@@ -160,18 +175,8 @@ class StepSample:
         return sum(1 for k in self.take if k)
 
     def describe(self) -> str:
-        return (f"{self.elements} of {sum(self.sizes)} elements in {self.tensors} of {len(self.sizes)} tensors "
+        return (f"{self.elements} of {sum(self.sizes)} elements in {self.tensors} of {len(self.shapes)} tensors "
                 f"(seed {self.seed})")
-
-
-@functools.lru_cache(maxsize=256)
-def _indices(seed: int, i: int, n: int, k: int) -> np.ndarray:
-    """``k`` distinct flat indices of ``n``, sorted, from a generator seeded with ``(seed, i)``
-    (computed once per run, in each process that needs them)."""
-    ix = np.random.default_rng([seed, i]).choice(n, size=k, replace=False, shuffle=False)
-    ix.sort()
-    ix.flags.writeable = False
-    return ix
 
 
 class SampleBook:
