@@ -244,13 +244,14 @@ def test_bad_sampling_is_refused_naming_the_field(kwargs, field):
         Audit(**kwargs)
 
 
-@pytest.mark.parametrize("option, value", [("--replay-every", "0"), ("--replay-sample", "2"),
-                                           ("--replay-seed", "x")])
-def test_bad_sampling_options_stop_the_command_before_the_script_runs(tmp_path, option, value):
+@pytest.mark.parametrize("option, value, before", [("--replay-every", "0", False), ("--replay-sample", "2", False),
+                                                   ("--replay-seed", "x", False), ("--replay-sample", "none", True)])
+def test_bad_sampling_options_stop_the_command_before_the_script_runs(tmp_path, option, value, before):
     marker = tmp_path / "ran"
     script = tmp_path / "s.py"
     script.write_text(f"open({str(marker)!r}, 'w').close()\n")
-    out = subprocess.run([sys.executable, "-m", "torchimpl.cli", "audit", str(script), option, value],
+    argv = [option, value, str(script)] if before else [str(script), option, value]
+    out = subprocess.run([sys.executable, "-m", "torchimpl.cli", "audit", *argv],
                          capture_output=True, text=True, cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
                          timeout=300)
     assert out.returncode == 2 and option in out.stderr and not marker.exists(), out.stderr
