@@ -270,3 +270,38 @@ def test_auto_spaces_the_replayed_steps_of_a_large_optimizer(monkeypatch):
     assert verdicts == [False, True, True, False]
     sm = session.report.replay["sampling"]
     assert sm["every"] == "auto" and sm["optimizer_stage"] == {"AdamW#0": "every 3 steps; whole"}
+
+
+def _elementwise() -> list[str]:
+    from audit.replay import ELEMENTWISE_MAGNITUDES
+
+    return sorted(ELEMENTWISE_MAGNITUDES)
+
+
+@pytest.mark.parametrize("name", _elementwise())
+def test_an_element_wise_rows_step_on_a_sample_is_the_whole_step_at_it(name):
+    """What element sampling rests on: each implementation of each row the replay samples by
+    element gives, on the sampled elements alone, the whole tensor's results there, bit for bit
+    (parameters and every state array), from a state with non-zero moments."""
+    from audit.replay import _torch_sqrt
+    from reference.optim import SPECS
+
+    spec = SPECS[name]
+    cfg = spec.make_config()
+    rng = np.random.default_rng(11)
+    p = rng.standard_normal((24, 40)).astype(np.float32)
+    g = rng.standard_normal((24, 40)).astype(np.float32)
+    ix = np.sort(rng.choice(p.size, 97, replace=False))
+    for impl in spec.steps:
+        kwargs = {"grad_scale": None, "found_inf": 0.0} if impl in spec.kernel_scaled else {"sqrt": _torch_sqrt(impl)}
+        (p1,), _, (s1,) = spec.step(impl, [p], [g], (spec.init_state(p, cfg),), cfg, **kwargs)
+        (whole_p,), _, (whole_s,) = spec.step(impl, [p1], [g * np.float32(0.5)], (s1,), cfg, **kwargs)
+        at = [v.reshape(-1)[ix] for v in (p1, g * np.float32(0.5))]
+        state_at = spec.state_from({k: (np.asarray(v).reshape(-1)[ix] if np.shape(v) == p.shape else v)
+                                    for k, v in vars(s1).items() if v is not None}, at[0], cfg)
+        (some_p,), _, (some_s,) = spec.step(impl, [at[0]], [at[1]], (state_at,), cfg, **kwargs)
+        assert np.array_equal(some_p.view(np.uint32), whole_p.reshape(-1)[ix].view(np.uint32)), (name, impl)
+        for k, v in vars(whole_s).items():
+            if isinstance(v, np.ndarray) and v.shape == p.shape:
+                got = np.asarray(getattr(some_s, k))
+                assert np.array_equal(got.view(np.uint32), v.reshape(-1)[ix].view(np.uint32)), (name, impl, k)
