@@ -271,6 +271,8 @@ class Snapshots:
         """Copies of ``tensors`` (one per parameter when ``sample``, an `audit.sampling.StepSample`,
         is given: of each only its sampled elements, flat, and None for a tensor left out)."""
         if sample is not None:
+            if not _fits(sample, tensors):
+                return [None] * len(tensors)  # the replay names the step not replayed
             return self._sampled(list(enumerate(tensors)), owner, sample)
         if self.pool is not None and tensors:
             out = self.pool.copy(tensors, owner)
@@ -292,6 +294,8 @@ class Snapshots:
         states = [opt.state.get(p, {}) for p in params]
         placed = [(i, v) for i, s in enumerate(states) for v in s.values() if isinstance(v, torch.Tensor)]
         if sample is not None:
+            if not _fits(sample, params):
+                return [{} for _ in params]
             shaped = [(i, v if v.shape == params[i].shape else _Whole(v)) for i, v in placed]
             copies = iter(self._sampled(shaped, owner, sample))
             return [{} if sample.omitted(i) else
@@ -315,6 +319,13 @@ class Snapshots:
         present = [t for t in picked if t is not None]
         copies = iter(self.many(present, owner))
         return [None if t is None else next(copies) for t in picked]
+
+
+def _fits(sample: Any, tensors: list[Any]) -> bool:
+    """Whether the sample was made for tensors of these shapes (one per parameter; None: no gradient):
+    parameters added or reshaped since it was made leave the step's optimizer stage uncopied."""
+    return len(tensors) == len(sample.shapes) and all(t is None or tuple(t.shape) == s
+                                                      for t, s in zip(tensors, sample.shapes))
 
 
 @dataclass(frozen=True)

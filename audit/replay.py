@@ -329,7 +329,7 @@ class Replayer(StepStages, UpdateCheck):
             rec.replay = "bit for bit" if exact else f"within the bounds (largest {self._max_seen:.1f} ULP)"
             if self._edits:
                 rec.replay += ", from gradients the loop changed between stages"
-        if d.sample is not None and not rec.replay.startswith("not replayed"):
+        if d.sample is not None and not rec.replay.startswith(("not replayed", "partly replayed")):
             rec.replay += f"; optimizer stage on a sample: {d.sample.describe()}"
 
     def _diverge(self, o: Any, rec: Any, fld: str, got: Any, expected: Any, detail: str, where: str) -> None:
@@ -357,8 +357,9 @@ class Replayer(StepStages, UpdateCheck):
                 raise _NotReplayable(f"{p_np.dtype} parameters (the specification's optimizers take float32 and float64)")
         if o.entry is None:
             raise _NotReplayable(o.refused)
-        if d.sample is not None and len(d.sample.sizes) != len(d.params_before):
-            raise _NotReplayable("parameters added to the optimizer during the step (the sample no longer fits)")
+        if d.sample is not None and (len(d.sample.shapes) != len(d.params_before)
+                                     or all(p is None for p in d.params_before)):
+            raise _NotReplayable("the optimizer's parameters changed during the step (the sample no longer fits)")
         row = o.entry.spec
         for gi, group in enumerate(d.groups):
             idx = [i for i, g in enumerate(d.group_of) if g == gi and d.params_before[i] is not None]

@@ -134,8 +134,8 @@ def _sampling_options(own: dict[str, Any], every: Any, sample: Any, seed: Any) -
     except ValueError:
         raise ValueError(f"--replay-seed needs an integer >= 0, got {seed!r}") from None
     parse_fraction(sample)
-    return {"replay_every": every if parse_every(every) is None else parse_every(every), "replay_sample": sample,
-            "replay_seed": seed}
+    interval = parse_every(every)
+    return {"replay_every": "auto" if interval is None else interval, "replay_sample": sample, "replay_seed": seed}
 
 
 def _check_report_path(path: Path) -> None:

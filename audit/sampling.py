@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Sampling", "SampleBook", "StepSample", "AUTO_BUDGET", "AUTO_WHOLE_BUDGET", "MIN_ELEMENTS", "parse_fraction", "parse_every",
-           "sampling_statement"]
+__all__ = ["Sampling", "SampleBook", "StepSample", "AUTO_BUDGET", "AUTO_WHOLE_BUDGET", "MIN_ELEMENTS",
+           "parse_fraction", "parse_every", "sampling_statement"]
 
 # Elements of a step's optimizer stage replayed under ``auto`` (all of them up to this many), and
 # elements a step, on average, of the stages that need whole tensors (every step up to this many;

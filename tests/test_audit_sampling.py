@@ -305,3 +305,27 @@ def test_an_element_wise_rows_step_on_a_sample_is_the_whole_step_at_it(name):
             if isinstance(v, np.ndarray) and v.shape == p.shape:
                 got = np.asarray(getattr(some_s, k))
                 assert np.array_equal(got.view(np.uint32), v.reshape(-1)[ix].view(np.uint32)), (name, impl, k)
+
+
+def test_a_parameter_added_between_backward_and_step_leaves_that_step_not_replayed(monkeypatch):
+    """The sample was made for the parameters at the window's first copy (the clip); a group added
+    before the step no longer fits it: the step's optimizer stage is not copied and the verdict says why
+    (the training goes on)."""
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "inline")
+    torch.manual_seed(0)
+    model = nn.Linear(64, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    extra = nn.Parameter(torch.ones(3))
+    with audit(replay_sample=FRACTION) as session:
+        for step in range(3):
+            opt.zero_grad()
+            model(torch.ones(2, 64)).sum().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the window's first copy
+            if step == 1:
+                extra.grad = torch.ones(3)
+                opt.add_param_group({"params": [extra]})
+            opt.step()
+    verdicts = [r.replay for r in session.report.steps]
+    assert verdicts[1] == ("partly replayed: the optimizer's parameters changed during the step (the sample no "
+                           "longer fits)"), verdicts
+    assert "optimizer stage on a sample" in verdicts[0] and "optimizer stage on a sample" in verdicts[2], verdicts
