@@ -46,8 +46,8 @@ class Audit:
     elements, then every Nth); ``replay_sample``: of a replayed step's optimizer stage, the
     share of the elements replayed: ``"auto"`` (everything up to `audit.sampling.AUTO_BUDGET`
     elements, then that many), ``"all"``, or a fraction in (0, 1]; ``replay_seed``: the
-    sample's seed (`audit.sampling`). The order rules always see every step. ``steps``: stop the audited code at the first
-    backward pass after this many optimizer steps (it raises ``StepLimitReached``, a
+    sample's seed (`audit.sampling`). The order rules always see every step.
+    ``steps``: stop the audited code at the first backward pass after this many optimizer steps (it raises ``StepLimitReached``, a
     BaseException, which the context manager absorbs). ``target``: how the report names what
     was audited. ``strict``: warnings and info fail the report too (`AuditReport.exit_status`).
 

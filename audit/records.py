@@ -298,11 +298,11 @@ class Snapshots:
                 return [{} for _ in params]
             shaped = [(i, v if v.shape == params[i].shape else _Whole(v)) for i, v in placed]
             copies = iter(self._sampled(shaped, owner, sample))
-            return [{} if sample.omitted(i) else
-                    {k: (next(copies) if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
-                    for i, s in enumerate(states)]
-        copies = iter(self.many([v for _, v in placed], owner))
-        return [{k: (next(copies) if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for s in states]
+        else:
+            copies = iter(self.many([v for _, v in placed], owner))
+        # Every state's copies are taken from the iterator in order, a left-out parameter's (None) too.
+        out = [{k: (next(copies) if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for s in states]
+        return out if sample is None else [{} if sample.omitted(i) else st for i, st in enumerate(out)]
 
     def _sampled(self, placed: list[tuple[int, Any]], owner: Any, sample: Any) -> list[Any]:
         """Of each tensor of ``placed`` (with the index of its parameter): None when that

@@ -329,3 +329,26 @@ def test_a_parameter_added_between_backward_and_step_leaves_that_step_not_replay
     assert verdicts[1] == ("partly replayed: the optimizer's parameters changed during the step (the sample no "
                            "longer fits)"), verdicts
     assert "optimizer stage on a sample" in verdicts[0] and "optimizer stage on a sample" in verdicts[2], verdicts
+
+
+@pytest.mark.parametrize("mode", ["process", "inline"])
+def test_adafactor_is_sampled_by_whole_tensors_and_replays_clean(monkeypatch, mode):
+    """Adafactor's factored statistics need whole tensors: a sample of a fifth of the elements
+    takes whole tensors (in the seed's order), their state with them, and a correct loop
+    replays clean on it."""
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", mode)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    with audit(replay_sample=0.2, replay_seed=1) as session:
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(torch.randn(8, 32, generator=g)), torch.randn(8, 4, generator=g)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    plan = Sampling(1, 0.2, 1).plan(SHAPES, "tensors")
+    assert plan is not None and 0 < plan.tensors < 4 and all(k in (0, n) for k, n in zip(plan.take, plan.sizes))
+    assert session.report.findings == [] and session.report.replay["steps_replayed"] == 3
+    for rec in session.report.steps:
+        assert rec.replay.endswith(f"optimizer stage on a sample: {plan.describe()}"), rec.replay
