@@ -390,7 +390,8 @@ def _audit(args: argparse.Namespace) -> int:
     # The script's logging and warnings print as under `python SCRIPT.py`: once, in their own format.
     with own_loggers_only():
         return audit_main(args.script, args.args, report=args.report, steps=args.steps, no_replay=args.no_replay,
-                          strict=args.strict, force=args.force)
+                          strict=args.strict, force=args.force, replay_every=args.replay_every,
+                          replay_sample=args.replay_sample, replay_seed=args.replay_seed)
 
 
 class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -522,13 +523,20 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--steps", type=int, metavar="N", help="stop the script after N optimizer steps")
     a.add_argument("--no-replay", action="store_true", help="order rules only: copy no numbers, replay nothing")
     a.add_argument("--strict", action="store_true", help="warnings and info fail the audit too (exit status 1)")
+    a.add_argument("--replay-every", default="auto", metavar="N|auto", help="replay steps 0, N, 2N, ... (the order "
+                   "rules still see every step); auto: every step up to 2**21 parameter elements, then every Nth")
+    a.add_argument("--replay-sample", default="auto", metavar="F|auto|all",
+                   help="of a replayed step's optimizer stage, the share of the elements replayed; auto: whole up "
+                        "to 2**19 elements, then that many (found_inf, unscale, clipping and the scale update stay "
+                        "whole)")
+    a.add_argument("--replay-seed", default="0", metavar="S", help="the seed of the replay's sample")
     a.add_argument("script", metavar="SCRIPT.py")
     a.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
     a.set_defaults(func=_audit)
     return p
 
 
-_AUDIT_VALUED = ("--report", "--steps")
+_AUDIT_VALUED = ("--report", "--steps", "--replay-every", "--replay-sample", "--replay-seed")
 
 
 def _audit_split(argv: list[str]) -> tuple[list[str], list[str] | None]:
