@@ -12,7 +12,9 @@ After every optimizer step the trainer asks each part whether it is due at that 
    checkpoints in the folder beyond ``checkpoint.keep_last`` are deleted after each save. The
    checkpointer also finds the checkpoint a resume starts from.
 
-The :class:`StepClock` times the steps with evaluation and saving left out.
+Most steps have none of them due: :func:`quiet_steps` answers that for a step, decided once
+per run from the parts' intervals. The :class:`StepClock` times the steps with evaluation and
+saving left out.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torchimpl.checkpoint import CheckpointError, checkpoint_name, list_checkpoi
 from torchimpl.config import CheckpointConfig
 from torchimpl.run_state import TrainState, check_contents
 
-__all__ = ["Checkpointer", "Evaluator", "LogPoints", "StepClock"]
+__all__ = ["Checkpointer", "Evaluator", "LogPoints", "StepClock", "quiet_steps"]
 
 log = logging.getLogger("torchimpl.trainer")
 
@@ -133,6 +135,22 @@ class Checkpointer:
         if self.folder is not None and Path(written).parent == Path(self.folder) and self.dist.is_main:
             prune_checkpoints(self.folder, self.keep_last)
         return written
+
+
+def quiet_steps(logs: LogPoints, evaluator: Evaluator, checkpointer: Checkpointer) -> Callable[[int], bool]:
+    """Whether no part is due after ``step`` when it is neither the last step nor a stop: the
+    step is a multiple of none of the intervals of the parts that run (an evaluation only with
+    validation data, a checkpoint only with a folder; an interval of 0 means never)."""
+    intervals = [logs.interval]
+    if evaluator.val_data is not None:
+        intervals.append(evaluator.interval)
+    if checkpointer.folder is not None:
+        intervals.append(checkpointer.interval)
+    every = tuple(sorted({i for i in intervals if i > 0}))
+    if len(every) == 1:  # the common case: the log interval alone, one modulo a step
+        (only,) = every
+        return lambda step: step % only != 0
+    return lambda step: all(step % i for i in every)
 
 
 class StepClock:
