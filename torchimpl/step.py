@@ -167,6 +167,7 @@ class DynamicScaling:
 
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
+_FLOAT32 = torch.float32
 
 
 def scale_collapsed(scale: float) -> bool:
@@ -437,7 +438,8 @@ class StepEngine:
             if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
                 raise ValueError(_bad_loss(loss))
             # Outside autocast from here: the accumulation, the division, the scaling and backward.
-            loss_acc.add_(loss.detach().float())
+            value = loss.detach()
+            loss_acc.add_(value if value.dtype is _FLOAT32 else value.float())  # float(): a no-op call on float32
             scaled = loss / k
             scaled = scaling.scale(scaled)
             scaled.backward()
