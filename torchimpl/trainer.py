@@ -467,8 +467,7 @@ class Trainer:
             fit.guard = NonFiniteGuard(fit.model)
         fit.logs = LogPoints(cfg.train.log_interval)
         fit.evaluator = Evaluator(val_data, cfg.train.eval_interval, fit.guard)
-        fit.clock = StepClock(fit.device)
-        fit.quiet = quiet_steps(fit.logs, fit.evaluator, fit.checkpointer)
+        fit.clock, fit.quiet = StepClock(fit.device), quiet_steps(fit.logs, fit.evaluator, fit.checkpointer)
         fit.reporter, fit.log_dir, fit.metrics_file = open_reporter(
             self, cfg, is_main=fit.dist.is_main, resume_at=fit.state.step if resumed is not None else None,
             header=self._trace_header)
@@ -515,8 +514,7 @@ class Trainer:
 
     def _after_step(self) -> bool:
         """The log point, evaluation and checkpoint due after this step; whether to stop here."""
-        fit = self._fit
-        step = fit.state.step
+        fit, step = self._fit, self._fit.state.step
         if fit.quiet(step) and step < self.config.train.steps and not (fit.stop_requested or fit.interrupts.received):
             return False  # most steps: nothing is due and nothing stops
         last, interrupted = step >= self.config.train.steps, fit.interrupts.received
@@ -549,8 +547,7 @@ class Trainer:
             self.request_stop(problem)
 
     def _one_step(self) -> None:
-        fit = self._fit
-        st, engine, cursor = fit.state, fit.engine, fit.run.cursor
+        st, engine, cursor = self.state, self.engine, self._fit.run.cursor
         if st.window_size == 0:
             window = cursor.fetch(self.config.train.microbatches)
             st.window_size, st.window_done = len(window), 0
