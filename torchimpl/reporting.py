@@ -115,11 +115,10 @@ class Reporter:
         self._held = ([], [])
         self._write(records, losses, val_loss)
         self._show(records[-1], losses[-1], val_loss)
-        callbacks: Sequence[Any] = self.trainer.callbacks
-        from torchimpl.callback_checks import checked_hook
-
-        for cb in callbacks:
-            checked_hook(cb.on_log, lambda: self.trainer.state)(self.trainer, self.trainer.state, records, losses)
+        trainer = self.trainer
+        # The callbacks' on_log that do something, bound and checked once (torchimpl.step.bind_hooks).
+        for hook in trainer.engine.hooks.log:
+            hook(trainer.state, records, losses)
         return problem
 
     def _write(self, records: list[StepRecord], losses: list[float], val_loss: float | None) -> None:

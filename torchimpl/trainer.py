@@ -39,7 +39,7 @@ from torch import nn
 
 from torchimpl.batches import to_device
 from torchimpl.callback_checks import checked_hook
-from torchimpl.cadence import Checkpointer, Evaluator, LogPoints, StepClock
+from torchimpl.cadence import Checkpointer, Evaluator, LogPoints, StepClock, quiet_steps
 from torchimpl.checkpoint import check_loadable, remove_stale_temporaries
 from torchimpl.config import Config, ScheduleConfig
 from torchimpl.device import resolve_device
@@ -189,6 +189,7 @@ class _Fit:
     evaluator: Any = None
     checkpointer: Any = None
     clock: Any = None
+    quiet: Callable[[int], bool] = lambda step: False  # torchimpl.cadence.quiet_steps, once the parts are made
 
 
 def _optimizer_and_schedule(cfg: Config, fit: _Fit) -> tuple[BuiltOptimizer, Any, Any]:
@@ -402,7 +403,6 @@ class Trainer:
         finally:
             _close(fit, self.callbacks)
 
-
     def _set_up(self, model: nn.Module, train_data: Iterable[Any]) -> None:
         """The plan, the model on its device, the optimizer built on it, the step engine."""
         cfg, fit = self.config, self._fit
@@ -478,7 +478,7 @@ class Trainer:
             fit.guard = NonFiniteGuard(fit.model)
         fit.logs = LogPoints(cfg.train.log_interval)
         fit.evaluator = Evaluator(val_data, cfg.train.eval_interval, fit.guard)
-        fit.clock = StepClock(fit.device)
+        fit.clock, fit.quiet = StepClock(fit.device), quiet_steps(fit.logs, fit.evaluator, fit.checkpointer)
         fit.reporter, fit.log_dir, fit.metrics_file = open_reporter(
             self, cfg, is_main=fit.dist.is_main, resume_at=fit.state.step if resumed is not None else None,
             header=self._trace_header)
@@ -526,6 +526,8 @@ class Trainer:
     def _after_step(self) -> bool:
         """The log point, evaluation and checkpoint due after this step; whether to stop here."""
         fit, step = self._fit, self._fit.state.step
+        if fit.quiet(step) and step < self.config.train.steps and not (fit.stop_requested or fit.interrupts.received):
+            return False  # most steps: nothing is due and nothing stops
         last, interrupted = step >= self.config.train.steps, fit.interrupts.received
         val_loss = None
         eval_due = fit.evaluator.due(step, last=last)
