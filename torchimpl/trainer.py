@@ -458,8 +458,7 @@ class Trainer:
         self._fit.dist.seed(seed)
 
     def _resume(self, resume: str | Path | None) -> dict[str, Any] | None:
-        """The checkpoint's contents restored into the run (generators and data come later):
-        rule 10 of ``torchimpl.run_state``."""
+        """The checkpoint's contents restored (generators, data later): ``torchimpl.run_state`` rule 10."""
         found = self._fit.checkpointer.find(resume, self._fit.run.restore) if resume is not None else None
         if found is None:
             return None
