@@ -31,6 +31,7 @@ from typing import Any
 
 from audit.report import EXIT_FAILED, EXIT_FINDINGS, EXIT_OK, AuditReport
 from audit.rules import RULES, Finding
+from audit.sampling import Sampling, parse_every, parse_fraction, sampling_statement
 
 __all__ = ["Audit", "AuditReport", "Finding", "RULES", "audit", "register_optimizer", "EXIT_OK", "EXIT_FINDINGS",
            "EXIT_FAILED"]
@@ -39,9 +40,14 @@ __all__ = ["Audit", "AuditReport", "Finding", "RULES", "audit", "register_optimi
 class Audit:
     """One audit session: instrumentation installed by `start`, removed by `stop`.
 
-    ``replay``: replay every step through ``reference`` (copies gradients, parameters and state
-    each step); False checks the order rules only. ``steps``: stop the audited code at the first
-    backward pass after this many optimizer steps (it raises ``StepLimitReached``, a
+    ``replay``: replay the steps through ``reference`` (copies gradients, parameters and state
+    each replayed step); False checks the order rules only. ``replay_every`` N: replay steps 0,
+    N, 2N, ... of each optimizer (``"auto"``: every step up to `audit.sampling.AUTO_WHOLE_BUDGET`
+    elements, then every Nth); ``replay_sample``: of a replayed step's optimizer stage, the
+    share of the elements replayed: ``"auto"`` (everything up to `audit.sampling.AUTO_BUDGET`
+    elements, then that many), ``"all"``, or a fraction in (0, 1]; ``replay_seed``: the
+    sample's seed (`audit.sampling`). The order rules always see every step.
+    ``steps``: stop the audited code at the first backward pass after this many optimizer steps (it raises ``StepLimitReached``, a
     BaseException, which the context manager absorbs). ``target``: how the report names what
     was audited. ``strict``: warnings and info fail the report too (`AuditReport.exit_status`).
 
@@ -50,9 +56,13 @@ class Audit:
     """
 
     def __init__(self, replay: bool = True, steps: int | None = None, target: str = "the audited code",
-                 strict: bool = False) -> None:
+                 strict: bool = False, *, replay_every: int | str = "auto", replay_sample: float | str = "auto",
+                 replay_seed: int = 0) -> None:
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise ValueError(f"steps must be None or an int >= 1, got {steps!r}")
+        if isinstance(replay_seed, bool) or not isinstance(replay_seed, int) or replay_seed < 0:
+            raise ValueError(f"replay_seed (--replay-seed) must be an int >= 0, got {replay_seed!r}")
+        self.sampling = Sampling(parse_every(replay_every), parse_fraction(replay_sample), replay_seed)
         self.replay = replay
         self.steps = steps
         self.target = target
@@ -74,7 +84,7 @@ class Audit:
         if self.replay:
             from audit.replay import Replayer
 
-            replayer = Replayer()
+            replayer = Replayer(sampling=self.sampling)
         self._recorder = Recorder(replay=replayer, steps=self.steps)
         self._instr = Instrumentation(self._recorder)
         self._instr.install()
@@ -124,6 +134,7 @@ class Audit:
             "not_replayed": dict(r.not_replayed),
             "runs_in": r.mode,
             "fallback": r.fallback,
+            "sampling": sampling_statement(r),
         }
         self._report = AuditReport(findings=list(rec.findings), steps=list(rec.records), replay=replay,
                                    target=self.target, argv=list(self.argv), error=text,
@@ -164,13 +175,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def audit(replay: bool = True, steps: int | None = None, strict: bool = False) -> Audit:
+def audit(replay: bool = True, steps: int | None = None, strict: bool = False, **sampling: Any) -> Audit:
     """The context manager: ``with audit() as session: train()``; then ``session.report``.
 
     The code inside runs unmodified; on leaving, torch is restored and ``session.report`` holds
-    the findings (``report.ok``, ``report.text()``, ``report.to_dict()``).
+    the findings (``report.ok``, ``report.text()``, ``report.to_dict()``). ``sampling``:
+    `Audit`'s ``replay_every``, ``replay_sample`` and ``replay_seed``.
     """
-    return Audit(replay=replay, steps=steps, strict=strict)
+    return Audit(replay=replay, steps=steps, strict=strict, **sampling)
 
 
 def register_optimizer(cls: type, spec: Any, *, ulp: Any = None) -> None:

@@ -60,7 +60,7 @@ def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound:
     d = np.subtract(gi, ei)
     np.abs(d, out=d)  # the most negative difference stays negative: the unsigned view makes it huge
     du = d.view(_UINT[g.dtype.itemsize])
-    if np.isfinite(g).all() and np.isfinite(e).all():
+    if _all_finite(g) and _all_finite(e):
         worst = int(du.max(initial=0))
         if worst <= half:
             return _NO_INDEX, float(worst), True
@@ -77,6 +77,17 @@ def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound:
 
 
 _NO_INDEX = np.zeros(0, np.intp)
+
+
+def _all_finite(a: np.ndarray) -> bool:
+    """Whether every value of flat ``a`` is finite, as one pass with no array made: for float32
+    and float64 the dot product of ``a`` with itself (an inf or a NaN makes it inf or NaN, since
+    squares never cancel); a finite array whose dot product overflows is answered False, which
+    only sends the caller down the path that checks each element. Other dtypes: ``isfinite``."""
+    if a.dtype == np.float32 or a.dtype == np.float64:
+        with np.errstate(over="ignore", invalid="ignore"):
+            return math.isfinite(float(np.dot(a, a)))
+    return bool(np.isfinite(a).all())
 
 
 def _distances(g: np.ndarray, e: np.ndarray, idx: np.ndarray, bound: int, x_abs: Any, finite: Any) -> np.ndarray:
@@ -99,10 +110,12 @@ def _distances(g: np.ndarray, e: np.ndarray, idx: np.ndarray, bound: int, x_abs:
     return dist
 
 
-def compare(got: np.ndarray, expected: np.ndarray, bound: int, x_abs: Any = None) -> Comparison:
+def compare(got: np.ndarray, expected: np.ndarray, bound: int, x_abs: Any = None, at: Any = None) -> Comparison:
     """``got`` against ``expected``: bit for bit (``bound`` 0), else within ``bound`` ULPs of the
     value, or of ``x_abs`` when given (an array, or a function of flat indices returning the
-    magnitudes there). NaN compares as a class.
+    magnitudes there). NaN compares as a class. ``at``: for arrays of sampled elements
+    (`audit.sampling`), ``(flat indices, shape)`` of the tensor they were taken from, so that a
+    mismatch is named at its index there.
 
     Work goes only where it is needed: the bits first; then the ULP distance of the values that
     differ; ``x_abs`` only for those more than ``bound // 2`` ULPs apart. That is safe because
@@ -136,10 +149,12 @@ def compare(got: np.ndarray, expected: np.ndarray, bound: int, x_abs: Any = None
     if not bad.any():
         return Comparison(None, worst)
     k = int(np.argmax(bad))
-    i = [int(v) for v in np.unravel_index(idx[k], got.shape)] if got.ndim else []
+    flat, shape = (idx[k], got.shape) if at is None else (at[0][idx[k]], at[1])
+    i = [int(v) for v in np.unravel_index(flat, shape)] if len(shape) else []
     unit_text = "" if bound == 0 else (f", {dist[k]:.1f} ULP{' of x_abs' if x_abs is not None else ''} apart "
                                        f"(bound {bound})")
-    return Comparison(f"{int(bad.sum())} of {got.size} elements differ; first at index {i}: torch {float(g[k])!r} "
+    of = f"{got.size} elements" if at is None else f"{got.size} sampled elements (of {math.prod(at[1])})"
+    return Comparison(f"{int(bad.sum())} of {of} differ; first at index {i}: torch {float(g[k])!r} "
                       f"({_bits_hex(g[k])}), spec {float(e[k])!r} ({_bits_hex(e[k])}){unit_text}",
                       math.inf, float(e[k]), float(g[k]))
 

@@ -159,11 +159,17 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
             # other ranks' to be replayed, and it cannot be copied to NumPy as it is.
             d.unsupported = f"{type(foreign).__name__} parameters or gradients (sharded tensors)"
             return d
+        d.unsampled, d.sample = self.replayer.sample_for(o, params)  # audit.sampling: what the replay takes
+        if d.unsampled:
+            return d
         if self.snap.pool is not None:
-            # Gradients up to three times (scaled, clipped, stepped), parameters and state twice.
+            # Gradients up to three times (scaled, clipped, stepped), parameters and state twice
+            # (of a sample: the share it takes).
             state = [v for p in params for v in o.obj.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-            self.snap.pool.expect(sum(5 * p.numel() * p.element_size() for p in params)
-                                  + sum(2 * v.numel() * v.element_size() for v in state))
+            share = 1.0 if d.sample is None else d.sample.elements / max(sum(d.sample.sizes), 1)
+            self.snap.pool.expect(int(sum(3 * p.numel() * p.element_size() for p in params)
+                                      + share * sum(2 * p.numel() * p.element_size() for p in params)
+                                      + share * sum(2 * v.numel() * v.element_size() for v in state)))
         d.on_cpu = all(p.device.type == "cpu" for p in params)
         hooks = [*getattr(o.obj, "_optimizer_step_pre_hooks", {}).values(),
                  *getattr(o.obj, "_optimizer_step_post_hooks", {}).values()]

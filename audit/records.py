@@ -12,6 +12,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from audit import windows
@@ -162,10 +163,12 @@ class StepData:
     amp_aware: bool = False
     on_cpu: bool = True
     unsupported: str | None = None  # why nothing of this step is copied (the replay names it)
+    unsampled: bool = False  # a step the replay's sampling leaves out (audit.sampling): nothing copied
+    sample: Any = None  # the optimizer stage's sample (an audit.sampling.StepSample), None: whole
 
     @property
     def copying(self) -> bool:
-        return self.unsupported is None
+        return self.unsupported is None and not self.unsampled
 
 
 @dataclass
@@ -274,23 +277,80 @@ class Snapshots:
     def __call__(self, t: torch.Tensor, owner: Any) -> Any:
         return self.many([t], owner)[0]
 
-    def many(self, tensors: list[torch.Tensor], owner: Any) -> list[Any]:
+    def many(self, tensors: list[torch.Tensor], owner: Any, sample: Any = None) -> list[Any]:
+        """Copies of ``tensors`` (one per parameter when ``sample``, an `audit.sampling.StepSample`,
+        is given: of each only its sampled elements, flat, and None for a tensor left out)."""
+        if sample is not None:
+            if not _fits(sample, tensors):
+                return [None] * len(tensors)  # the replay names the step not replayed
+            return self._sampled(list(enumerate(tensors)), owner, sample)
         if self.pool is not None and tensors:
             out = self.pool.copy(tensors, owner)
             if out is not None:
                 return out
         return [to_numpy(t) for t in tensors]
 
-    def grads(self, params: list[Any], owner: Any) -> list[Any]:
+    def grads(self, params: list[Any], owner: Any, sample: Any = None) -> list[Any]:
+        if sample is not None:
+            return self.many([p.grad for p in params], owner, sample)
         present = [p.grad for p in params if p.grad is not None]
         copies = iter(self.many(present, owner))
         return [None if p.grad is None else next(copies) for p in params]
 
-    def state(self, opt: Any, params: list[Any], owner: Any) -> list[dict[str, Any]]:
+    def state(self, opt: Any, params: list[Any], owner: Any, sample: Any = None) -> list[dict[str, Any]]:
+        """Each parameter's optimizer state; with ``sample``, of a tensor of the parameter's shape
+        only the sampled elements (a step counter or a factored statistic whole), and an empty
+        state for a parameter left out."""
         states = [opt.state.get(p, {}) for p in params]
-        tensors = [v for s in states for v in s.values() if isinstance(v, torch.Tensor)]
-        copies = iter(self.many(tensors, owner))
-        return [{k: (next(copies) if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for s in states]
+        placed = [(i, v) for i, s in enumerate(states) for v in s.values() if isinstance(v, torch.Tensor)]
+        if sample is not None:
+            if not _fits(sample, params):
+                return [{} for _ in params]
+            shaped = [(i, v if v.shape == params[i].shape else _Whole(v)) for i, v in placed]
+            copies = iter(self._sampled(shaped, owner, sample))
+        else:
+            copies = iter(self.many([v for _, v in placed], owner))
+        # Every state's copies are taken from the iterator in order, a left-out parameter's (None) too.
+        out = [{k: (next(copies) if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for s in states]
+        return out if sample is None else [{} if sample.omitted(i) else st for i, st in enumerate(out)]
+
+    def _sampled(self, placed: list[tuple[int, Any]], owner: Any, sample: Any) -> list[Any]:
+        """Of each tensor of ``placed`` (with the index of its parameter): None when that
+        parameter is left out (or the tensor is None), else its sampled elements (gathered by
+        index: exactly its bits) or the whole tensor (a `_Whole` one, or a parameter taken whole)."""
+        picked: list[Any] = []
+        for i, t in placed:
+            if t is None or sample.omitted(i):
+                picked.append(None)
+            elif isinstance(t, _Whole) or sample.whole(i):
+                picked.append(t.tensor if isinstance(t, _Whole) else t)
+            else:
+                picked.append(t.detach().reshape(-1).index_select(0, _index_tensor(sample, i)))
+        present = [t for t in picked if t is not None]
+        copies = iter(self.many(present, owner))
+        return [None if t is None else next(copies) for t in picked]
+
+
+def _fits(sample: Any, tensors: list[Any]) -> bool:
+    """Whether the sample was made for tensors of these shapes (one per parameter; None: no gradient):
+    parameters added or reshaped since it was made leave the step's optimizer stage uncopied."""
+    return len(tensors) == len(sample.shapes) and all(t is None or tuple(t.shape) == s
+                                                      for t, s in zip(tensors, sample.shapes))
+
+
+@dataclass(frozen=True)
+class _Whole:
+    """A state tensor not of its parameter's shape: copied whole under a sample."""
+
+    tensor: torch.Tensor
+
+
+def _index_tensor(sample: Any, i: int) -> torch.Tensor:
+    """The sampled flat indices of tensor ``i`` as a torch index (made once per run, kept in the sample's memo)."""
+    ix = sample.memo.get(("torch", i))
+    if ix is None:
+        ix = sample.memo[("torch", i)] = torch.from_numpy(np.array(sample.indices(i)))
+    return ix
 
 
 

@@ -66,6 +66,7 @@ from audit import _torch_compat  # noqa: F401  (checks the private torch names t
 from audit import optimizers
 from audit.optimizers import ADAM_MOMENT_ULP, ADAM_PARAM_ULP, SGD_BUFFER_ULP, SGD_PARAM_ULP
 from audit.checks_numbers import replay_divergence
+from audit.sampling import SampleBook, Sampling
 from audit.stages import CLIP_ULP, NORM_ULP, NotReplayable, StepStages, UpdateCheck
 
 __all__ = ["Replayer", "Divergence", "NORM_ULP", "CLIP_ULP", "SGD_BUFFER_ULP", "SGD_PARAM_ULP",
@@ -172,7 +173,8 @@ class Replayer(StepStages, UpdateCheck):
 
     _QUEUE = 4
 
-    def __init__(self, mode: str | None = None) -> None:
+    def __init__(self, mode: str | None = None, sampling: Sampling | None = None) -> None:
+        self.book = SampleBook(sampling if sampling is not None else Sampling())
         self.mode = default_mode() if mode is None else mode
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -278,8 +280,15 @@ class Replayer(StepStages, UpdateCheck):
 
     # ------------------------------------------------------------------ steps
 
+    def sample_for(self, o: Any, params: list[Any]) -> tuple[bool, Any]:
+        """For the step optimizer track ``o`` is in: (whether the sampling leaves it out, the
+        `audit.sampling.StepSample` of its optimizer stage or None for the whole of it)."""
+        return self.book.for_step(o, params, _sample_mode)
+
     def step(self, o: Any, d: Any, rec: Any, recorder: Any) -> None:
         """Replay one step of optimizer track ``o`` (where the mode says)."""
+        if self.book.left_out(d, rec):  # nothing was copied: nothing to send
+            return
 
         def done(result: tuple[str, float | None]) -> None:
             rec.replay = result[0]
@@ -320,14 +329,16 @@ class Replayer(StepStages, UpdateCheck):
             rec.replay = "bit for bit" if exact else f"within the bounds (largest {self._max_seen:.1f} ULP)"
             if self._edits:
                 rec.replay += ", from gradients the loop changed between stages"
+        if d.sample is not None and not rec.replay.startswith(("not replayed", "partly replayed")):
+            rec.replay += f"; optimizer stage on a sample: {d.sample.describe()}"
 
     def _diverge(self, o: Any, rec: Any, fld: str, got: Any, expected: Any, detail: str, where: str) -> None:
         self.divergences.append(Divergence(rec.step, o.label, fld, expected, got, detail, where,
                                            getattr(self, "_hooks", None)))
 
     def _check(self, o: Any, rec: Any, fld: str, got: np.ndarray, expected: np.ndarray, bound: int, where: str,
-               x_abs: Any = None) -> bool:
-        c = _compare(got, expected, bound, x_abs)
+               x_abs: Any = None, at: Any = None) -> bool:
+        c = _compare(got, expected, bound, x_abs, at)
         if c.problem is None:
             self._max_seen = max(self._max_seen, c.worst)
             return True
@@ -342,13 +353,18 @@ class Replayer(StepStages, UpdateCheck):
 
     def _replay_optimizer(self, o: OptimizerRef, d: Any, rec: Any, where: str) -> None:
         for p_np in d.params_before:
-            if p_np.dtype not in (np.float32, np.float64):
+            if p_np is not None and p_np.dtype not in (np.float32, np.float64):
                 raise _NotReplayable(f"{p_np.dtype} parameters (the specification's optimizers take float32 and float64)")
         if o.entry is None:
             raise _NotReplayable(o.refused)
+        if d.sample is not None and (len(d.sample.shapes) != len(d.params_before)
+                                     or all(p is None for p in d.params_before)):
+            raise _NotReplayable("the optimizer's parameters changed during the step (the sample no longer fits)")
         row = o.entry.spec
         for gi, group in enumerate(d.groups):
-            idx = [i for i, g in enumerate(d.group_of) if g == gi]
+            idx = [i for i, g in enumerate(d.group_of) if g == gi and d.params_before[i] is not None]
+            if not idx:
+                continue  # a group the sample left out
             cfg, impl = _spec_config(o, group)
             lr = _tensor_lr(group["lr"]) if isinstance(group.get("lr"), torch.Tensor) else cfg.lr
             params = [d.params_before[i] for i in idx]
@@ -377,10 +393,12 @@ class Replayer(StepStages, UpdateCheck):
         bit, arrays within the row's bound in ULPs of the spec's magnitudes."""
         name = f"parameter {i}"
         if g is None:
-            self._check(o, rec, f"{name} (no gradient) after the step", d.params_after[i], new_p, 0, where)
+            self._check(o, rec, f"{name} (no gradient) after the step", d.params_after[i], new_p, 0, where,
+                        at=None if d.sample is None or d.sample.whole(i) else (d.sample.indices(i), d.sample.shapes[i]))
             return
         entry, torch_state, exact = o.entry, d.state_after[i], self.exact
         x_abs = _magnitudes(entry, cfg, (p, g, old, new), exact)
+        at = None if d.sample is None or d.sample.whole(i) else (d.sample.indices(i), d.sample.shapes[i])
         for fld in dataclasses.fields(new):
             value, got = getattr(new, fld.name), torch_state.get(fld.name)
             if value is None or got is None:
@@ -391,9 +409,9 @@ class Replayer(StepStages, UpdateCheck):
                             where)
             else:
                 self._check(o, rec, f"{fld.name} of {name}", got, value, 0 if exact else entry.bound(fld.name), where,
-                            x_abs(fld.name))
+                            x_abs(fld.name), at if np.shape(value) == np.shape(p) else None)
         self._check(o, rec, name, d.params_after[i], new_p, 0 if exact else entry.bound("param"), where,
-                    x_abs("param"))
+                    x_abs("param"), at)
 
     # ------------------------------------------------------------------ the end
 
@@ -424,6 +442,16 @@ class Replayer(StepStages, UpdateCheck):
             rest.append(dv)
         self.unexplained = rest
         recorder.findings.extend(replay_divergence(rest))
+
+
+def _sample_mode(obj: Any) -> str:
+    """How `audit.sampling` may sample the optimizer stage of ``obj``'s row: ``elements`` (an
+    element-wise row of the specification), ``tensors`` (another of its rows), ``whole`` (a
+    registered or an unknown optimizer)."""
+    entry, _ = optimizers.lookup(type(obj))
+    if entry is None or not entry.builtin:
+        return "whole" if entry is None else "registered"
+    return "elements" if entry.spec.name in ELEMENTWISE_MAGNITUDES else "tensors"
 
 
 def _spec_config(o: OptimizerRef, group: dict[str, Any]) -> tuple[Any, str]:

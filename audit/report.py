@@ -111,6 +111,7 @@ class AuditReport:
                 lines.append(f"  not replayed ({count}x): {reason}")
             if r.get("fallback"):
                 lines.append(f"  {r['fallback']}")
+            lines.extend(_sampling_lines(r.get("sampling")))
         for rule, fs in self.by_rule().items():
             spec = RULES[rule]
             levels = "/".join(dict.fromkeys(f.severity for f in fs))
@@ -219,3 +220,21 @@ def _telling(expected: Any, got: Any) -> bool:
     if isinstance(expected, float) and isinstance(got, float) and not (math.isfinite(expected) or math.isfinite(got)):
         return not (expected == got or (math.isnan(expected) and math.isnan(got)))
     return True
+
+
+def _sampling_lines(sm: dict[str, Any] | None) -> list[str]:
+    """The replay's sampling as the text report states it (audit.sampling)."""
+    if not sm:
+        return []
+    sample = sm["sample"]
+    what = (f"auto (whole up to {sm['auto_budget']} elements a step, then that many)" if sample == "auto"
+            else "all" if sample == 1.0 else f"{sample:g} of the elements")
+    every = (f"auto (every step up to {sm['auto_whole_budget']} elements, then every Nth)" if sm["every"] == "auto"
+             else f"every {sm['every']} step{'s' if sm['every'] != 1 else ''}")
+    out = [f"  sampling: steps {every} ({sm['steps_left_out']} left out), optimizer stage {what}, seed {sm['seed']}; "
+           f"order rules {sm['order_rules']}"]
+    for label, taken in sm["optimizer_stage"].items():
+        out.append(f"  optimizer stage of {label}: {taken}")
+    if sm["steps_left_out"] or sm["steps_sampled"]:
+        out.append(f"  whole: {sm['whole']}")
+    return out

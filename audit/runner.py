@@ -31,10 +31,11 @@ from typing import Any, Callable, Iterator, Sequence
 from audit import Audit
 from audit.report import EXIT_FAILED, AuditReport
 from audit.report_file import ReportWriteError, check_report_path
+from audit.sampling import parse_every, parse_fraction
 
 __all__ = ["run_script", "split_audit_options", "main"]
 
-_OWN = ("--report", "--steps")
+_OWN = ("--report", "--steps", "--replay-every", "--replay-sample", "--replay-seed")
 _FLAGS = ("--no-replay", "--strict", "--force")
 
 
@@ -49,7 +50,7 @@ class ScriptInterrupted(KeyboardInterrupt):
 
 def run_script(script: str | os.PathLike, args: Sequence[str] = (), *, steps: int | None = None,
                replay: bool = True, strict: bool = False,
-               on_os_exit: Callable[[AuditReport], int] | None = None) -> AuditReport:
+               on_os_exit: Callable[[AuditReport], int] | None = None, **sampling: Any) -> AuditReport:
     """Audit one run of ``script`` with ``args``; raises FileNotFoundError when it does not exist.
 
     ``sys.exit(N)`` in the script ends the run like its end, with ``script_status`` N (1 with
@@ -60,7 +61,7 @@ def run_script(script: str | os.PathLike, args: Sequence[str] = (), *, steps: in
     path = Path(script)
     if not path.is_file():
         raise FileNotFoundError(f"no such script: {script}")
-    session = Audit(replay=replay, steps=steps, target=str(script), strict=strict)
+    session = Audit(replay=replay, steps=steps, target=str(script), strict=strict, **sampling)
     session.argv = [str(script), *args]
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(path), *args]
@@ -178,7 +179,8 @@ def _trim(error: BaseException | None) -> BaseException | None:
 def split_audit_options(rest: Sequence[str]) -> tuple[list[str], dict[str, str | bool]]:
     """The script's arguments and the audit's own options found among them.
 
-    ``--report FILE``, ``--steps N`` (also ``--report=FILE``), ``--no-replay``, ``--strict`` and ``--force`` are the audit's
+    ``--report FILE``, ``--steps N``, ``--replay-every N``, ``--replay-sample F|auto|all``,
+    ``--replay-seed S`` (also ``--report=FILE``), ``--no-replay``, ``--strict`` and ``--force`` are the audit's
     wherever they appear after the script, until a ``--``; everything after ``--`` goes to the
     script verbatim (for a script with options of the same names).
     """
@@ -198,7 +200,7 @@ def split_audit_options(rest: Sequence[str]) -> tuple[list[str], dict[str, str |
                     raise ValueError(f"{name} needs a value")
                 value = rest[i + 1]
                 i += 1
-            own[name[2:]] = value
+            own[name[2:].replace("-", "_")] = value
         elif a in _FLAGS:
             own[a[2:].replace("-", "_")] = True
         else:
@@ -207,12 +209,26 @@ def split_audit_options(rest: Sequence[str]) -> tuple[list[str], dict[str, str |
     return script_args, own
 
 
+def _sampling_options(own: dict[str, Any], every: Any, sample: Any, seed: Any) -> dict[str, Any]:
+    """``--replay-every``, ``--replay-sample`` and ``--replay-seed`` checked (audit.sampling) before the script runs."""
+    every, sample, seed = own.get("replay_every", every), own.get("replay_sample", sample), own.get("replay_seed", seed)
+    try:
+        seed = int(seed)
+    except ValueError:
+        raise ValueError(f"--replay-seed needs an integer >= 0, got {seed!r}") from None
+    parse_fraction(sample)
+    interval = parse_every(every)
+    return {"replay_every": "auto" if interval is None else interval, "replay_sample": sample, "replay_seed": seed}
+
+
 def main(script: str, rest: Sequence[str], *, report: str | None = None, steps: int | None = None,
-         no_replay: bool = False, strict: bool = False, force: bool = False) -> int:
+         no_replay: bool = False, strict: bool = False, force: bool = False, replay_every: str | int = "auto",
+         replay_sample: str = "auto", replay_seed: str | int = 0) -> int:
     """The ``ampspec audit`` subcommand: run, print the text report, write the JSON one.
 
     Every option, ``--report`` included, is checked before the script runs."""
     args, own = split_audit_options(rest)
+    sampling = _sampling_options(own, replay_every, replay_sample, replay_seed)
     report = own.get("report", report)  # type: ignore[assignment]
     if "steps" in own:
         try:
@@ -232,7 +248,8 @@ def main(script: str, rest: Sequence[str], *, report: str | None = None, steps: 
         check_report_path(target, script=Path(script), force=force, given=report)
     pid = os.getpid()
     finish = functools.partial(_finish, report=report, target=target, script=Path(script).absolute(), force=force)
-    result = run_script(script, args, steps=steps, replay=not no_replay, strict=strict, on_os_exit=finish)
+    result = run_script(script, args, steps=steps, replay=not no_replay, strict=strict, on_os_exit=finish,
+                        **sampling)
     if os.getpid() != pid:  # a child the script forked came back here: its parent reports
         return result.script_status or 0
     return finish(result)

@@ -70,7 +70,8 @@ class StepStages:
             return  # a skipped step: the optimizer was not called
         idx = [i for i, g in enumerate(d.step_grads) if g is not None]
         self._boundary(o, rec, d, prev, f"the optimizer step at {step_where}", idx, [d.step_grads[i] for i in idx],
-                       g_spec, bound, step_where, after_unscale=after_unscale)
+                       g_spec if d.sample is None else _at_sample(g_spec, d.sample), bound, step_where,
+                       after_unscale=after_unscale)
         if not d.on_cpu:
             raise NotReplayable("parameters on a device other than the CPU")
         if d.params_after is not None:
@@ -242,6 +243,19 @@ class UpdateCheck:
             self._diverge(o, rec, "growth tracker after scaler.update", int(after[1]), int(spec.growth_tracker),
                           f"from scale {float(before[0])!r}, tracker {before[1]}, found_inf {flags}", where)
         self._expected_after[label] = np.float32(after[0])
+
+
+def _at_sample(g_spec: dict[int, Any], sample: Any) -> dict[int, Any]:
+    """The spec's gradients at the elements the optimizer stage's sample took (`audit.sampling`):
+    what the sampled copies of torch's gradients entering the step are compared with."""
+    out: dict[int, Any] = {}
+    for i, g in g_spec.items():
+        if g is None or i >= len(sample.shapes) or sample.omitted(i):
+            out[i] = None
+        else:
+            ix = sample.indices(i)
+            out[i] = g if ix is None else np.asarray(g).reshape(-1)[ix]
+    return out
 
 
 def _call_where(rec: Any, prefixes: tuple[str, ...]) -> str:

@@ -89,10 +89,10 @@ class OptimizerCalls:
             d.unsupported = own  # its update is not one set of gradients' (audit.closures)
         if d is not None and d.copying:
             params = o.params()
-            d.step_grads = self.snap.grads(params, d)
+            d.step_grads = self.snap.grads(params, d, d.sample)  # d.sample: audit.sampling's, None: whole
             if d.on_cpu:  # elsewhere the optimizer stage is not replayed: its numbers are not copied
-                d.params_before = self.snap.many(params, d)
-                d.state_before = self.snap.state(o.obj, params, d)
+                d.params_before = self.snap.many(params, d, d.sample)
+                d.state_before = self.snap.state(o.obj, params, d, d.sample)
             # A tensor hyperparameter (a tensor lr) is copied: a schedule may change it in place later.
             d.groups = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in g.items()
                          if k != "params"} for g in o.obj.param_groups]
@@ -109,8 +109,8 @@ class OptimizerCalls:
                              "the optimizer did not call the closure it was given")
         if d is not None and d.copying and d.on_cpu:
             params = o.params()
-            d.params_after = self.snap.many(params, d)
-            d.state_after = self.snap.state(o.obj, params, d)
+            d.params_after = self.snap.many(params, d, d.sample)
+            d.state_after = self.snap.state(o.obj, params, d, d.sample)
         inside = self._in_scaler_step is not None and self._in_scaler_step[1] is o
         if not inside:
             s = o.window.scaler

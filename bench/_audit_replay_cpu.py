@@ -8,6 +8,7 @@ Printed: the median and the least CPU milliseconds a step over ``--rounds`` roun
 revisions side by side, run it in each tree (``git archive REV | tar -x -C DIR``).
 
     PYTHONPATH=. python bench/_audit_replay_cpu.py --rounds 7
+    PYTHONPATH=. python bench/_audit_replay_cpu.py --size 12.8M --steps 5 --rounds 3 --replay-sample all
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import torch
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size", default="mlp", choices=sorted(audit_overhead.SIZES))
+    ap.add_argument("--size", default="mlp", help=f"one of {', '.join(sorted(audit_overhead.SIZES))}, or a parameter "
+                    "count (0.2M, 12.8M: audit_overhead.py --sizes' MLP)")
+    ap.add_argument("--replay-sample", default="auto", help="the audit's --replay-sample (auto, all, a fraction)")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
@@ -47,7 +50,11 @@ def main() -> int:
     os.environ["AMPSPEC_AUDIT_REPLAY"] = "inline"
     replay.Replayer._step = keep
     try:
-        report = run_script(audit_overhead.SCRIPT, [*audit_overhead.SIZES[args.size], "--steps", str(args.steps)])
+        if args.size not in audit_overhead.SIZES:
+            audit_overhead.SIZES[args.size] = audit_overhead.parse_size(args.size)[1]
+        # Every step replayed (the sampling of the optimizer stage as asked): the figure is a replayed step's.
+        report = run_script(audit_overhead.SCRIPT, [*audit_overhead.SIZES[args.size], "--steps", str(args.steps)],
+                            replay_every=1, replay_sample=args.replay_sample)
     finally:
         replay.Replayer._step = original
         os.environ.pop("AMPSPEC_AUDIT_REPLAY")
@@ -65,7 +72,7 @@ def main() -> int:
         per_step.append((time.process_time() - t0) / len(steps))
     if replayer.divergences:
         raise RuntimeError(f"the replay diverged: {replayer.divergences[0]}")
-    print(f"{args.size}: replay CPU per step {1e3 * statistics.median(per_step):.2f} ms "
+    print(f"{args.size} (--replay-sample {args.replay_sample}): replay CPU per step {1e3 * statistics.median(per_step):.2f} ms "
           f"(least {1e3 * min(per_step):.2f}) over {args.rounds} rounds of {len(steps)} steps")
     return 0
 

@@ -81,6 +81,18 @@ def paired_ratio(blocks: dict[str, list[float]], name: str, base: str) -> dict[s
     }
 
 
+def paired_difference(blocks: dict[str, list[float]], name: str, base: str) -> dict[str, float]:
+    """Differences of per-round block times (``name`` minus ``base`` in the same round), summarised:
+    what ``name`` adds to ``base``'s time, in the blocks' unit."""
+    diffs = [a - b for a, b in zip(blocks[name], blocks[base])]
+    return {
+        "median": median(diffs),
+        "min": min(diffs) if diffs else float("nan"),
+        "max": max(diffs) if diffs else float("nan"),
+        "rounds": len(diffs),
+    }
+
+
 def write_result(name: str, data: dict[str, Any], out_dir: str | Path | None = None) -> Path:
     folder = Path(out_dir) if out_dir is not None else RESULTS
     folder.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,14 @@ model at batch 512: the same replay, eight times the training work) and ``wide``
 depth 4, batch 256, 3.2M parameters). The replay's work grows with the parameters, the
 training's with the parameters times the batch: the replay's ratio falls as the batch grows.
 
+Model sizes (``--sizes 0.2M,3M,12.8M,50M``): the MLP of depth 4 at the width giving about that
+many parameters (batch 64), each with ``plain``, ``order-rules``, ``replay`` (the default
+sampling, ``auto``: the optimizer stage whole up to ``audit.sampling.AUTO_BUDGET`` elements, then
+that many, and past ``AUTO_WHOLE_BUDGET`` elements every Nth step only; a block then holds
+whole periods of N steps and the table reports the mean step) and ``replay-all`` (``--replay-sample all``: every element; left out above
+``--whole-up-to`` parameters, whose copies would take gigabytes). Keep the large sizes to a few
+steps: ``--steps 6 --warmup 2 --rounds 2``.
+
 Method: R rounds; in each round every candidate runs one block of S steps (the order rotating
 from round to round); the first W steps of a block are warm-up. A block's time is its median
 step time (the time between consecutive step-end stamps); the ratio to ``plain`` is taken per
@@ -38,6 +46,7 @@ import _audit_timer  # noqa: E402
 import torch  # noqa: E402
 
 from audit.runner import run_script  # noqa: E402
+from audit.sampling import Sampling  # noqa: E402
 
 SCRIPT = HERE / "_audit_workload.py"
 SIZES = {
@@ -47,6 +56,21 @@ SIZES = {
     "wide": ["--width", "1024", "--depth", "4", "--batch", "256"],
 }
 CANDIDATES = ("plain", "order-rules", "replay", "replay-thread")
+SIZE_CANDIDATES = ("plain", "order-rules", "replay", "replay-all")
+
+
+def parse_size(label: str) -> tuple[int, list[str]]:
+    """``12.8M`` (or ``200k``, ``50000000``): the width of the depth-4 MLP (64 in, 8 out) with about
+    that many parameters, and its parameter count and workload arguments."""
+    text = label.strip().upper()
+    scale = {"K": 1e3, "M": 1e6}.get(text[-1:], 1.0)
+    try:
+        want = float(text[:-1] if text[-1:] in "KM" else text) * scale
+    except ValueError:
+        raise SystemExit(f"--sizes: {label!r} is not a parameter count such as 0.2M, 3M or 50M") from None
+    width = max(8, round(((72 ** 2 + 12 * want) ** 0.5 - 72) / 6))  # 3w^2 + 72w + 8 parameters (+ biases)
+    params = 64 * width + width + 3 * (width * width + width) + width * 8 + 8
+    return params, ["--width", str(width), "--depth", "4", "--batch", "64"]
 
 
 def run_block(candidate: str, size: str, steps: int) -> list[float]:
@@ -68,7 +92,8 @@ def run_block(candidate: str, size: str, steps: int) -> list[float]:
         if candidate == "replay-thread":
             os.environ["AMPSPEC_AUDIT_REPLAY"] = "thread"
         try:
-            report = run_script(SCRIPT, args, replay=candidate.startswith("replay"))
+            sample = {"replay_sample": "all"} if candidate == "replay-all" else {}
+            report = run_script(SCRIPT, args, replay=candidate.startswith("replay"), **sample)
         finally:
             if saved_mode is None:
                 os.environ.pop("AMPSPEC_AUDIT_REPLAY", None)
@@ -88,32 +113,62 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a shared machine)")
     ap.add_argument("--only", nargs="+", choices=sorted(SIZES), default=None)
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
+    ap.add_argument("--sizes", default=None, help="parameter counts of the MLP instead of the named sizes, "
+                    "e.g. 0.2M,3M,12.8M,50M (candidates: plain, order-rules, replay, replay-all)")
+    ap.add_argument("--whole-up-to", type=float, default=13e6,
+                    help="with --sizes: run replay-all only up to this many parameters")
     args = ap.parse_args(argv)
     if args.steps <= args.warmup:
         ap.error("--steps must exceed --warmup")
     torch.set_num_threads(args.threads)
-    sizes = args.only or list(SIZES)
     results: dict = {"machine": _harness.machine(), "settings": vars(args), "sizes": {}}
-    for size in sizes:
-        run_block("replay", size, 2)  # imports, first-call costs: outside every measured block
-        blocks: dict[str, list[float]] = {c: [] for c in CANDIDATES}
-        means: dict[str, list[float]] = {c: [] for c in CANDIDATES}
-        for r in range(args.rounds):
-            for c in _harness.rotate(CANDIDATES, r):
-                times = run_block(c, size, args.steps)[args.warmup:]
-                blocks[c].append(_harness.median(times))
-                means[c].append(sum(times) / len(times))
-        row = {"median_step_ms": {c: 1e3 * _harness.median(blocks[c]) for c in CANDIDATES},
-               "ratio_vs_plain": {c: _harness.paired_ratio(blocks, c, "plain") for c in CANDIDATES[1:]},
-               "mean_ratio_vs_plain": {c: _harness.paired_ratio(means, c, "plain") for c in CANDIDATES[1:]}}
-        results["sizes"][size] = row
-        ms = row["median_step_ms"]
-        ratio = row["ratio_vs_plain"]
-        print(f"{size:8}  plain {ms['plain']:7.2f} ms/step" + "".join(
-            f"   {c} {ms[c]:7.2f} (x{ratio[c]['median']:.3f})" for c in CANDIDATES[1:]), flush=True)
+    if args.sizes:
+        for label in args.sizes.split(","):
+            params, SIZES[label] = parse_size(label)
+            cands = tuple(c for c in SIZE_CANDIDATES if c != "replay-all" or params <= args.whole_up_to)
+            # Whole periods of the default's replayed steps (audit.sampling: every Nth past a size),
+            # so that a block's mean step holds its share of replayed steps.
+            every = Sampling().every_for(params)
+            measured = -(-(args.steps - args.warmup) // every) * every
+            row = measure(label, cands, args, steps=args.warmup + measured)
+            row["parameters"], row["replay_every"], row["steps_measured"] = params, every, measured
+            results["sizes"][label] = row
+    else:
+        for size in args.only or list(SIZES):
+            results["sizes"][size] = measure(size, CANDIDATES, args)
+    if args.sizes:
+        # The mean step: with every Nth step replayed, the median step would be an unreplayed one.
+        print("parameters  every  " + "  ".join(f"{c:>12}" for c in SIZE_CANDIDATES[1:])
+              + "   (ratio of the mean step to plain's, median over rounds)")
+        for label, row in results["sizes"].items():
+            print(f"{row['parameters']:>10}  {row['replay_every']:>5}  " + "  ".join(
+                f"{'x%.3f' % row['mean_ratio_vs_plain'][c]['median'] if c in row['mean_ratio_vs_plain'] else '-':>12}"
+                for c in SIZE_CANDIDATES[1:]))
     path = _harness.write_result("audit_overhead", results, args.out)
     print(f"results: {path}")
     return 0
+
+
+def measure(size: str, candidates: tuple[str, ...], args: argparse.Namespace, steps: int | None = None) -> dict:
+    """Interleaved paired rounds of ``candidates`` at one size (``steps`` a block, default
+    ``--steps``); prints and returns its row."""
+    steps = steps or args.steps
+    run_block("replay", size, 2)  # imports, first-call costs: outside every measured block
+    blocks: dict[str, list[float]] = {c: [] for c in candidates}
+    means: dict[str, list[float]] = {c: [] for c in candidates}
+    for r in range(args.rounds):
+        for c in _harness.rotate(candidates, r):
+            times = run_block(c, size, steps)[args.warmup:]
+            blocks[c].append(_harness.median(times))
+            means[c].append(sum(times) / len(times))
+    row = {"median_step_ms": {c: 1e3 * _harness.median(blocks[c]) for c in candidates},
+           "ratio_vs_plain": {c: _harness.paired_ratio(blocks, c, "plain") for c in candidates[1:]},
+           "mean_ratio_vs_plain": {c: _harness.paired_ratio(means, c, "plain") for c in candidates[1:]}}
+    ms = row["median_step_ms"]
+    ratio = row["ratio_vs_plain"]
+    print(f"{size:8}  plain {ms['plain']:7.2f} ms/step" + "".join(
+        f"   {c} {ms[c]:7.2f} (x{ratio[c]['median']:.3f})" for c in candidates[1:]), flush=True)
+    return row
 
 
 if __name__ == "__main__":

@@ -18,6 +18,12 @@ rounds of the per-round ratio of block times:
   amortised share. W and S - W are multiples of ``LOG_INTERVAL``, so every candidate's
   measured steps hold the same number of log points.
 
+Beside each ratio, the fixed cost per step in microseconds: the median over rounds of the
+per-round difference of the same block times (candidate minus hand loop), from the same paired
+rounds (``fixed_cost_us`` and ``mean_fixed_cost_us``). On a model whose step is short (the MLP)
+that is what a framework adds to every step whatever the model; a ratio alone hides it behind
+the step's length.
+
     PYTHONPATH=. python bench/trainer_overhead.py            # ~1-2 minutes on 2 cores
     PYTHONPATH=. python bench/trainer_overhead.py --profile  # plus a cProfile of each loop
 """
@@ -150,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                 "steps_measured": len(samples[n]),
                 "ratio_vs_hand": _harness.paired_ratio(block_medians, n, "hand"),
                 "mean_ratio_vs_hand": _harness.paired_ratio(block_means, n, "hand"),
+                "fixed_cost_us": _us(_harness.paired_difference(block_medians, n, "hand")),
+                "mean_fixed_cost_us": _us(_harness.paired_difference(block_means, n, "hand")),
             }
         if args.profile:
             cfg["profiles"] = {n: profile_block(RUNNERS[n], w, args.steps) for n in names}
@@ -158,25 +166,46 @@ def main(argv: list[str] | None = None) -> int:
             cfg["new_vs_baseline"] = {
                 "by_median_step": _harness.paired_ratio(block_medians, "ampspec", baseline),
                 "by_mean_step": _harness.paired_ratio(block_means, "ampspec", baseline),
+                "us_by_median_step": _us(_harness.paired_difference(block_medians, "ampspec", baseline)),
+                "us_by_mean_step": _us(_harness.paired_difference(block_means, "ampspec", baseline)),
             }
-        line = ", ".join(f"{n} {cfg['candidates'][n]['ratio_vs_hand']['median']:.3f}x"
-                         f" (mean {cfg['candidates'][n]['mean_ratio_vs_hand']['median']:.3f}x)"
-                         for n in names if n != "hand")
+        line = ", ".join(_versus_hand(n, cfg["candidates"][n]) for n in names if n != "hand")
         print(f"{w.name}: hand {cfg['candidates']['hand']['median_step_ms']:.2f} ms/step; vs hand: {line}"
               + (f"; skipped {sorted(skip)}" if skip else ""), flush=True)
         if baseline is not None:
             nb = cfg["new_vs_baseline"]
-            print(f"  ampspec / {baseline}: {nb['by_median_step']['median']:.3f} by median step time, "
-                  f"{nb['by_mean_step']['median']:.3f} by mean step time", flush=True)
+            print(f"  ampspec / {baseline}: {nb['by_median_step']['median']:.3f} "
+                  f"({nb['us_by_median_step']['median']:+.1f} us/step) by median step time, "
+                  f"{nb['by_mean_step']['median']:.3f} ({nb['us_by_mean_step']['median']:+.1f} us/step) "
+                  "by mean step time", flush=True)
         for n, why in skip.items():
             print(f"  skipped {n}: {why}", flush=True)
 
     path = _harness.write_result("trainer_overhead", results, args.out)
-    worst = max(c["candidates"]["ampspec"]["ratio_vs_hand"]["median"] for c in results["configs"].values())
-    worst_mean = max(c["candidates"]["ampspec"]["mean_ratio_vs_hand"]["median"] for c in results["configs"].values())
+    ours = [c["candidates"]["ampspec"] for c in results["configs"].values()]
+    worst = max(c["ratio_vs_hand"]["median"] for c in ours)
+    worst_mean = max(c["mean_ratio_vs_hand"]["median"] for c in ours)
+    # The fixed cost is read on the MLP: on the transformer the rounds' spread exceeds it.
+    mlp = [c["candidates"]["ampspec"] for name, c in results["configs"].items() if name.startswith("mlp/")]
+    fixed = ""
+    if mlp:
+        fixed = (f"; worst fixed cost on the MLP {max(c['fixed_cost_us']['median'] for c in mlp):+.1f} us/step by "
+                 f"median, {max(c['mean_fixed_cost_us']['median'] for c in mlp):+.1f} us/step by mean")
     print(f"trainer_overhead: ampspec/hand worst ratio {worst:.3f}x by median step time, {worst_mean:.3f}x by mean "
-          f"step time, over {len(workloads)} configs -> {path}")
+          f"step time{fixed}; over {len(workloads)} configs -> {path}")
     return 0
+
+
+def _us(summary: dict[str, float]) -> dict[str, float]:
+    """A :func:`_harness.paired_difference` of times in seconds, in microseconds."""
+    return {k: v if k == "rounds" else 1e6 * v for k, v in summary.items()}
+
+
+def _versus_hand(name: str, row: dict) -> str:
+    """``ampspec 1.012x +11.8 us/step (mean 1.020x +19.5 us/step)``: a candidate's ratios to the
+    hand loop, each with its fixed cost per step."""
+    return (f"{name} {row['ratio_vs_hand']['median']:.3f}x {row['fixed_cost_us']['median']:+.1f} us/step"
+            f" (mean {row['mean_ratio_vs_hand']['median']:.3f}x {row['mean_fixed_cost_us']['median']:+.1f} us/step)")
 
 
 if __name__ == "__main__":

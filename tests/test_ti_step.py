@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from torchimpl.train.cadence import Checkpointer, Evaluator, LogPoints, quiet_steps
 from torchimpl.train.clipping import group_by_device_and_dtype
-from torchimpl.config.schema import load_config
-from torchimpl.run.records import FIELDS, PendingRecords
+from torchimpl.config.schema import CheckpointConfig, load_config
+from torchimpl.run.records import FIELDS, PendingRecords, StepRecord
 from torchimpl.run.state import DataCursor, TrainState
 from torchimpl.train.scaler import DynamicLossScaler, ScalerConfig
 from torchimpl.train.schedule import AppliedStepSchedule
@@ -159,6 +160,53 @@ def test_pending_records_are_read_by_name_in_one_transfer():
     assert [getattr(rec, f) for f in FIELDS] == [4, 3, 1024.0, False, True, 2.5, float(torch.tensor(0.4)), 2048.0, 0,
                                                  0.01]
     assert type(rec.found_inf) is bool and type(rec.growth_tracker) is int
+
+
+def test_pending_records_read_a_column_of_tensors_and_host_numbers_alike():
+    """Steps whose field is a device tensor at one step and a host number at another (a flush
+    after a resume) read as the same numbers, each record equal to one built field by field."""
+    pending = PendingRecords()
+    for step, (scale, norm) in enumerate([(torch.tensor(8.0), 0.5), (16.0, torch.tensor(0.25, dtype=torch.float64))]):
+        pending.add(torch.tensor(6.0) if step else 3.0, step=step, microbatches=3, scale_before=scale, found_inf=0.0,
+                    applied=None, grad_norm=norm, clip_coef=None, scale_after=scale, growth_tracker=step, lr=0.01)
+    records, losses = pending.read()
+    assert losses == [1.0, 2.0]
+    assert records == [StepRecord(0, 3, 8.0, False, True, 0.5, None, 8.0, 0, 0.01),
+                       StepRecord(1, 3, 16.0, False, True, 0.25, None, 16.0, 1, 0.01)]
+    assert [type(getattr(records[1], f)) for f in FIELDS] == [int, int, float, bool, bool, float, type(None), float,
+                                                              int, float]
+
+
+def test_pending_records_of_one_flush_must_hold_the_same_fields():
+    pending = PendingRecords()
+    row = dict(step=0, microbatches=1, scale_before=1.0, found_inf=0.0, applied=True, grad_norm=None,
+               clip_coef=None, scale_after=1.0, growth_tracker=0, lr=0.01)
+    pending.add(1.0, **row)
+    pending.add(1.0, **dict(row, lr=None, step=1) | {"extra": 1})
+    with pytest.raises(TypeError, match="differ in their fields"):
+        pending.read()
+    pending.add(1.0, **row)
+    pending.add(1.0, **{k: v for k, v in row.items() if k != "lr"}, extra=1)  # as many fields, one other
+    with pytest.raises(TypeError, match="differ in their fields"):
+        pending.read()
+    pending.add(1.0, **{k: v for k, v in row.items() if k != "lr"}, extra=1)
+    with pytest.raises(TypeError, match=r"missing \['lr'\], unexpected \['extra'\]"):
+        pending.read()
+
+
+@pytest.mark.parametrize("val_data, eval_interval, folder, ckpt_interval", [
+    (None, 0, None, 0), ([1], 0, None, 0), ([1], 7, None, 0), (None, 3, "ck", 4), ([1], 6, "ck", 0), ([1], 4, "ck", 6)])
+def test_quiet_steps_are_the_steps_at_which_no_part_is_due(val_data, eval_interval, folder, ckpt_interval):
+    """``quiet_steps`` says a step is quiet exactly when, short of the last step and a stop, none of
+    the log point, the evaluation and the checkpoint is due there."""
+    logs = LogPoints(5)
+    evaluator = Evaluator(val_data, eval_interval)
+    checkpointer = Checkpointer(CheckpointConfig(folder=folder, interval=ckpt_interval), dist=None)
+    quiet = quiet_steps(logs, evaluator, checkpointer)
+    for step in range(1, 90):
+        due = (logs.due(step, last=False, stopping=False) or evaluator.due(step, last=False)
+               or checkpointer.due(step, last=False, interrupted=False))
+        assert quiet(step) is not due, step
 
 
 def test_data_cursor_resumes_a_plain_list_at_its_position():

@@ -373,6 +373,38 @@ def _add_export(sub: Any, common: argparse.ArgumentParser) -> None:
     e.set_defaults(func=_export)
 
 
+def _add_audit(sub: Any, common: argparse.ArgumentParser) -> None:
+    a = sub.add_parser("audit", parents=[common],
+                       help="run your own training script and check it against the specification",
+                       formatter_class=_Defaults,
+                       description="Run SCRIPT.py as __main__ in the ampspec process itself (runpy, not a subprocess) "
+                                   "under instrumentation of torch's AMP calls; "
+                                   "report order-rule findings and numeric divergences from the specification. "
+                                   "The audit's options may also follow the script's arguments; after '--' "
+                                   "everything goes to the script. Exit status: 0 no error-level finding, 1 errors "
+                                   "(with --strict: any finding), 2 the script raised or the report could not be "
+                                   "written, 130/143 SIGINT/SIGTERM (the report is still written), or the script's "
+                                   "own sys.exit or os._exit status.")
+    a.add_argument("--report", metavar="FILE.json",
+                   help="also write the report as JSON (never over the script, a source file or a link; over "
+                        "another existing file only with --force)")
+    a.add_argument("--force", action="store_true",
+                   help="let --report replace an existing file that is not an ampspec audit report")
+    a.add_argument("--steps", type=int, metavar="N", help="stop the script after N optimizer steps")
+    a.add_argument("--no-replay", action="store_true", help="order rules only: copy no numbers, replay nothing")
+    a.add_argument("--strict", action="store_true", help="warnings and info fail the audit too (exit status 1)")
+    a.add_argument("--replay-every", default="auto", metavar="N|auto", help="replay steps 0, N, 2N, ... (the order "
+                   "rules still see every step); auto: every step up to 2**21 parameter elements, then every Nth")
+    a.add_argument("--replay-sample", default="auto", metavar="F|auto|all",
+                   help="of a replayed step's optimizer stage, the share of the elements replayed; auto: whole up "
+                        "to 2**19 elements, then that many (found_inf, unscale, clipping and the scale update stay "
+                        "whole)")
+    a.add_argument("--replay-seed", default="0", metavar="S", help="the seed of the replay's sample")
+    a.add_argument("script", metavar="SCRIPT.py")
+    a.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
+    a.set_defaults(func=audit_command)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ampspec", description="Mixed-precision training that explains itself.")
     _verbosity(p, False)
@@ -405,32 +437,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="change one field of the policy replayed, e.g. scaler.growth_interval=7 (repeatable): of "
                         "the trace's recorded policy, or of --config's when given")
     r.set_defaults(func=replay_command)
-    a = sub.add_parser("audit", parents=[common],
-                       help="run your own training script and check it against the specification",
-                       formatter_class=_Defaults,
-                       description="Run SCRIPT.py as __main__ in the ampspec process itself (runpy, not a subprocess) "
-                                   "under instrumentation of torch's AMP calls; "
-                                   "report order-rule findings and numeric divergences from the specification. "
-                                   "The audit's options may also follow the script's arguments; after '--' "
-                                   "everything goes to the script. Exit status: 0 no error-level finding, 1 errors "
-                                   "(with --strict: any finding), 2 the script raised or the report could not be "
-                                   "written, 130/143 SIGINT/SIGTERM (the report is still written), or the script's "
-                                   "own sys.exit or os._exit status.")
-    a.add_argument("--report", metavar="FILE.json",
-                   help="also write the report as JSON (never over the script, a source file or a link; over "
-                        "another existing file only with --force)")
-    a.add_argument("--force", action="store_true",
-                   help="let --report replace an existing file that is not an ampspec audit report")
-    a.add_argument("--steps", type=int, metavar="N", help="stop the script after N optimizer steps")
-    a.add_argument("--no-replay", action="store_true", help="order rules only: copy no numbers, replay nothing")
-    a.add_argument("--strict", action="store_true", help="warnings and info fail the audit too (exit status 1)")
-    a.add_argument("script", metavar="SCRIPT.py")
-    a.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
-    a.set_defaults(func=audit_command)
+    _add_audit(sub, common)
     return p
 
 
-_AUDIT_VALUED = ("--report", "--steps")
+_AUDIT_VALUED = ("--report", "--steps", "--replay-every", "--replay-sample", "--replay-seed")
 
 
 def _audit_split(argv: list[str]) -> tuple[list[str], list[str] | None]:

@@ -64,6 +64,15 @@ class StepRecord:
         return json.dumps(asdict(self))
 
     @classmethod
+    def _trusted(cls, values: Iterable[Any]) -> StepRecord:
+        """A record from its fields' values in ``FIELDS`` order, already of their types (the flush's
+        own): the frozen ``__init__``'s assignment per field, which costs more than the rest of
+        reading a record, skipped."""
+        record = object.__new__(cls)
+        vars(record).update(zip(FIELDS, values))
+        return record
+
+    @classmethod
     def from_dict(cls, obj: dict) -> StepRecord:
         missing = [f for f in FIELDS if f not in obj]
         extra = [k for k in obj if k not in FIELDS]
@@ -136,41 +145,72 @@ class PendingRecords:
         self._rows.append(values)
 
     def read(self) -> tuple[list[StepRecord], list[float]]:
-        rows, self._rows = _read_all(self._rows), []
-        records, losses = [], []
-        for row in rows:
-            # The mean loss of the window: its float32 sum over its size, one float32 division.
-            losses.append(_mean_f32(row.pop("loss_sum"), row["microbatches"]))
-            # Device values arrive as floats (or ints): the two fields of other types, by name.
-            found = row["found_inf"] = bool(row["found_inf"])
-            row["growth_tracker"] = int(row["growth_tracker"])
-            if row["applied"] is None:
-                row["applied"] = not found
-            records.append(StepRecord(**row))
-        return records, losses
+        rows, self._rows = self._rows, []
+        if not rows:
+            return [], []
+        columns = _read_all(_columns(rows))
+        # The mean loss of each window: its float32 sum over its size, one float32 division.
+        losses = list(map(_mean_f32, columns.pop("loss_sum"), columns["microbatches"]))
+        if columns.keys() != _FIELD_SET:
+            raise TypeError(f"step record fields differ: missing {sorted(_FIELD_SET - columns.keys())}, "
+                            f"unexpected {sorted(columns.keys() - _FIELD_SET)}")
+        # Device values arrive as floats (or ints): the two fields of other types, by name.
+        found = columns["found_inf"] = [bool(x) for x in columns["found_inf"]]
+        columns["growth_tracker"] = [int(x) for x in columns["growth_tracker"]]
+        columns["applied"] = [not f if a is None else a for a, f in zip(columns["applied"], found)]
+        return [StepRecord._trusted(values) for values in zip(*[columns[name] for name in FIELDS])], losses
 
 
-def _read_all(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``rows`` with every tensor replaced by its value as a Python number, in one transfer.
+_FIELD_SET = frozenset(FIELDS)
+_HOST_TYPES = frozenset({float, int, bool, type(None)})
 
-    Every tensor in ``rows`` is a 0-d record value on the run's device. They are stacked by
+
+def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """``rows`` (each with the same keys) as one list of values per key, in the rows' order."""
+    keys = list(rows[0])
+    try:
+        # Equal lengths and every key found: the same keys (a length compare is cheaper than a keys compare).
+        if all(len(row) == len(keys) for row in rows):
+            return {key: [row[key] for row in rows] for key in keys}
+    except KeyError:
+        pass
+    raise TypeError(f"step records of one flush differ in their fields: {sorted(keys)} and "
+                    f"{[sorted(row) for row in rows if sorted(row) != sorted(keys)][0]}")
+
+
+def _read_all(columns: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """``columns`` with every tensor replaced by its value as a Python number, in one transfer.
+
+    Every tensor in ``columns`` is a 0-d record value on the run's device. They are stacked by
     dtype; several stacks are widened to float64 (exact for every dtype a record holds) and
-    concatenated, so that one ``tolist`` reads them all. Other values pass through.
+    concatenated, so that one ``tolist`` reads them all. Other values pass through; so does a
+    column without a tensor (most are host numbers), untouched.
     """
+    tensor, host = torch.Tensor, _HOST_TYPES
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for row in rows:
-        for v in row.values():
-            if isinstance(v, torch.Tensor):
-                by_dtype.setdefault(v.dtype, []).append(v)
+    at: dict[str, list[int]] = {}
+    for key, column in columns.items():
+        # A host number is told by its exact type first: isinstance(x, torch.Tensor) is slow for
+        # anything that is not a tensor (its metaclass's instance check).
+        where = [i for i, v in enumerate(column) if type(v) not in host and isinstance(v, tensor)]
+        if where:
+            at[key] = where
+            for i in where:
+                by_dtype.setdefault(column[i].dtype, []).append(column[i])
     if not by_dtype:
-        return [dict(row) for row in rows]
+        return columns
     stacks = [torch.stack(ts) for ts in by_dtype.values()]
     flat = (stacks[0] if len(stacks) == 1 else torch.cat([t.to(torch.float64) for t in stacks])).tolist()
     read, start = {}, 0
     for dtype, ts in by_dtype.items():
         read[dtype] = iter(flat[start:start + len(ts)])
         start += len(ts)
-    return [{k: next(read[v.dtype]) if isinstance(v, torch.Tensor) else v for k, v in row.items()} for row in rows]
+    out = dict(columns)
+    for key, where in at.items():
+        column = out[key] = list(columns[key])
+        for i in where:
+            column[i] = next(read[column[i].dtype])
+    return out
 
 
 _F32 = struct.Struct("f")

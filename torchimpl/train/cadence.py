@@ -12,7 +12,9 @@ After every optimizer step the trainer asks each part whether it is due at that 
    checkpoints in the folder beyond ``checkpoint.keep_last`` are deleted after each save. The
    checkpointer also finds the checkpoint a resume starts from.
 
-The :class:`StepClock` times the steps with evaluation and saving left out.
+Most steps have none of them due: :func:`quiet_steps` answers that for a step, decided once
+per run from the parts' intervals. The :class:`StepClock` times the steps with evaluation and
+saving left out.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torchimpl.config.schema import CheckpointConfig
 from torchimpl.run.state import TrainState, check_contents
 from torchimpl.safe_files import RunFileWriteError
 
-__all__ = ["Checkpointer", "Evaluator", "LogPoints", "StepClock"]
+__all__ = ["Checkpointer", "Evaluator", "LogPoints", "StepClock", "quiet_steps"]
 
 log = logging.getLogger("torchimpl.train.trainer")
 
@@ -148,6 +150,22 @@ class Checkpointer:
                                     "the run wrote to it), so the run stopped; put the folder back (or a copy of "
                                     "it) and resume from its last checkpoint, or start afresh in another folder",
                                     errno.ENOENT, str(self.folder))
+
+
+def quiet_steps(logs: LogPoints, evaluator: Evaluator, checkpointer: Checkpointer) -> Callable[[int], bool]:
+    """Whether no part is due after ``step`` when it is neither the last step nor a stop: the
+    step is a multiple of none of the intervals of the parts that run (an evaluation only with
+    validation data, a checkpoint only with a folder; an interval of 0 means never)."""
+    intervals = [logs.interval]
+    if evaluator.val_data is not None:
+        intervals.append(evaluator.interval)
+    if checkpointer.folder is not None:
+        intervals.append(checkpointer.interval)
+    every = tuple(sorted({i for i in intervals if i > 0}))
+    if len(every) == 1:  # the common case: the log interval alone, one modulo a step
+        (only,) = every
+        return lambda step: step % only != 0
+    return lambda step: all(step % i for i in every)
 
 
 class StepClock:

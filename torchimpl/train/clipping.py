@@ -85,7 +85,7 @@ def clip_grad_norm_(groups: list[ParamGroup], params: list[nn.Parameter], max_no
         grads = all_grads if single else [p.grad for p in group_params if p.grad is not None]
         if not grads:
             continue
-        coef_here = coef.to(device)
+        coef_here = coef if coef.device == device else coef.to(device)
         if found is not None and foreach and coef.dtype == torch.float32 and device == found.device \
                 and group_params[0].dtype in _CHECK_AND_SCALE_DTYPES \
                 and (device.type == "cpu" or group_params[0].dtype == coef.dtype):

@@ -28,7 +28,6 @@ from typing import Any, Callable, Sequence
 
 from torchimpl.run.metrics import CsvMetrics, MetricsSink, open_metrics, open_run_folder, rows_for
 from torchimpl.run.records import StepRecord, TraceWriter
-from torchimpl.train.callback_checks import checked_hook
 
 __all__ = ["PROGRESS_LOGGER", "Reporter", "open_reporter", "progress_mode"]
 
@@ -116,10 +115,10 @@ class Reporter:
         self._held = ([], [])
         self._write(records, losses, val_loss)
         self._show(records[-1], losses[-1], val_loss)
-        callbacks: Sequence[Any] = self.trainer.callbacks
-
-        for cb in callbacks:
-            checked_hook(cb.on_log, lambda: self.trainer.state)(self.trainer, self.trainer.state, records, losses)
+        trainer = self.trainer
+        # The callbacks' on_log that do something, bound and checked once (torchimpl.train.step.bind_hooks).
+        for hook in trainer.engine.hooks.log:
+            hook(trainer.state, records, losses)
         return problem
 
     def _write(self, records: list[StepRecord], losses: list[float], val_loss: float | None) -> None:

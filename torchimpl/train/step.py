@@ -45,12 +45,12 @@ import torch
 from torch import nn
 
 from torchimpl.precision.batches import batch_size, to_device
+from torchimpl.train.callback_checks import checked_hook, checked_step_hook, hook_name
 from torchimpl.train.clipping import check_nonfinite_, clip_grad_norm_, group_by_device_and_dtype
 from torchimpl.train.optim import kernel_skip_refusal
 from torchimpl.run.records import PendingRecords, StepRecord
 from torchimpl.train.scaler import DynamicLossScaler
 from torchimpl.train.schedule import AppliedStepSchedule, lr_from_table, lr_table
-from torchimpl.train.callback_checks import checked_hook, hook_name
 from torchimpl.train.loss_protocol import bad_loss_message
 
 __all__ = [
@@ -168,6 +168,7 @@ class DynamicScaling:
 
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
+_FLOAT32 = torch.float32
 
 
 def scale_collapsed(scale: float) -> bool:
@@ -363,12 +364,13 @@ def choose_sync_free(requested: bool, optimizer_kind: str, optimizer: torch.opti
 
 class StepHooks(NamedTuple):
     """The callbacks' step hooks that do something, each bound to its trainer; called with
-    the run's state."""
+    the run's state (``log``: with the state, the records and their losses, at a log point)."""
 
     microbatch_end: list[Callable[[Any], None]]
     after_backward: list[Callable[[Any], None]]
     before_optimizer_step: list[Callable[[Any], None]]
     step_end: list[Callable[[Any], None]]
+    log: list[Callable[[Any, list[StepRecord], list[float]], None]] = []
 
 
 class StepEngine:
@@ -398,6 +400,10 @@ class StepEngine:
             self._unscale_and_clip = clip
         else:
             self._unscale_and_clip = self._unscale_then_clip
+        # Multi-process runs hold back DDP's gradient all-reduce until the window's last
+        # backward, and agree on found_inf; a single process does neither.
+        self._accumulate = dist.accumulate if dist.enabled else None
+        self._agree = dist.agree if dist.enabled else None
         self._flags = torch.zeros((), dtype=torch.complex64, device=device)
         self._found, self.loss_acc = torch.view_as_real(self._flags).unbind()
         self.pending = PendingRecords()
@@ -420,8 +426,7 @@ class StepEngine:
         st, scaling, loss_acc, device = self.state, self.scaling, self.loss_acc, self.device
         self.window, self.scale_before = window, scaling.scale_before()
         model, loss_fn, autocast, hooks = self.model, self.loss_fn, self.autocast, self.hooks.microbatch_end
-        # Multi-process runs hold back DDP's gradient all-reduce until the window's last backward.
-        accumulate = self.dist.accumulate if self.dist.enabled else None
+        accumulate = self._accumulate
         for batch in window:
             n = batch_size(batch)
             batch = to_device(batch, device)
@@ -434,7 +439,8 @@ class StepEngine:
             if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
                 raise ValueError(_bad_loss(loss))
             # Outside autocast from here: the accumulation, the division, the scaling and backward.
-            loss_acc.add_(loss.detach().float())
+            value = loss.detach()
+            loss_acc.add_(value if value.dtype is _FLOAT32 else value.float())  # float(): a no-op call on float32
             scaled = loss / k
             scaled = scaling.scale(scaled)
             scaled.backward()
@@ -490,9 +496,10 @@ class StepEngine:
             hook(st)
         found = self._found  # zeroed at the start of the window
         grad_norm, clip_coef = self._unscale_and_clip(found)
-        agreed = self.dist.agree(found, self.scaling.scaler, self.loss_acc)
-        if agreed is not found:  # several processes: the all-reduced flag
-            found.copy_(agreed)
+        if self._agree is not None:
+            agreed = self._agree(found, self.scaling.scaler, self.loss_acc)
+            if agreed is not found:  # several processes: the all-reduced flag
+                found.copy_(agreed)
         self.found_inf, self.grad_norm = found, grad_norm
         self.save_refused = ("from on_before_optimizer_step: the gradients are unscaled and clipped but the step "
                              "is not taken, so a resume would unscale and clip them again; save from "
@@ -557,13 +564,17 @@ def build_step_engine(*, config: Any, sync_free: bool, model: nn.Module, forward
 
 
 def bind_hooks(callbacks: Sequence[Any], owner: Any, base: type) -> StepHooks:
-    """The callbacks' step hooks, leaving out those that are ``base``'s no-op, bound to ``owner``."""
-    def active(name: str) -> list[Callable[[Any], None]]:
+    """The callbacks' step and log hooks, leaving out those that are ``base``'s no-op, bound to
+    ``owner``, each checked for what it leaves in the trainer's state (``torchimpl.train.callback_checks``)."""
+
+    def overridden(name: str) -> list[Callable[..., None]]:
         default = getattr(base, name)
         hooks = [getattr(cb, name) for cb in callbacks]
-        # Each checked for what it leaves in the trainer's state (torchimpl.train.callback_checks).
-        return [checked_hook(functools.partial(h, owner), lambda: owner.state, hook_name(h))
-                for h in hooks if getattr(h, "__func__", None) is not default]
+        return [h for h in hooks if getattr(h, "__func__", None) is not default]
 
-    return StepHooks(active("on_microbatch_end"), active("on_after_backward"), active("on_before_optimizer_step"),
-                     active("on_step_end"))
+    def step(name: str) -> list[Callable[[Any], None]]:
+        return [checked_step_hook(h, owner, hook_name(h)) for h in overridden(name)]
+
+    log = [checked_hook(functools.partial(h, owner), lambda: owner.state, hook_name(h)) for h in overridden("on_log")]
+    return StepHooks(step("on_microbatch_end"), step("on_after_backward"), step("on_before_optimizer_step"),
+                     step("on_step_end"), log)

@@ -40,7 +40,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from torchimpl.precision.batches import to_device
 from torchimpl.train.callback_checks import checked_hook
-from torchimpl.train.cadence import Checkpointer, Evaluator, LogPoints, StepClock
+from torchimpl.train.cadence import Checkpointer, Evaluator, LogPoints, StepClock, quiet_steps
 from torchimpl.run.checkpoint import CheckpointError, check_loadable, remove_stale_temporaries
 from torchimpl.config.schema import Config, ScheduleConfig
 from torchimpl.precision.device import resolve_device
@@ -51,7 +51,6 @@ from torchimpl.train.optim import BuiltOptimizer, OptimizerConfig, adopt_optimiz
 from torchimpl.precision.plan import PrecisionDowngradeWarning, PrecisionPlan, autocast_context, resolve_precision
 from torchimpl.run.lifecycle import Interrupts, check_train_data, outcome, preflight
 from torchimpl.train.loss_protocol import default_loss_fn
-from torchimpl.run.records import StepRecord
 from torchimpl.precision.fp32_modules import apply_fp32_modules
 from torchimpl.train.precision_stats import precision_stats_callbacks
 from torchimpl.train.reporting import Reporter, open_reporter
@@ -167,6 +166,7 @@ class _Fit:
     evaluator: Evaluator | None = None
     checkpointer: Checkpointer | None = None
     clock: StepClock | None = None
+    quiet: Callable[[int], bool] = lambda step: False  # torchimpl.train.cadence.quiet_steps, once the parts are made
 
 
 def _optimizer_and_schedule(cfg: Config, fit: _Fit) -> tuple[BuiltOptimizer, Any, Any]:
@@ -378,7 +378,6 @@ class Trainer:
         finally:
             _close(fit, self.callbacks)
 
-
     def _set_up(self, model: nn.Module, train_data: Iterable[Any]) -> None:
         """The plan, the model on its device, the optimizer built on it, the step engine."""
         cfg, fit = self.config, self._fit
@@ -433,8 +432,7 @@ class Trainer:
         self._fit.dist.seed(seed)
 
     def _resume(self, resume: str | Path | None) -> dict[str, Any] | None:
-        """The checkpoint's contents restored into the run (generators and data come later):
-        rule 10 of ``torchimpl.run.state``."""
+        """The checkpoint's contents restored (generators, data later): ``torchimpl.run.state`` rule 10."""
         found = self._fit.checkpointer.find(resume, self._fit.run.restore) if resume is not None else None
         if found is None:
             return None
@@ -451,7 +449,7 @@ class Trainer:
             fit.guard = NonFiniteGuard(fit.model)
         fit.logs = LogPoints(cfg.train.log_interval)
         fit.evaluator = Evaluator(val_data, cfg.train.eval_interval, fit.guard)
-        fit.clock = StepClock(fit.device)
+        fit.clock, fit.quiet = StepClock(fit.device), quiet_steps(fit.logs, fit.evaluator, fit.checkpointer)
         fit.reporter, fit.log_dir, fit.metrics_file = open_reporter(
             self, cfg, is_main=fit.dist.is_main, resume_at=fit.state.step if resumed is not None else None,
             header=self._trace_header)
@@ -499,6 +497,8 @@ class Trainer:
     def _after_step(self) -> bool:
         """The log point, evaluation and checkpoint due after this step; whether to stop here."""
         fit, step = self._fit, self._fit.state.step
+        if fit.quiet(step) and step < self.config.train.steps and not (fit.stop_requested or fit.interrupts.received):
+            return False  # most steps: nothing is due and nothing stops
         last, interrupted = step >= self.config.train.steps, fit.interrupts.received
         val_loss = None
         eval_due = fit.evaluator.due(step, last=last)
