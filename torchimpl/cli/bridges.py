@@ -131,4 +131,5 @@ def audit_command(args: argparse.Namespace) -> int:
     # The script's logging and warnings print as under `python SCRIPT.py`: once, in their own format.
     with own_loggers_only():
         return audit_main(args.script, args.args, report=args.report, steps=args.steps, no_replay=args.no_replay,
-                          strict=args.strict, force=args.force)
+                          strict=args.strict, force=args.force, replay_every=args.replay_every,
+                          replay_sample=args.replay_sample, replay_seed=args.replay_seed)
