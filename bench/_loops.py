@@ -115,10 +115,11 @@ def run_hand(w: Workload, steps: int, mark: Mark) -> None:
 
 
 def trainer_config(w: Workload, steps: int, *, sync_free: bool = False, package: str = "torchimpl"):
-    config = importlib.import_module(f"{package}.config")
+    # The package's public names, which stay where they are whatever module defines them (so that
+    # --against REV runs a revision of another layout).
+    config = importlib.import_module(package)
     Config, ScheduleConfig, TrainConfig = config.Config, config.ScheduleConfig, config.TrainConfig
-    OptimizerConfig = importlib.import_module(f"{package}.optim").OptimizerConfig
-    PrecisionConfig = importlib.import_module(f"{package}.precision").PrecisionConfig
+    OptimizerConfig, PrecisionConfig = config.OptimizerConfig, config.PrecisionConfig
 
     cpu = torch.device(w.device).type == "cpu"
     if cpu and w.autocast_dtype != torch.bfloat16:
@@ -139,7 +140,7 @@ def trainer_config(w: Workload, steps: int, *, sync_free: bool = False, package:
 
 
 def run_trainer(w: Workload, steps: int, mark: Mark, *, sync_free: bool = False, package: str = "torchimpl") -> Any:
-    trainer = importlib.import_module(f"{package}.trainer")
+    trainer = importlib.import_module(package)  # its public names (see trainer_config)
     Callback, Trainer = trainer.Callback, trainer.Trainer
 
     class Marks(Callback):
