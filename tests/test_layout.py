@@ -172,7 +172,7 @@ def test_only_the_command_line_imports_audit():
 
 
 def _unexplained_function_imports(path: Path) -> list[str]:
-    """In-function imports of torchimpl modules with no comment on their line or atop their group."""
+    """In-function imports with no comment on their line or atop their group of imports."""
     text = path.read_text()
     lines = text.splitlines()
     tree = ast.parse(text)
@@ -181,12 +181,13 @@ def _unexplained_function_imports(path: Path) -> list[str]:
                    for k in ast.walk(f)}
     bad = []
     for node in ast.walk(tree):
-        if (id(node) in in_function and id(node) not in skip and isinstance(node, ast.ImportFrom)
-                and (node.module or "").split(".")[0] == "torchimpl"):
-            i = node.lineno - 1
-            while i > 0 and lines[i - 1].strip().startswith(("from ", "import ")):
-                i -= 1
-            if "#" not in lines[node.lineno - 1] and not lines[i - 1].strip().startswith("#"):
+        if id(node) in in_function and id(node) not in skip and isinstance(node, (ast.Import, ast.ImportFrom)):
+            first = last = node.lineno - 1  # the group of import lines around it
+            while first > 0 and lines[first - 1].strip().startswith(("from ", "import ")):
+                first -= 1
+            while last + 1 < len(lines) and lines[last + 1].strip().startswith(("from ", "import ")):
+                last += 1
+            if not any("#" in line for line in lines[first:last + 1]) and not lines[first - 1].strip().startswith("#"):
                 bad.append(f"{path.relative_to(_ROOT)}:{node.lineno}")
     return bad
 

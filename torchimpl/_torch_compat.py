@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import GradScaler
 
 __all__ = [
     "OptState",
@@ -155,8 +156,6 @@ def _missing_attributes(obj: Any, names: dict[str, str], owner: str) -> list[str
 
 def _attribute_checks() -> list[tuple[str, Callable[[], list[str]]]]:
     def scaler() -> list[str]:
-        from torch.amp.grad_scaler import GradScaler
-
         return (_missing_attributes(GradScaler("cpu"), GRAD_SCALER_ATTRIBUTES, "GradScaler")
                 + _missing_attributes(GradScaler, GRAD_SCALER_METHODS, "GradScaler"))
 

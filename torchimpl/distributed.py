@@ -56,11 +56,13 @@ import itertools
 import json
 import logging
 import os
+import random
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -229,11 +231,11 @@ def wrap_model(model: nn.Module, mode: str, plan: Any = None, device: torch.devi
     device = device or next(model.parameters()).device
     _broadcast_from_rank0(model)
     if mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
+        from torch.nn.parallel import DistributedDataParallel  # loaded when used (slow to import)
 
         ids = [device.index] if device.type == "cuda" and device.index is not None else None
         return model, DistributedDataParallel(model, device_ids=ids)
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh  # loaded when used (slow to import)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -330,7 +332,7 @@ class DistributedContext:
         return self.mode == "fsdp2"
 
     def _collective(self, what: str, fn: Callable[[], Any]) -> Any:
-        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.api import CheckpointException  # loaded when used (slow to import)
 
         try:
             return fn()
@@ -386,9 +388,6 @@ class DistributedContext:
         """Rule 8: reseed this rank's generators (rank 0 and non-distributed runs: unchanged)."""
         if self.rank == 0:
             return
-        import random
-
-        import numpy as np
 
         s = rank_seed(seed, self.rank)
         random.seed(s)
@@ -479,7 +478,7 @@ class DistributedContext:
         return self._save_sharded(contents, grads, path)
 
     def _save_sharded(self, contents: dict[str, Any], grads: list[Any] | None, path: Path) -> Path:
-        import torch.distributed.checkpoint as dcp
+        import torch.distributed.checkpoint as dcp  # loaded when used (slow to import)
 
         final = path.with_suffix(".dcp")
         holder: list[Any] = [None]
@@ -514,6 +513,7 @@ class DistributedContext:
         is left out: ``get_state_dict`` would first create the state with a zero-learning-rate
         step, and the live run would keep it (Adam's step count would then start at 1).
         """
+        # torch.distributed's parts load only for the multi-process run or checkpoint that uses them
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         if not with_optimizer:
@@ -540,7 +540,7 @@ class DistributedContext:
                                       "or resume='latest' (--resume) with checkpoint.folder set to that folder")
             if not self.sharded:
                 raise CheckpointError(f"{path} is a sharded (FSDP2) checkpoint; resume it with train.distributed=fsdp2")
-            import torch.distributed.checkpoint as dcp
+            import torch.distributed.checkpoint as dcp  # loaded when used (slow to import)
             from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
             contents = load_checkpoint(path / "meta.ckpt", map_location="cpu")

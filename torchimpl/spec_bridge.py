@@ -38,6 +38,7 @@ __all__ = ["autocast_device_note", "optimizer_config", "param_groups", "scaler_c
 def scaler_config(policy: Any) -> Any:
     """Rule 1: ``reference.scaling.ScalerConfig`` for a resolved scaler policy (the spec's
     default configuration for ``None``: no scaler, whose scale the spec fixes at 1)."""
+    # the specification, only when the bridge is used: importing torchimpl never imports reference
     from reference.scaling import ScalerConfig
 
     if policy is None:
@@ -49,6 +50,7 @@ def scaler_config(policy: Any) -> Any:
 def optimizer_config(o: Any) -> Any:
     """Rule 2: the spec's optimizer configuration for a ``torchimpl.train.optim.OptimizerConfig``: the
     spec's row of the same torch class, given the keyword arguments torchimpl gives torch."""
+    # the specification, only when the bridge is used: importing torchimpl never imports reference
     from reference import optim
 
     row = train_optim.REGISTRY[o.name]
@@ -57,6 +59,7 @@ def optimizer_config(o: Any) -> Any:
 
 def schedule(config: Any) -> Any:
     """Rule 3: the spec's ``LRSchedule`` for a run's ``Config``."""
+    # the specification, only when the bridge is used: importing torchimpl never imports reference
     from reference.step import LRSchedule
 
     s, o = config.schedule, config.optimizer
@@ -68,6 +71,7 @@ def schedule(config: Any) -> Any:
 def param_groups(o: Any, param_ndims: Sequence[int]) -> Any:
     """Rule 4: the spec's parameter groups for the trained parameters' numbers of dimensions
     (in the trainer's parameter order); ``None`` for one group of all."""
+    # the specification, only when the bridge is used: importing torchimpl never imports reference
     from reference.step import ParamGroup
 
     if not o.no_decay_bias_and_norm:
@@ -82,6 +86,7 @@ def step_config(config: Any, *, scaler_policy: Any, optimizer_kind: str, sync_fr
     """``reference.step.StepConfig`` for a run: its ``Config``, the policy of the scaler it runs
     (``None`` without one), the optimizer kind and sync mode it resolved, and its trained
     parameters' numbers of dimensions. ``extra`` goes to ``StepConfig`` as is (``sqrt``)."""
+    # the specification, only when the bridge is used: importing torchimpl never imports reference
     from reference.step import StepConfig
 
     return StepConfig(optimizer=optimizer_config(config.optimizer), schedule=schedule(config),
@@ -99,6 +104,7 @@ _ATEN_TO_POLICY = {"_softmax": "softmax", "softmax": "softmax", "_log_softmax": 
 
 def autocast_device_note(low_ops: dict[str, set[str]], dtype: str) -> str | None:
     """Rule 6: the note for ops (aten name -> modules they ran in) seen on 16-bit inputs on a CPU."""
+    # the specification, only when the bridge is used: importing torchimpl never imports reference
     from reference.autocast import category
 
     differ: dict[str, set[str]] = {}

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -22,12 +24,12 @@ from typing import Any, Sequence
 
 # Nothing here imports torch at module level (nor does torchimpl/__init__.py): --help, --version
 # and argument errors answer without it; each command imports what it needs when it runs.
-from torchimpl.config.embedded import is_task_name
-from torchimpl.cli.errors import run_command
-from torchimpl.run.lifecycle import EXIT_CODES, command_interrupts, restore_handlers
-from torchimpl.cli.messages import configure_logging, launch_rank, plain_warnings, rank_prefix
 from torchimpl.cli.bridges import audit_command, replay_command
+from torchimpl.cli.errors import run_command
+from torchimpl.cli.messages import configure_logging, launch_rank, plain_warnings, rank_prefix
 from torchimpl.cli.messages import line as message_line
+from torchimpl.config.embedded import is_task_name
+from torchimpl.run.lifecycle import EXIT_CODES, command_interrupts, restore_handlers
 
 __all__ = ["main"]
 
@@ -46,9 +48,6 @@ def _version_text() -> str:
 def _torch_version() -> str:
     """torch's version from its ``torch/version.py``, read as text: importing torch takes
     seconds, and importlib.metadata's search of every installed distribution most of one."""
-    import importlib.util
-    import re
-
     spec = importlib.util.find_spec("torch")
     for folder in (spec.submodule_search_locations or []) if spec else []:
         try:
@@ -205,6 +204,7 @@ def _outcome_message(summary) -> str | None:
 def _config(args: argparse.Namespace) -> int:
     """Print the configuration ``train`` would run with (the defaults, ``--config``, ``--set``)
     as YAML that ``train --config`` reads back to the same configuration."""
+    # imported when the command runs: `ampspec --help` starts without yaml or torch
     import yaml
 
     # imported when the command runs: `ampspec --help` starts without torch
@@ -234,6 +234,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
         _plain_warnings()
         return run_doctor(args)
+    # imported when the command runs: `ampspec --help` starts without torch
     import torch
 
     # imported when the command runs: `ampspec --help` starts without torch

@@ -309,9 +309,11 @@ def _interrupted(exc: BaseException, rows: list[dict[str, Any]], runs: list[tupl
 def _plot(curves: dict[str, _Curves], rows: list[dict[str, Any]], band: Band, title: str,
           path: Path) -> tuple[str | None, str | None]:
     try:
+        # optional dependency: the picture is drawn only where matplotlib is installed
         import matplotlib
 
         matplotlib.use("Agg")
+        # optional dependency: the picture is drawn only where matplotlib is installed
         import matplotlib.pyplot as plt
     except ImportError:
         return None, "PNG skipped: matplotlib is not installed (pip install 'ampspec[plot]')"
@@ -345,6 +347,7 @@ def _run_label(label: str, row: dict[str, Any]) -> str:
 
 def _plot_losses(ax: Any, curves: dict[str, _Curves], by_label: dict[str, dict[str, Any]], band: Band,
                  colours: dict[str, str]) -> None:
+    # optional dependency: the picture is drawn only where matplotlib is installed
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,6 @@ def _is_own(path: Path, option: str) -> bool:
 
 def _check_inputs(args: Any) -> None:
     """Every option checked before any work (rule 3, and the numbers)."""
-    import math
-
     if args.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
     if args.batch_size < 1:
@@ -79,6 +78,7 @@ def _check_inputs(args: Any) -> None:
 
 def run_doctor(args: Any) -> int:
     """Rules 1-4 for the parsed ``ampspec doctor`` options."""
+    # imported when the command runs: `ampspec --help` starts without torch
     import torch
 
     # imported when the doctor runs: the parser is built without torch

@@ -102,6 +102,7 @@ def _resolve_source(path: Path) -> Path:
 def _load_sharded(folder: Path) -> dict[str, torch.Tensor]:
     """An FSDP2 ``.dcp`` folder, gathered into full tensors in this one process."""
     verify_checkpoint(folder)
+    # torch.distributed's parts load only for the multi-process run or checkpoint that uses them
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -136,6 +137,7 @@ def _as_state_dict(obj: Any, source: Path) -> dict[str, torch.Tensor]:
 
 def _safetensors(path: Path, verb: str) -> Any:
     try:
+        # optional dependency: only for a .safetensors output
         import safetensors.torch
     except ImportError:
         raise ImportError(f"{verb} {path} needs the safetensors package: {_SAFETENSORS_HINT} "

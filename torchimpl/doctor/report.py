@@ -100,9 +100,11 @@ def save_plot(reports: list[PrecisionReport], path: str) -> str:
     drawn (headroom 0: the largest finite value) and the verdicts' layers marked; needs
     matplotlib (the ``plot`` extra)."""
     try:
+        # optional dependency: the picture is drawn only where matplotlib is installed
         import matplotlib
 
         matplotlib.use("Agg")
+        # optional dependency: the picture is drawn only where matplotlib is installed
         import matplotlib.pyplot as plt
     except ImportError:
         raise ImportError(f"--plot needs matplotlib: {_PLOT_EXTRA}") from None

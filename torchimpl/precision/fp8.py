@@ -53,7 +53,9 @@ import logging
 import math
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any, Callable
 
 import torch
@@ -96,8 +98,6 @@ def torchao_available() -> bool:
 
 
 def _torchao_version() -> str | None:
-    from importlib import metadata
-
     try:
         return metadata.version("torchao")
     except metadata.PackageNotFoundError:
@@ -281,6 +281,7 @@ def convert_to_fp8(model: nn.Module, recipe: str, device: torch.device | str, *,
             if (name or "") in eligible:
                 module.register_forward_pre_hook(_mx_rows_hook(name))
     else:
+        # optional dependency: torchao, only for fp8
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         model = convert_to_float8_training(model, module_filter_fn=keep,
@@ -323,8 +324,6 @@ def check_mx_rows(model: nn.Module, train_data: Any, run: Callable[[nn.Module, A
     autocast) on ``train_data``'s first batch without gradients, in eval mode, with torch's
     generators restored, so that a layer's ``ValueError`` comes before step 1. A one-shot
     iterator is not read (its batches belong to the run); each forward still checks."""
-    from collections.abc import Iterator
-
     if isinstance(train_data, Iterator):
         return
     was_training = model.training
@@ -370,6 +369,7 @@ def _import_torchao_quietly() -> None:
 
 
 def _convert_mx(model: nn.Module, keep: Callable[[nn.Module, str], bool], device: torch.device | str) -> nn.Module:
+    # optional dependency: torchao, only for fp8
     from torchao.float8.float8_linear_utils import swap_linear_layers
     from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
     from torchao.prototype.mx_formats.config import ScaleCalculationMode

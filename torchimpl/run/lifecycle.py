@@ -27,8 +27,9 @@ import os
 import signal
 import tempfile
 import threading
-from pathlib import Path
 from collections.abc import Iterator
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Iterable
 
 __all__ = ["EXIT_CODES", "Interrupted", "Interrupts", "check_train_data", "command_interrupts", "outcome", "preflight"]
@@ -41,8 +42,6 @@ that cannot be read, a refused resume)."""
 
 def check_train_data(train_data: Any) -> None:
     """Rule 1 for ``fit``'s ``train_data``: iterable batches, a sequence's first holding a tensor."""
-    from collections.abc import Sequence
-
     # imported when called: the command line imports this module before torch
     from torchimpl.task.checks import holds_tensor
 

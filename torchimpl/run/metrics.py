@@ -193,6 +193,7 @@ def tensorboard_available() -> bool:
 
 def _summary_writer_class() -> Any:
     try:
+        # optional dependency: only with logging.tensorboard
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None

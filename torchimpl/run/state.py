@@ -50,11 +50,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import warnings
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -109,10 +112,6 @@ def _counter_problems(trainer: dict[str, Any]) -> list[str]:
 def _stream_problems(rng: dict[str, Any], data: dict[str, Any]) -> list[str]:
     """Rules 7-8 checked before anything is restored: each generator state is set on a
     throwaway generator, so a malformed one is named here rather than failing mid-restore."""
-    import random
-
-    import numpy as np
-
     checks = {
         "rng.python": lambda v: random.Random().setstate((int(v[0]), tuple(int(x) for x in v[1].tolist()), v[2])),
         "rng.numpy": lambda v: np.random.RandomState().set_state((v[0], v[1].numpy().astype(np.uint32), *v[2:])),
@@ -450,8 +449,6 @@ def _same_value(a: Any, b: Any) -> bool:
 
 def ampspec_version() -> str:
     try:
-        from importlib.metadata import version
-
         return version("ampspec")
     except Exception:  # not installed (running from a checkout)
         return getattr(torchimpl, "__version__", "unknown")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,6 @@ __all__ = ["TaskFailed", "call_task", "check_imported", "check_module", "check_r
 
 
 def _where(exc: BaseException) -> str:
-    import traceback
-
     frames = traceback.extract_tb(exc.__traceback__)
     return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
@@ -126,8 +125,6 @@ def check_result(entry: str, result: Any) -> None:
 def task_failure(entry: str, exc: BaseException) -> TaskFailed | None:
     """Rule 4: ``exc`` as the task's failure, or None when ampspec's own code raised it (a
     refusal that already names its field)."""
-    import traceback
-
     frames = traceback.extract_tb(exc.__traceback__)
     package = str(Path(__file__).resolve().parent.parent) + os.sep  # torchimpl/, above task/
     if frames and frames[-1].filename.startswith(package):

@@ -188,6 +188,7 @@ def open_reporter(trainer: Any, cfg: Any, *, is_main: bool, resume_at: int | Non
 
 
 def _progress_bar(total: int, initial: int) -> Any:
+    # optional dependency: the progress bar only where tqdm is installed
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)

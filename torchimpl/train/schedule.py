@@ -28,6 +28,7 @@ import math
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from torchimpl.config.schema import ScheduleConfig
 from torchimpl.train.optim import qualified_name
@@ -114,8 +115,6 @@ class AppliedStepSchedule:
 
 def adopt_scheduler(optimizer: torch.optim.Optimizer, scheduler: Any) -> Any:
     """Rule 4: the user's scheduler (or ``scheduler(optimizer)``), checked to drive ``optimizer``."""
-    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
-
     if scheduler is None:
         return None
     if not isinstance(scheduler, (LRScheduler, ReduceLROnPlateau)):
