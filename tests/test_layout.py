@@ -251,3 +251,36 @@ def test_the_per_fit_state_names_the_type_of_each_field():
 
     untyped = sorted(name for name, tp in typing.get_type_hints(_Fit).items() if tp is Any)
     assert not untyped, f"_Fit fields typed Any: {untyped}"
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in _strings(k) + _strings(v)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def test_a_checkpoint_names_no_torchimpl_module(tmp_path):
+    """The checkpoint format does not depend on where torchimpl's code lives: no module path of
+    torchimpl is stored (so a checkpoint written before a move resumes after it)."""
+    import torch
+    from torch import nn
+
+    import torchimpl
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(2)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    trainer = torchimpl.Trainer(precision="fp32", device="cpu", max_steps=2, checkpoint_dir=str(tmp_path),
+                                checkpoint_interval=1, overrides={"logging.progress": "off", "logging.dir": None})
+    trainer.fit(model, data, loss_fn=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), optimizer=opt,
+                scheduler=sched)
+    contents = torchimpl.load_checkpoint(torchimpl.latest_checkpoint(tmp_path))
+    named = sorted({s for s in _strings(contents) if "torchimpl." in s})
+    assert not named, f"the checkpoint names torchimpl modules: {named}"
+    assert "torch.optim.sgd.SGD" in _strings(contents)  # what it does name: the user's classes
