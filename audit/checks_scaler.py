@@ -34,7 +34,7 @@ def unscale_twice(ev: StageCall | Any) -> Iterator[Finding]:
     `reference.scaling.unscale_stage`); or, from the numbers (a `audit.boundaries.Boundary`),
     gradients reaching a stage equal to the unscaled gradients unscaled once more (by the inverse
     or by a division by the scale), after ``unscale_`` or before ``scaler.step`` unscales them."""
-    from reference.scaling import UNSCALED
+    from reference.scaling import UNSCALED  # on call: ``import audit`` stays free of the spec (above)
 
     if getattr(ev, "change", None) is None:  # a call of the sequence, not a boundary of the replay
         if ev.call == "unscale_" and ev.before.stage == UNSCALED:
@@ -60,7 +60,7 @@ def step_without_update(ev: StageCall) -> Iterator[Finding]:
     again (torch raises there) or when the run ends: its ``scaler.step`` had no ``update`` after
     it. Scaling another loss first is no finding (a GAN's generator loss after the
     discriminator's step, with one update for both)."""
-    from reference.scaling import STEPPED
+    from reference.scaling import STEPPED  # on call, as UNSCALED above
 
     if ev.before.stage != STEPPED:
         return

@@ -19,6 +19,10 @@ with ``strict`` warnings and info count as well; 2 when the audited program fail
 
 A rule is declared with its check (`rule`): the row (name, severity, meaning, fix) stands on the
 function that decides it, so that a reader finds the two together. No torch here.
+
+Imports run one way: this module <- the checks (`audit.checks_*`) <- the catalogue (`audit.rules`),
+which fills `CATALOGUE` (its ``RULES``) when it is imported; ``import audit`` imports it, so every
+`Finding` is made after the catalogue is complete.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from audit.frameworks import FRAMEWORKS, FrameworkCall
 
-__all__ = ["Rule", "rule", "Finding", "ERROR", "WARNING", "INFO", "SEVERITIES"]
+__all__ = ["CATALOGUE", "Rule", "rule", "Finding", "ERROR", "WARNING", "INFO", "SEVERITIES"]
 
 ERROR = "error"
 WARNING = "warning"
@@ -73,6 +77,10 @@ def rule(name: str, severity: str, summary: str, fix: str,
     return declare
 
 
+CATALOGUE: dict[str, "Rule"] = {}
+"""Every rule of the audit by name: `audit.rules` fills it (it is ``audit.rules.RULES``)."""
+
+
 @dataclass
 class Finding:
     """One finding: a rule broken at one step, at one call site of the user's code.
@@ -99,31 +107,23 @@ class Finding:
     def __post_init__(self) -> None:
         if self.framework is None:
             self.framework = getattr(self.where, "via", None)
-        from audit.rules import RULES  # the catalogue imports the checks, which import this module
-
-        if self.rule not in RULES:
-            raise ValueError(f"unknown rule {self.rule!r}; known: {sorted(RULES)}")
+        if self.rule not in CATALOGUE:
+            raise ValueError(f"unknown rule {self.rule!r}; known: {sorted(CATALOGUE)}")
         if self.level is not None and self.level not in SEVERITIES:
             raise ValueError(f"level must be one of {SEVERITIES}, got {self.level!r}")
 
     @property
     def severity(self) -> str:
-        from audit.rules import RULES
-
-        return self.level or RULES[self.rule].severity
+        return self.level or CATALOGUE[self.rule].severity
 
     @property
     def fix(self) -> str:
-        from audit.rules import RULES
-
-        return RULES[self.rule].fix
+        return CATALOGUE[self.rule].fix
 
     @property
     def framework_fix(self) -> str | None:
         """The fix as a setting of the framework that made the call (None: none declared, or no framework)."""
-        from audit.rules import RULES
-
-        return None if self.framework is None else RULES[self.rule].framework_fixes.get(self.framework.name)
+        return None if self.framework is None else CATALOGUE[self.rule].framework_fixes.get(self.framework.name)
 
     def framework_note(self) -> str | None:
         """The framework attribution in one line of the text report (None without a framework)."""

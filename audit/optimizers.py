@@ -69,8 +69,8 @@ import torch
 
 from reference import optim
 
-__all__ = ["ADAM_MOMENT_ULP", "ADAM_PARAM_ULP", "SGD_BUFFER_ULP", "SGD_PARAM_ULP", "AuditOptimizer", "lookup",
-           "register_optimizer", "registered"]
+__all__ = ["ADAM_MOMENT_ULP", "ADAM_PARAM_ULP", "SGD_BUFFER_ULP", "SGD_PARAM_ULP", "AuditOptimizer", "OptimizerRef",
+           "lookup", "optimizer_ref", "register_optimizer", "registered"]
 
 # The conformance suite's bounds for native kernels (conformance/expectations.py derives each;
 # tests/test_audit.py checks these stay equal to them), in ULPs of x_abs.
@@ -182,3 +182,31 @@ def lookup(cls: type) -> tuple[AuditOptimizer | None, str | None]:
                               f"{parent.__qualname__}.step nor calls it")
             break
     return None, f"{name} is not in the specification"
+
+
+@dataclass(frozen=True)
+class OptimizerRef:
+    """What the replay needs of a torch optimizer: its label in the report, its class's
+    qualified name, and its row in this module's registry (None: ``refused`` says why not)."""
+
+    label: str
+    kind: str
+    entry: AuditOptimizer | None = None
+    refused: str | None = None
+
+
+def optimizer_ref(o: Any, in_process: bool = False) -> OptimizerRef:
+    """The replay's view of the optimizer track ``o`` (``in_process``: replayed in the forked
+    worker, which cannot load a spec defined in the audited script)."""
+    cls = type(o.obj)
+    entry, refused = lookup(cls)
+    if entry is not None and in_process and not entry.builtin and _in_main(entry.spec):
+        entry, refused = None, (f"the spec of {cls.__qualname__} is defined in the audited script, which the replay "
+                                "process (started before the script) cannot load: define it in a module of its own "
+                                "and import it, or set AMPSPEC_AUDIT_REPLAY=thread")
+    return OptimizerRef(o.label, f"{cls.__module__}.{cls.__qualname__}", entry, refused)
+
+
+def _in_main(spec: Any) -> bool:
+    parts = [spec.config, spec.init_state, *spec.steps.values()]
+    return any(getattr(f, "__module__", None) == "__main__" for f in parts)

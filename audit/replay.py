@@ -63,10 +63,11 @@ import numpy as np
 import torch
 
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
-from audit import optimizers
+from audit import optimizers, worker
 from audit.optimizers import ADAM_MOMENT_ULP, ADAM_PARAM_ULP, SGD_BUFFER_ULP, SGD_PARAM_ULP
 from audit.checks_numbers import replay_divergence
 from audit.sampling import SampleBook, Sampling
+from audit.optimizers import OptimizerRef, optimizer_ref  # noqa: F401  (re-exported)
 from audit.stages import CLIP_ULP, NORM_ULP, NotReplayable, StepStages, UpdateCheck
 
 __all__ = ["Replayer", "Divergence", "NORM_ULP", "CLIP_ULP", "SGD_BUFFER_ULP", "SGD_PARAM_ULP",
@@ -100,47 +101,17 @@ class Divergence:
 from audit.compare import _compare
 
 
-@dataclass(frozen=True)
-class OptimizerRef:
-    """What the replay needs of a torch optimizer: its label in the report, its class's
-    qualified name, and its row in `audit.optimizers` (None: ``refused`` says why not)."""
-
-    label: str
-    kind: str
-    entry: Any = None
-    refused: str | None = None
-
-
-def optimizer_ref(o: Any, in_process: bool = False) -> OptimizerRef:
-    cls = type(o.obj)
-    entry, refused = optimizers.lookup(cls)
-    if entry is not None and in_process and not entry.builtin and _in_main(entry.spec):
-        entry, refused = None, (f"the spec of {cls.__qualname__} is defined in the audited script, which the replay "
-                                "process (started before the script) cannot load: define it in a module of its own "
-                                "and import it, or set AMPSPEC_AUDIT_REPLAY=thread")
-    return OptimizerRef(o.label, f"{cls.__module__}.{cls.__qualname__}", entry, refused)
-
-
-def _in_main(spec: Any) -> bool:
-    parts = [spec.config, spec.init_state, *spec.steps.values()]
-    return any(getattr(f, "__module__", None) == "__main__" for f in parts)
-
-
 MODES = ("process", "thread", "inline")
 
 
 def worker_available() -> bool:
     """Whether ``process`` mode can run here."""
-    from audit import worker
-
     return worker.available()
 
 
 def default_mode() -> str:
     """``process`` where a forked worker with shared memory is available (Linux), else ``thread``;
     ``AMPSPEC_AUDIT_REPLAY`` (one of `MODES`) chooses otherwise."""
-    from audit import worker
-
     chosen = os.environ.get("AMPSPEC_AUDIT_REPLAY", "").strip().lower()
     if chosen:
         if chosen not in MODES:
@@ -195,10 +166,8 @@ class Replayer(StepStages, UpdateCheck):
         self.process: Any = None
         self.fallback: str | None = None
         if self.mode == "process":
-            from audit import worker
-
             try:
-                self.process = worker.ReplayProcess(self._QUEUE)
+                self.process = worker.ReplayProcess(self._QUEUE, _worker_replayer)
             except OSError as exc:  # no fork or no pipe here (a process limit): the thread does the work
                 self.mode, self.fallback = "thread", f"no replay process ({exc}): replayed on a thread"
                 self._queue = queue.Queue(maxsize=self._QUEUE)
@@ -442,6 +411,11 @@ class Replayer(StepStages, UpdateCheck):
             rest.append(dv)
         self.unexplained = rest
         recorder.findings.extend(replay_divergence(rest))
+
+
+def _worker_replayer() -> Replayer:
+    """The replayer of the forked worker (`audit.worker` runs it; it does not import this module)."""
+    return Replayer(mode="inline")
 
 
 def _sample_mode(obj: Any) -> str:

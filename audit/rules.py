@@ -28,8 +28,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from audit import checks_clipping, checks_numbers, checks_program, checks_scaler, checks_steps
-from audit.findings import ERROR, INFO, SEVERITIES, WARNING, Finding, Rule, rule
-from audit.findings import _jsonable  # noqa: F401  (the step records' JSON form takes it from here)
+from audit.findings import CATALOGUE, ERROR, INFO, SEVERITIES, WARNING, Finding, Rule, rule
 
 __all__ = ["RULES", "FAMILIES", "Rule", "rule", "Finding", "ERROR", "WARNING", "INFO", "SEVERITIES"]
 
@@ -48,4 +47,6 @@ def _catalogue() -> dict[str, Rule]:
     return rules
 
 
-RULES: dict[str, Rule] = _catalogue()
+CATALOGUE.update(_catalogue())
+RULES: dict[str, Rule] = CATALOGUE
+"""Every rule by name (the dict `audit.findings.Finding` validates against)."""

@@ -16,6 +16,7 @@ import numpy as np
 from audit import boundaries
 from audit.checks_numbers import gradients_modified_after_unscale, gradients_modified_before_unscale, scale_twice
 from audit.checks_scaler import unscale_twice
+from audit.optimizers import optimizer_ref
 from reference import clipping, scaling
 
 __all__ = ["StepStages", "UpdateCheck", "NotReplayable", "NORM_ULP", "CLIP_ULP"]
@@ -194,8 +195,6 @@ class UpdateCheck:
         scaler = s.obj
         factors = (float(scaler.get_growth_factor()), float(scaler.get_backoff_factor()),
                    int(scaler.get_growth_interval()))
-        from audit.replay import optimizer_ref  # the replay imports this module
-
         closes = [(optimizer_ref(o), rec) for o, _, rec in pending]
         new = None if new_scale is None else float(new_scale)
         self._submit("_update", (s.label, closes, before, after, new, factors))

@@ -686,7 +686,7 @@ def test_without_shared_memory_the_copies_are_ordinary_arrays_and_the_report_the
 def test_when_no_replay_process_can_start_the_thread_replays_and_the_report_says_so(monkeypatch):
     import audit.worker as worker
 
-    def no_fork(self, jobs):
+    def no_fork(self, jobs, make_replayer):
         raise OSError(11, "Resource temporarily unavailable")
 
     monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "process")

@@ -119,6 +119,7 @@ def test_the_clipping_wrappers_bind_as_inspect_does(name):
 @pytest.mark.skipif("not __import__('audit.worker').worker.available()")
 def test_the_replay_process_copies_are_the_tensors_bit_for_bit():
     from audit import worker
+    from audit.replay import Replayer
 
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(5, 3, generator=g), torch.randn(4, generator=g).to(torch.bfloat16),
@@ -129,7 +130,7 @@ def test_the_replay_process_copies_are_the_tensors_bit_for_bit():
     class Owner:  # the step data the copies belong to (the pool holds it weakly)
         pass
 
-    proc = worker.ReplayProcess(2)
+    proc = worker.ReplayProcess(2, lambda: Replayer(mode="inline"))
     owner, copies = Owner(), None
 
     def as_read(arrays):
