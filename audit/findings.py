@@ -49,7 +49,10 @@ class Rule:
     generator of findings that reads the recorder's records and changes nothing).
 
     ``framework_fixes``: the fix as a framework's setting, by framework (a key of
-    `audit.frameworks.FRAMEWORKS`), for a finding whose call site lies inside that framework."""
+    `audit.frameworks.FRAMEWORKS`), for a finding whose call site lies inside that framework.
+    ``doc``: what the loop did, as docs/audit.md's table says it (generated from the rows,
+    `audit.rules.markdown_table`); ``uncertain``: the lower severity of the rule's uncertain form
+    (`Finding.level`), None for a rule without one."""
 
     name: str
     severity: str
@@ -57,13 +60,26 @@ class Rule:
     fix: str
     check: Check | None = None
     framework_fixes: Mapping[str, str] = field(default_factory=dict, hash=False)
+    doc: str = ""
+    uncertain: str | None = None
+
+    @property
+    def severities(self) -> tuple[str, ...]:
+        """The severities its findings can have: its own, then its uncertain form's."""
+        return (self.severity,) if self.uncertain is None else (self.severity, self.uncertain)
 
 
 def rule(name: str, severity: str, summary: str, fix: str,
-         framework_fixes: Mapping[str, str] | None = None) -> Callable[[C], C]:
-    """Declare a rule on its check: the decorated function keeps its row in ``.rule``."""
+         framework_fixes: Mapping[str, str] | None = None, *, doc: str | None = None,
+         uncertain: str | None = None) -> Callable[[C], C]:
+    """Declare a rule on its check: the decorated function keeps its row in ``.rule`` (``doc``
+    defaults to ``summary``)."""
     if severity not in SEVERITIES:
         raise ValueError(f"severity of rule {name!r} must be one of {SEVERITIES}, got {severity!r}")
+    if uncertain is not None and (uncertain not in SEVERITIES
+                                  or SEVERITIES.index(uncertain) <= SEVERITIES.index(severity)):
+        raise ValueError(f"uncertain severity of rule {name!r} must be one of {SEVERITIES} below {severity!r}, "
+                         f"got {uncertain!r}")
     fixes = dict(framework_fixes or {})
     unknown = sorted(set(fixes) - {key for key, _, _ in FRAMEWORKS})
     if unknown:
@@ -71,7 +87,8 @@ def rule(name: str, severity: str, summary: str, fix: str,
                          f"known: {sorted({key for key, _, _ in FRAMEWORKS})}")
 
     def declare(check: C) -> C:
-        check.rule = Rule(name, severity, summary, fix, check, fixes)  # type: ignore[attr-defined]
+        check.rule = Rule(name, severity, summary, fix, check, fixes, doc or summary,  # type: ignore[attr-defined]
+                          uncertain)
         return check
 
     return declare
@@ -109,8 +126,9 @@ class Finding:
             self.framework = getattr(self.where, "via", None)
         if self.rule not in CATALOGUE:
             raise ValueError(f"unknown rule {self.rule!r}; known: {sorted(CATALOGUE)}")
-        if self.level is not None and self.level not in SEVERITIES:
-            raise ValueError(f"level must be one of {SEVERITIES}, got {self.level!r}")
+        if self.level is not None and self.level not in CATALOGUE[self.rule].severities:
+            raise ValueError(f"level must be one of {CATALOGUE[self.rule].severities} for a {self.rule} finding "
+                             f"(its row's severity and uncertain form), got {self.level!r}")
 
     @property
     def severity(self) -> str:

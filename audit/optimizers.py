@@ -8,8 +8,9 @@ first is one). A class in between that overrides ``step`` without calling its pa
 replayed: its numbers are its own. Any other optimizer is not replayed either ("CLASS is not in
 the specification"); the scaler stages of its steps are checked all the same.
 
-Rows: torch.optim's classes that `reference.optim` specifies (one per spec row, by class name),
-and the user's own, added with `register_optimizer`.
+Rows: torch.optim's classes that `reference.optim` specifies (one per spec row, by class name,
+with the row's own bounds on native kernels, ``native_ulp``), and the user's own, added with
+`register_optimizer`. This module keeps no table of its own: a new spec row is replayed as is.
 
 A user's own optimizer, worked example: Lion (Chen et al. 2023), a torch class whose groups
 hold ``lr``, ``betas`` and ``weight_decay`` and whose ``step`` does, per parameter with a
@@ -69,32 +70,7 @@ import torch
 
 from reference import optim
 
-__all__ = ["ADAM_MOMENT_ULP", "ADAM_PARAM_ULP", "SGD_BUFFER_ULP", "SGD_PARAM_ULP", "AuditOptimizer", "OptimizerRef",
-           "lookup", "optimizer_ref", "register_optimizer", "registered"]
-
-# The conformance suite's bounds for native kernels (conformance/expectations.py derives each;
-# tests/test_audit.py checks these stay equal to them), in ULPs of x_abs.
-SGD_BUFFER_ULP = 2 * 4
-SGD_PARAM_ULP = 2 * 8
-ADAM_MOMENT_ULP = 2 * 5
-ADAM_PARAM_ULP = 2 * 15
-_ADAM_BOUNDS = {"exp_avg": ADAM_MOMENT_ULP, "exp_avg_sq": ADAM_MOMENT_ULP, "max_exp_avg_sq": ADAM_MOMENT_ULP,
-                "param": ADAM_PARAM_ULP}
-NATIVE_ULP: dict[str, dict[str, int]] = {
-    "SGD": {"momentum_buffer": SGD_BUFFER_ULP, "param": SGD_PARAM_ULP},
-    "Adam": _ADAM_BOUNDS,
-    "AdamW": _ADAM_BOUNDS,
-    "Adagrad": {"sum": 2 * 4, "param": 2 * 10},
-    "RMSprop": {"square_avg": 2 * 5, "grad_avg": 2 * 5, "momentum_buffer": 2 * 12, "param": 2 * 14},
-    "Adamax": {"exp_avg": 2 * 5, "exp_inf": 2 * 3, "param": 2 * 11},
-    "Adadelta": {"square_avg": 2 * 5, "acc_delta": 2 * 26, "param": 2 * 14},
-    "NAdam": {"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "param": 2 * 15},
-    "RAdam": {"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "param": 2 * 15},
-    "Adafactor": {"row_var": 2 * 2, "col_var": 2 * 2, "variance": 2 * 2, "param": 2 * 2},
-}
-"""Per spec row and field (``param`` for the parameter), the bound on native kernels; a row not
-listed here takes its own ``native_ulp``."""
-
+__all__ = ["AuditOptimizer", "OptimizerRef", "lookup", "optimizer_ref", "register_optimizer", "registered"]
 
 @dataclass(frozen=True)
 class AuditOptimizer:
@@ -129,7 +105,7 @@ def _builtin_rows() -> None:
     for name, row in optim.SPECS.items():
         cls = getattr(torch.optim, name, None)
         if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls not in _ROWS:
-            _ROWS[cls] = AuditOptimizer(row, NATIVE_ULP.get(name) or dict(row.native_ulp))
+            _ROWS[cls] = AuditOptimizer(row, dict(row.native_ulp))
 
 
 def register_optimizer(cls: type, spec: Any, *, ulp: Mapping[str, int] | None = None) -> None:

@@ -64,18 +64,16 @@ import torch
 
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
 from audit import optimizers, worker
-from audit.optimizers import ADAM_MOMENT_ULP, ADAM_PARAM_ULP, SGD_BUFFER_ULP, SGD_PARAM_ULP
 from audit.checks_numbers import replay_divergence
 from audit.sampling import SampleBook, Sampling
 from audit.optimizers import OptimizerRef, optimizer_ref  # noqa: F401  (re-exported)
 from audit.stages import CLIP_ULP, NORM_ULP, NotReplayable, StepStages, UpdateCheck
+from reference import optim
 
-__all__ = ["Replayer", "Divergence", "NORM_ULP", "CLIP_ULP", "SGD_BUFFER_ULP", "SGD_PARAM_ULP",
-           "ADAM_MOMENT_ULP", "ADAM_PARAM_ULP"]
+__all__ = ["Replayer", "Divergence", "NORM_ULP", "CLIP_ULP"]
 
-# The conformance suite's bounds for native kernels (conformance/expectations.py derives each;
-# tests/test_audit.py checks these stay equal to them). The optimizers' are their rows'
-# (audit/optimizers.py); the norm's and the clip's are the stages' (audit/stages.py).
+# The bounds for native kernels: the optimizers' are their spec rows' (``native_ulp``, read by
+# audit/optimizers.py); the norm's and the clip's are the stages' (audit/stages.py).
 
 # Rules whose breach changes the step's numbers: a divergence at the step of such a finding is
 # its consequence, reported with the finding (its expected and got), not as a second finding.
@@ -182,11 +180,12 @@ class Replayer(StepStages, UpdateCheck):
     def exactness(self) -> str:
         if self.exact:
             return "scalar CPU kernels (ATEN_CPU_CAPABILITY=default): every field bit for bit"
+        sgd, adam = optim.spec("SGD").native_ulp, optim.spec("Adam").native_ulp
         return (f"{self.capability} CPU kernels: found_inf, skip, scale, growth tracker, unscaled, value-clipped "
                 f"and given-total-clipped gradients bit for bit; total norms within {NORM_ULP} ULP, norm-clipped "
-                f"gradients within {CLIP_ULP} ULP; SGD within {SGD_BUFFER_ULP}/{SGD_PARAM_ULP} ULP (buffer/parameter) and Adam(W) within "
-                f"{ADAM_MOMENT_ULP}/{ADAM_PARAM_ULP} ULP (moments/parameter) of x_abs, the other optimizers within "
-                "theirs (audit.optimizers.NATIVE_ULP)")
+                f"gradients within {CLIP_ULP} ULP; SGD within {sgd['momentum_buffer']}/{sgd['param']} ULP "
+                f"(buffer/parameter) and Adam(W) within {adam['exp_avg']}/{adam['param']} ULP (moments/parameter) "
+                "of x_abs, the other optimizers within theirs (their spec rows' native_ulp)")
 
     def _bound(self, native: int) -> int:
         return 0 if self.exact else native
@@ -425,7 +424,7 @@ def _sample_mode(obj: Any) -> str:
     entry, _ = optimizers.lookup(type(obj))
     if entry is None or not entry.builtin:
         return "whole" if entry is None else "registered"
-    return "elements" if entry.spec.name in ELEMENTWISE_MAGNITUDES else "tensors"
+    return "elements" if entry.spec.elementwise else "tensors"
 
 
 def _spec_config(o: OptimizerRef, group: dict[str, Any]) -> tuple[Any, str]:
@@ -469,24 +468,17 @@ def _flat(a: np.ndarray, ix: np.ndarray) -> np.ndarray:
     return np.asarray(a).reshape(-1)[ix].astype(np.float64)
 
 
-# The specification's rows whose magnitudes are element-wise (each element's from the same element
-# of the inputs; tests/test_audit_fast_paths.py checks each against the whole-parameter ones).
-# Adafactor's are not (row and column means, the parameter's RMS), nor need a user's row be.
-ELEMENTWISE_MAGNITUDES = frozenset({"SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "Adadelta", "NAdam",
-                                    "RAdam"})
-
-
 def _magnitudes(entry: Any, cfg: Any, values: tuple, exact: bool) -> Any:
     """``x_abs`` of one parameter's fields: a function of the field's name giving None (bit for bit,
     or a row without magnitudes: ULPs of the value) or a function of flat indices.
 
-    Element-wise magnitudes (`ELEMENTWISE_MAGNITUDES`) are evaluated only at the elements the
+    Element-wise magnitudes (a spec row's ``elementwise``; a user's row is taken whole) are evaluated only at the elements the
     compare needs them for (those more than half the bound apart), not over the whole parameter;
     any other row's once over the whole parameter."""
     row, p = entry.spec, values[0]
     if exact or row.magnitudes is None:
         return lambda fld: None
-    if entry.builtin and row.name in ELEMENTWISE_MAGNITUDES and np.ndim(p) > 0:
+    if entry.builtin and row.elementwise and np.ndim(p) > 0:
         return lambda fld: lambda ix: np.asarray(row.magnitudes(cfg, *_at(values, p.shape, ix))[fld], np.float64)
     mags = functools.cache(lambda: row.magnitudes(cfg, *values))
     return lambda fld: lambda ix: _flat(mags()[fld], ix)

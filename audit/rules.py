@@ -20,17 +20,20 @@ A check is a generator: it reads the recorder's records (or the replay's boundar
 findings, changing nothing. The severity contract and `Finding` are in `audit.findings`.
 Adding a rule: its row and check in its family's module (one function), and a loop of the
 catalogue (``tests/audit_loops/``) that breaks it, with the steps it must be found at;
-``tests/test_audit_rules.py`` holds every rule to that.
+``tests/test_audit_rules.py`` holds every rule to that. docs/audit.md's table of rules is
+generated from the rows: ``python -m audit.rules_table`` prints it (`markdown_table`), and
+the test fails while the page's table differs (CONTRIBUTING.md has the recipe).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from types import ModuleType
 
 from audit import checks_clipping, checks_numbers, checks_program, checks_scaler, checks_steps
 from audit.findings import CATALOGUE, ERROR, INFO, SEVERITIES, WARNING, Finding, Rule, rule
 
-__all__ = ["RULES", "FAMILIES", "Rule", "rule", "Finding", "ERROR", "WARNING", "INFO", "SEVERITIES"]
+__all__ = ["RULES", "FAMILIES", "markdown_table", "Rule", "rule", "Finding", "ERROR", "WARNING", "INFO", "SEVERITIES"]
 
 FAMILIES: tuple[ModuleType, ...] = (checks_clipping, checks_scaler, checks_numbers, checks_steps, checks_program)
 
@@ -50,3 +53,12 @@ def _catalogue() -> dict[str, Rule]:
 CATALOGUE.update(_catalogue())
 RULES: dict[str, Rule] = CATALOGUE
 """Every rule by name (the dict `audit.findings.Finding` validates against)."""
+
+
+def markdown_table(rules: Iterable[Rule]) -> str:
+    """docs/audit.md's table of rules, one line per row in catalogue order: name, severities,
+    what the loop did (``doc``)."""
+    lines = ["| rule | severity | what the loop did |", "|---|---|---|"]
+    lines += [f"| `{r.name}` | {', '.join(r.severities)} | {r.doc} |" for r in rules]
+    return "\n".join(lines) + "\n"
+

@@ -34,9 +34,7 @@ def _two_steps(spec, cfg, rng):
 
 
 def _elementwise() -> list[str]:
-    from audit.replay import ELEMENTWISE_MAGNITUDES
-
-    return sorted(ELEMENTWISE_MAGNITUDES)
+    return sorted(n for n, row in SPECS.items() if row.elementwise)
 
 
 @pytest.mark.parametrize("name", _elementwise())
@@ -76,7 +74,8 @@ def test_other_magnitudes_are_taken_over_the_whole_parameter(name, builtin):
         seen.append(p.shape)
         return spec.magnitudes(cfg, p, g, old, new)
 
-    row = types.SimpleNamespace(spec=types.SimpleNamespace(magnitudes=whole_only, name=spec.name), builtin=builtin)
+    row = types.SimpleNamespace(spec=types.SimpleNamespace(magnitudes=whole_only, name=spec.name,
+                                                         elementwise=spec.elementwise), builtin=builtin)
     ix = np.array([1, 5])
     got = _magnitudes(row, cfg, values, exact=False)("param")(ix)
     assert seen == [values[0].shape]
