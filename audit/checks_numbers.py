@@ -17,7 +17,7 @@ from audit.findings import ERROR, INFO, WARNING, Finding, rule
 @rule("scale-twice", ERROR,
       "the gradients were multiplied by the loss scale once more after backward",
       "scale the loss once, with scaler.scale(loss); never multiply the gradients by scaler.get_scale()",
-      doc="gradients multiplied by the loss scale after backward (seen by the replay)")
+      doc="gradients multiplied by the loss scale after backward (seen by the replay)", events=("Boundary",))
 def scale_twice(ev: Any) -> Iterator[Finding]:
     """Every changed gradient at a boundary is the expected one multiplied by the loss scale."""
     ch = ev.change
@@ -40,7 +40,8 @@ def _edit(ev: Any, rule_name: str) -> Finding:
       "the loop's own code changed the scaled gradients between backward and scaler.unscale_",
       "nothing to fix if intended (masking, a custom clip on scaled values); the replay continued from "
       "the changed gradients",
-      doc="your code changed the scaled gradients before the scaler saw them (norm ratio given)")
+      doc="your code changed the scaled gradients before the scaler saw them (norm ratio given)",
+      events=("Boundary",))
 def gradients_modified_before_unscale(ev: Any) -> Iterator[Finding]:
     """A boundary before the unscale where the gradients differ by more than a stage's rounding
     (or by a few ULPs from what backward left, which no spec stage computed) and by no factor of
@@ -55,7 +56,7 @@ def gradients_modified_before_unscale(ev: Any) -> Iterator[Finding]:
       "it); the replay continued from the changed gradients",
       doc="your code changed the gradients between `unscale_` (or a clip) and the next clip or the "
           "step: per-parameter or adaptive clipping, masking (norm ratio and the calls around it "
-          "given)")
+          "given)", events=("Boundary",))
 def gradients_modified_after_unscale(ev: Any) -> Iterator[Finding]:
     """A boundary after the unscale (or without a scaler) where the gradients differ by more than a
     stage's rounding and by no factor of the scale: per-parameter or adaptive clipping, masking."""

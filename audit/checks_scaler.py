@@ -30,7 +30,8 @@ if TYPE_CHECKING:
           "lightning.pytorch": "leave unscaling to the precision plugin: clip with Trainer(gradient_clip_val=...) "
                                "and do not call scaler.unscale_ in a hook"},
       doc="a second `unscale_` in one step, or gradients divided by the scale by hand, after "
-          "`unscale_` or before `scaler.step` unscales them again (seen by the replay)")
+          "`unscale_` or before `scaler.step` unscales them again (seen by the replay)",
+      events=("StageCall", "Boundary"))
 def unscale_twice(ev: StageCall | Any) -> Iterator[Finding]:
     """A ``scaler.unscale_`` that the spec's sequence meets at UNSCALED (torch raises right after,
     `reference.scaling.unscale_stage`); or, from the numbers (a `audit.boundaries.Boundary`),
@@ -57,7 +58,7 @@ def unscale_twice(ev: StageCall | Any) -> Iterator[Finding]:
 @rule("step-without-update", ERROR,
       "scaler.step(optimizer) was not followed by scaler.update()",
       "call scaler.update() once after the scaler.step calls of every optimizer step",
-      doc="`scaler.step` not followed by `scaler.update`")
+      doc="`scaler.step` not followed by `scaler.update`", events=("StageCall",))
 def step_without_update(ev: StageCall) -> Iterator[Finding]:
     """An optimizer that the spec's sequence holds at STEPPED when the scaler unscales or steps it
     again (torch raises there) or when the run ends: its ``scaler.step`` had no ``update`` after
@@ -80,7 +81,7 @@ def step_without_update(ev: StageCall) -> Iterator[Finding]:
       "scaler.update() ran on a step whose optimizer step did not go through scaler.step",
       "call scaler.step(optimizer) instead of optimizer.step(): it skips the step when the "
       "gradients hold inf or NaN",
-      doc="`scaler.update` on a step stepped by `optimizer.step()` instead of `scaler.step`")
+      doc="`scaler.update` on a step stepped by `optimizer.step()` instead of `scaler.step`", events=("UpdateCall",))
 def update_without_step(ev: UpdateCall) -> Iterator[Finding]:
     """``scaler.update()`` after a direct ``optimizer.step()`` on its scaled gradients, or with no
     optimizer at STEPPED in the spec's sequence (no ``scaler.step`` since the last update; with

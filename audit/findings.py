@@ -52,7 +52,10 @@ class Rule:
     `audit.frameworks.FRAMEWORKS`), for a finding whose call site lies inside that framework.
     ``doc``: what the loop did, as docs/audit.md's table says it (generated from the rows,
     `audit.rules.markdown_table`); ``uncertain``: the lower severity of the rule's uncertain form
-    (`Finding.level`), None for a rule without one."""
+    (`Finding.level`), None for a rule without one. ``events``: the names of the event types
+    (small frozen dataclasses, such as `audit.boundaries.Boundary`) whose every instance
+    `audit.rules.dispatch` hands the check; a rule decided at a call the recorder tracks itself
+    names none (its tracker calls the check)."""
 
     name: str
     severity: str
@@ -62,6 +65,7 @@ class Rule:
     framework_fixes: Mapping[str, str] = field(default_factory=dict, hash=False)
     doc: str = ""
     uncertain: str | None = None
+    events: tuple[str, ...] = ()
 
     @property
     def severities(self) -> tuple[str, ...]:
@@ -71,7 +75,7 @@ class Rule:
 
 def rule(name: str, severity: str, summary: str, fix: str,
          framework_fixes: Mapping[str, str] | None = None, *, doc: str | None = None,
-         uncertain: str | None = None) -> Callable[[C], C]:
+         uncertain: str | None = None, events: tuple[str, ...] = ()) -> Callable[[C], C]:
     """Declare a rule on its check: the decorated function keeps its row in ``.rule`` (``doc``
     defaults to ``summary``)."""
     if severity not in SEVERITIES:
@@ -88,7 +92,7 @@ def rule(name: str, severity: str, summary: str, fix: str,
 
     def declare(check: C) -> C:
         check.rule = Rule(name, severity, summary, fix, check, fixes, doc or summary,  # type: ignore[attr-defined]
-                          uncertain)
+                          uncertain, tuple(events))
         return check
 
     return declare

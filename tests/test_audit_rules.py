@@ -141,3 +141,16 @@ def test_every_finding_has_one_of_its_rule_s_severities():
                         levels[names[0]].add(ast.unparse(sub.value))
     for name, found in levels.items():
         assert not found or RULES[name].uncertain is not None, f"{name} gives a level but declares no uncertain form"
+
+
+def test_every_event_a_rule_reads_is_an_event_type_of_the_audit():
+    """A rule's ``events`` name event types (`audit.rules.dispatch` matches on the name), and a
+    boundary of the replay reaches each rule that reads boundaries, in catalogue order."""
+    from audit import boundaries
+
+    kinds = {name for name in dir(boundaries) + dir(sequence) if isinstance(getattr(boundaries, name, None)
+                                                                      or getattr(sequence, name, None), type)}
+    declared = {e for r in RULES.values() for e in r.events}
+    assert declared and declared <= kinds, f"events of no audit type: {sorted(declared - kinds)}"
+    reads = [name for name, r in RULES.items() if "Boundary" in r.events]
+    assert reads[:2] == ["unscale-twice", "scale-twice"] and len(reads) == 4
