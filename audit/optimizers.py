@@ -78,7 +78,7 @@ class AuditOptimizer:
     the spec's ``magnitudes`` where the row has them, else of the value). ``builtin``: one of
     torch.optim's classes (False: registered by the user)."""
 
-    spec: Any
+    spec: optim.OptimizerSpec
     ulp: Mapping[str, int] = field(default_factory=dict)
     builtin: bool = True
 

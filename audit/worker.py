@@ -39,13 +39,16 @@ import warnings
 import weakref
 from multiprocessing import process as mp_process
 from multiprocessing import reduction
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import ml_dtypes
 import numpy as np
 import torch
 
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
+
+if TYPE_CHECKING:  # the replay imports this module: its type only
+    from audit.replay import Replayer
 
 __all__ = ["available", "ReplayProcess", "SlabArray"]
 
@@ -133,7 +136,7 @@ class ReplayProcess:
     ``export_state()`` (None if it never answered) and its failure's text (None if none).
     """
 
-    def __init__(self, jobs: int, make_replayer: Callable[[], Any]) -> None:
+    def __init__(self, jobs: int, make_replayer: Callable[[], Replayer]) -> None:
         self._jobs = jobs
         here, there = mp.Pipe(duplex=True)
         for stream in (sys.stdout, sys.stderr):  # else the worker would write out its copy of what waits
@@ -376,7 +379,7 @@ class ReplayProcess:
 # ---------------------------------------------------------------------------------- the worker
 
 
-def _serve(conn: Any, other_end: Any, make_replayer: Callable[[], Any]) -> None:
+def _serve(conn: Any, other_end: Any, make_replayer: Callable[[], Replayer]) -> None:
     """The worker's loop: map the slabs, run the jobs in order on ``make_replayer()`` (the
     replay's, handed over at the fork: this module stays below `audit.replay`), report."""
     other_end.close()
