@@ -108,17 +108,15 @@ from reference.optim._registry import IMPLEMENTATIONS, SPECS, OptimizerSpec, reg
 # The built-in rows register in this order (SPECS' order, the one messages list them in); a module
 # added later registers after them (the loop at the end of this module).
 from reference.optim import sgd, adam, adagrad, rmsprop, adamax, adadelta, nadam, radam, adafactor  # noqa: E402,F401,I001
-from reference.optim.adafactor import (AdafactorConfig, AdafactorState, adafactor_init_state, adafactor_magnitudes,
-                                       adafactor_step)
-from reference.optim.adam import (AdamConfig, AdamParamState, adam_init_state, adam_magnitudes, adam_step,
-                                  adamw_config, fused_adam_step)
-from reference.optim.adagrad import AdagradConfig, AdagradState, adagrad_init_state, adagrad_magnitudes, adagrad_step
-from reference.optim.adadelta import AdadeltaConfig, AdadeltaState, adadelta_init_state, adadelta_magnitudes, adadelta_step
-from reference.optim.adamax import AdamaxConfig, AdamaxState, adamax_init_state, adamax_magnitudes, adamax_step
-from reference.optim.nadam import NAdamConfig, NAdamState, nadam_init_state, nadam_magnitudes, nadam_step
-from reference.optim.radam import RAdamConfig, RAdamState, radam_init_state, radam_magnitudes, radam_step
-from reference.optim.rmsprop import RMSpropConfig, RMSpropState, rmsprop_init_state, rmsprop_magnitudes, rmsprop_step
-from reference.optim.sgd import SGDConfig, SGDParamState, fused_sgd_step, sgd_init_state, sgd_magnitudes, sgd_step
+from reference.optim.adafactor import AdafactorConfig, AdafactorState, adafactor_step
+from reference.optim.adam import AdamConfig, AdamParamState, adam_step, adamw_config, fused_adam_step
+from reference.optim.adagrad import AdagradConfig, AdagradState, adagrad_step
+from reference.optim.adadelta import AdadeltaConfig, adadelta_step
+from reference.optim.adamax import AdamaxConfig, adamax_step
+from reference.optim.nadam import NAdamConfig, nadam_step
+from reference.optim.radam import RAdamConfig, radam_step
+from reference.optim.rmsprop import RMSpropConfig, RMSpropState, rmsprop_step
+from reference.optim.sgd import SGDConfig, SGDParamState, fused_sgd_step, sgd_step
 
 __all__ = [
     "AdafactorConfig",
