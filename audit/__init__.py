@@ -75,6 +75,7 @@ class Audit:
 
     def start(self) -> "Audit":
         global _CURRENT
+        # Here, not at the top: ``import audit`` (the pytest plugin's entry point) stays torch-free.
         from audit.instrument import Instrumentation
         from audit.recorder import Recorder
 
@@ -82,7 +83,7 @@ class Audit:
             raise RuntimeError("this audit session was already started")
         replayer = None
         if self.replay:
-            from audit.replay import Replayer
+            from audit.replay import Replayer  # only a replaying audit loads the spec's arithmetic
 
             replayer = Replayer(sampling=self.sampling)
         self._recorder = Recorder(replay=replayer, steps=self.steps)
@@ -110,7 +111,7 @@ class Audit:
         global _CURRENT
         if _CURRENT is self:
             _CURRENT = None
-        from audit.recorder import StepLimitReached
+        from audit.recorder import StepLimitReached  # torch-free ``import audit`` (see start)
 
         self._instr.uninstall()
         if self.forked:
@@ -157,7 +158,7 @@ class Audit:
         return self.start()
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        from audit.recorder import StepLimitReached
+        from audit.recorder import StepLimitReached  # torch-free ``import audit`` (see start)
 
         self.stop(exc)
         return isinstance(exc, StepLimitReached)

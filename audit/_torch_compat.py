@@ -46,6 +46,7 @@ SAVED_OPERANDS = ("_saved_other", "_saved_self")
 
 def missing_names() -> list[str]:
     """Every private name listed here that the installed torch does not have."""
+    # On call: a torch without one of these names is reported here, not an ImportError at import.
     from torch.amp.grad_scaler import GradScaler, _refresh_per_optimizer_state
 
     missing = []

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
           "lightning.fabric": "clip with fabric.clip_gradients(model, optimizer, max_norm=...): it unscales first",
           "accelerate": "clip with accelerator.clip_grad_norm_(parameters, max_norm): it unscales first",
           "transformers": "clip with TrainingArguments(max_grad_norm=...), not in a callback: the Trainer "
-                          "clips through accelerator.clip_grad_norm_, which unscales first"})
+                          "clips through accelerator.clip_grad_norm_, which unscales first"},
+      doc="clipped gradients still multiplied by the loss scale (before `scaler.unscale_`)")
 def clip_before_unscale(kind: str, optimizer: str, step: int, where: str, stage: OptimizerStage | None,
                         scaler: Any, max_norm: float | None) -> Iterator[Finding]:
     """A clipping call on an optimizer's parameters in a window whose backward started from a loss
@@ -54,7 +55,10 @@ def clip_before_unscale(kind: str, optimizer: str, step: int, where: str, stage:
           "lightning.pytorch": "set Trainer(gradient_clip_val=...) to the unscaled threshold",
           "lightning.fabric": "pass fabric.clip_gradients the unscaled max_norm",
           "accelerate": "pass accelerator.clip_grad_norm_ the unscaled max_norm",
-          "transformers": "set TrainingArguments(max_grad_norm=...) to the unscaled threshold"})
+          "transformers": "set TrainingArguments(max_grad_norm=...) to the unscaled threshold"},
+      doc="clipped unscaled gradients at `max_norm * scale`: an error once the threshold followed a "
+          "change of the scale by its factor; a warning while only its size (at least a scale of 1024"
+          " or more) suggests it; an infinite threshold (norm only) is never a finding", uncertain=WARNING)
 def clip_threshold_scaled(optimizer: str, step: int, where: str, max_norm: float, scale: float,
                           held: tuple[float, float, int] | None, earlier: Finding | None) -> Iterator[Finding]:
     """``clip_grad_norm_`` on unscaled gradients with a threshold that tracks the loss scale.

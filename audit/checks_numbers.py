@@ -16,7 +16,8 @@ from audit.findings import ERROR, INFO, WARNING, Finding, rule
 
 @rule("scale-twice", ERROR,
       "the gradients were multiplied by the loss scale once more after backward",
-      "scale the loss once, with scaler.scale(loss); never multiply the gradients by scaler.get_scale()")
+      "scale the loss once, with scaler.scale(loss); never multiply the gradients by scaler.get_scale()",
+      doc="gradients multiplied by the loss scale after backward (seen by the replay)", events=("Boundary",))
 def scale_twice(ev: Any) -> Iterator[Finding]:
     """Every changed gradient at a boundary is the expected one multiplied by the loss scale."""
     ch = ev.change
@@ -38,7 +39,9 @@ def _edit(ev: Any, rule_name: str) -> Finding:
 @rule("gradients-modified-before-unscale", INFO,
       "the loop's own code changed the scaled gradients between backward and scaler.unscale_",
       "nothing to fix if intended (masking, a custom clip on scaled values); the replay continued from "
-      "the changed gradients")
+      "the changed gradients",
+      doc="your code changed the scaled gradients before the scaler saw them (norm ratio given)",
+      events=("Boundary",))
 def gradients_modified_before_unscale(ev: Any) -> Iterator[Finding]:
     """A boundary before the unscale where the gradients differ by more than a stage's rounding
     (or by a few ULPs from what backward left, which no spec stage computed) and by no factor of
@@ -50,7 +53,10 @@ def gradients_modified_before_unscale(ev: Any) -> Iterator[Finding]:
 @rule("gradients-modified-after-unscale", INFO,
       "the loop's own code changed the unscaled gradients before the next clipping call or the optimizer step",
       "nothing to fix if intended (per-parameter or adaptive clipping, masking: torch's AMP notes allow "
-      "it); the replay continued from the changed gradients")
+      "it); the replay continued from the changed gradients",
+      doc="your code changed the gradients between `unscale_` (or a clip) and the next clip or the "
+          "step: per-parameter or adaptive clipping, masking (norm ratio and the calls around it "
+          "given)", events=("Boundary",))
 def gradients_modified_after_unscale(ev: Any) -> Iterator[Finding]:
     """A boundary after the unscale (or without a scaler) where the gradients differ by more than a
     stage's rounding and by no factor of the scale: per-parameter or adaptive clipping, masking."""
@@ -61,7 +67,9 @@ def gradients_modified_after_unscale(ev: Any) -> Iterator[Finding]:
 @rule("replay-divergence", ERROR,
       "a stage of the step, fed torch's own input, computes otherwise in the specification",
       "read the field and the two values: torch, or a patched torch function, computes this stage "
-      "differently from the step contract")
+      "differently from the step contract",
+      doc="a stage of the step, fed torch's own input, computes otherwise in the specification; a "
+          "warning when the optimizer has step hooks of your own", uncertain=WARNING)
 def replay_divergence(divergences: list[Any]) -> Iterator[Finding]:
     """The replay's divergences that no order finding of their step explains (`audit.replay`): one
     finding, at the first, naming both values and how many steps diverged; a warning when the

@@ -11,7 +11,8 @@ from audit.findings import ERROR, WARNING, Finding, rule
 
 @rule("backward-in-autocast", WARNING,
       "backward ran inside an autocast region",
-      "end the autocast region after the loss is computed; call backward outside it")
+      "end the autocast region after the loss is computed; call backward outside it",
+      doc="backward inside an autocast region")
 def backward_in_autocast(step: int | None, where: str, autocast: str | None) -> Iterator[Finding]:
     """A backward pass while an autocast region (entered at ``autocast``, None: none) is enabled."""
     if autocast is None:
@@ -31,7 +32,14 @@ def backward_in_autocast(step: int | None, where: str, autocast: str | None) -> 
           "lightning.fabric": "fabric.save leaves the precision plugin's state out: add "
                               "fabric.strategy.precision.state_dict() to the saved state and restore it with "
                               "fabric.strategy.precision.load_state_dict",
-          "accelerate": "save with accelerator.save_state: it writes the scaler's state (scaler.pt)"})
+          "accelerate": "save with accelerator.save_state: it writes the scaler's state (scaler.pt)"},
+      doc="the files saved after a step hold optimizer state and no scaler state while a GradScaler "
+          "is in use; scaler state is recognised by its content at any depth, under any key, in "
+          "dicts, lists and objects' attributes (inside an optimizer wrapper's state as MMEngine "
+          "saves it, Lightning's `MixedPrecision` entry, Accelerate's `scaler.pt`, DeepSpeed's, "
+          "apex's and Megatron's shapes; `audit/saved.py`); a warning when `scaler.state_dict()` was "
+          "called (it may be saved by other means) or a saved object was too large or deep to read "
+          "whole", uncertain=WARNING)
 def checkpoint_without_scaler(saves: list[tuple[str, bool, bool | None, int | None]], scaler: str | None,
                               state_read: str | None) -> Iterator[Finding]:
     """The ``torch.save`` calls after one step (``saves``: where, holds optimizer state, holds

@@ -28,13 +28,16 @@ if TYPE_CHECKING:
                         "`if accelerator.sync_gradients:`, and no scaler.unscale_ of your own",
           "lightning.fabric": "call fabric.clip_gradients (it unscales) once per step, after the last microbatch",
           "lightning.pytorch": "leave unscaling to the precision plugin: clip with Trainer(gradient_clip_val=...) "
-                               "and do not call scaler.unscale_ in a hook"})
+                               "and do not call scaler.unscale_ in a hook"},
+      doc="a second `unscale_` in one step, or gradients divided by the scale by hand, after "
+          "`unscale_` or before `scaler.step` unscales them again (seen by the replay)",
+      events=("StageCall", "Boundary"))
 def unscale_twice(ev: StageCall | Any) -> Iterator[Finding]:
     """A ``scaler.unscale_`` that the spec's sequence meets at UNSCALED (torch raises right after,
     `reference.scaling.unscale_stage`); or, from the numbers (a `audit.boundaries.Boundary`),
     gradients reaching a stage equal to the unscaled gradients unscaled once more (by the inverse
     or by a division by the scale), after ``unscale_`` or before ``scaler.step`` unscales them."""
-    from reference.scaling import UNSCALED
+    from reference.scaling import UNSCALED  # on call: ``import audit`` stays free of the spec (above)
 
     if getattr(ev, "change", None) is None:  # a call of the sequence, not a boundary of the replay
         if ev.call == "unscale_" and ev.before.stage == UNSCALED:
@@ -54,13 +57,14 @@ def unscale_twice(ev: StageCall | Any) -> Iterator[Finding]:
 
 @rule("step-without-update", ERROR,
       "scaler.step(optimizer) was not followed by scaler.update()",
-      "call scaler.update() once after the scaler.step calls of every optimizer step")
+      "call scaler.update() once after the scaler.step calls of every optimizer step",
+      doc="`scaler.step` not followed by `scaler.update`", events=("StageCall",))
 def step_without_update(ev: StageCall) -> Iterator[Finding]:
     """An optimizer that the spec's sequence holds at STEPPED when the scaler unscales or steps it
     again (torch raises there) or when the run ends: its ``scaler.step`` had no ``update`` after
     it. Scaling another loss first is no finding (a GAN's generator loss after the
     discriminator's step, with one update for both)."""
-    from reference.scaling import STEPPED
+    from reference.scaling import STEPPED  # on call, as UNSCALED above
 
     if ev.before.stage != STEPPED:
         return
@@ -76,7 +80,8 @@ def step_without_update(ev: StageCall) -> Iterator[Finding]:
 @rule("update-without-step", ERROR,
       "scaler.update() ran on a step whose optimizer step did not go through scaler.step",
       "call scaler.step(optimizer) instead of optimizer.step(): it skips the step when the "
-      "gradients hold inf or NaN")
+      "gradients hold inf or NaN",
+      doc="`scaler.update` on a step stepped by `optimizer.step()` instead of `scaler.step`", events=("UpdateCall",))
 def update_without_step(ev: UpdateCall) -> Iterator[Finding]:
     """``scaler.update()`` after a direct ``optimizer.step()`` on its scaled gradients, or with no
     optimizer at STEPPED in the spec's sequence (no ``scaler.step`` since the last update; with
@@ -100,7 +105,10 @@ def update_without_step(ev: UpdateCall) -> Iterator[Finding]:
           "lightning.fabric": "step the optimizer that fabric.setup returned: it steps through the precision "
                               "plugin's scaler",
           "accelerate": "step the optimizer that accelerator.prepare returned: it calls scaler.step and "
-                        "scaler.update"})
+                        "scaler.update"},
+      doc="`optimizer.step()` on scaled gradients, with neither `scaler.step` nor `update`; or a "
+          "direct `optimizer.step()` after `scaler.step` with no backward and no `zero_grad` between "
+          "(the same gradients applied twice, the non-finite ones of a skipped step applied)")
 def step_bypasses_scaler(scaler: str, bypasses: list[tuple[str, int, str]], next_scale: str | None,
                          reapplied: tuple[str, int, str, int, bool] | None = None) -> Iterator[Finding]:
     """Direct ``optimizer.step()`` calls on gradients of a loss ``scaler`` scaled, still without a
@@ -132,7 +140,9 @@ def step_bypasses_scaler(scaler: str, bypasses: list[tuple[str, int, str]], next
 @rule("new-scaler-mid-run", ERROR,
       "a new GradScaler started scaling parameters that an earlier scaler drove, without its state",
       "create the GradScaler once per run; when it must be recreated, load the previous "
-      "state with scaler.load_state_dict before its first scale()")
+      "state with scaler.load_state_dict before its first scale()",
+      doc="a new GradScaler started driving parameters an earlier scaler drove, without "
+          "`load_state_dict` (a second, independent training in the same script is no finding)")
 def new_scaler_mid_run(scaler: Any, optimizer: Any, began: str, loaded: bool, earlier: list[Any]
                        ) -> Iterator[Finding]:
     """A scaler's first optimizer, when the scaler's first ``scale()`` (at ``began``) came after

@@ -20,7 +20,8 @@ from audit.findings import ERROR, WARNING, Finding, rule
           "accelerate": "zero_grad the optimizer that accelerator.prepare returned, inside "
                         "`with accelerator.accumulate(model):`: it zeroes only when gradients sync",
           "lightning.pytorch": "accumulate with Trainer(accumulate_grad_batches=k): Lightning zeroes after "
-                               "the k-th microbatch"})
+                               "the k-th microbatch"},
+      doc="`zero_grad` between a window's backward passes and its step")
 def zero_grad_in_window(name: str, where: str, optimizer: str, step: int, backwards: list[Any]
                         ) -> Iterator[Finding]:
     """``zero_grad`` (of the optimizer, or of a module holding its parameters) after a backward pass
@@ -46,7 +47,12 @@ def zero_grad_in_window(name: str, where: str, optimizer: str, step: int, backwa
                           "num_items_in_batch, or set model.accepts_loss_kwargs = False",
           "lightning.pytorch": "Trainer(accumulate_grad_batches=k) divides training_step's loss by k; with manual "
                                "optimization divide before self.manual_backward",
-          "lightning.fabric": "Fabric does not divide: pass loss / k to fabric.backward"})
+          "lightning.fabric": "Fabric does not divide: pass loss / k to fabric.backward"},
+      doc="an accumulation window of k >= 2 microbatches of one loss, none divided (read from the "
+          "autograd graph); several different losses in one step (`retain_graph`, different loss "
+          "functions or parameters, surrogate backward passes of cached gradients, a full-batch loss "
+          "over cached representations) are no window; a warning where the roots are no loss function"
+          " the audit recognises", uncertain=WARNING)
 def loss_not_divided(optimizer: str, step: int, backwards: list[Any]) -> Iterator[Finding]:
     """A window of k >= 2 backward passes whose every loss reached backward undivided (a factor of
     exactly 1 read from the autograd graph, `audit.windows.describe`), and which are microbatches
@@ -80,7 +86,9 @@ def loss_not_divided(optimizer: str, step: int, backwards: list[Any]) -> Iterato
 
 @rule("optimizer-before-to", ERROR,
       "parameters moved to another device or dtype after the optimizer holding them was built",
-      "move the model with model.to(device) before building the optimizer")
+      "move the model with model.to(device) before building the optimizer",
+      doc="parameters changed dtype (or device, with optimizer state already held) after the "
+          "optimizer was built")
 def optimizer_before_to(o: Any, where: str) -> Iterator[Finding]:
     """At a step, a parameter's dtype differs from when optimizer track ``o`` received it, or its
     device does while the optimizer already holds state for it (or was built fused). A device
@@ -112,7 +120,12 @@ def optimizer_before_to(o: Any, where: str) -> Iterator[Finding]:
           "lightning.fabric": "Fabric does not wrap schedulers: step it only when "
                               "fabric.strategy.precision.scaler.get_scale() did not decrease",
           "transformers": "let the Trainer step its own lr_scheduler (it skips a step Accelerate reports "
-                          "skipped) instead of stepping one in a callback"})
+                          "skipped) instead of stepping one in a callback"},
+      doc="a torch `LRScheduler`'s position (`last_epoch`) advanced although every step of its "
+          "optimizer since its previous advance was skipped; judged by where the scheduler stood at "
+          "each step, not by its calls: a scheduler stepped at each epoch's start (or set back and "
+          "stepped to its built position before the first step, as a resume does) is no finding, and "
+          "one stepped per epoch earns its advance with any applied step of the epoch")
 def scheduler_on_skipped_step(optimizer: str, advance: Any) -> Iterator[Finding]:
     """A torch ``LRScheduler``'s position (``last_epoch``) was higher at a step of ``optimizer``
     than at the step before (``advance``, `audit.schedules.Advance`), a ``step()`` of the program
@@ -136,7 +149,11 @@ def scheduler_on_skipped_step(optimizer: str, advance: Any) -> Iterator[Finding]
 @rule("lr-changed-on-skipped-step", WARNING,
       "a learning rate changed across a skipped step, to values no LRScheduler of that optimizer set",
       "if the schedule is a function of the iteration, count applied optimizer steps instead (skip the "
-      "update when scaler.get_scale() decreased across scaler.update())")
+      "update when scaler.get_scale() decreased across scaler.update())",
+      doc="a learning rate (or weight decay, momentum, betas) changed across a skipped step to values"
+          " no `LRScheduler` set (set by hand, by a scheduler that is no `LRScheduler`, or by hand "
+          "over an `LRScheduler`'s rate); says how many skipped steps advanced it (every one) and by "
+          "how much")
 def lr_changed_on_skipped_step(optimizer: str, skipped: int, changes: list[Any]) -> Iterator[Finding]:
     """At the end of the run: the scheduled hyperparameters that changed between a skipped step and
     the next (``changes``, `audit.schedules.ScheduleWatch`) to values other than those an

@@ -19,6 +19,10 @@ with ``strict`` warnings and info count as well; 2 when the audited program fail
 
 A rule is declared with its check (`rule`): the row (name, severity, meaning, fix) stands on the
 function that decides it, so that a reader finds the two together. No torch here.
+
+Imports run one way: this module <- the checks (`audit.checks_*`) <- the catalogue (`audit.rules`),
+which fills `CATALOGUE` (its ``RULES``) when it is imported; ``import audit`` imports it, so every
+`Finding` is made after the catalogue is complete.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from audit.frameworks import FRAMEWORKS, FrameworkCall
 
-__all__ = ["Rule", "rule", "Finding", "ERROR", "WARNING", "INFO", "SEVERITIES"]
+__all__ = ["CATALOGUE", "Rule", "rule", "Finding", "ERROR", "WARNING", "INFO", "SEVERITIES"]
 
 ERROR = "error"
 WARNING = "warning"
@@ -45,7 +49,13 @@ class Rule:
     generator of findings that reads the recorder's records and changes nothing).
 
     ``framework_fixes``: the fix as a framework's setting, by framework (a key of
-    `audit.frameworks.FRAMEWORKS`), for a finding whose call site lies inside that framework."""
+    `audit.frameworks.FRAMEWORKS`), for a finding whose call site lies inside that framework.
+    ``doc``: what the loop did, as docs/audit.md's table says it (generated from the rows,
+    `audit.rules.markdown_table`); ``uncertain``: the lower severity of the rule's uncertain form
+    (`Finding.level`), None for a rule without one. ``events``: the names of the event types
+    (small frozen dataclasses, such as `audit.boundaries.Boundary`) whose every instance
+    `audit.rules.dispatch` hands the check; a rule decided at a call the recorder tracks itself
+    names none (its tracker calls the check)."""
 
     name: str
     severity: str
@@ -53,13 +63,27 @@ class Rule:
     fix: str
     check: Check | None = None
     framework_fixes: Mapping[str, str] = field(default_factory=dict, hash=False)
+    doc: str = ""
+    uncertain: str | None = None
+    events: tuple[str, ...] = ()
+
+    @property
+    def severities(self) -> tuple[str, ...]:
+        """The severities its findings can have: its own, then its uncertain form's."""
+        return (self.severity,) if self.uncertain is None else (self.severity, self.uncertain)
 
 
 def rule(name: str, severity: str, summary: str, fix: str,
-         framework_fixes: Mapping[str, str] | None = None) -> Callable[[C], C]:
-    """Declare a rule on its check: the decorated function keeps its row in ``.rule``."""
+         framework_fixes: Mapping[str, str] | None = None, *, doc: str | None = None,
+         uncertain: str | None = None, events: tuple[str, ...] = ()) -> Callable[[C], C]:
+    """Declare a rule on its check: the decorated function keeps its row in ``.rule`` (``doc``
+    defaults to ``summary``)."""
     if severity not in SEVERITIES:
         raise ValueError(f"severity of rule {name!r} must be one of {SEVERITIES}, got {severity!r}")
+    if uncertain is not None and (uncertain not in SEVERITIES
+                                  or SEVERITIES.index(uncertain) <= SEVERITIES.index(severity)):
+        raise ValueError(f"uncertain severity of rule {name!r} must be one of {SEVERITIES} below {severity!r}, "
+                         f"got {uncertain!r}")
     fixes = dict(framework_fixes or {})
     unknown = sorted(set(fixes) - {key for key, _, _ in FRAMEWORKS})
     if unknown:
@@ -67,10 +91,15 @@ def rule(name: str, severity: str, summary: str, fix: str,
                          f"known: {sorted({key for key, _, _ in FRAMEWORKS})}")
 
     def declare(check: C) -> C:
-        check.rule = Rule(name, severity, summary, fix, check, fixes)  # type: ignore[attr-defined]
+        check.rule = Rule(name, severity, summary, fix, check, fixes, doc or summary,  # type: ignore[attr-defined]
+                          uncertain, tuple(events))
         return check
 
     return declare
+
+
+CATALOGUE: dict[str, "Rule"] = {}
+"""Every rule of the audit by name: `audit.rules` fills it (it is ``audit.rules.RULES``)."""
 
 
 @dataclass
@@ -99,31 +128,24 @@ class Finding:
     def __post_init__(self) -> None:
         if self.framework is None:
             self.framework = getattr(self.where, "via", None)
-        from audit.rules import RULES  # the catalogue imports the checks, which import this module
-
-        if self.rule not in RULES:
-            raise ValueError(f"unknown rule {self.rule!r}; known: {sorted(RULES)}")
-        if self.level is not None and self.level not in SEVERITIES:
-            raise ValueError(f"level must be one of {SEVERITIES}, got {self.level!r}")
+        if self.rule not in CATALOGUE:
+            raise ValueError(f"unknown rule {self.rule!r}; known: {sorted(CATALOGUE)}")
+        if self.level is not None and self.level not in CATALOGUE[self.rule].severities:
+            raise ValueError(f"level must be one of {CATALOGUE[self.rule].severities} for a {self.rule} finding "
+                             f"(its row's severity and uncertain form), got {self.level!r}")
 
     @property
     def severity(self) -> str:
-        from audit.rules import RULES
-
-        return self.level or RULES[self.rule].severity
+        return self.level or CATALOGUE[self.rule].severity
 
     @property
     def fix(self) -> str:
-        from audit.rules import RULES
-
-        return RULES[self.rule].fix
+        return CATALOGUE[self.rule].fix
 
     @property
     def framework_fix(self) -> str | None:
         """The fix as a setting of the framework that made the call (None: none declared, or no framework)."""
-        from audit.rules import RULES
-
-        return None if self.framework is None else RULES[self.rule].framework_fixes.get(self.framework.name)
+        return None if self.framework is None else CATALOGUE[self.rule].framework_fixes.get(self.framework.name)
 
     def framework_note(self) -> str | None:
         """The framework attribution in one line of the text report (None without a framework)."""

@@ -8,8 +8,9 @@ first is one). A class in between that overrides ``step`` without calling its pa
 replayed: its numbers are its own. Any other optimizer is not replayed either ("CLASS is not in
 the specification"); the scaler stages of its steps are checked all the same.
 
-Rows: torch.optim's classes that `reference.optim` specifies (one per spec row, by class name),
-and the user's own, added with `register_optimizer`.
+Rows: torch.optim's classes that `reference.optim` specifies (one per spec row, by class name,
+with the row's own bounds on native kernels, ``native_ulp``), and the user's own, added with
+`register_optimizer`. This module keeps no table of its own: a new spec row is replayed as is.
 
 A user's own optimizer, worked example: Lion (Chen et al. 2023), a torch class whose groups
 hold ``lr``, ``betas`` and ``weight_decay`` and whose ``step`` does, per parameter with a
@@ -69,32 +70,7 @@ import torch
 
 from reference import optim
 
-__all__ = ["ADAM_MOMENT_ULP", "ADAM_PARAM_ULP", "SGD_BUFFER_ULP", "SGD_PARAM_ULP", "AuditOptimizer", "lookup",
-           "register_optimizer", "registered"]
-
-# The conformance suite's bounds for native kernels (conformance/expectations.py derives each;
-# tests/test_audit.py checks these stay equal to them), in ULPs of x_abs.
-SGD_BUFFER_ULP = 2 * 4
-SGD_PARAM_ULP = 2 * 8
-ADAM_MOMENT_ULP = 2 * 5
-ADAM_PARAM_ULP = 2 * 15
-_ADAM_BOUNDS = {"exp_avg": ADAM_MOMENT_ULP, "exp_avg_sq": ADAM_MOMENT_ULP, "max_exp_avg_sq": ADAM_MOMENT_ULP,
-                "param": ADAM_PARAM_ULP}
-NATIVE_ULP: dict[str, dict[str, int]] = {
-    "SGD": {"momentum_buffer": SGD_BUFFER_ULP, "param": SGD_PARAM_ULP},
-    "Adam": _ADAM_BOUNDS,
-    "AdamW": _ADAM_BOUNDS,
-    "Adagrad": {"sum": 2 * 4, "param": 2 * 10},
-    "RMSprop": {"square_avg": 2 * 5, "grad_avg": 2 * 5, "momentum_buffer": 2 * 12, "param": 2 * 14},
-    "Adamax": {"exp_avg": 2 * 5, "exp_inf": 2 * 3, "param": 2 * 11},
-    "Adadelta": {"square_avg": 2 * 5, "acc_delta": 2 * 26, "param": 2 * 14},
-    "NAdam": {"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "param": 2 * 15},
-    "RAdam": {"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "param": 2 * 15},
-    "Adafactor": {"row_var": 2 * 2, "col_var": 2 * 2, "variance": 2 * 2, "param": 2 * 2},
-}
-"""Per spec row and field (``param`` for the parameter), the bound on native kernels; a row not
-listed here takes its own ``native_ulp``."""
-
+__all__ = ["AuditOptimizer", "OptimizerRef", "lookup", "optimizer_ref", "register_optimizer", "registered"]
 
 @dataclass(frozen=True)
 class AuditOptimizer:
@@ -102,7 +78,7 @@ class AuditOptimizer:
     the spec's ``magnitudes`` where the row has them, else of the value). ``builtin``: one of
     torch.optim's classes (False: registered by the user)."""
 
-    spec: Any
+    spec: optim.OptimizerSpec
     ulp: Mapping[str, int] = field(default_factory=dict)
     builtin: bool = True
 
@@ -129,7 +105,7 @@ def _builtin_rows() -> None:
     for name, row in optim.SPECS.items():
         cls = getattr(torch.optim, name, None)
         if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls not in _ROWS:
-            _ROWS[cls] = AuditOptimizer(row, NATIVE_ULP.get(name) or dict(row.native_ulp))
+            _ROWS[cls] = AuditOptimizer(row, dict(row.native_ulp))
 
 
 def register_optimizer(cls: type, spec: Any, *, ulp: Mapping[str, int] | None = None) -> None:
@@ -182,3 +158,31 @@ def lookup(cls: type) -> tuple[AuditOptimizer | None, str | None]:
                               f"{parent.__qualname__}.step nor calls it")
             break
     return None, f"{name} is not in the specification"
+
+
+@dataclass(frozen=True)
+class OptimizerRef:
+    """What the replay needs of a torch optimizer: its label in the report, its class's
+    qualified name, and its row in this module's registry (None: ``refused`` says why not)."""
+
+    label: str
+    kind: str
+    entry: AuditOptimizer | None = None
+    refused: str | None = None
+
+
+def optimizer_ref(o: Any, in_process: bool = False) -> OptimizerRef:
+    """The replay's view of the optimizer track ``o`` (``in_process``: replayed in the forked
+    worker, which cannot load a spec defined in the audited script)."""
+    cls = type(o.obj)
+    entry, refused = lookup(cls)
+    if entry is not None and in_process and not entry.builtin and _in_main(entry.spec):
+        entry, refused = None, (f"the spec of {cls.__qualname__} is defined in the audited script, which the replay "
+                                "process (started before the script) cannot load: define it in a module of its own "
+                                "and import it, or set AMPSPEC_AUDIT_REPLAY=thread")
+    return OptimizerRef(o.label, f"{cls.__module__}.{cls.__qualname__}", entry, refused)
+
+
+def _in_main(spec: Any) -> bool:
+    parts = [spec.config, spec.init_state, *spec.steps.values()]
+    return any(getattr(f, "__module__", None) == "__main__" for f in parts)

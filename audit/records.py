@@ -17,7 +17,7 @@ import torch
 
 from audit import windows
 from audit.frameworks import attribute, framework_of
-from audit.rules import Finding
+from audit.findings import Finding, _jsonable
 from audit.saved import classify as _classify  # noqa: F401  (audit.recorder re-exports it)
 from audit.schedules import ScheduleWatch
 from audit.windows import Backward
@@ -120,8 +120,6 @@ class StepRecord:
     replay: str = "off"
 
     def to_dict(self) -> dict[str, Any]:
-        from audit.rules import _jsonable
-
         return {k: _jsonable(v) for k, v in self.__dict__.items()}
 
 
@@ -253,7 +251,7 @@ def plain_tensor(t: torch.Tensor) -> bool:
 
 def to_numpy(t: torch.Tensor) -> Any:
     """A NumPy (ml_dtypes for bfloat16) copy of ``t`` with exactly its bits."""
-    import ml_dtypes
+    import ml_dtypes  # on the first copy: an audit without replay or bfloat16 never loads it
 
     t = t.detach()
     if t.dtype == torch.bfloat16:
@@ -412,8 +410,6 @@ def _found_inf(scaler: Any, opt: Any) -> float | None:
 
 
 def _f32(x: Any) -> Any:
-    import numpy as np
-
     return np.float32(x)
 
 

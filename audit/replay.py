@@ -63,18 +63,17 @@ import numpy as np
 import torch
 
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
-from audit import optimizers
-from audit.optimizers import ADAM_MOMENT_ULP, ADAM_PARAM_ULP, SGD_BUFFER_ULP, SGD_PARAM_ULP
+from audit import optimizers, worker
 from audit.checks_numbers import replay_divergence
 from audit.sampling import SampleBook, Sampling
+from audit.optimizers import OptimizerRef, optimizer_ref  # noqa: F401  (re-exported)
 from audit.stages import CLIP_ULP, NORM_ULP, NotReplayable, StepStages, UpdateCheck
+from reference import optim
 
-__all__ = ["Replayer", "Divergence", "NORM_ULP", "CLIP_ULP", "SGD_BUFFER_ULP", "SGD_PARAM_ULP",
-           "ADAM_MOMENT_ULP", "ADAM_PARAM_ULP"]
+__all__ = ["Replayer", "Divergence", "NORM_ULP", "CLIP_ULP"]
 
-# The conformance suite's bounds for native kernels (conformance/expectations.py derives each;
-# tests/test_audit.py checks these stay equal to them). The optimizers' are their rows'
-# (audit/optimizers.py); the norm's and the clip's are the stages' (audit/stages.py).
+# The bounds for native kernels: the optimizers' are their spec rows' (``native_ulp``, read by
+# audit/optimizers.py); the norm's and the clip's are the stages' (audit/stages.py).
 
 # Rules whose breach changes the step's numbers: a divergence at the step of such a finding is
 # its consequence, reported with the finding (its expected and got), not as a second finding.
@@ -100,47 +99,17 @@ class Divergence:
 from audit.compare import _compare
 
 
-@dataclass(frozen=True)
-class OptimizerRef:
-    """What the replay needs of a torch optimizer: its label in the report, its class's
-    qualified name, and its row in `audit.optimizers` (None: ``refused`` says why not)."""
-
-    label: str
-    kind: str
-    entry: Any = None
-    refused: str | None = None
-
-
-def optimizer_ref(o: Any, in_process: bool = False) -> OptimizerRef:
-    cls = type(o.obj)
-    entry, refused = optimizers.lookup(cls)
-    if entry is not None and in_process and not entry.builtin and _in_main(entry.spec):
-        entry, refused = None, (f"the spec of {cls.__qualname__} is defined in the audited script, which the replay "
-                                "process (started before the script) cannot load: define it in a module of its own "
-                                "and import it, or set AMPSPEC_AUDIT_REPLAY=thread")
-    return OptimizerRef(o.label, f"{cls.__module__}.{cls.__qualname__}", entry, refused)
-
-
-def _in_main(spec: Any) -> bool:
-    parts = [spec.config, spec.init_state, *spec.steps.values()]
-    return any(getattr(f, "__module__", None) == "__main__" for f in parts)
-
-
 MODES = ("process", "thread", "inline")
 
 
 def worker_available() -> bool:
     """Whether ``process`` mode can run here."""
-    from audit import worker
-
     return worker.available()
 
 
 def default_mode() -> str:
     """``process`` where a forked worker with shared memory is available (Linux), else ``thread``;
     ``AMPSPEC_AUDIT_REPLAY`` (one of `MODES`) chooses otherwise."""
-    from audit import worker
-
     chosen = os.environ.get("AMPSPEC_AUDIT_REPLAY", "").strip().lower()
     if chosen:
         if chosen not in MODES:
@@ -195,10 +164,8 @@ class Replayer(StepStages, UpdateCheck):
         self.process: Any = None
         self.fallback: str | None = None
         if self.mode == "process":
-            from audit import worker
-
             try:
-                self.process = worker.ReplayProcess(self._QUEUE)
+                self.process = worker.ReplayProcess(self._QUEUE, _worker_replayer)
             except OSError as exc:  # no fork or no pipe here (a process limit): the thread does the work
                 self.mode, self.fallback = "thread", f"no replay process ({exc}): replayed on a thread"
                 self._queue = queue.Queue(maxsize=self._QUEUE)
@@ -213,11 +180,12 @@ class Replayer(StepStages, UpdateCheck):
     def exactness(self) -> str:
         if self.exact:
             return "scalar CPU kernels (ATEN_CPU_CAPABILITY=default): every field bit for bit"
+        sgd, adam = optim.spec("SGD").native_ulp, optim.spec("Adam").native_ulp
         return (f"{self.capability} CPU kernels: found_inf, skip, scale, growth tracker, unscaled, value-clipped "
                 f"and given-total-clipped gradients bit for bit; total norms within {NORM_ULP} ULP, norm-clipped "
-                f"gradients within {CLIP_ULP} ULP; SGD within {SGD_BUFFER_ULP}/{SGD_PARAM_ULP} ULP (buffer/parameter) and Adam(W) within "
-                f"{ADAM_MOMENT_ULP}/{ADAM_PARAM_ULP} ULP (moments/parameter) of x_abs, the other optimizers within "
-                "theirs (audit.optimizers.NATIVE_ULP)")
+                f"gradients within {CLIP_ULP} ULP; SGD within {sgd['momentum_buffer']}/{sgd['param']} ULP "
+                f"(buffer/parameter) and Adam(W) within {adam['exp_avg']}/{adam['param']} ULP (moments/parameter) "
+                "of x_abs, the other optimizers within theirs (their spec rows' native_ulp)")
 
     def _bound(self, native: int) -> int:
         return 0 if self.exact else native
@@ -444,6 +412,11 @@ class Replayer(StepStages, UpdateCheck):
         recorder.findings.extend(replay_divergence(rest))
 
 
+def _worker_replayer() -> Replayer:
+    """The replayer of the forked worker (`audit.worker` runs it; it does not import this module)."""
+    return Replayer(mode="inline")
+
+
 def _sample_mode(obj: Any) -> str:
     """How `audit.sampling` may sample the optimizer stage of ``obj``'s row: ``elements`` (an
     element-wise row of the specification), ``tensors`` (another of its rows), ``whole`` (a
@@ -451,7 +424,7 @@ def _sample_mode(obj: Any) -> str:
     entry, _ = optimizers.lookup(type(obj))
     if entry is None or not entry.builtin:
         return "whole" if entry is None else "registered"
-    return "elements" if entry.spec.name in ELEMENTWISE_MAGNITUDES else "tensors"
+    return "elements" if entry.spec.elementwise else "tensors"
 
 
 def _spec_config(o: OptimizerRef, group: dict[str, Any]) -> tuple[Any, str]:
@@ -495,24 +468,17 @@ def _flat(a: np.ndarray, ix: np.ndarray) -> np.ndarray:
     return np.asarray(a).reshape(-1)[ix].astype(np.float64)
 
 
-# The specification's rows whose magnitudes are element-wise (each element's from the same element
-# of the inputs; tests/test_audit_fast_paths.py checks each against the whole-parameter ones).
-# Adafactor's are not (row and column means, the parameter's RMS), nor need a user's row be.
-ELEMENTWISE_MAGNITUDES = frozenset({"SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "Adadelta", "NAdam",
-                                    "RAdam"})
-
-
 def _magnitudes(entry: Any, cfg: Any, values: tuple, exact: bool) -> Any:
     """``x_abs`` of one parameter's fields: a function of the field's name giving None (bit for bit,
     or a row without magnitudes: ULPs of the value) or a function of flat indices.
 
-    Element-wise magnitudes (`ELEMENTWISE_MAGNITUDES`) are evaluated only at the elements the
+    Element-wise magnitudes (a spec row's ``elementwise``; a user's row is taken whole) are evaluated only at the elements the
     compare needs them for (those more than half the bound apart), not over the whole parameter;
     any other row's once over the whole parameter."""
     row, p = entry.spec, values[0]
     if exact or row.magnitudes is None:
         return lambda fld: None
-    if entry.builtin and row.name in ELEMENTWISE_MAGNITUDES and np.ndim(p) > 0:
+    if entry.builtin and row.elementwise and np.ndim(p) > 0:
         return lambda fld: lambda ix: np.asarray(row.magnitudes(cfg, *_at(values, p.shape, ix))[fld], np.float64)
     mags = functools.cache(lambda: row.magnitudes(cfg, *values))
     return lambda fld: lambda ix: _flat(mags()[fld], ix)

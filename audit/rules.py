@@ -18,20 +18,23 @@ module of its family:
 
 A check is a generator: it reads the recorder's records (or the replay's boundary) and yields
 findings, changing nothing. The severity contract and `Finding` are in `audit.findings`.
-Adding a rule: its row and check in its family's module (one function), and a loop of the
-catalogue (``tests/audit_loops/``) that breaks it, with the steps it must be found at;
+Adding a rule (CONTRIBUTING.md): its row and check in its family's module (one function; a rule
+that reads an event type the audit dispatches declares it, ``events``, and `dispatch` runs it), a
+loop of the catalogue (``tests/audit_loops/``) that breaks it, with the steps it must be found at,
+and docs/audit.md's table rendered from the rows (``python -m audit.rules_table``, `markdown_table`);
 ``tests/test_audit_rules.py`` holds every rule to that.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from types import ModuleType
+from typing import Any
 
 from audit import checks_clipping, checks_numbers, checks_program, checks_scaler, checks_steps
-from audit.findings import ERROR, INFO, SEVERITIES, WARNING, Finding, Rule, rule
-from audit.findings import _jsonable  # noqa: F401  (the step records' JSON form takes it from here)
+from audit.findings import CATALOGUE, ERROR, INFO, SEVERITIES, WARNING, Finding, Rule, rule
 
-__all__ = ["RULES", "FAMILIES", "Rule", "rule", "Finding", "ERROR", "WARNING", "INFO", "SEVERITIES"]
+__all__ = ["RULES", "FAMILIES", "dispatch", "markdown_table", "Rule", "rule", "Finding", "ERROR", "WARNING", "INFO", "SEVERITIES"]
 
 FAMILIES: tuple[ModuleType, ...] = (checks_clipping, checks_scaler, checks_numbers, checks_steps, checks_program)
 
@@ -48,4 +51,28 @@ def _catalogue() -> dict[str, Rule]:
     return rules
 
 
-RULES: dict[str, Rule] = _catalogue()
+CATALOGUE.update(_catalogue())
+RULES: dict[str, Rule] = CATALOGUE
+"""Every rule by name (the dict `audit.findings.Finding` validates against)."""
+
+_BY_EVENT: dict[str, tuple[Rule, ...]] = {}
+for _row in RULES.values():
+    for _event in _row.events:
+        _BY_EVENT[_event] = (*_BY_EVENT.get(_event, ()), _row)
+
+
+def dispatch(event: Any) -> Iterator[Finding]:
+    """The findings of every rule that reads events of ``event``'s type (its row's ``events``),
+    in catalogue order: the recorder and the replay hand an event here, never to a named check."""
+    for row in _BY_EVENT.get(type(event).__name__, ()):
+        assert row.check is not None
+        yield from row.check(event)
+
+
+def markdown_table(rules: Iterable[Rule]) -> str:
+    """docs/audit.md's table of rules, one line per row in catalogue order: name, severities,
+    what the loop did (``doc``)."""
+    lines = ["| rule | severity | what the loop did |", "|---|---|---|"]
+    lines += [f"| `{r.name}` | {', '.join(r.severities)} | {r.doc} |" for r in rules]
+    return "\n".join(lines) + "\n"
+

@@ -15,9 +15,9 @@ growing with the model:
 What needs a whole tensor is always whole on a replayed step: found_inf and the skip, the
 unscale, every clipping call (its total norm is over every gradient), and the scale update.
 
-How the optimizer stage is sampled depends on its row (`audit.replay.ELEMENTWISE_MAGNITUDES`
-names the specification's element-wise optimizers: each element's update reads only the same
-element of the parameter, gradient and state):
+How the optimizer stage is sampled depends on its row (the spec row's ``elementwise`` says
+whether it is element-wise: each element's update reads only the same element of the parameter,
+gradient and state):
 
 - element-wise: of each tensor, ``ceil(fraction * n)`` elements, at least ``MIN_ELEMENTS``
   (a tensor that small is whole), chosen by a generator seeded with ``(seed, tensor index)``;

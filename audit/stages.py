@@ -14,14 +14,14 @@ import ml_dtypes
 import numpy as np
 
 from audit import boundaries
-from audit.checks_numbers import gradients_modified_after_unscale, gradients_modified_before_unscale, scale_twice
-from audit.checks_scaler import unscale_twice
+from audit.optimizers import optimizer_ref
+from audit.rules import dispatch
 from reference import clipping, scaling
 
 __all__ = ["StepStages", "UpdateCheck", "NotReplayable", "NORM_ULP", "CLIP_ULP"]
 
-# The checks that read a boundary (`audit.boundaries.Boundary`), and those of them that are the loop's own edits.
-BOUNDARY_CHECKS = (unscale_twice, scale_twice, gradients_modified_before_unscale, gradients_modified_after_unscale)
+# The rules that read a boundary (`audit.boundaries.Boundary`) declare it (``events``, run by
+# `audit.rules.dispatch`); these of them are the loop's own edits.
 EDIT_RULES = ("gradients-modified-before-unscale", "gradients-modified-after-unscale")
 
 # The conformance suite's bounds for native kernels (conformance/expectations.py derives each;
@@ -177,10 +177,9 @@ class StepStages:
         if ev.divergence:
             self._diverge(o, rec, f"gradients entering {into}", ch.got, ch.expected, ch.detail, where)
             return
-        for check in BOUNDARY_CHECKS:
-            for f in check(ev):
-                self.findings.append(f)
-                self._edits += int(f.rule in EDIT_RULES)
+        for f in dispatch(ev):
+            self.findings.append(f)
+            self._edits += int(f.rule in EDIT_RULES)
 
 
 class UpdateCheck:
@@ -194,8 +193,6 @@ class UpdateCheck:
         scaler = s.obj
         factors = (float(scaler.get_growth_factor()), float(scaler.get_backoff_factor()),
                    int(scaler.get_growth_interval()))
-        from audit.replay import optimizer_ref  # the replay imports this module
-
         closes = [(optimizer_ref(o), rec) for o, _, rec in pending]
         new = None if new_scale is None else float(new_scale)
         self._submit("_update", (s.label, closes, before, after, new, factors))

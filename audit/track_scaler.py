@@ -1,8 +1,8 @@
 """The recorder's GradScaler calls: scale, unscale_, step, update, state_dict, load_state_dict.
 
 Each enabled scaler's per-optimizer stage is the spec's (`audit.sequence`, driving
-`reference.scaling`'s stage functions); at each call the recorder records the event and runs
-the checks of `audit.checks_scaler` that read it.
+`reference.scaling`'s stage functions); at each call the recorder records the event (`audit.sequence.StageCall`,
+`UpdateCall`) and hands it to `audit.rules.dispatch`, which runs every rule that reads it.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import weakref
 from typing import Any
 
 from audit import sequence
-from audit.checks_scaler import (new_scaler_mid_run, step_bypasses_scaler, step_without_update, unscale_twice,
-                                 update_without_step)
+from audit.checks_scaler import new_scaler_mid_run, step_bypasses_scaler
 from audit.records import OptTrack, ScalerTrack, _f32, _found_inf, _pairs, call_site, s_where
+from audit.rules import dispatch
 
 
 class ScalerCalls:
@@ -32,10 +32,16 @@ class ScalerCalls:
     def _stage(self, s: ScalerTrack, o: OptTrack) -> Any:
         return s.stage.get(id(o.obj), sequence.READY_STAGE)
 
-    def _no_update(self, s: ScalerTrack, o: OptTrack, ev: sequence.StageCall) -> None:
-        """step-without-update, once per optimizer between two updates."""
-        if id(o.obj) not in s.reported_no_update and self._report(step_without_update(ev)):
-            s.reported_no_update.add(id(o.obj))
+    def _sequence_call(self, s: ScalerTrack, o: OptTrack, ev: sequence.StageCall) -> None:
+        """A call of the scaler's sequence: the findings of every rule that reads it
+        (`audit.rules.dispatch`), step-without-update once per optimizer between two updates
+        (the recorder's flag, cleared at each update)."""
+        for f in dispatch(ev):
+            if f.rule == "step-without-update":
+                if id(o.obj) in s.reported_no_update:
+                    continue
+                s.reported_no_update.add(id(o.obj))
+            self.findings.append(f)
 
     # ------------------------------------------------------------------ GradScaler
 
@@ -93,8 +99,7 @@ class ScalerCalls:
             where = call_site()
             ev = sequence.unscale_call(self._stage(s, o), **self._sequence_args(s, o, where))
             s.call[id(o.obj)] = ev
-            self._report(unscale_twice(ev))
-            self._no_update(s, o, ev)
+            self._sequence_call(s, o, ev)
             o.window.calls.append(f"scaler.unscale_@{where}")
         self._start_data(o, "scaler.unscale_", o.window.scaler or s)
 
@@ -127,7 +132,7 @@ class ScalerCalls:
         ev = sequence.step_call(self._stage(s, o), closure=closure, amp_aware=amp_aware,
                                 **self._sequence_args(s, o, where))
         s.call[id(o.obj)] = ev
-        self._no_update(s, o, ev)
+        self._sequence_call(s, o, ev)
         o.scaler_step_where = where
         self._start_data(o, "scaler.step", o.window.scaler or s)
 
@@ -164,7 +169,7 @@ class ScalerCalls:
         ev = sequence.update_call(stages, scaler=s.label, step=self._current_step(), where=where,
                                   scaled=getattr(scaler, "_scale", None) is not None, new_scale=new_scale is not None,
                                   bypasses=self._bypasses(s))
-        self._report(update_without_step(ev))
+        self._report(dispatch(ev))
         s.update_before = (_f32(scaler.get_scale()), int(scaler._get_growth_tracker())) if s.used else None
 
     def on_update_end(self, scaler: Any, new_scale: Any, ok: bool) -> None:
@@ -194,7 +199,7 @@ class ScalerCalls:
         """The run completed: an optimizer still STEPPED had no update; a direct step, no update."""
         for key, o in s.driven.items():
             if key in s.stage and key not in s.reported_no_update:
-                self._no_update(s, o, sequence.StageCall("end", o.label, o.steps, "", s.stage[key],
+                self._sequence_call(s, o, sequence.StageCall("end", o.label, o.steps, "", s.stage[key],
                                                          last_step_where=s_where(o)))
         self._report(step_bypasses_scaler(s.label, self._bypasses(s), None))
         s.bypass.clear()

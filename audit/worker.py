@@ -37,14 +37,18 @@ import sys
 import traceback
 import warnings
 import weakref
+from multiprocessing import process as mp_process
 from multiprocessing import reduction
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import ml_dtypes
 import numpy as np
 import torch
 
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
+
+if TYPE_CHECKING:  # the replay imports this module: its type only
+    from audit.replay import Replayer
 
 __all__ = ["available", "ReplayProcess", "SlabArray"]
 
@@ -127,11 +131,12 @@ class ReplayProcess:
     ``owner``; None where shared memory cannot be used (the caller copies as usual).
     ``submit(method, args, owner, on_done)``: the replayer's ``method(*args)`` runs in the worker,
     on copies of its arguments; ``on_done(result)`` is applied here when it is done.
+    ``make_replayer``: builds the worker's replayer (after the fork, in the worker).
     ``finish()``: every job done; returns ``(state, error)``: the worker replayer's
     ``export_state()`` (None if it never answered) and its failure's text (None if none).
     """
 
-    def __init__(self, jobs: int) -> None:
+    def __init__(self, jobs: int, make_replayer: Callable[[], Replayer]) -> None:
         self._jobs = jobs
         here, there = mp.Pipe(duplex=True)
         for stream in (sys.stdout, sys.stderr):  # else the worker would write out its copy of what waits
@@ -148,7 +153,7 @@ class ReplayProcess:
             with warnings.catch_warnings():
                 # Python 3.12+ warns on fork in a process with threads; the worker runs only the replay.
                 warnings.simplefilter("ignore", DeprecationWarning)
-                self._proc = mp.get_context("fork").Process(target=_serve, args=(there, here), daemon=True,
+                self._proc = mp.get_context("fork").Process(target=_serve, args=(there, here, make_replayer), daemon=True,
                                                             name="ampspec-audit-replay")
                 self._proc.start()
         finally:
@@ -334,8 +339,6 @@ class ReplayProcess:
         """In a process forked from the audited program: this worker is the parent's. Nothing more
         goes to it from here, and multiprocessing must not join or terminate it at this process's
         exit (it would assert 'can only join a child process')."""
-        from multiprocessing import process as mp_process
-
         mp_process._children.discard(self._proc)  # the registry multiprocessing joins at exit
         self._result = (None, "a forked process of the audited program")
         self._no_memory = True
@@ -376,14 +379,13 @@ class ReplayProcess:
 # ---------------------------------------------------------------------------------- the worker
 
 
-def _serve(conn: Any, other_end: Any) -> None:
-    """The worker's loop: map the slabs, run the jobs in order, report."""
+def _serve(conn: Any, other_end: Any, make_replayer: Callable[[], Replayer]) -> None:
+    """The worker's loop: map the slabs, run the jobs in order on ``make_replayer()`` (the
+    replay's, handed over at the fork: this module stays below `audit.replay`), report."""
     other_end.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
-    from audit.replay import Replayer
-
-    replayer = Replayer(mode="inline")
+    replayer = make_replayer()
     error: str | None = None
     while True:
         try:

@@ -159,56 +159,8 @@ NORM_ULP = 2
 # u * x_abs < ulp(x_abs); two implementations that only differ in which multiply-adds are fused
 # differ by at most 2 * k ULP of x_abs (a faithful, not correctly rounded, square root counts
 # as 2 roundings: its error is < 1 ULP).
-#   SGD buffer: d = g + wd*p (2), (1 - dampening)*d (3), buf*momentum + that (4): k = 4.
-#   SGD param: Nesterov momentum*buf (5), d + that (6), -lr*d (7), p + that (8): k = 8.
-#   Adam exp_avg: d (2), lerp = sub, mul, add (5): k = 5. exp_avg_sq: (1-b2)*d (3), *d (4),
-#   + beta2*v (5): k = 5; max_exp_avg_sq is a max of exact copies: same bound.
-#   Adam param: sqrt of v (relative error halves: 2.5, + 2 faithful) 4.5, / bc2_sqrt 5.5,
-#   + eps 6.5 (all positive); -step_size*m: 5 + 1 = 6; the division adds both plus 1: 13.5;
-#   decoupled decay p*(1-lr*wd) then the add: 15.
-# Measured (about 6,000 per-field comparisons here, dev profile and a 2,000-step sweep): <= 2 (SGD
-# buffer), <= 4 (Adam moments), <= 5 (parameters).
-SGD_BUFFER_ULP = 2 * 4
-SGD_PARAM_ULP = 2 * 8
-ADAM_MOMENT_ULP = 2 * 5
-ADAM_PARAM_ULP = 2 * 15
-_ADAM_ULP = {"exp_avg": ADAM_MOMENT_ULP, "exp_avg_sq": ADAM_MOMENT_ULP, "max_exp_avg_sq": ADAM_MOMENT_ULP,
-             "param": ADAM_PARAM_ULP}
-OPTIMIZER_ULP: dict[str, dict[str, int]] = {
-    "SGD": {"momentum_buffer": SGD_BUFFER_ULP, "param": SGD_PARAM_ULP},
-    "Adam": _ADAM_ULP,
-    "AdamW": _ADAM_ULP,
-    # Adagrad sum: d = g + wd*p (2), d*d (3), + sum (4): k = 4. param: sqrt of sum (4 / 2 + 2
-    # faithful) 4, + eps 5; -clr*d 3; the division 9; + p 10.
-    "Adagrad": {"sum": 2 * 4, "param": 2 * 10},
-    # RMSprop square_avg: d (2), (1-alpha)*d (3), *d (4), + alpha*sa (5): k = 5. grad_avg: d, then
-    # the lerp's sub, mul, add: k = 5. The denominator's own x_abs (under the root: 7 roundings
-    # of a centered difference, halved by the root, + 2 faithful, + eps) enters the quotient's
-    # x_abs (rmsprop_magnitudes); the quotient adds 1, the momentum buffer's mul and add 2, the
-    # parameter's mul and add 2: k = 12 for the buffer, 14 for the parameter.
-    "RMSprop": {"square_avg": 2 * 5, "grad_avg": 2 * 5, "momentum_buffer": 2 * 12, "param": 2 * 14},
-    # Adamax exp_avg: d (2) and the lerp (5): k = 5. exp_inf: beta2*u (1) against |d| + eps (3),
-    # a max of the two: k = 3. param: the quotient of both (5 + 3 + 1), times clr, + p: k = 11.
-    # Adadelta square_avg: as RMSprop's, k = 5. delta: root of acc + eps (1, halved, + 2 faithful)
-    # 2.5 over the root of square_avg + eps (6, halved, + 2) 5, the division 8.5, times d 11.5;
-    # acc_delta squares it (2 * 11.5 + 1) and adds rho*acc (2 more): k = 26. param: delta, times
-    # lr, + p: k = 14.
-    "Adamax": {"exp_avg": 2 * 5, "exp_inf": 2 * 3, "param": 2 * 11},
-    "Adadelta": {"square_avg": 2 * 5, "acc_delta": 2 * 26, "param": 2 * 14},
-    # NAdam and RAdam moments: as Adam's, k = 5. NAdam param: the denominator (v 5, / bc2 6, the
-    # root 5, + eps 6), each term's scalar product (3 and 6) over it, + 1, and the two adds: 14,
-    # with decoupled decay 15. RAdam param: m / bc1 6, * lr 7, the reciprocal of the root + eps
-    # (5 + 1) times sqrt(bc2) 7, their product and * rect 16 / 2 ... bounded by Adam's 15 for both
-    # paths (the foreach reciprocal of a quotient adds one rounding the for-loop's product has).
-    "NAdam": {"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "param": 2 * 15},
-    "RAdam": {"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "param": 2 * 15},
-    # Adafactor: x_abs already carries each field's rounding count, reductions' lengths included
-    # (reference.optim.adafactor.adafactor_magnitudes derives it); each side is within that count
-    # of the exact value, and an ULP of x_abs is at least half that count of the magnitude's.
-    "Adafactor": {"row_var": 2 * 2, "col_var": 2 * 2, "variance": 2 * 2, "param": 2 * 2},
-}
-"""Per registered optimizer and state field (``param``: the parameter), the bound on native
-kernels in ULPs of x_abs of the field's dtype (derivations above and beside each row)."""
+# Each optimizer's bounds, with the derivation of each, are its spec row's ``native_ulp``
+# (reference/optim/<name>.py, at the row): this suite keeps no table of its own.
 
 
 def cuda_norm_rtol(n: int) -> float:

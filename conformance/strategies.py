@@ -286,8 +286,7 @@ class OptimizerCase:
     min_ndim: int = 0
     steps: tuple[int, int] = (1, 6)
     ulp: Mapping[str, int] | None = None
-    """Bounds on native kernels per field; None: ``expectations.OPTIMIZER_ULP[name]``, else the
-    spec row's ``native_ulp``."""
+    """Bounds on native kernels per field; None (the rule): the spec row's ``native_ulp``."""
 
 
 OPTIMIZER_CASES: dict[str, OptimizerCase] = {}

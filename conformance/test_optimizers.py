@@ -26,7 +26,7 @@ not correctly rounded (reference.optim rule 9). The fused kernels' roots are cor
 Exactness (``expectations.exact_kernels``): bit for bit with exact kernels, every field. On
 native kernels the step counters, the skip and the unscaled gradients are still bit for bit
 (counting and one correctly rounded operation); parameters and state are within the bounds of
-``expectations.OPTIMIZER_ULP``, measured in ULPs of ``x_abs``, the field's formula evaluated on
+the spec row's ``native_ulp``, measured in ULPs of ``x_abs``, the field's formula evaluated on
 magnitudes (each spec row's ``magnitudes``): a plain ULP distance explodes where a result
 cancels to near zero although the operands were large.
 """
@@ -113,7 +113,7 @@ def run_optimizer_case(name: str, impl: str, config: dict, trajectory: dict, sca
     row, case = optim.spec(name), strategies.OPTIMIZER_CASES[name]
     spec_cfg = row.make_config(**config)
     exact = expectations.exact_kernels(device)
-    bounds = case.ulp if case.ulp is not None else expectations.OPTIMIZER_ULP.get(name) or dict(row.native_ulp)
+    bounds = case.ulp if case.ulp is not None else dict(row.native_ulp)
     kernel = impl in row.kernel_scaled
     params = [torch.nn.Parameter(to_torch(p, device)) for p in trajectory["params"]]
     spec_lr = None

@@ -179,6 +179,8 @@ def test_every_rule_has_a_severity_a_summary_and_a_fix():
     assert Finding("loss-not-divided", 0, "x:1", "m", level="warning").severity == "warning"
     with pytest.raises(ValueError, match="level must be one of"):
         Finding("loss-not-divided", 0, "x:1", "m", level="fatal")
+    with pytest.raises(ValueError, match="level must be one of .'warning',. for a backward-in-autocast finding"):
+        Finding("backward-in-autocast", 0, "x:1", "m", level="info")
     with pytest.raises(ValueError, match="unknown rule"):
         Finding("no-such-rule", 0, "x:1", "m")
     d = Finding("replay-divergence", 3, "t.py:9", "m", expected=float("nan"), got=np.float32(2.5)).to_dict()
@@ -189,14 +191,15 @@ def test_every_rule_has_a_severity_a_summary_and_a_fix():
 # ----------------------------------------------------------------------------- the replay's stages
 
 
-def test_the_replay_bounds_are_the_conformance_suites():
-    from audit import replay
+def test_the_replay_bounds_are_the_conformance_suites_and_the_spec_rows():
+    from audit import optimizers, replay
     from conformance import expectations
+    from reference import optim
 
-    assert (replay.NORM_ULP, replay.SGD_BUFFER_ULP, replay.SGD_PARAM_ULP, replay.ADAM_MOMENT_ULP,
-            replay.ADAM_PARAM_ULP) == (expectations.NORM_ULP, expectations.SGD_BUFFER_ULP,
-                                       expectations.SGD_PARAM_ULP, expectations.ADAM_MOMENT_ULP,
-                                       expectations.ADAM_PARAM_ULP)
+    assert replay.NORM_ULP == expectations.NORM_ULP
+    for name, row in optim.SPECS.items():
+        entry, _ = optimizers.lookup(getattr(torch.optim, name))
+        assert dict(entry.ulp) == dict(row.native_ulp), f"{name}: the audit's bounds are not its spec row's"
 
 
 def test_a_scaler_override_that_calls_the_base_method_reports_once(monkeypatch):
@@ -686,7 +689,7 @@ def test_without_shared_memory_the_copies_are_ordinary_arrays_and_the_report_the
 def test_when_no_replay_process_can_start_the_thread_replays_and_the_report_says_so(monkeypatch):
     import audit.worker as worker
 
-    def no_fork(self, jobs):
+    def no_fork(self, jobs, make_replayer):
         raise OSError(11, "Resource temporarily unavailable")
 
     monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "process")

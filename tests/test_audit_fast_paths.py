@@ -34,9 +34,7 @@ def _two_steps(spec, cfg, rng):
 
 
 def _elementwise() -> list[str]:
-    from audit.replay import ELEMENTWISE_MAGNITUDES
-
-    return sorted(ELEMENTWISE_MAGNITUDES)
+    return sorted(n for n, row in SPECS.items() if row.elementwise)
 
 
 @pytest.mark.parametrize("name", _elementwise())
@@ -76,7 +74,8 @@ def test_other_magnitudes_are_taken_over_the_whole_parameter(name, builtin):
         seen.append(p.shape)
         return spec.magnitudes(cfg, p, g, old, new)
 
-    row = types.SimpleNamespace(spec=types.SimpleNamespace(magnitudes=whole_only, name=spec.name), builtin=builtin)
+    row = types.SimpleNamespace(spec=types.SimpleNamespace(magnitudes=whole_only, name=spec.name,
+                                                         elementwise=spec.elementwise), builtin=builtin)
     ix = np.array([1, 5])
     got = _magnitudes(row, cfg, values, exact=False)("param")(ix)
     assert seen == [values[0].shape]
@@ -119,6 +118,7 @@ def test_the_clipping_wrappers_bind_as_inspect_does(name):
 @pytest.mark.skipif("not __import__('audit.worker').worker.available()")
 def test_the_replay_process_copies_are_the_tensors_bit_for_bit():
     from audit import worker
+    from audit.replay import Replayer
 
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(5, 3, generator=g), torch.randn(4, generator=g).to(torch.bfloat16),
@@ -129,7 +129,7 @@ def test_the_replay_process_copies_are_the_tensors_bit_for_bit():
     class Owner:  # the step data the copies belong to (the pool holds it weakly)
         pass
 
-    proc = worker.ReplayProcess(2)
+    proc = worker.ReplayProcess(2, lambda: Replayer(mode="inline"))
     owner, copies = Owner(), None
 
     def as_read(arrays):

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from audit import sequence
-from audit.rules import FAMILIES, RULES
+from audit.findings import rule
+from audit.rules import FAMILIES, RULES, markdown_table
 from audit.runner import run_script
 from reference import scaling
 from test_audit_catalogue import PLANTED
@@ -101,3 +102,55 @@ def test_the_sequence_advances_through_the_specifications_stages():
                                   bypasses=[])
     assert update.refused == "No inf checks were recorded prior to update." and not update.stepped
     assert sequence.numpy_dtypes(["torch.float16", "torch.bfloat16", "torch.int64"])[0] == "float16"
+
+
+# ----------------------------------------------------------------------------- the docs, from the rows
+
+
+def _docs_rules_table() -> str:
+    """The table between the markers of docs/audit.md (blank lines around it dropped)."""
+    text = (ROOT / "docs" / "audit.md").read_text()
+    start = text.index("by `python -m audit.rules_table` -->") + len("by `python -m audit.rules_table` -->")
+    return text[start:text.index("<!-- end of the rules table -->")].strip("\n") + "\n"
+
+
+def test_the_docs_table_of_rules_is_the_one_the_rows_render():
+    assert _docs_rules_table() == markdown_table(RULES.values()), \
+        "docs/audit.md's rules table is not the rows': run python -m audit.rules_table and paste it between the markers"
+
+
+def test_a_rule_s_severities_are_its_own_then_its_uncertain_form_s():
+    assert RULES["loss-not-divided"].severities == ("error", "warning")
+    assert RULES["backward-in-autocast"].severities == ("warning",)
+    line = next(x for x in markdown_table(RULES.values()).splitlines() if x.startswith("| `loss-not-divided`"))
+    assert line.startswith("| `loss-not-divided` | error, warning | an accumulation window")
+    with pytest.raises(ValueError, match="uncertain severity of rule 'x' must be one of .* below 'warning'"):
+        rule("x", "warning", "s", "f", uncertain="error")
+
+
+def test_every_finding_has_one_of_its_rule_s_severities():
+    """The uncertain form a check gives a finding (`Finding.level`) is the one its row declares."""
+    levels = {name: set() for name in RULES}
+    for path in sorted((ROOT / "audit").glob("checks_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                names = [d.args[0].value for d in node.decorator_list
+                         if isinstance(d, ast.Call) and getattr(d.func, "id", None) == "rule"]
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.keyword) and sub.arg == "level" and names:
+                        levels[names[0]].add(ast.unparse(sub.value))
+    for name, found in levels.items():
+        assert not found or RULES[name].uncertain is not None, f"{name} gives a level but declares no uncertain form"
+
+
+def test_every_event_a_rule_reads_is_an_event_type_of_the_audit():
+    """A rule's ``events`` name event types (`audit.rules.dispatch` matches on the name), and a
+    boundary of the replay reaches each rule that reads boundaries, in catalogue order."""
+    from audit import boundaries
+
+    kinds = {name for name in dir(boundaries) + dir(sequence) if isinstance(getattr(boundaries, name, None)
+                                                                      or getattr(sequence, name, None), type)}
+    declared = {e for r in RULES.values() for e in r.events}
+    assert declared and declared <= kinds, f"events of no audit type: {sorted(declared - kinds)}"
+    reads = [name for name, r in RULES.items() if "Boundary" in r.events]
+    assert reads[:2] == ["unscale-twice", "scale-twice"] and len(reads) == 4

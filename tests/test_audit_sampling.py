@@ -273,9 +273,9 @@ def test_auto_spaces_the_replayed_steps_of_a_large_optimizer(monkeypatch):
 
 
 def _elementwise() -> list[str]:
-    from audit.replay import ELEMENTWISE_MAGNITUDES
+    from reference.optim import SPECS
 
-    return sorted(ELEMENTWISE_MAGNITUDES)
+    return sorted(n for n, row in SPECS.items() if row.elementwise)
 
 
 @pytest.mark.parametrize("name", _elementwise())

@@ -1,10 +1,15 @@
 """The optimizer registries: every registered optimizer is covered by every consumer, and adding
-one touches four places only (its spec function, its spec row, its torchimpl row, its
-conformance row) -- shown with a toy optimizer added in this test and nowhere else."""
+one touches four places only (CONTRIBUTING.md's recipe): its spec module (its rules, step
+function, state, hyperparameters and its one row with the native-kernel bounds; the package
+imports it), its torchimpl row, its conformance strategy entry and its row in docs/spec.md's
+table -- shown with a toy optimizer added in this test and nowhere else (its spec module
+written to a temporary folder on the package's path)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,28 +17,38 @@ import torch
 from hypothesis import strategies as st
 
 from audit import optimizers as audit_optimizers
-from conformance import expectations, strategies
+from conformance import strategies
 from conformance.test_optimizers import run_optimizer_case
 from reference import optim
 from reference import step as ref_step
-from reference.optim._common import check_inputs, for_each_param
 from torchimpl.train import optim as ti_optim
 from torchimpl import spec_bridge
 from torchimpl.config.schema import Config
 
 
-def _assert_every_consumer_covers_every_row() -> None:
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _docs_optimizers(text: str) -> set[str]:
+    """The optimizers docs/spec.md's table of optimizers names (``| SGD (`sgd`) | ...``)."""
+    return set(re.findall(r"(?:^\| |, )(\w+) \(`\w+`\)", text, re.MULTILINE))
+
+
+def _assert_every_consumer_covers_every_row(docs: str | None = None) -> None:
     """Every spec row has a conformance row of its torch class, native-kernel bounds for every
-    field it compares, an audit row with those same bounds, a torchimpl row and magnitudes;
-    every torchimpl row bridges to its spec row."""
+    field it compares, an audit row with those same bounds, a torchimpl row, magnitudes and a
+    row in docs/spec.md's table (``docs``: that page's text); every torchimpl row bridges to its
+    spec row."""
     torch_rows = {row.cls.__name__: row for row in ti_optim.REGISTRY.values()}
+    documented = _docs_optimizers((_ROOT / "docs" / "spec.md").read_text() if docs is None else docs)
     for name, row in optim.SPECS.items():
+        assert name in documented, f"{name}: no row in docs/spec.md's table of optimizers"
         assert name in strategies.OPTIMIZER_CASES, f"{name}: no conformance row in conformance/strategies.py"
         case = strategies.OPTIMIZER_CASES[name]
         assert case.torch_class.__name__ == name, f"{name}: the conformance row's class is {case.torch_class}"
         # The same lookup as the property's (conformance/test_optimizers.py run_optimizer_case).
-        bounds = case.ulp if case.ulp is not None else expectations.OPTIMIZER_ULP.get(name) or dict(row.native_ulp)
-        assert bounds, f"{name}: no native-kernel bounds (the spec row's native_ulp, or conformance/expectations.py)"
+        bounds = case.ulp if case.ulp is not None else dict(row.native_ulp)
+        assert bounds, f"{name}: no native-kernel bounds (the spec row's native_ulp)"
         cfg = row.make_config()
         init = row.init_state(np.zeros(2, np.float32), cfg)
         # Scalar fields (step counters) are compared bit for bit everywhere: no bound.
@@ -60,6 +75,49 @@ def test_every_spec_row_is_covered_by_every_consumer():
 
 # --- a toy optimizer, in the four places -------------------------------------------------------
 
+# Place one: the spec module, as a contributor writes it in reference/optim/ (here in a temporary
+# folder put on the package's path): its rule, state, hyperparameters and its one row.
+SPEC_MODULE = '''"""SignSGD: 1. ``p = f(p + f(f(-lr) * sign(g)))``; ``step += 1``."""
+from dataclasses import dataclass
+
+import numpy as np
+
+from reference.optim._common import check_inputs, for_each_param
+from reference.optim._registry import OptimizerSpec, register
+
+
+@dataclass(frozen=True)
+class SignSGDConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class SignSGDState:
+    step: np.float32
+
+
+def sign_sgd(params, grads, state, config, *, lr=None, **_):
+    arrays = check_inputs(params, grads, state, config, SignSGDConfig, SignSGDState)
+    rate = config.lr if lr is None else float(lr)
+
+    def update(p, g, s):
+        return p + p.dtype.type(-rate) * np.sign(g), SignSGDState(np.float32(s.step + 1)), g
+
+    return for_each_param(arrays, grads, state, update)
+
+
+def sign_sgd_magnitudes(config, p, g, old, new):
+    return {"param": np.abs(np.asarray(p, np.float64)) + config.lr}
+
+
+# Native kernels: one multiply and one add, k = 2 roundings: 2k = 4 ULPs of x_abs.
+register(OptimizerSpec("SignSGD", SignSGDConfig, SignSGDConfig, lambda p, cfg: SignSGDState(np.float32(0)),
+                       {"for-loop": sign_sgd}, magnitudes=sign_sgd_magnitudes, native_ulp={"param": 4},
+                       elementwise=True))
+'''
+
+
 class SignSGD(torch.optim.Optimizer):
     """The toy's torch side: ``p -= lr * sign(g)``."""
 
@@ -75,58 +133,48 @@ class SignSGD(torch.optim.Optimizer):
                     p.add_(p.grad.sign(), alpha=-group["lr"])
 
 
-@dataclass(frozen=True)
-class SignSGDConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-
-
-@dataclass(frozen=True)
-class SignSGDState:
-    step: np.float32
-
-
-def sign_sgd(params, grads, state, config, *, lr=None, **_):
-    """1. (place one: the spec function) ``p = f(p + f(f(-lr) * sign(g)))``; ``step += 1``."""
-    arrays = check_inputs(params, grads, state, config, SignSGDConfig, SignSGDState)
-    rate = config.lr if lr is None else float(lr)
-
-    def update(p, g, s):
-        return p + p.dtype.type(-rate) * np.sign(g), SignSGDState(np.float32(s.step + 1)), g
-
-    return for_each_param(arrays, grads, state, update)
-
-
-def _magnitudes(config, p, g, old, new):
-    return {"param": np.abs(np.asarray(p, np.float64)) + config.lr}
+# Place four: its row in docs/spec.md's table (added to the page's text here).
+DOCS_ROW = "| SignSGD (`signsgd`) | for-loop | every field | param 4 | 0 | none |\n"
 
 
 @pytest.fixture
-def toy(monkeypatch):
+def toy(monkeypatch, tmp_path):
     monkeypatch.setattr(optim._registry, "SPECS", dict(optim.SPECS))
     monkeypatch.setattr(optim, "SPECS", optim._registry.SPECS)
     monkeypatch.setattr(ti_optim, "REGISTRY", dict(ti_optim.REGISTRY))
     monkeypatch.setattr(strategies, "OPTIMIZER_CASES", dict(strategies.OPTIMIZER_CASES))
     # The toy stands for a new torch.optim class: the audit finds those by name in torch.optim,
-    # with no registration of its own (its table of bounds is reset to the built-in rows).
+    # with no registration of its own (its rows are reset to be read again from the spec's).
     monkeypatch.setattr(torch.optim, "SignSGD", SignSGD, raising=False)
     monkeypatch.setattr(audit_optimizers, "_ROWS", {})
-    # Place two: the spec row, with its bounds on native kernels.
-    optim.register(optim.OptimizerSpec("SignSGD", SignSGDConfig, SignSGDConfig,
-                                       lambda p, cfg: SignSGDState(np.float32(0)),
-                                       {"for-loop": sign_sgd}, magnitudes=_magnitudes, native_ulp={"param": 2}))
-    # Place three: the torchimpl row.
+    # Place one: the spec module, found and imported by the package as any of its modules.
+    (tmp_path / "signsgd_toy.py").write_text(SPEC_MODULE)
+    monkeypatch.setattr(optim, "__path__", [*optim.__path__, str(tmp_path)])
+    optim.import_optimizer_modules()
+    module = sys.modules["reference.optim.signsgd_toy"]
+    # Place two: the torchimpl row.
     ti_optim.register(ti_optim.TorchOptimizer("signsgd", SignSGD))
-    # Place four: the conformance row.
+    # Place three: the conformance strategy entry.
     strategies.optimizer_case("SignSGD", strategies.OptimizerCase(
         SignSGD, lambda: st.fixed_dictionaries({"lr": st.floats(1e-4, 1.0)})))
+    yield module
+    sys.modules.pop("reference.optim.signsgd_toy", None)
+
+
+def test_without_its_docs_row_a_new_optimizer_is_refused(toy):
+    with pytest.raises(AssertionError, match="SignSGD: no row in docs/spec.md's table"):
+        _assert_every_consumer_covers_every_row()
 
 
 def test_a_toy_optimizer_added_in_four_places_reaches_every_consumer(toy):
     row = optim.spec("SignSGD")
+    SignSGDConfig, sign_sgd, _magnitudes = toy.SignSGDConfig, toy.sign_sgd, toy.sign_sgd_magnitudes
+    SignSGDState = toy.SignSGDState
     # Every consumer covers it, the audit with the spec row's bounds, and nothing else was needed.
-    _assert_every_consumer_covers_every_row()
-    assert audit_optimizers.lookup(SignSGD)[0].ulp == {"param": 2}
+    _assert_every_consumer_covers_every_row((_ROOT / "docs" / "spec.md").read_text() + DOCS_ROW)
+    assert audit_optimizers.lookup(SignSGD)[0].ulp == {"param": 4}
+    assert audit_optimizers.optimizer_ref(type("Track", (), {"obj": SignSGD([torch.zeros(1)]), "label": "o"})
+                                          ).entry.spec.elementwise
     assert row.hyperparameters() == {"lr": 1e-3, "weight_decay": 0.0}
     # The trainer's configuration accepts its name, builds torch's class and bridges to the spec.
     config = Config.from_dict({"optimizer": {"name": "signsgd", "lr": 0.1, "weight_decay": 0.0}})
@@ -149,6 +197,6 @@ def test_a_toy_optimizer_added_in_four_places_reaches_every_consumer(toy):
     optim._registry.SPECS["SignSGD"] = optim.OptimizerSpec(
         "SignSGD", SignSGDConfig, SignSGDConfig, lambda p, cfg: SignSGDState(np.float32(0)),
         {"for-loop": lambda *a, **k: (lambda p, g, s: ([x * 2 for x in p], g, s))(*sign_sgd(*a, **k))},
-        magnitudes=_magnitudes, native_ulp={"param": 2})
+        magnitudes=_magnitudes, native_ulp={"param": 4})
     with pytest.raises(AssertionError, match="params"):
         run_optimizer_case("SignSGD", "for-loop", {"lr": 0.25}, trajectory, None, "cpu")

@@ -83,8 +83,10 @@ floats, i.e. float64):
    rule, built from `reference.optim._lr`.
 12. The registry (`reference.optim._registry`): one `OptimizerSpec` row per torch class, by
    torch's class name (`SPECS`, `spec(name)`, `spec_for(config)`), with its hyperparameters and
-   torch's defaults, ``init_state`` and a step function per implementation. Consumers call the
-   row; adding an optimizer is a module with its rules and step functions, and its row here.
+   torch's defaults, ``init_state``, a step function per implementation, the bounds on native
+   kernels (``native_ulp``) and whether its magnitudes are element-wise. Consumers call the
+   row; adding an optimizer is one module of this package with its rules, its step functions
+   and its row, registered at its end: this package imports every public module it holds.
 
 Parameters and gradients are float32 or float64 arrays of any shape (same shape and dtype per
 pair). Inputs are never modified; parameters come back as new arrays and states hold read-only
@@ -93,6 +95,8 @@ copies.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Sequence
 from typing import Any
 
@@ -100,17 +104,19 @@ import numpy as np
 
 from reference.optim._common import check_param
 from reference.optim._registry import IMPLEMENTATIONS, SPECS, OptimizerSpec, register, spec, spec_for
-from reference.optim.adafactor import (AdafactorConfig, AdafactorState, adafactor_init_state, adafactor_magnitudes,
-                                       adafactor_step)
-from reference.optim.adam import (AdamConfig, AdamParamState, adam_init_state, adam_magnitudes, adam_step,
-                                  adamw_config, fused_adam_step)
-from reference.optim.adagrad import AdagradConfig, AdagradState, adagrad_init_state, adagrad_magnitudes, adagrad_step
-from reference.optim.adadelta import AdadeltaConfig, AdadeltaState, adadelta_init_state, adadelta_magnitudes, adadelta_step
-from reference.optim.adamax import AdamaxConfig, AdamaxState, adamax_init_state, adamax_magnitudes, adamax_step
-from reference.optim.nadam import NAdamConfig, NAdamState, nadam_init_state, nadam_magnitudes, nadam_step
-from reference.optim.radam import RAdamConfig, RAdamState, radam_init_state, radam_magnitudes, radam_step
-from reference.optim.rmsprop import RMSpropConfig, RMSpropState, rmsprop_init_state, rmsprop_magnitudes, rmsprop_step
-from reference.optim.sgd import SGDConfig, SGDParamState, fused_sgd_step, sgd_init_state, sgd_magnitudes, sgd_step
+
+# The built-in rows register in this order (SPECS' order, the one messages list them in); a module
+# added later registers after them (the loop at the end of this module).
+from reference.optim import sgd, adam, adagrad, rmsprop, adamax, adadelta, nadam, radam, adafactor  # noqa: E402,F401,I001
+from reference.optim.adafactor import AdafactorConfig, AdafactorState, adafactor_step
+from reference.optim.adam import AdamConfig, AdamParamState, adam_step, adamw_config, fused_adam_step
+from reference.optim.adagrad import AdagradConfig, AdagradState, adagrad_step
+from reference.optim.adadelta import AdadeltaConfig, adadelta_step
+from reference.optim.adamax import AdamaxConfig, adamax_step
+from reference.optim.nadam import NAdamConfig, nadam_step
+from reference.optim.radam import RAdamConfig, radam_step
+from reference.optim.rmsprop import RMSpropConfig, RMSpropState, rmsprop_step
+from reference.optim.sgd import SGDConfig, SGDParamState, fused_sgd_step, sgd_step
 
 __all__ = [
     "AdafactorConfig",
@@ -141,6 +147,7 @@ __all__ = [
     "adamw_config",
     "fused_adam_step",
     "fused_sgd_step",
+    "import_optimizer_modules",
     "init_state",
     "register",
     "sgd_step",
@@ -158,125 +165,13 @@ def init_state(params: Sequence[np.ndarray], config: Any) -> tuple[Any, ...]:
     return tuple(row.init_state(a, config) for a in arrays)
 
 
-# --- the rows: one per torch.optim class ------------------------------------------------------
+
+def import_optimizer_modules() -> None:
+    """Import every public module of this package: each states one optimizer (or a family) and
+    registers its rows when imported, so a new optimizer is its module alone (CONTRIBUTING.md)."""
+    for module in pkgutil.iter_modules(__path__):
+        if not module.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{module.name}")
 
 
-def _sgd(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    new_params, new_state = sgd_step(params, grads, state, config, lr=lr)
-    return new_params, list(grads), new_state
-
-
-def _fused_sgd(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    return fused_sgd_step(params, grads, state, config, grad_scale=grad_scale, found_inf=found_inf, lr=lr)
-
-
-def _sgd_kernel_skip_refused(config: SGDConfig) -> str | None:
-    if config.momentum != 0:
-        return ("SGD with momentum: torch's fused SGD creates its momentum buffers with empty_like before the kernel "
-                "checks the flag, so a skipped first step leaves them uninitialised")
-    return None
-
-
-def _adam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    new_params, new_state = adam_step(params, grads, state, config, lr=lr, sqrt=sqrt)
-    return new_params, list(grads), new_state
-
-
-def _fused_adam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    return fused_adam_step(params, grads, state, config, grad_scale=grad_scale, found_inf=found_inf, lr=lr)
-
-
-register(OptimizerSpec("SGD", SGDConfig, SGDConfig, sgd_init_state,
-                       {"for-loop": _sgd, "foreach": _sgd, "fused": _fused_sgd}, frozenset({"fused"}),
-                       _sgd_kernel_skip_refused, sgd_magnitudes))
-def _foreach_adam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    # Rule 11: torch's foreach Adam(W) refuses a tensor lr (without capturable, which needs CUDA).
-    if isinstance(lr, np.ndarray):
-        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")  # noqa: TRY004 (torch's type)
-    return _adam(params, grads, state, config, lr=lr, sqrt=sqrt)
-
-
-register(OptimizerSpec("Adam", AdamConfig, AdamConfig, adam_init_state,
-                       {"for-loop": _adam, "foreach": _foreach_adam, "fused": _fused_adam}, frozenset({"fused"}),
-                       magnitudes=adam_magnitudes))
-register(OptimizerSpec("AdamW", adamw_config, AdamConfig, adam_init_state,
-                       {"for-loop": _adam, "foreach": _foreach_adam, "fused": _fused_adam}, frozenset({"fused"}),
-                       magnitudes=adam_magnitudes))
-
-
-def _adagrad(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    return adagrad_step(params, grads, state, config, lr=lr, sqrt=sqrt)
-
-
-def _foreach_adagrad(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    return adagrad_step(params, grads, state, config, lr=lr, sqrt=sqrt, foreach=True)
-
-
-def _fused_adagrad(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    return adagrad_step(params, grads, state, config, lr=lr, grad_scale=grad_scale, found_inf=found_inf, fused=True)
-
-
-register(OptimizerSpec("Adagrad", AdagradConfig, AdagradConfig, adagrad_init_state,
-                       {"for-loop": _adagrad, "foreach": _foreach_adagrad, "fused": _fused_adagrad}, frozenset({"fused"}),
-                       magnitudes=adagrad_magnitudes))
-
-
-def _rmsprop(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    return rmsprop_step(params, grads, state, config, lr=lr, sqrt=sqrt)
-
-
-register(OptimizerSpec("RMSprop", RMSpropConfig, RMSpropConfig, rmsprop_init_state,
-                       {"for-loop": _rmsprop, "foreach": _rmsprop}, magnitudes=rmsprop_magnitudes))
-
-
-def _adamax(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    return adamax_step(params, grads, state, config, lr=lr, sqrt=sqrt)
-
-
-def _foreach_adamax(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    return adamax_step(params, grads, state, config, lr=lr, sqrt=sqrt, foreach=True)
-
-
-def _adadelta(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    return adadelta_step(params, grads, state, config, lr=lr, sqrt=sqrt)
-
-
-register(OptimizerSpec("Adamax", AdamaxConfig, AdamaxConfig, adamax_init_state,
-                       {"for-loop": _adamax, "foreach": _foreach_adamax}, magnitudes=adamax_magnitudes))
-register(OptimizerSpec("Adadelta", AdadeltaConfig, AdadeltaConfig, adadelta_init_state,
-                       {"for-loop": _adadelta, "foreach": _adadelta}, magnitudes=adadelta_magnitudes))
-
-
-def _nadam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    return nadam_step(params, grads, state, config, lr=lr, sqrt=sqrt)
-
-
-def _foreach_nadam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    return nadam_step(params, grads, state, config, lr=lr, sqrt=sqrt, foreach=True)
-
-
-def _radam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    return radam_step(params, grads, state, config, lr=lr, sqrt=sqrt)
-
-
-def _foreach_radam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    return radam_step(params, grads, state, config, lr=lr, sqrt=sqrt, foreach=True)
-
-
-register(OptimizerSpec("NAdam", NAdamConfig, NAdamConfig, nadam_init_state,
-                       {"for-loop": _nadam, "foreach": _foreach_nadam}, magnitudes=nadam_magnitudes))
-register(OptimizerSpec("RAdam", RAdamConfig, RAdamConfig, radam_init_state,
-                       {"for-loop": _radam, "foreach": _foreach_radam}, magnitudes=radam_magnitudes))
-
-
-def _adafactor(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    return adafactor_step(params, grads, state, config, lr=lr)
-
-
-def _foreach_adafactor(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    return adafactor_step(params, grads, state, config, lr=lr, foreach=True)
-
-
-# torch has no fused Adafactor; its rsqrt takes the correctly rounded root, so torch's sqrt is not taken.
-register(OptimizerSpec("Adafactor", AdafactorConfig, AdafactorConfig, adafactor_init_state,
-                       {"for-loop": _adafactor, "foreach": _foreach_adafactor}, magnitudes=adafactor_magnitudes))
+import_optimizer_modules()

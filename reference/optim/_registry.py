@@ -52,8 +52,10 @@ class OptimizerSpec:
     that skips by itself (``None`` when it can). ``magnitudes(config, param, grad, old, new)``:
     ``x_abs`` of every compared field (the field's formula on magnitudes, float64), the scale of
     the ULP bounds on native kernels. ``native_ulp``: per compared field (``param`` for the
-    parameter) the bound on native kernels in ULPs of ``x_abs``, which the audit and the
-    conformance suite take for a row their own tables do not list.
+    parameter) the bound on native kernels in ULPs of ``x_abs`` (the audit and the conformance
+    suite read it; neither keeps a table of its own). ``elementwise``: each element's ``x_abs``
+    depends only on the same element of the inputs (the audit then evaluates ``magnitudes`` at
+    sampled elements only; False: over whole tensors).
     """
 
     name: str
@@ -65,6 +67,7 @@ class OptimizerSpec:
     kernel_skip_refused: Callable[[Any], str | None] = _never
     magnitudes: Callable[..., dict[str, np.ndarray]] | None = field(default=None, compare=False)
     native_ulp: Mapping[str, int] = field(default_factory=dict, compare=False)
+    elementwise: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.steps) - set(IMPLEMENTATIONS)

@@ -25,6 +25,8 @@ import numpy as np
 from reference.optim._common import (add, addcmul, check_inputs, check_lr, check_nonnegative, check_param,
                                      for_each_param, frozen, lr_value, require, step_counter)
 
+from reference.optim._registry import OptimizerSpec, register
+
 __all__ = ["AdadeltaConfig", "AdadeltaState", "adadelta_init_state", "adadelta_magnitudes", "adadelta_step"]
 
 
@@ -101,3 +103,20 @@ def adadelta_magnitudes(config: AdadeltaConfig, p: np.ndarray, g: np.ndarray, ol
         delta = np.where(np.isfinite(delta), delta, np.inf)
         return {"square_avg": square_avg, "acc_delta": c.rho * a64(old.acc_delta) + (1 - c.rho) * delta * delta,
                 "param": p64 + c.lr * delta}
+
+
+# --- the registry row (reference.optim._registry) --------------------------------------------
+
+# Native-kernel bounds (rule 10 of reference.optim), in ULPs of x_abs, 2k for k roundings:
+#   square_avg: as RMSprop's, k = 5. delta: root of acc + eps (1, halved, + 2 faithful) 2.5 over
+#   the root of square_avg + eps (6, halved, + 2) 5, the division 8.5, times d 11.5; acc_delta
+#   squares it (2 * 11.5 + 1) and adds rho*acc (2 more): k = 26. param: delta, times lr, + p: k = 14.
+
+
+def _adadelta(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adadelta_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+register(OptimizerSpec("Adadelta", AdadeltaConfig, AdadeltaConfig, adadelta_init_state,
+                       {"for-loop": _adadelta, "foreach": _adadelta}, magnitudes=adadelta_magnitudes,
+                       native_ulp={"square_avg": 2 * 5, "acc_delta": 2 * 26, "param": 2 * 14}, elementwise=True))

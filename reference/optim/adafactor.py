@@ -73,6 +73,8 @@ from reference.optim._common import (
     step_counter,
 )
 
+from reference.optim._registry import OptimizerSpec, register
+
 __all__ = ["AdafactorConfig", "AdafactorState", "adafactor_init_state", "adafactor_magnitudes", "adafactor_step"]
 
 
@@ -250,3 +252,25 @@ def adafactor_magnitudes(config: AdafactorConfig, p: np.ndarray, g: np.ndarray, 
         e_s = size + 2 * e_u + 4
         out["param"] = 2 * a64(p) * abs(1 - c.lr * c.weight_decay) + (e_s + 1) * step
     return out
+
+
+# --- the registry row (reference.optim._registry) --------------------------------------------
+
+# Native-kernel bounds, in ULPs of x_abs: x_abs already carries each field's rounding count,
+# reductions' lengths included (`adafactor_magnitudes` derives it); each side is within that count
+# of the exact value, and an ULP of x_abs is at least half that count of the magnitude's.
+# Not element-wise: row and column means and the parameter's RMS read whole tensors.
+
+
+def _adafactor(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adafactor_step(params, grads, state, config, lr=lr)
+
+
+def _foreach_adafactor(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adafactor_step(params, grads, state, config, lr=lr, foreach=True)
+
+
+# torch has no fused Adafactor; its rsqrt takes the correctly rounded root, so torch's sqrt is not taken.
+register(OptimizerSpec("Adafactor", AdafactorConfig, AdafactorConfig, adafactor_init_state,
+                       {"for-loop": _adafactor, "foreach": _foreach_adafactor}, magnitudes=adafactor_magnitudes,
+                       native_ulp={"row_var": 2 * 2, "col_var": 2 * 2, "variance": 2 * 2, "param": 2 * 2}, elementwise=False))

@@ -38,6 +38,8 @@ from reference.optim import _lr
 from reference.optim._common import (add, addcdiv, addcmul, check_inputs, check_lr, check_nonnegative, check_param,
                                      for_each_param, freeze, frozen, lr_value, require, step_counter)
 
+from reference.optim._registry import OptimizerSpec, register
+
 __all__ = ["AdagradConfig", "AdagradState", "adagrad_init_state", "adagrad_magnitudes", "adagrad_step"]
 
 
@@ -141,3 +143,28 @@ def adagrad_magnitudes(config: AdagradConfig, p: np.ndarray, g: np.ndarray, old:
     with np.errstate(divide="ignore", invalid="ignore"):
         update = np.where(np.sqrt(total) + config.eps > 0, clr * d / (np.sqrt(total) + config.eps), np.inf)
     return {"sum": total, "param": p64 + update}
+
+
+# --- the registry row (reference.optim._registry) --------------------------------------------
+
+# Native-kernel bounds (rule 10 of reference.optim), in ULPs of x_abs, 2k for k roundings:
+#   sum: d = g + wd*p (2), d*d (3), + sum (4): k = 4. param: sqrt of sum (4 / 2 + 2 faithful) 4,
+#   + eps 5; -clr*d 3; the division 9; + p 10.
+
+
+def _adagrad(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adagrad_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+def _foreach_adagrad(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adagrad_step(params, grads, state, config, lr=lr, sqrt=sqrt, foreach=True)
+
+
+def _fused_adagrad(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adagrad_step(params, grads, state, config, lr=lr, grad_scale=grad_scale, found_inf=found_inf, fused=True)
+
+
+register(OptimizerSpec("Adagrad", AdagradConfig, AdagradConfig, adagrad_init_state,
+                       {"for-loop": _adagrad, "foreach": _foreach_adagrad, "fused": _fused_adagrad}, frozenset({"fused"}),
+                       magnitudes=adagrad_magnitudes,
+                       native_ulp={"sum": 2 * 4, "param": 2 * 10}, elementwise=True))

@@ -16,6 +16,8 @@ import numpy as np
 from reference.optim._common import (abs64, add, check_inputs, check_lr, check_lr_or_tensor, check_param, for_each_param,
                                      freeze, frozen, lerp, require)
 
+from reference.optim._registry import OptimizerSpec, register
+
 __all__ = ["AdamConfig", "AdamParamState", "adam_init_state", "adam_step", "adamw_config", "fused_adam_step"]
 
 
@@ -271,3 +273,39 @@ def adam_magnitudes(config: AdamConfig, p: np.ndarray, g: np.ndarray, old: AdamP
     p_abs *= decay
     out["param"] = np.add(p_abs, update, out=p_abs)
     return out
+
+
+# --- the registry row (reference.optim._registry) --------------------------------------------
+
+# Native-kernel bounds (rule 10), in ULPs of x_abs (`adam_magnitudes`; 2k for k roundings on the
+# longest path, conformance/expectations.py states the analysis).
+#   exp_avg: d (2), lerp = sub, mul, add (5): k = 5. exp_avg_sq: (1-b2)*d (3), *d (4), + beta2*v
+#   (5): k = 5; max_exp_avg_sq is a max of exact copies: same bound.
+#   param: sqrt of v (relative error halves: 2.5, + 2 faithful) 4.5, / bc2_sqrt 5.5, + eps 6.5;
+#   -step_size*m: 5 + 1 = 6; the division adds both plus 1: 13.5; decoupled decay then the add: 15.
+# Measured: <= 4 (moments), <= 5 (parameter).
+_ADAM_ULP = {"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "max_exp_avg_sq": 2 * 5, "param": 2 * 15}
+
+
+def _adam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    new_params, new_state = adam_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+    return new_params, list(grads), new_state
+
+
+def _fused_adam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return fused_adam_step(params, grads, state, config, grad_scale=grad_scale, found_inf=found_inf, lr=lr)
+
+
+def _foreach_adam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    # Rule 11: torch's foreach Adam(W) refuses a tensor lr (without capturable, which needs CUDA).
+    if isinstance(lr, np.ndarray):
+        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")  # noqa: TRY004 (torch's type)
+    return _adam(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+register(OptimizerSpec("Adam", AdamConfig, AdamConfig, adam_init_state,
+                       {"for-loop": _adam, "foreach": _foreach_adam, "fused": _fused_adam}, frozenset({"fused"}),
+                       magnitudes=adam_magnitudes, native_ulp=_ADAM_ULP, elementwise=True))
+register(OptimizerSpec("AdamW", adamw_config, AdamConfig, adam_init_state,
+                       {"for-loop": _adam, "foreach": _foreach_adam, "fused": _fused_adam}, frozenset({"fused"}),
+                       magnitudes=adam_magnitudes, native_ulp=_ADAM_ULP, elementwise=True))

@@ -27,6 +27,8 @@ from reference.optim._common import (add, addcdiv, check_inputs, check_lr, check
                                      for_each_param, frozen, lerp, lr_value, require, step_counter)
 from reference.optim.rmsprop import quotient_magnitude
 
+from reference.optim._registry import OptimizerSpec, register
+
 __all__ = ["AdamaxConfig", "AdamaxState", "adamax_init_state", "adamax_magnitudes", "adamax_step"]
 
 
@@ -109,3 +111,23 @@ def adamax_magnitudes(config: AdamaxConfig, p: np.ndarray, g: np.ndarray, old: A
     return {"exp_avg": m, "exp_inf": u,
             "param": p64 + clr * quotient_magnitude(np.asarray(new.exp_avg, np.float64), m,
                                                     np.asarray(new.exp_inf, np.float64), u)}
+
+
+# --- the registry row (reference.optim._registry) --------------------------------------------
+
+# Native-kernel bounds (rule 10 of reference.optim), in ULPs of x_abs, 2k for k roundings:
+#   exp_avg: d (2) and the lerp (5): k = 5. exp_inf: beta2*u (1) against |d| + eps (3), a max of
+#   the two: k = 3. param: the quotient of both (5 + 3 + 1), times clr, + p: k = 11.
+
+
+def _adamax(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adamax_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+def _foreach_adamax(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return adamax_step(params, grads, state, config, lr=lr, sqrt=sqrt, foreach=True)
+
+
+register(OptimizerSpec("Adamax", AdamaxConfig, AdamaxConfig, adamax_init_state,
+                       {"for-loop": _adamax, "foreach": _foreach_adamax}, magnitudes=adamax_magnitudes,
+                       native_ulp={"exp_avg": 2 * 5, "exp_inf": 2 * 3, "param": 2 * 11}, elementwise=True))

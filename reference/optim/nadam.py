@@ -37,6 +37,8 @@ from reference.optim._common import (addcdiv, addcmul, check_inputs, check_lr, c
                                      for_each_param, frozen, lerp, lr_value, require, step_counter,
                                      weight_decayed)
 
+from reference.optim._registry import OptimizerSpec, register
+
 __all__ = ["NAdamConfig", "NAdamState", "nadam_init_state", "nadam_magnitudes", "nadam_step"]
 
 
@@ -146,3 +148,23 @@ def nadam_magnitudes(config: NAdamConfig, p: np.ndarray, g: np.ndarray, old: NAd
         update = np.where(denom > 0, update, np.inf)
     decay = 1 - c.lr * c.weight_decay if c.decoupled_weight_decay else 1.0
     return {"exp_avg": m, "exp_avg_sq": v, "param": p64 * abs(decay) + update}
+
+
+# --- the registry row (reference.optim._registry) --------------------------------------------
+
+# Native-kernel bounds (rule 10 of reference.optim), in ULPs of x_abs, 2k for k roundings:
+#   moments: as Adam's, k = 5. param: the denominator (v 5, / bc2 6, the root 5, + eps 6), each
+#   term's scalar product (3 and 6) over it, + 1, and the two adds: 14, with decoupled decay 15.
+
+
+def _nadam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return nadam_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+def _foreach_nadam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return nadam_step(params, grads, state, config, lr=lr, sqrt=sqrt, foreach=True)
+
+
+register(OptimizerSpec("NAdam", NAdamConfig, NAdamConfig, nadam_init_state,
+                       {"for-loop": _nadam, "foreach": _foreach_nadam}, magnitudes=nadam_magnitudes,
+                       native_ulp={"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "param": 2 * 15}, elementwise=True))

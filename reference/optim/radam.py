@@ -43,6 +43,8 @@ from reference.optim._common import (addcmul, check_inputs, check_lr, check_nonn
                                      for_each_param, frozen, lerp, lr_value, require, step_counter,
                                      weight_decayed)
 
+from reference.optim._registry import OptimizerSpec, register
+
 __all__ = ["RAdamConfig", "RAdamState", "radam_init_state", "radam_magnitudes", "radam_step"]
 
 
@@ -171,3 +173,24 @@ def radam_magnitudes(config: RAdamConfig, p: np.ndarray, g: np.ndarray, old: RAd
             update = m / bc1 * c.lr
     decay = 1 - c.lr * c.weight_decay if c.decoupled_weight_decay else 1.0
     return {"exp_avg": m, "exp_avg_sq": v, "param": p64 * abs(decay) + update}
+
+
+# --- the registry row (reference.optim._registry) --------------------------------------------
+
+# Native-kernel bounds (rule 10 of reference.optim), in ULPs of x_abs, 2k for k roundings:
+#   moments: as Adam's, k = 5. param: m / bc1 6, * lr 7, the reciprocal of the root + eps (5 + 1)
+#   times sqrt(bc2) 7, their product and * rect 16 / 2 ... bounded by Adam's 15 for both paths
+#   (the foreach reciprocal of a quotient adds one rounding the for-loop's product has).
+
+
+def _radam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return radam_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+def _foreach_radam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return radam_step(params, grads, state, config, lr=lr, sqrt=sqrt, foreach=True)
+
+
+register(OptimizerSpec("RAdam", RAdamConfig, RAdamConfig, radam_init_state,
+                       {"for-loop": _radam, "foreach": _foreach_radam}, magnitudes=radam_magnitudes,
+                       native_ulp={"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "param": 2 * 15}, elementwise=True))

@@ -32,6 +32,8 @@ import numpy as np
 from reference.optim._common import (add, addcdiv, addcmul, check_inputs, check_lr, check_nonnegative, check_param,
                                      for_each_param, frozen, lerp, lr_value, require, step_counter)
 
+from reference.optim._registry import OptimizerSpec, register
+
 __all__ = ["RMSpropConfig", "RMSpropState", "rmsprop_init_state", "rmsprop_magnitudes", "rmsprop_step"]
 
 
@@ -147,3 +149,22 @@ def rmsprop_magnitudes(config: RMSpropConfig, p: np.ndarray, g: np.ndarray, old:
         dtype = np.asarray(p).dtype
         out["undetermined"] = np.abs(under) <= 8 * np.spacing(np.asarray(under_abs, dtype)).astype(np.float64)
     return out
+
+
+# --- the registry row (reference.optim._registry) --------------------------------------------
+
+# Native-kernel bounds (rule 10 of reference.optim), in ULPs of x_abs, 2k for k roundings:
+#   square_avg: d (2), (1-alpha)*d (3), *d (4), + alpha*sa (5): k = 5. grad_avg: d, then the lerp's
+#   sub, mul, add: k = 5. The denominator's own x_abs (under the root: 7 roundings of a centered
+#   difference, halved by the root, + 2 faithful, + eps) enters the quotient's x_abs
+#   (`rmsprop_magnitudes`); the quotient adds 1, the momentum buffer's mul and add 2, the
+#   parameter's mul and add 2: k = 12 for the buffer, 14 for the parameter.
+
+
+def _rmsprop(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+    return rmsprop_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+
+
+register(OptimizerSpec("RMSprop", RMSpropConfig, RMSpropConfig, rmsprop_init_state,
+                       {"for-loop": _rmsprop, "foreach": _rmsprop}, magnitudes=rmsprop_magnitudes,
+                       native_ulp={"square_avg": 2 * 5, "grad_avg": 2 * 5, "momentum_buffer": 2 * 12, "param": 2 * 14}, elementwise=True))
