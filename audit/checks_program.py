@@ -6,16 +6,31 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from audit.findings import ERROR, WARNING, Finding, rule
+from audit.findings import ERROR, INFO, WARNING, Finding, rule
 
 
 @rule("backward-in-autocast", WARNING,
       "backward ran inside an autocast region",
       "end the autocast region after the loss is computed; call backward outside it",
-      doc="backward inside an autocast region")
+      doc="backward inside an autocast region; info when a framework entered the region around the "
+          "code that calls backward (Lightning's manual optimization: `training_step` runs inside "
+          "the precision plugin's autocast), which the loop cannot leave",
+      uncertain=INFO)
 def backward_in_autocast(step: int | None, where: str, autocast: str | None) -> Iterator[Finding]:
-    """A backward pass while an autocast region (entered at ``autocast``, None: none) is enabled."""
+    """A backward pass while an autocast region (entered at ``autocast``, None: none) is enabled.
+    Info when a framework's code entered the region (``autocast`` carries its call,
+    `audit.frameworks.Site`): the framework runs the user's step inside it and the loop has no
+    way out; backward's ops keep the dtypes their forward ops had either way."""
     if autocast is None:
+        return
+    via = getattr(autocast, "via", None)
+    if via is not None:
+        yield Finding("backward-in-autocast", step, where,
+                      f"backward at {where} ran inside the autocast region that {via.name} {via.version} entered "
+                      f"at {via.frame} around the code it runs: torch advises against it, but the loop cannot "
+                      "leave the framework's region, and backward's ops keep their forward ops' dtypes",
+                      expected="backward outside autocast", got="backward inside the framework's autocast",
+                      level=INFO)
         return
     yield Finding("backward-in-autocast", step, where,
                   f"backward at {where} ran inside the autocast region entered at {autocast}",
