@@ -179,8 +179,8 @@ def test_every_rule_has_a_severity_a_summary_and_a_fix():
     assert Finding("loss-not-divided", 0, "x:1", "m", level="warning").severity == "warning"
     with pytest.raises(ValueError, match="level must be one of"):
         Finding("loss-not-divided", 0, "x:1", "m", level="fatal")
-    with pytest.raises(ValueError, match="level must be one of .'warning',. for a backward-in-autocast finding"):
-        Finding("backward-in-autocast", 0, "x:1", "m", level="info")
+    with pytest.raises(ValueError, match="level must be one of .'error',. for a optimizer-before-to finding"):
+        Finding("optimizer-before-to", 0, "x:1", "m", level="warning")
     with pytest.raises(ValueError, match="unknown rule"):
         Finding("no-such-rule", 0, "x:1", "m")
     d = Finding("replay-divergence", 3, "t.py:9", "m", expected=float("nan"), got=np.float32(2.5)).to_dict()
