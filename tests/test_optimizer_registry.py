@@ -23,6 +23,7 @@ from reference import optim
 from reference import step as ref_step
 from torchimpl.train import optim as ti_optim
 from torchimpl import spec_bridge
+from torchimpl.config import sections as config_sections
 from torchimpl.config.schema import Config
 
 
@@ -142,6 +143,7 @@ def toy(monkeypatch, tmp_path):
     monkeypatch.setattr(optim._registry, "SPECS", dict(optim.SPECS))
     monkeypatch.setattr(optim, "SPECS", optim._registry.SPECS)
     monkeypatch.setattr(ti_optim, "REGISTRY", dict(ti_optim.REGISTRY))
+    monkeypatch.setattr(config_sections, "OPTIMIZER_ROWS", dict(config_sections.OPTIMIZER_ROWS))
     monkeypatch.setattr(strategies, "OPTIMIZER_CASES", dict(strategies.OPTIMIZER_CASES))
     # The toy stands for a new torch.optim class: the audit finds those by name in torch.optim,
     # with no registration of its own (its rows are reset to be read again from the spec's).

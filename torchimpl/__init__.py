@@ -39,15 +39,15 @@ _EXPORTS = {
     "LoggingConfig": "config.schema",
     "NonFiniteError": "precision.guard",
     "NonFiniteGuard": "precision.guard",
-    "OptimizerConfig": "train.optim",
-    "PrecisionConfig": "precision.plan",
+    "OptimizerConfig": "config.sections",
+    "PrecisionConfig": "config.sections",
     "PrecisionDowngradeWarning": "precision.plan",
     "PrecisionPlan": "precision.plan",
     "PrecisionReport": "doctor.report",
     "ResumeError": "run.state",
     "RunSummary": "train.trainer",
     "ScaleAtMinimumError": "train.scaler",
-    "ScalerConfig": "train.scaler",
+    "ScalerConfig": "config.scale_policy",
     "ScheduleConfig": "config.schema",
     "StepRecord": "run.records",
     "StopTraining": "train.trainer",
@@ -58,7 +58,7 @@ _EXPORTS = {
     "apply_overrides": "config.schema",
     "autocast_context": "precision.plan",
     "build_optimizer": "train.optim",
-    "canonical_mode": "precision.plan",
+    "canonical_mode": "config.sections",
     "check_placement": "precision.guard",
     "configure_reduced_precision_reduction": "precision.plan",
     "configure_tf32": "precision.plan",
@@ -175,16 +175,14 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from torchimpl.train.optim import (
         BuiltOptimizer,
         FusedOptimizerWarning,
-        OptimizerConfig,
         build_optimizer,
         supports_fused_adamw,
     )
+    from torchimpl.config.sections import OptimizerConfig, PrecisionConfig, canonical_mode
     from torchimpl.precision.plan import (
-        PrecisionConfig,
         PrecisionDowngradeWarning,
         PrecisionPlan,
         autocast_context,
-        canonical_mode,
         configure_reduced_precision_reduction,
         configure_tf32,
         fp32_island,
@@ -193,5 +191,6 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     )
     from torchimpl.run.records import StepRecord, read_trace
     from torchimpl.run.state import ResumeError, TrainState
-    from torchimpl.train.scaler import DynamicLossScaler, ScaleAtMinimumError, ScalerConfig, make_grad_scaler
+    from torchimpl.config.scale_policy import ScalerConfig
+    from torchimpl.train.scaler import DynamicLossScaler, ScaleAtMinimumError, make_grad_scaler
     from torchimpl.train.trainer import Callback, RunSummary, StopTraining, Trainer, default_loss_fn

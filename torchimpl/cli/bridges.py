@@ -49,7 +49,7 @@ def _check_replay_sets(sets: list[str]) -> None:
     """A replay recomputes the loss scale alone: a ``--set`` of a field outside the scaler
     section, which would change nothing, is refused with the fields it can change."""
     # imported when the command runs: `ampspec --help` starts without torch
-    from torchimpl.train.scale_policy import ScalerConfig
+    from torchimpl.config.scale_policy import ScalerConfig
 
     for item in sets:
         key = item.partition("=")[0].strip()
@@ -92,7 +92,7 @@ def _recorded_with_sets(recorded: object, sets: list[str]) -> object:
     defaults); every ``--set`` is still validated as a configuration override."""
     # imported when the command runs: `ampspec --help` starts without torch
     from torchimpl.config.schema import apply_overrides, load_config
-    from torchimpl.train.scale_policy import with_fields
+    from torchimpl.config.scale_policy import with_fields
 
     checked = load_config(None, sets).scaler
     section = apply_overrides({}, sets).get("scaler") or {}
@@ -101,7 +101,7 @@ def _recorded_with_sets(recorded: object, sets: list[str]) -> object:
 
 def _header_policy(trace: str, header: dict) -> object:
     # imported when the command runs: `ampspec --help` starts without torch
-    from torchimpl.train.scale_policy import ResolvedScalerConfig
+    from torchimpl.config.scale_policy import ResolvedScalerConfig
 
     fields = {f.name for f in dataclasses.fields(ResolvedScalerConfig)}
     policy = header.get("scaler")

@@ -18,7 +18,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 from torchimpl.config import safe_yaml
 from torchimpl.config.problems import ConfigError
-from torchimpl.precision.plan import PrecisionConfig
+from torchimpl.config.sections import PrecisionConfig
 
 __all__ = ["KEYWORDS", "config_from_kwargs", "overrides_applied", "section_types"]
 

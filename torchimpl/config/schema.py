@@ -14,7 +14,7 @@ plain string (``"bf16-mixed"``, see :func:`torchimpl.precision.plan.canonical_mo
 (:data:`KEYWORDS`, the names PyTorch trainers use) plus dotted ``overrides``.
 
 The ``precision``, ``optimizer`` and ``scaler`` sections are the config classes of
-:mod:`torchimpl.precision.plan`, :mod:`torchimpl.train.optim` and :mod:`torchimpl.train.scale_policy`; their own
+:mod:`torchimpl.config.sections` and :mod:`torchimpl.config.scale_policy`; their own
 validation runs field by field so that every bad field is reported, not only the first.
 """
 
@@ -39,9 +39,8 @@ from torchimpl.config.loading import (
     section_types,
 )
 from torchimpl.config.problems import ConfigError
-from torchimpl.train.optim import OptimizerConfig
-from torchimpl.precision.plan import PrecisionConfig
-from torchimpl.train.scale_policy import ScalerConfig
+from torchimpl.config.scale_policy import ScalerConfig
+from torchimpl.config.sections import OptimizerConfig, PrecisionConfig
 
 __all__ = [
     "KEYWORDS",

@@ -6,6 +6,7 @@ TF32 and fp32 islands (``plan``), float8 through torchao (``fp8``), ``precision.
 (``probe``) and the search for where non-finite values and misplaced tensors come from
 (``diagnostics``).
 
-May import: ``torchimpl._torch_compat`` and ``torchimpl.safe_files`` (a diagnosis report
-file); nothing else of torchimpl. Imported by ``config``, ``train``, ``doctor``, ``cli``.
+May import: ``config`` (its section, ``PrecisionConfig``), ``torchimpl._torch_compat`` and
+``torchimpl.safe_files`` (a diagnosis report file); nothing else of torchimpl. Imported by
+``train``, ``doctor``, ``cli``.
 """

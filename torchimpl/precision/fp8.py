@@ -62,6 +62,7 @@ import torch
 from torch import nn
 
 from torchimpl._torch_compat import scaled_mm
+from torchimpl.config.sections import FP8_RECIPES
 from torchimpl.precision.batches import to_device
 
 __all__ = [
@@ -78,9 +79,6 @@ __all__ = [
     "rowwise_refusal",
     "torchao_available",
 ]
-
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
-"""The float8 recipes ``precision.fp8_recipe`` accepts (checked by ``PrecisionConfig``)."""
 
 TORCHAO_VERSION = "0.18.0"
 """The torchao release reference.fp8 states and the conformance suite checks."""

@@ -57,9 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import inspect
-import logging
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -67,7 +65,8 @@ from typing import Any
 
 import torch
 
-from torchimpl.precision.fp8 import FP8_RECIPES, check_recipe, fp8_kernel, require_torchao
+from torchimpl.config.sections import DTYPES, MODES, REFUSED_SPELLINGS, SPELLINGS, PrecisionConfig, canonical_mode
+from torchimpl.precision.fp8 import check_recipe, fp8_kernel, require_torchao
 
 __all__ = [
     "MODES",
@@ -88,113 +87,12 @@ __all__ = [
     "upcast",
 ]
 
-MODES = ("auto", "fp32", "bf16", "fp16", "fp8")
-DTYPES = ("bf16", "fp16")
 # fp8: the layers outside float8 run under bf16 autocast.
 _TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
-
-log = logging.getLogger(__name__)
-
-# Rule 8: other libraries' spellings -> (mode, the library that writes it).
-SPELLINGS: dict[str, tuple[str, str]] = {
-    "32-true": ("fp32", "Lightning"),
-    "32": ("fp32", "Lightning"),
-    "bf16-mixed": ("bf16", "Lightning"),
-    "16-mixed": ("fp16", "Lightning"),
-    "16": ("fp16", "Lightning"),
-    "no": ("fp32", "Accelerate"),
-}
-_MEANING = {
-    "fp32": "float32 throughout, without autocast or a loss scaler",
-    "bf16": "bf16 autocast over float32 weights, without a loss scaler",
-    "fp16": "fp16 autocast over float32 weights with a dynamic loss scaler",
-}
-_NOT_MIXED = ("ampspec trains float32 master weights under autocast; a model held entirely in {dtype} "
-              "is not a mixed-precision recipe it implements")
-# Rule 8: spellings of recipes ampspec does not implement -> why, and what to use instead.
-REFUSED_SPELLINGS: dict[str, str] = {
-    "bf16-true": _NOT_MIXED.format(dtype="bf16") + "; use 'bf16-mixed' (mode bf16)",
-    "16-true": _NOT_MIXED.format(dtype="fp16") + "; use '16-mixed' (mode fp16, with a loss scaler)",
-    "64-true": "ampspec trains in float32 at most and has no float64 mode; use '32-true' (mode fp32)",
-    "64": "ampspec trains in float32 at most and has no float64 mode; use '32-true' (mode fp32)",
-    "transformer-engine": ("ampspec's float8 training goes through torchao, not NVIDIA Transformer Engine's "
-                           "layers; use mode 'fp8' (precision.fp8_recipe picks the recipe)"),
-    "transformer-engine-float16": ("ampspec's float8 training goes through torchao, not NVIDIA Transformer "
-                                   "Engine's layers; use mode 'fp8' (precision.fp8_recipe picks the recipe)"),
-}
-
-
-def canonical_mode(value: Any) -> tuple[str, str | None]:
-    """``(mode, note)`` for a precision as written (rule 8): a mode of :data:`MODES` or a spelling
-    of :data:`SPELLINGS`, a string or a whole number; ``note`` says what a spelling means (None
-    for a canonical mode). ``ValueError`` for a refused spelling (why, and what to use) and for
-    anything else (the accepted spellings, with a did-you-mean)."""
-    if isinstance(value, bool):
-        hint = " (YAML reads an unquoted no as false: write 'no' in quotes)" if value is False else ""
-        raise ValueError(f"precision mode must be a name like 'bf16' or 'bf16-mixed', got {value!r}{hint}")
-    text = str(value).strip().lower() if isinstance(value, (str, int)) else None
-    if text in MODES:
-        return text, None
-    if text in SPELLINGS:
-        mode, library = SPELLINGS[text]
-        note = f"{value!r} ({library}) means {_MEANING[mode]}: precision mode {mode!r}"
-        return mode, note
-    if text in REFUSED_SPELLINGS:
-        raise ValueError(f"precision {value!r} is not supported: {REFUSED_SPELLINGS[text]}")
-    accepted = list(MODES) + list(SPELLINGS)
-    close = difflib.get_close_matches(text, accepted, n=1) if text else []
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(f"precision mode must be one of {', '.join(MODES)}, or the spellings "
-                     f"{', '.join(SPELLINGS)} (16 and 32 as numbers too), got {value!r}{hint}")
 
 
 class PrecisionDowngradeWarning(UserWarning):
     """A requested precision could not be used on this device and a wider one was chosen."""
-
-
-@dataclass(frozen=True)
-class PrecisionConfig:
-    """What the user asks for: ``mode`` in auto|fp32|bf16|fp16|fp8, or a spelling of rule 8
-    (stored as its canonical mode, the spelling's meaning in ``spelling_note``); ``dtype`` in
-    bf16|fp16 is the preferred mixed dtype, consulted only when ``mode`` is ``auto``;
-    ``fp8_recipe`` and ``fp8_skip_first_last`` apply to ``mode: fp8`` only."""
-
-    mode: str | int = "auto"
-    """A mode or a spelling (rule 8; ``16`` as a number too); always a mode once constructed."""
-    dtype: str = "bf16"
-    fp8_recipe: str = "tensorwise"
-    """torchao's float8 recipe: tensorwise, rowwise, rowwise_with_gw_hp, or mxfp8 (MX blocks)."""
-    fp8_skip_first_last: bool = True
-    """Keep the model's first and last linear layers in high precision under ``mode: fp8``."""
-    fp32_modules: tuple[str, ...] = ()
-    """Patterns (fnmatch) of qualified module names whose forward runs in an fp32 island, autocast
-    off and inputs upcast (``torchimpl.precision.fp32_modules``): the fix for a forward overflow that loss
-    scaling cannot cure (``ampspec doctor``). A pattern matching no module is refused at fit."""
-
-    def __post_init__(self) -> None:
-        mode, note = canonical_mode(self.mode)
-        # Not a field: equality, to_dict and the resume comparison see only the canonical mode.
-        object.__setattr__(self, "mode", mode)
-        object.__setattr__(self, "_spelling_note", note)
-        if note:
-            log.info("precision: %s", note)
-        if self.dtype not in DTYPES:
-            raise ValueError(
-                f"precision dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
-            )
-        if self.fp8_recipe not in FP8_RECIPES:
-            raise ValueError(f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
-        if not isinstance(self.fp8_skip_first_last, bool):
-            raise ValueError(f"fp8_skip_first_last must be true or false, got {self.fp8_skip_first_last!r}")
-        if isinstance(self.fp32_modules, list):
-            object.__setattr__(self, "fp32_modules", tuple(self.fp32_modules))
-        if not isinstance(self.fp32_modules, tuple) or not all(isinstance(p, str) and p for p in self.fp32_modules):
-            raise ValueError(f"fp32_modules must be a list of module name patterns, got {self.fp32_modules!r}")
-
-    @property
-    def spelling_note(self) -> str | None:
-        """What the spelling ``mode`` was given in means (rule 8); None for a canonical mode."""
-        return self._spelling_note  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Holds: the trainer and its per-fit state (``trainer``), the hooks (``callbacks``, checked by
 ``callback_checks``), the step engine (``step``), the loss protocol (``loss_protocol``), the loss
-scaler's policy and its torch mechanics (``scale_policy``, ``scaler``), clipping (``clipping``),
+scaler's torch mechanics (``scaler``; its policy is ``config.scale_policy``), clipping (``clipping``),
 optimizers (``optim``), schedules (``schedule``), the periodic work (``cadence``), the log point
 (``reporting``), per-layer statistics while training (``precision_stats``), CPU threads
 (``threads``).

@@ -26,8 +26,6 @@ Rules:
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +34,8 @@ import torch
 from torch import nn
 
 from torchimpl._torch_compat import _get_foreach_kernels_supported_devices, _get_fused_kernels_supported_devices
-from torchimpl.config.problems import ConfigError
+from torchimpl.config import sections
+from torchimpl.config.sections import OptimizerConfig
 from torchimpl.precision.device import same_device
 from torchimpl.run.checkpoint import qualified_name
 
@@ -88,13 +87,6 @@ class TorchOptimizer:
         return out
 
 
-def _sgd_problems(config: "OptimizerConfig") -> list[tuple[str, str]]:
-    if config.nesterov and config.momentum <= 0.0:
-        return [("nesterov", f"Nesterov momentum needs momentum > 0, got momentum={config.momentum!r}; "
-                             "set momentum (e.g. 0.9), or remove nesterov")]
-    return []
-
-
 def _sgd_kernel_skip_refused(group: dict[str, Any]) -> str | None:
     # torch's fused SGD creates its momentum buffers with empty_like before the kernel reads
     # found_inf: a first step skipped inside the kernel would leave them uninitialised.
@@ -108,30 +100,30 @@ REGISTRY: dict[str, TorchOptimizer] = {}
 
 
 def register(row: TorchOptimizer) -> TorchOptimizer:
-    """Add a row (its name must be new)."""
+    """Add a row (its name must be new); ``optimizer.name`` accepts it from then on."""
     if row.name in REGISTRY:
         raise ValueError(f"an optimizer named {row.name!r} is already registered")
     REGISTRY[row.name] = row
+    sections.OPTIMIZER_ROWS[row.name] = row  # the configuration accepts its name and settings
     return row
 
 
-for _row in (
-    TorchOptimizer("adamw", torch.optim.AdamW, ("betas", "eps", "amsgrad"), _FUSED_DEVICES),
-    TorchOptimizer("adam", torch.optim.Adam, ("betas", "eps", "amsgrad"), _FUSED_DEVICES),
-    TorchOptimizer("sgd", torch.optim.SGD, ("momentum", "dampening", "nesterov"), _FUSED_DEVICES, _sgd_problems,
-                   _sgd_kernel_skip_refused),
-    TorchOptimizer("adagrad", torch.optim.Adagrad, ("lr_decay", "initial_accumulator_value", "eps"),
-                   frozenset({"cpu"})),
-    TorchOptimizer("rmsprop", torch.optim.RMSprop, ("alpha", "eps", "momentum", "centered")),
-    TorchOptimizer("adamax", torch.optim.Adamax, ("betas", "eps")),
-    TorchOptimizer("adadelta", torch.optim.Adadelta, ("rho", "eps")),
-    TorchOptimizer("nadam", torch.optim.NAdam, ("betas", "eps", "momentum_decay", "decoupled_weight_decay")),
-    TorchOptimizer("radam", torch.optim.RAdam, ("betas", "eps", "decoupled_weight_decay")),
-    # Adafactor's eps is a pair (eps1 or None, eps2), not the float the other rows share: the
-    # trainer keeps torch's default (None, 1e-3). torch has no fused Adafactor.
-    TorchOptimizer("adafactor", torch.optim.Adafactor, ("beta2_decay", "d")),
+# torch's class, its fused kernels and the sync-free refusal for each of the configuration's rows
+# (config.sections.OPTIMIZER_ROWS holds their settings and checks).
+for _name, _cls, _fused, _refused in (
+    ("adamw", torch.optim.AdamW, _FUSED_DEVICES, None),
+    ("adam", torch.optim.Adam, _FUSED_DEVICES, None),
+    ("sgd", torch.optim.SGD, _FUSED_DEVICES, _sgd_kernel_skip_refused),
+    ("adagrad", torch.optim.Adagrad, frozenset({"cpu"}), None),
+    ("rmsprop", torch.optim.RMSprop, frozenset(), None),
+    ("adamax", torch.optim.Adamax, frozenset(), None),
+    ("adadelta", torch.optim.Adadelta, frozenset(), None),
+    ("nadam", torch.optim.NAdam, frozenset(), None),
+    ("radam", torch.optim.RAdam, frozenset(), None),
+    ("adafactor", torch.optim.Adafactor, frozenset(), None),  # torch has no fused Adafactor
 ):
-    register(_row)
+    _config_row = sections.OPTIMIZER_ROWS[_name]
+    register(TorchOptimizer(_name, _cls, _config_row.settings, _fused, _config_row.check, _refused))
 
 OPTIMIZERS = tuple(REGISTRY)
 """The names ``optimizer.name`` accepts, in the registry's order."""
@@ -157,118 +149,6 @@ _FUSED_ERRORS = (TypeError, RuntimeError, ValueError)
 
 class FusedOptimizerWarning(UserWarning):
     """``fused=True`` was requested but torch refused it; a non-fused optimizer was built."""
-
-
-_F32_MAX = 3.4028234663852886e38
-
-
-def _finite_at_least(name: str, value: Any, low: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not (float(value) >= low and float(value) != float("inf")):
-        raise ValueError(f"{name} must be a finite number{'' if low == -math.inf else f' >= {low}'}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """Optimizer settings. ``name``: a registered optimizer (``REGISTRY``: adamw, adam, sgd, ...).
-    ``lr`` and ``weight_decay`` apply to every optimizer; each other field only to the optimizers
-    whose row lists it (``betas`` and ``eps`` to Adam(W), ``momentum`` and ``nesterov`` to SGD,
-    ...), and a field set away from its default for another optimizer is an error naming it.
-    Fields that default to ``None`` mean torch's default for the optimizer. ``fused`` is None
-    (probe), True (attempt) or False."""
-
-    name: str = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    momentum: float = 0.0
-    nesterov: bool = False
-    fused: bool | None = None
-    no_decay_bias_and_norm: bool = True
-    amsgrad: bool | None = None
-    dampening: float | None = None
-    lr_decay: float | None = None
-    initial_accumulator_value: float | None = None
-    alpha: float | None = None
-    centered: bool | None = None
-    rho: float | None = None
-    momentum_decay: float | None = None
-    decoupled_weight_decay: bool | None = None
-    beta2_decay: float | None = None
-    d: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.name not in REGISTRY:
-            raise ValueError(
-                f"optimizer name must be one of {', '.join(REGISTRY)}, got {self.name!r}"
-            )
-        _finite_at_least("lr", self.lr, float("-inf"))
-        if not 0.0 < float(self.lr) <= _F32_MAX:  # 0 trains nothing; torch keeps rates in float32 tensors too
-            raise ValueError(f"lr must be > 0 and within float32's range (at most {_F32_MAX:.4g}), got {self.lr!r}")
-        _finite_at_least("weight_decay", self.weight_decay, 0.0)
-        _finite_at_least("eps", self.eps, float("-inf"))
-        if not 0.0 < float(self.eps) < math.inf:  # eps = 0 divides 0 by 0 where a gradient has been zero: NaN weights
-            raise ValueError(f"eps must be a finite number > 0 (it keeps a zero second moment from dividing "
-                             f"by zero), got {self.eps!r}")
-        _finite_at_least("momentum", self.momentum, 0.0)
-        if self.dampening is not None:
-            _finite_at_least("dampening", self.dampening, float("-inf"))
-        for name in _NONNEGATIVE:
-            if getattr(self, name) is not None:
-                _finite_at_least(name, getattr(self, name), 0.0)
-        if self.rho is not None and not float(self.rho) <= 1.0:  # torch's Adadelta refuses it only at build
-            raise ValueError(f"rho must be in [0, 1], got {self.rho!r}")
-        if self.beta2_decay is not None:
-            _finite_at_least("beta2_decay", self.beta2_decay, float("-inf"))
-            if not float(self.beta2_decay) <= 0.0:
-                raise ValueError(f"beta2_decay must be <= 0 (Adafactor's second moment weighs the new gradient by "
-                                 f"step ** beta2_decay), got {self.beta2_decay!r}; torch's default is -0.8")
-        if self.d is not None:
-            _finite_at_least("d", self.d, 1.0)
-        betas = self.betas
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"betas must be a pair of numbers in [0, 1), got {betas!r}")
-        for i, b in enumerate(betas):
-            _finite_at_least(f"betas[{i}]", b, 0.0)
-            if not b < 1.0:
-                raise ValueError(f"betas[{i}] must be in [0, 1), got {b!r}")
-        # YAML gives lists; keep the frozen config hashable and comparable.
-        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
-        for name in ("nesterov", "no_decay_bias_and_norm"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("fused", "amsgrad", "centered", "decoupled_weight_decay"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be None, True or False, got {getattr(self, name)!r}")
-        problems = self._cross_field_problems()
-        if problems:
-            # A ConfigError names each field, so the loader reports these as they are instead of
-            # retrying each field alone against the defaults (which would blame the default
-            # optimizer name).
-            raise ConfigError(problems)
-
-    def _cross_field_problems(self) -> list[tuple[str, str]]:
-        """Settings that are valid alone but not together, as ``(field, message)``: a setting of
-        another optimizer away from its default, then the row's own checks."""
-        row = REGISTRY[self.name]
-        out = []
-        for f in dataclasses.fields(self):
-            if f.name in _COMMON or f.name in row.settings or getattr(self, f.name) == f.default:
-                continue
-            users = [r.name for r in REGISTRY.values() if f.name in r.settings]
-            who = " and ".join(repr(u) for u in users)
-            out.append((f.name, f"only the {who} optimizer{'s' if len(users) > 1 else ''} use{'' if len(users) > 1 else 's'} "
-                                f"{f.name}, and this one is {self.name!r} (got {f.name}={getattr(self, f.name)!r}); "
-                                f"remove {f.name}, or set the optimizer's name to {' or '.join(repr(u) for u in users)}"))
-        return out + (row.check(self) if row.check else [])
-
-
-# Optional settings that are finite numbers >= 0 when given.
-_NONNEGATIVE = ("lr_decay", "initial_accumulator_value", "alpha", "rho", "momentum_decay")
-# Fields every optimizer takes, or that choose how it is built rather than what it computes.
-_COMMON = frozenset({"name", "lr", "weight_decay", "fused", "no_decay_bias_and_norm"})
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Dynamic loss scaling on top of ``torch.amp.GradScaler``: the torch mechanics of the policy
-that ``torchimpl.train.scale_policy`` states (the seven presets, a resolved configuration).
+that ``torchimpl.config.scale_policy`` states (the seven presets, a resolved configuration).
 
 Every preset value can be overridden; any configuration other than plain ``torch`` (a floor,
 a ceiling, hysteresis > 1, raising, a static scale) uses the tensor implementation of the same arithmetic:
@@ -37,7 +37,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler
 
 from torchimpl._torch_compat import OptState, _amp_foreach_non_finite_check_and_unscale_, _refresh_per_optimizer_state
-from torchimpl.train.scale_policy import (
+from torchimpl.config.scale_policy import (
     PRESETS,
     ResolvedScalerConfig,
     ScaleAtMinimumError,
