@@ -53,6 +53,17 @@ Rules:
     low <= high; ``works`` is False when both are known and low > high (no scale works).
 11. ``combine_scale_ranges(ranges)``: the range that works for every tensor at once: the
     largest ``low`` and the smallest ``high`` of those known.
+12. ``applied_lost_count(before, after, exact)``: the observed lost update. ``before`` and
+    ``after`` hold one parameter's stored values around a step (any dtype, same shape and
+    dtype), ``exact`` the update the optimizer computed before it was stored (float32 or
+    float64: ``after_exact - before`` in the master precision). An element's update was lost
+    when its exact update is finite and non-zero and the stored value did not change: the bits
+    of ``after`` equal those of ``before`` (bit equality, so -0.0 -> +0.0 is a change and a
+    NaN that stays the same NaN is not). The count is over the entries with a finite non-zero
+    exact update; ``applied_lost_fraction`` divides by that number (0.0 when it is 0). Rule 9
+    predicts this count from the weight and the update alone; rule 12 observes it, and the two
+    agree wherever the store is one rounding of ``weight + update`` (``none``) away from the
+    tie of exactly half a gap.
 """
 
 from __future__ import annotations
@@ -69,6 +80,8 @@ from reference.formats import Format, get_format
 __all__ = [
     "ScaleRange",
     "amax",
+    "applied_lost_count",
+    "applied_lost_fraction",
     "combine_scale_ranges",
     "flushed_count",
     "flushed_fraction",
@@ -261,6 +274,30 @@ class ScaleRange:
     @property
     def works(self) -> bool:
         return self.low is None or self.high is None or self.low <= self.high
+
+
+def applied_lost_count(before, after, exact) -> tuple[int, int]:
+    """Rule 12: (lost, counted): entries whose exact update is finite and non-zero, and of
+    them those whose stored bits did not change."""
+    b, a = np.asarray(before), np.asarray(after)
+    if b.shape != a.shape or b.dtype != a.dtype:
+        raise ValueError(
+            f"before {b.dtype}{list(b.shape)} and after {a.dtype}{list(a.shape)} must be one "
+            "parameter's stored values: same dtype and shape"
+        )
+    e = _f64(exact)
+    if e.shape != b.shape:
+        raise ValueError(f"exact update shape {list(e.shape)} differs from the parameter's {list(b.shape)}")
+    counted = np.isfinite(e) & (e != 0)
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[b.dtype.itemsize]
+    same = b.reshape(-1).view(width) == a.reshape(-1).view(width)
+    lost = counted.reshape(-1) & same
+    return int(lost.sum()), int(counted.sum())
+
+
+def applied_lost_fraction(before, after, exact) -> float:
+    """Rule 12: the fraction of counted entries whose update was lost."""
+    return _fraction(*applied_lost_count(before, after, exact))
 
 
 def scale_range(grad, fmt: str | Format, keep: float = 0.999) -> ScaleRange:

@@ -120,3 +120,29 @@ def test_scale_range():
     assert both == health.ScaleRange(2, 10)
     with pytest.raises(ValueError, match="keep"):
         health.scale_range(f32(1), "fp16", keep=0)
+
+
+def test_applied_lost_counts_unchanged_bits_where_the_exact_update_was_nonzero():
+    bf = ml_dtypes.bfloat16
+    before = np.array([1.0, 1.0, 0.0, 2.0, -0.0, 3.0, 256.0], dtype=bf)
+    exact = np.array([1e-5, 0.25, 1e-3, 0.0, 1e-30, np.nan, -0.5])
+    after = (before.astype(np.float64) + exact).astype(bf)
+    # 1 + 1e-5 rounds back to 1 (lost); 1 + 0.25 and 0 + 1e-3 move; -0 + 1e-30 moves (bf16
+    # has float32's range); 256 - 0.5 = 255.5 is the tie between 255 and 256 (bf16's spacing
+    # in [128, 256) is 1), which RNE takes to the even 256: lost; a zero and a NaN update are
+    # not counted
+    assert after[6] == before[6]
+    assert health.applied_lost_count(before, after, exact) == (2, 5)
+    assert health.applied_lost_fraction(before, after, exact) == 2 / 5
+
+
+def test_applied_lost_sees_sign_of_zero_and_refuses_mismatched_arrays():
+    before = np.array([-0.0], dtype=np.float32)
+    after = np.array([0.0], dtype=np.float32)
+    assert health.applied_lost_count(before, after, np.array([1e-50])) == (0, 1)
+    assert health.applied_lost_count(before, before.copy(), np.array([1e-50])) == (1, 1)
+    assert health.applied_lost_fraction(before[:0], after[:0], np.zeros(0)) == 0.0
+    with pytest.raises(ValueError, match="same dtype and shape"):
+        health.applied_lost_count(before, after.astype(np.float64), np.array([1.0]))
+    with pytest.raises(ValueError, match="exact update shape"):
+        health.applied_lost_count(before, after, np.zeros(2))
