@@ -8,8 +8,9 @@ findings; it changes nothing.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
+from audit.events import ClipCall, ClipThreshold
 from audit.findings import ERROR, WARNING, Finding, rule
 
 if TYPE_CHECKING:
@@ -25,15 +26,16 @@ if TYPE_CHECKING:
           "accelerate": "clip with accelerator.clip_grad_norm_(parameters, max_norm): it unscales first",
           "transformers": "clip with TrainingArguments(max_grad_norm=...), not in a callback: the Trainer "
                           "clips through accelerator.clip_grad_norm_, which unscales first"},
-      doc="clipped gradients still multiplied by the loss scale (before `scaler.unscale_`)")
-def clip_before_unscale(kind: str, optimizer: str, step: int, where: str, stage: OptimizerStage | None,
-                        scaler: Any, max_norm: float | None) -> Iterator[Finding]:
+      doc="clipped gradients still multiplied by the loss scale (before `scaler.unscale_`)", events=("ClipCall",))
+def clip_before_unscale(ev: ClipCall) -> Iterator[Finding]:
     """A clipping call on an optimizer's parameters in a window whose backward started from a loss
     an enabled GradScaler (``scaler``) scaled (``stage`` is None otherwise), while the spec's call
     sequence does not hold the optimizer at UNSCALED: its gradients are still multiplied by the
     scale."""
     from reference.scaling import UNSCALED  # here: ``import audit`` stays free of the spec and NumPy
 
+    kind, optimizer, step, where, scaler, max_norm = ev.kind, ev.optimizer, ev.step, ev.where, ev.scaler, ev.max_norm
+    stage: OptimizerStage | None = ev.stage
     if stage is None or stage.stage == UNSCALED:
         return
     scale = scaler.get_scale()  # read only for a finding: on a GPU it synchronises
@@ -58,18 +60,20 @@ def clip_before_unscale(kind: str, optimizer: str, step: int, where: str, stage:
           "transformers": "set TrainingArguments(max_grad_norm=...) to the unscaled threshold"},
       doc="clipped unscaled gradients at `max_norm * scale`: an error once the threshold followed a "
           "change of the scale by its factor; a warning while only its size (at least a scale of 1024"
-          " or more) suggests it; an infinite threshold (norm only) is never a finding", uncertain=WARNING)
-def clip_threshold_scaled(optimizer: str, step: int, where: str, max_norm: float, scale: float,
-                          held: tuple[float, float, int] | None, earlier: Finding | None) -> Iterator[Finding]:
+          " or more) suggests it; an infinite threshold (norm only) is never a finding", uncertain=WARNING,
+      events=("ClipThreshold",))
+def clip_threshold_scaled(ev: ClipThreshold) -> Iterator[Finding]:
     """``clip_grad_norm_`` on unscaled gradients with a threshold that tracks the loss scale.
 
-    ``held``: (max_norm / scale, the scale, the first step) of the ratio the earlier calls kept,
-    None before the first; ``earlier``: this rule's warning for the optimizer, if any. A warning
+    ``ev.held``: (max_norm / scale, the scale, the first step) of the ratio the earlier calls kept,
+    None before the first; ``ev.earlier``: this rule's warning for the optimizer, if any. A warning
     when the threshold is at least a scale of 2**10 or more (a deliberately large threshold
     cannot be told apart yet); an error once the ratio held while the scale changed: the
     threshold moved by exactly the scale's factor (it confirms the warning: the same finding,
     now certain). An infinite threshold measures the norm without clipping: never a finding.
     """
+    optimizer, step, where, max_norm, scale = ev.optimizer, ev.step, ev.where, ev.max_norm, ev.scale
+    held, earlier = ev.held, ev.earlier
     if not math.isfinite(max_norm):
         return
     ratio = max_norm / scale if scale else math.nan

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+from audit.events import Divergences
 from audit.findings import ERROR, INFO, WARNING, Finding, rule
 
 
@@ -69,11 +70,12 @@ def gradients_modified_after_unscale(ev: Any) -> Iterator[Finding]:
       "read the field and the two values: torch, or a patched torch function, computes this stage "
       "differently from the step contract",
       doc="a stage of the step, fed torch's own input, computes otherwise in the specification; a "
-          "warning when the optimizer has step hooks of your own", uncertain=WARNING)
-def replay_divergence(divergences: list[Any]) -> Iterator[Finding]:
+          "warning when the optimizer has step hooks of your own", uncertain=WARNING, events=("Divergences",))
+def replay_divergence(ev: Divergences) -> Iterator[Finding]:
     """The replay's divergences that no order finding of their step explains (`audit.replay`): one
     finding, at the first, naming both values and how many steps diverged; a warning when the
     optimizer has step hooks of the loop's own (they may change what the step computes)."""
+    divergences = ev.divergences
     if not divergences:
         return
     first = divergences[0]

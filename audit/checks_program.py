@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from audit.events import BackwardCall, CheckpointSaved
 from audit.findings import ERROR, INFO, WARNING, Finding, rule
 
 
@@ -15,12 +16,13 @@ from audit.findings import ERROR, INFO, WARNING, Finding, rule
       doc="backward inside an autocast region; info when a framework entered the region around the "
           "code that calls backward (Lightning's manual optimization: `training_step` runs inside "
           "the precision plugin's autocast), which the loop cannot leave",
-      uncertain=INFO)
-def backward_in_autocast(step: int | None, where: str, autocast: str | None) -> Iterator[Finding]:
+      uncertain=INFO, events=("BackwardCall",))
+def backward_in_autocast(ev: BackwardCall) -> Iterator[Finding]:
     """A backward pass while an autocast region (entered at ``autocast``, None: none) is enabled.
     Info when a framework's code entered the region (``autocast`` carries its call,
     `audit.frameworks.Site`): the framework runs the user's step inside it and the loop has no
     way out; backward's ops keep the dtypes their forward ops had either way."""
+    step, where, autocast = ev.step, ev.where, ev.autocast
     if autocast is None:
         return
     via = getattr(autocast, "via", None)
@@ -54,9 +56,8 @@ def backward_in_autocast(step: int | None, where: str, autocast: str | None) -> 
           "saves it, Lightning's `MixedPrecision` entry, Accelerate's `scaler.pt`, DeepSpeed's, "
           "apex's and Megatron's shapes; `audit/saved.py`); a warning when `scaler.state_dict()` was "
           "called (it may be saved by other means) or a saved object was too large or deep to read "
-          "whole", uncertain=WARNING)
-def checkpoint_without_scaler(saves: list[tuple[str, bool, bool | None, int | None]], scaler: str | None,
-                              state_read: str | None) -> Iterator[Finding]:
+          "whole", uncertain=WARNING, events=("CheckpointSaved",))
+def checkpoint_without_scaler(ev: CheckpointSaved) -> Iterator[Finding]:
     """The ``torch.save`` calls after one step (``saves``: where, holds optimizer state, holds
     scaler state (None: not known, the object was not read whole), the step) saved optimizer
     state and no scaler state while ``scaler`` (an enabled GradScaler that scaled a loss; None:
@@ -65,6 +66,7 @@ def checkpoint_without_scaler(saves: list[tuple[str, bool, bool | None, int | No
     of its own). A warning when ``scaler.state_dict()`` was called since the step (at
     ``state_read``): that state may be written by means the audit does not see; or when a saved
     object was not read whole."""
+    saves, scaler, state_read = ev.saves, ev.scaler, ev.state_read
     if scaler is None or not saves or any(holds_scaler for _, _, holds_scaler, _ in saves):
         return
     unread = [where for where, _, holds_scaler, _ in saves if holds_scaler is None]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterator
 
+from audit.events import DirectSteps, ScalerFirstDrive, StepReapplied
 from audit.findings import ERROR, Finding, rule
 
 if TYPE_CHECKING:
@@ -108,24 +109,24 @@ def update_without_step(ev: UpdateCall) -> Iterator[Finding]:
                         "scaler.update"},
       doc="`optimizer.step()` on scaled gradients, with neither `scaler.step` nor `update`; or a "
           "direct `optimizer.step()` after `scaler.step` with no backward and no `zero_grad` between "
-          "(the same gradients applied twice, the non-finite ones of a skipped step applied)")
-def step_bypasses_scaler(scaler: str, bypasses: list[tuple[str, int, str]], next_scale: str | None,
-                         reapplied: tuple[str, int, str, int, bool] | None = None) -> Iterator[Finding]:
-    """Direct ``optimizer.step()`` calls on gradients of a loss ``scaler`` scaled, still without a
-    ``scaler.update()`` when the next loss is scaled (at ``next_scale``) or the run ends (None).
+          "(the same gradients applied twice, the non-finite ones of a skipped step applied)",
+      events=("DirectSteps", "StepReapplied"))
+def step_bypasses_scaler(ev: DirectSteps | StepReapplied) -> Iterator[Finding]:
+    """Direct ``optimizer.step()`` calls on gradients of a loss ``ev.scaler`` scaled, still without
+    a ``scaler.update()`` when the next loss is scaled (at ``ev.next_scale``) or the run ends
+    (None) (`DirectSteps`).
 
-    Or ``reapplied`` (optimizer, step, call site, the last step, whether it was applied): a
-    direct step that applies again the gradients its last ``scaler.step`` used (`audit.restep`
-    finds them), with no backward and no ``zero_grad`` between."""
-    if reapplied is not None:
-        optimizer, step, where, last, applied = reapplied
-        how = ("applied, so this step applies them a second time" if applied else
+    Or a direct step that applies again the gradients its last ``scaler.step`` used
+    (`StepReapplied`: `audit.restep` finds them), with no backward and no ``zero_grad`` between."""
+    if isinstance(ev, StepReapplied):
+        how = ("applied, so this step applies them a second time" if ev.applied else
                "skipped (inf or NaN gradients), so this step applies the non-finite gradients")
-        yield Finding("step-bypasses-scaler", step, where,
-                      f"{optimizer}.step() at {where} applied the gradients that scaler.step({optimizer}) used at step "
-                      f"{last} (no backward and no zero_grad between); {scaler} had {how}",
+        yield Finding("step-bypasses-scaler", ev.step, ev.where,
+                      f"{ev.optimizer}.step() at {ev.where} applied the gradients that scaler.step({ev.optimizer}) "
+                      f"used at step {ev.last} (no backward and no zero_grad between); {ev.scaler} had {how}",
                       expected="one scaler.step(optimizer) per backward window", got="scaler.step, then optimizer.step()")
         return
+    scaler, bypasses, next_scale = ev.scaler, ev.bypasses, ev.next_scale
     for optimizer, step, where in bypasses:
         if next_scale is None:
             how = "without scaler.step or scaler.update"
@@ -142,13 +143,14 @@ def step_bypasses_scaler(scaler: str, bypasses: list[tuple[str, int, str]], next
       "create the GradScaler once per run; when it must be recreated, load the previous "
       "state with scaler.load_state_dict before its first scale()",
       doc="a new GradScaler started driving parameters an earlier scaler drove, without "
-          "`load_state_dict` (a second, independent training in the same script is no finding)")
-def new_scaler_mid_run(scaler: Any, optimizer: Any, began: str, loaded: bool, earlier: list[Any]
-                       ) -> Iterator[Finding]:
+          "`load_state_dict` (a second, independent training in the same script is no finding)",
+      events=("ScalerFirstDrive",))
+def new_scaler_mid_run(ev: ScalerFirstDrive) -> Iterator[Finding]:
     """A scaler's first optimizer, when the scaler's first ``scale()`` (at ``began``) came after
     other enabled scalers completed updates and no ``load_state_dict`` preceded it: ``earlier``
     are those scalers that drove parameters of this optimizer (a second, independent training in
     one script drives others: no finding)."""
+    scaler, optimizer, began, loaded, earlier = ev.scaler, ev.optimizer, ev.began, ev.loaded, ev.earlier
     if loaded or not earlier:
         return
     t = earlier[-1]

@@ -7,9 +7,10 @@ optimizer's track, the schedule's record) and yields findings; it changes nothin
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Iterator
 
 from audit import windows
+from audit.events import OptimizerStepBegin, ScheduleAdvance, ScheduleAtEnd, StepClosed, ZeroGradCall
 from audit.findings import ERROR, WARNING, Finding, rule
 
 
@@ -21,11 +22,11 @@ from audit.findings import ERROR, WARNING, Finding, rule
                         "`with accelerator.accumulate(model):`: it zeroes only when gradients sync",
           "lightning.pytorch": "accumulate with Trainer(accumulate_grad_batches=k): Lightning zeroes after "
                                "the k-th microbatch"},
-      doc="`zero_grad` between a window's backward passes and its step")
-def zero_grad_in_window(name: str, where: str, optimizer: str, step: int, backwards: list[Any]
-                        ) -> Iterator[Finding]:
+      doc="`zero_grad` between a window's backward passes and its step", events=("ZeroGradCall",))
+def zero_grad_in_window(ev: ZeroGradCall) -> Iterator[Finding]:
     """``zero_grad`` (of the optimizer, or of a module holding its parameters) after a backward pass
     of the window (``backwards``) and before its step."""
+    name, where, optimizer, step, backwards = ev.name, ev.where, ev.optimizer, ev.step, ev.backwards
     if not backwards:
         return
     k = len(backwards)
@@ -52,14 +53,15 @@ def zero_grad_in_window(name: str, where: str, optimizer: str, step: int, backwa
           "autograd graph); several different losses in one step (`retain_graph`, different loss "
           "functions or parameters, surrogate backward passes of cached gradients, a full-batch loss "
           "over cached representations) are no window; a warning where the roots are no loss function"
-          " the audit recognises", uncertain=WARNING)
-def loss_not_divided(optimizer: str, step: int, backwards: list[Any]) -> Iterator[Finding]:
+          " the audit recognises", uncertain=WARNING, events=("StepClosed",))
+def loss_not_divided(ev: StepClosed) -> Iterator[Finding]:
     """A window of k >= 2 backward passes whose every loss reached backward undivided (a factor of
     exactly 1 read from the autograd graph, `audit.windows.describe`), and which are microbatches
     of one loss. Not a window: a backward that kept its graph for the next (``retain_graph``),
     one from explicit gradients, different loss functions at the roots, different parameters
     reached, a root mixing constants (`audit.windows.mixes_constants`). An error when every root
     is a loss function (`audit.windows.is_loss_node`), else a warning."""
+    step, backwards = ev.step, ev.backwards
     k = len(backwards)
     if k < 2 or not all(b.factor == 1.0 for b in backwards):
         return
@@ -88,13 +90,14 @@ def loss_not_divided(optimizer: str, step: int, backwards: list[Any]) -> Iterato
       "parameters moved to another device or dtype after the optimizer holding them was built",
       "move the model with model.to(device) before building the optimizer",
       doc="parameters changed dtype (or device, with optimizer state already held) after the "
-          "optimizer was built")
-def optimizer_before_to(o: Any, where: str) -> Iterator[Finding]:
+          "optimizer was built", events=("OptimizerStepBegin",))
+def optimizer_before_to(ev: OptimizerStepBegin) -> Iterator[Finding]:
     """At a step, a parameter's dtype differs from when optimizer track ``o`` received it, or its
     device does while the optimizer already holds state for it (or was built fused). A device
     move of a parameter with no state yet is no finding: parameters keep their identity across
     ``Module.to``, and the optimizer creates their state on the new device (what Lightning
     Fabric's and Accelerate's setup do after the optimizer is built)."""
+    o, where = ev.track, ev.where
     fused = any(g.get("fused") for g in o.obj.param_groups)
     for p, device, dtype in o.meta.values():
         if p.dtype != dtype or (p.device != device and (fused or bool(o.obj.state.get(p)))):
@@ -125,14 +128,16 @@ def optimizer_before_to(o: Any, where: str) -> Iterator[Finding]:
           "optimizer since its previous advance was skipped; judged by where the scheduler stood at "
           "each step, not by its calls: a scheduler stepped at each epoch's start (or set back and "
           "stepped to its built position before the first step, as a resume does) is no finding, and "
-          "one stepped per epoch earns its advance with any applied step of the epoch")
-def scheduler_on_skipped_step(optimizer: str, advance: Any) -> Iterator[Finding]:
+          "one stepped per epoch earns its advance with any applied step of the epoch",
+      events=("ScheduleAdvance",))
+def scheduler_on_skipped_step(ev: ScheduleAdvance) -> Iterator[Finding]:
     """A torch ``LRScheduler``'s position (``last_epoch``) was higher at a step of ``optimizer``
     than at the step before (``advance``, `audit.schedules.Advance`), a ``step()`` of the program
     moved it, and the optimizer took steps since the scheduler's previous advance, all skipped.
     Judged by position, not by calls: a scheduler stepped per epoch earns its advance with any
     applied step of the epoch; one stepped before the first optimizer step, or returned to where
     it stood, advanced across no skipped step."""
+    optimizer, advance = ev.optimizer, ev.advance
     a = advance
     if not a.by_call or a.since == 0 or a.applied:
         return
@@ -153,13 +158,14 @@ def scheduler_on_skipped_step(optimizer: str, advance: Any) -> Iterator[Finding]
       doc="a learning rate (or weight decay, momentum, betas) changed across a skipped step to values"
           " no `LRScheduler` set (set by hand, by a scheduler that is no `LRScheduler`, or by hand "
           "over an `LRScheduler`'s rate); says how many skipped steps advanced it (every one) and by "
-          "how much")
-def lr_changed_on_skipped_step(optimizer: str, skipped: int, changes: list[Any]) -> Iterator[Finding]:
+          "how much", events=("ScheduleAtEnd",))
+def lr_changed_on_skipped_step(ev: ScheduleAtEnd) -> Iterator[Finding]:
     """At the end of the run: the scheduled hyperparameters that changed between a skipped step and
     the next (``changes``, `audit.schedules.ScheduleWatch`) to values other than those an
     ``LRScheduler`` of the optimizer set between them (its moves are judged by position, in
     ``scheduler-on-skipped-step``): a schedule the audit cannot see advanced across each of those
     skipped steps. One finding per optimizer, at the first such step, counting every one."""
+    optimizer, skipped, changes = ev.optimizer, ev.skipped, ev.changes
     advanced = [c for c in changes if not c.by_scheduler]
     if not advanced:
         return

@@ -56,12 +56,12 @@ from typing import Any, Iterable
 import torch
 
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
-from audit.checks_steps import loss_not_divided
 from audit.records import (Backward, OptTrack, ScalerTrack, Snapshots, StepData, StepLimitReached, StepRecord,
                            Window, _f32, _jsonish, _num, _unwrap_optimizer, plain_tensor)
 from audit.records import _classify, _loss_factor, call_site  # noqa: F401  (the tests read these here)
 from audit.records import _signature
-from audit.rules import Finding
+from audit.events import StepClosed
+from audit.rules import Finding, dispatch
 from audit.track_optimizer import OptimizerCalls
 from audit.track_program import ProgramCalls
 from audit.track_scaler import ScalerCalls
@@ -215,7 +215,7 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
         if o is self.primary:
             self._check_saves()
         k = len(w.backwards)
-        self._report(loss_not_divided(o.label, o.steps, w.backwards))
+        self._report(dispatch(StepClosed(o.label, o.steps, w.backwards)))
         groups = o.obj.param_groups
         rec = StepRecord(step=o.steps, optimizer=o.label, microbatches=k, calls=list(w.calls),
                          applied=bool(applied), lr=_num(groups[0].get("lr")) if groups else None,

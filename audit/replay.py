@@ -64,7 +64,6 @@ import torch
 
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
 from audit import optimizers, worker
-from audit.checks_numbers import replay_divergence
 from audit.sampling import SampleBook, Sampling
 from audit.optimizers import OptimizerRef, optimizer_ref  # noqa: F401  (re-exported)
 from audit.stages import CLIP_ULP, NORM_ULP, NotReplayable, StepStages, UpdateCheck
@@ -97,6 +96,8 @@ class Divergence:
 
 
 from audit.compare import _compare
+from audit.events import Divergences
+from audit.rules import dispatch
 
 
 MODES = ("process", "thread", "inline")
@@ -409,7 +410,7 @@ class Replayer(StepStages, UpdateCheck):
                 continue
             rest.append(dv)
         self.unexplained = rest
-        recorder.findings.extend(replay_divergence(rest))
+        recorder.findings.extend(dispatch(Divergences(rest)))
 
 
 def _worker_replayer() -> Replayer:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from audit.checks_scaler import step_bypasses_scaler
+from audit.events import StepReapplied
 from audit.records import OptTrack, ScalerTrack
+from audit.rules import dispatch
 
 __all__ = ["check_restep", "stale_scaler"]
 
@@ -43,4 +44,4 @@ def check_restep(rec: Any, o: OptTrack, where: str) -> None:
     if s is None:
         return
     last = o.last_record
-    rec._report(step_bypasses_scaler(s.label, [], None, reapplied=(o.label, o.steps, where, last.step, last.applied)))
+    rec._report(dispatch(StepReapplied(s.label, o.label, o.steps, where, last.step, last.applied)))

@@ -16,10 +16,12 @@ module of its family:
   ``gradients-modified-before-unscale``, ``gradients-modified-after-unscale``,
   ``replay-divergence``).
 
-A check is a generator: it reads the recorder's records (or the replay's boundary) and yields
-findings, changing nothing. The severity contract and `Finding` are in `audit.findings`.
-Adding a rule (CONTRIBUTING.md): its row and check in its family's module (one function; a rule
-that reads an event type the audit dispatches declares it, ``events``, and `dispatch` runs it), a
+A check is a generator: it reads one event (`audit.events`, `audit.sequence`'s calls, the
+replay's `audit.boundaries.Boundary`) and yields findings, changing nothing. The recorder and the
+replay hand each event to `dispatch`, which runs the rules whose rows name its type: no part of
+the audit calls a check by name. The severity contract and `Finding` are in `audit.findings`.
+Adding a rule (CONTRIBUTING.md): its row and check in its family's module (one function that
+declares the event types it reads, ``events``), a
 loop of the catalogue (``tests/audit_loops/``) that breaks it, with the steps it must be found at,
 and docs/audit.md's table rendered from the rows (``python -m audit.rules_table``, `markdown_table`);
 ``tests/test_audit_rules.py`` holds every rule to that.

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from audit import closures
-from audit.checks_clipping import clip_before_unscale, clip_threshold_scaled
-from audit.checks_steps import optimizer_before_to, zero_grad_in_window
+from audit.events import ClipCall, ClipThreshold, OptimizerStepBegin, ZeroGradCall
 from audit.records import ClipStage, OptTrack, ScalerTrack, call_site, plain_tensor, to_numpy
 from audit.restep import check_restep
+from audit.rules import dispatch
 from reference.scaling import STEPPED, UNSCALED
 
 
@@ -46,7 +46,7 @@ class OptimizerCalls:
                 outer.runs = o.label  # a wrapper's step (SAM's, Lookahead's) running this one's
         o.stepping, o.runs = True, None
         inside = self._in_scaler_step is not None and self._in_scaler_step[1] is o
-        if not o.moved_flagged and o.meta and self._report(optimizer_before_to(o, o.where or call_site())):
+        if not o.moved_flagged and o.meta and self._report(dispatch(OptimizerStepBegin(o, o.where or call_site()))):
             o.moved_flagged = True
         where = call_site()
         if not inside:
@@ -137,7 +137,7 @@ class OptimizerCalls:
                 # optimizer: those gradients were used (a two-pass step's ascent, a line search's
                 # move) and the next backward evaluates anew. The window's passes start again.
                 w.backwards = []
-            if not w.zero_flagged and self._report(zero_grad_in_window(name, where, o.label, o.steps, w.backwards)):
+            if not w.zero_flagged and self._report(dispatch(ZeroGradCall(name, where, o.label, o.steps, w.backwards))):
                 w.zero_flagged = True
 
     # ------------------------------------------------------------------ clipping
@@ -154,7 +154,7 @@ class OptimizerCalls:
             unscaled = seq is not None and seq.stage == UNSCALED
             max_norm = float(arguments["max_norm"]) if kind == "clip_grad_norm_" else None
             if not w.clip_flagged and seq is not None and self._report(
-                    clip_before_unscale(kind, o.label, o.steps, where, seq, s.obj, max_norm)):
+                    dispatch(ClipCall(kind, o.label, o.steps, where, seq, s.obj, max_norm))):
                 w.clip_flagged = True
             elif unscaled and max_norm is not None and not o.threshold_flagged:
                 self._threshold(o, s, max_norm, where)
@@ -179,7 +179,7 @@ class OptimizerCalls:
         """clip-threshold-scaled: the check reads the ratio the earlier calls held; the ratio is
         recorded after it (a certain finding replaces this rule's earlier warning)."""
         scale = s.obj.get_scale()
-        for f in clip_threshold_scaled(o.label, o.steps, where, max_norm, scale, o.threshold, o.threshold_finding):
+        for f in dispatch(ClipThreshold(o.label, o.steps, where, max_norm, scale, o.threshold, o.threshold_finding)):
             if f.level is None:
                 o.threshold_flagged = True
                 self._replace(o.threshold_finding, f)

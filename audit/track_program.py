@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from audit import windows
-from audit.checks_program import backward_in_autocast, checkpoint_without_scaler
-from audit.checks_steps import lr_changed_on_skipped_step, scheduler_on_skipped_step
+from audit.events import BackwardCall, CheckpointSaved, ScheduleAdvance, ScheduleAtEnd
 from audit.records import (Backward, StepLimitReached, Window, OptTrack, _jsonish, _signature, _step_call, _touched,
                            call_site)
+from audit.rules import dispatch
 from audit.saved import classify
 from audit.schedules import SCHEDULED
 
@@ -51,13 +51,13 @@ class ProgramCalls:
     def _schedule_step(self, o: OptTrack, rec: Any) -> None:
         """At the close of step ``rec`` of ``o``: its schedulers' advances due to skipped steps."""
         for advance in o.schedule.on_step(o.last_record, rec, _step_call(rec)):
-            self._report(scheduler_on_skipped_step(o.label, advance))
+            self._report(dispatch(ScheduleAdvance(o.label, advance)))
 
     def _schedule_end(self, o: OptTrack) -> None:
         """At the end of the run: the advances since ``o``'s last step, and the hand-set schedule."""
         for advance in o.schedule.at_end():
-            self._report(scheduler_on_skipped_step(o.label, advance))
-        self._report(lr_changed_on_skipped_step(o.label, o.skipped, o.schedule.changes))
+            self._report(dispatch(ScheduleAdvance(o.label, advance)))
+        self._report(dispatch(ScheduleAtEnd(o.label, o.skipped, o.schedule.changes)))
 
     # ------------------------------------------------------------------ autocast
 
@@ -141,7 +141,7 @@ class ProgramCalls:
                 if self.replayer is not None and o is not None and b.scaler.enabled:
                     self._backward_copy(o)
             step = o.steps if o is not None else self._current_step()
-            if not w.autocast_flagged and self._report(backward_in_autocast(step, b.where, self._bw_autocast)):
+            if not w.autocast_flagged and self._report(dispatch(BackwardCall(step, b.where, self._bw_autocast))):
                 w.autocast_flagged = True
 
     def _owner_of(self, w: Window) -> OptTrack | None:
@@ -165,4 +165,4 @@ class ProgramCalls:
         saves, self._saves = self._saves, []
         read, self._scaler_state_read = self._scaler_state_read, None
         scaler = next((s for s in self.scalers.values() if s.enabled and s.used), None) if saves else None
-        self._report(checkpoint_without_scaler(saves, scaler.label if scaler is not None else None, read))
+        self._report(dispatch(CheckpointSaved(saves, scaler.label if scaler is not None else None, read)))

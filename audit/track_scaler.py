@@ -11,7 +11,7 @@ import weakref
 from typing import Any
 
 from audit import sequence
-from audit.checks_scaler import new_scaler_mid_run, step_bypasses_scaler
+from audit.events import DirectSteps, ScalerFirstDrive
 from audit.records import OptTrack, ScalerTrack, _f32, _found_inf, _pairs, call_site, s_where
 from audit.rules import dispatch
 
@@ -62,7 +62,7 @@ class ScalerCalls:
                 s.mid_run = (previous, where, s.loaded)  # decided when it first drives an optimizer
         if s.bypass:
             # A direct optimizer.step on the last scaled loss, and no update before this one.
-            self._report(step_bypasses_scaler(s.label, self._bypasses(s), where))
+            self._report(dispatch(DirectSteps(s.label, self._bypasses(s), where)))
             s.bypass.clear()
             self._flush_pending(s)
         for t_in, t_out in _pairs(inputs, out):
@@ -87,7 +87,7 @@ class ScalerCalls:
         previous, began, loaded = s.mid_run
         s.mid_run = None
         shared = [t for t in previous if any((r := t.params.get(id(p))) is not None and r() is p for p in params)]
-        self._report(new_scaler_mid_run(s, o, began, loaded, shared))
+        self._report(dispatch(ScalerFirstDrive(s, o, began, loaded, shared)))
 
     def on_unscale_begin(self, scaler: Any, optimizer: Any) -> None:
         s = self._scaler(scaler)
@@ -201,7 +201,7 @@ class ScalerCalls:
             if key in s.stage and key not in s.reported_no_update:
                 self._sequence_call(s, o, sequence.StageCall("end", o.label, o.steps, "", s.stage[key],
                                                          last_step_where=s_where(o)))
-        self._report(step_bypasses_scaler(s.label, self._bypasses(s), None))
+        self._report(dispatch(DirectSteps(s.label, self._bypasses(s), None)))
         s.bypass.clear()
 
     def on_scaler_state_dict(self, scaler: Any) -> None:

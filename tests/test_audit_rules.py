@@ -147,11 +147,32 @@ def test_every_finding_has_one_of_its_rule_s_severities():
 def test_every_event_a_rule_reads_is_an_event_type_of_the_audit():
     """A rule's ``events`` name event types (`audit.rules.dispatch` matches on the name), and a
     boundary of the replay reaches each rule that reads boundaries, in catalogue order."""
-    from audit import boundaries
+    from audit import boundaries, events
 
-    kinds = {name for name in dir(boundaries) + dir(sequence) if isinstance(getattr(boundaries, name, None)
-                                                                      or getattr(sequence, name, None), type)}
+    kinds = {name for module in (boundaries, sequence, events) for name in dir(module)
+             if isinstance(getattr(module, name), type)}
     declared = {e for r in RULES.values() for e in r.events}
     assert declared and declared <= kinds, f"events of no audit type: {sorted(declared - kinds)}"
     reads = [name for name, r in RULES.items() if "Boundary" in r.events]
     assert reads[:2] == ["unscale-twice", "scale-twice"] and len(reads) == 4
+
+
+def test_every_rule_reads_events_and_no_module_calls_a_check_by_name():
+    """The recorder dispatches by event type: each rule declares the events it reads, each event
+    type of `audit.events` is read by a rule, and outside `audit.rules` no module of the audit
+    imports a check (a check called by name would escape the rows)."""
+    from audit import events
+
+    silent = [name for name, r in RULES.items() if not r.events]
+    assert not silent, f"rules that declare no event (dispatch never runs them): {silent}"
+    read = {e for r in RULES.values() for e in r.events}
+    unread = sorted(set(events.__all__) - read)
+    assert not unread, f"events of audit.events that no rule reads: {unread}"
+    for path in sorted(Path(events.__file__).parent.glob("*.py")):
+        if path.name == "rules.py" or path.name.startswith("checks_"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("audit.checks_"):
+                names = [a.name for a in node.names]
+                raise AssertionError(f"{path.name} imports {names} from {node.module}: hand an event to "
+                                     "audit.rules.dispatch instead")

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from audit import audit, saved
-from audit.checks_program import checkpoint_without_scaler
+from audit.events import CheckpointSaved
+from audit.rules import dispatch
 from test_audit_real import _run_and_check
 
 REAL = Path(__file__).resolve().parent / "audit_loops" / "real"
@@ -261,10 +262,10 @@ def test_a_checkpoint_with_the_scaler_inside_the_optimizer_state_is_no_finding(l
 
 def test_a_checkpoint_too_deep_to_read_whole_is_a_warning_that_says_so():
     deep = ("torch.save at t.py:1", True, None, 3)
-    (f,) = checkpoint_without_scaler([deep], "GradScaler#0", None)
+    (f,) = dispatch(CheckpointSaved([deep], "GradScaler#0", None))
     assert (f.rule, f.severity, f.step) == ("checkpoint-without-scaler", "warning", 3)
     assert "too large or deep to read whole" in f.message
-    (f,) = checkpoint_without_scaler([("torch.save at t.py:1", True, False, 3)], "GradScaler#0", None)
+    (f,) = dispatch(CheckpointSaved([("torch.save at t.py:1", True, False, 3)], "GradScaler#0", None))
     assert f.severity == "error"
 
 
