@@ -202,3 +202,23 @@ def test_a_toy_optimizer_added_in_four_places_reaches_every_consumer(toy):
         magnitudes=_magnitudes, native_ulp={"param": 4})
     with pytest.raises(AssertionError, match="params"):
         run_optimizer_case("SignSGD", "for-loop", {"lr": 0.25}, trajectory, None, "cpu")
+
+
+def test_each_built_in_optimizer_is_declared_once_in_the_configurations_row():
+    """One row per fact: a built-in optimizer's settings, check, torch class, fused devices and
+    sync-free refusal are its ``config.sections`` row; the torch registry's row is that row
+    resolved (the class looked up in ``torch.optim``), with nothing of its own."""
+    sections = config_sections
+    built_in = [r for r in sections.OPTIMIZER_ROWS.values() if isinstance(r, sections.OptimizerRow)]
+    assert not built_in, "every configuration row is resolved once torchimpl.train.optim is imported"
+    declared = {
+        "adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop",
+        "adamax": "Adamax", "adadelta": "Adadelta", "nadam": "NAdam", "radam": "RAdam", "adafactor": "Adafactor",
+    }
+    for name, cls_name in declared.items():
+        row = ti_optim.REGISTRY[name]
+        assert row.cls is getattr(torch.optim, cls_name), name
+        assert sections.OPTIMIZER_ROWS[name] is row, f"{name}: the configuration reads the resolved row"
+    source = Path(ti_optim.__file__).read_text()
+    for cls_name in declared.values():
+        assert f"torch.optim.{cls_name}," not in source, f"train/optim.py names torch.optim.{cls_name} itself"

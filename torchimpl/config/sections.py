@@ -141,14 +141,24 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class OptimizerRow:
-    """What the configuration knows of one optimizer: the name ``optimizer.name`` gives, the
-    ``OptimizerConfig`` fields it takes besides ``lr`` and ``weight_decay``, and ``check(config)``
-    returning ``(field, message)`` for settings valid alone but not together. A row of
-    ``torchimpl.train.optim.REGISTRY`` is one too (it adds torch's class and kernels)."""
+    """Everything ampspec's production side knows of one built-in optimizer, in one row, without
+    torch: the name ``optimizer.name`` gives; the ``OptimizerConfig`` fields it takes besides
+    ``lr`` and ``weight_decay`` (named as torch's keyword arguments); ``check(config)`` returning
+    ``(field, message)`` for settings valid alone but not together; torch's class, by its name in
+    ``torch.optim``; the device types where torch has a fused kernel for it (None: the devices
+    torch lists for its fused optimizers); and ``kernel_skip_refused(param_group)``, why a kernel
+    that skips by itself (the sync-free mode) cannot run a group, or None.
+
+    ``torchimpl.train.optim`` resolves each row for torch (``TorchOptimizer``, torch's class in
+    place of its name) and puts the resolved row back here; a row registered there directly
+    (``register``, an optimizer of one's own) is one too."""
 
     name: str
     settings: tuple[str, ...] = ()
     check: Any = None
+    torch_class: str = ""
+    fused_devices: frozenset[str] | None = frozenset()
+    kernel_skip_refused: Any = None
 
 
 def _sgd_problems(config: "OptimizerConfig") -> list[tuple[str, str]]:
@@ -158,22 +168,33 @@ def _sgd_problems(config: "OptimizerConfig") -> list[tuple[str, str]]:
     return []
 
 
+def _sgd_kernel_skip_refused(group: dict[str, Any]) -> str | None:
+    # torch's fused SGD creates its momentum buffers with empty_like before the kernel reads
+    # found_inf: a first step skipped inside the kernel would leave them uninitialised.
+    if group.get("momentum", 0) > 0:
+        return ("fused SGD with momentum (torch leaves its momentum buffers uninitialised when the kernel skips "
+                "the first step)")
+    return None
+
+
+_CPU = frozenset({"cpu"})
+
 OPTIMIZER_ROWS: dict[str, Any] = {row.name: row for row in (
-    OptimizerRow("adamw", ("betas", "eps", "amsgrad")),
-    OptimizerRow("adam", ("betas", "eps", "amsgrad")),
-    OptimizerRow("sgd", ("momentum", "dampening", "nesterov"), _sgd_problems),
-    OptimizerRow("adagrad", ("lr_decay", "initial_accumulator_value", "eps")),
-    OptimizerRow("rmsprop", ("alpha", "eps", "momentum", "centered")),
-    OptimizerRow("adamax", ("betas", "eps")),
-    OptimizerRow("adadelta", ("rho", "eps")),
-    OptimizerRow("nadam", ("betas", "eps", "momentum_decay", "decoupled_weight_decay")),
-    OptimizerRow("radam", ("betas", "eps", "decoupled_weight_decay")),
+    OptimizerRow("adamw", ("betas", "eps", "amsgrad"), None, "AdamW", None),
+    OptimizerRow("adam", ("betas", "eps", "amsgrad"), None, "Adam", None),
+    OptimizerRow("sgd", ("momentum", "dampening", "nesterov"), _sgd_problems, "SGD", None, _sgd_kernel_skip_refused),
+    OptimizerRow("adagrad", ("lr_decay", "initial_accumulator_value", "eps"), None, "Adagrad", _CPU),
+    OptimizerRow("rmsprop", ("alpha", "eps", "momentum", "centered"), None, "RMSprop"),
+    OptimizerRow("adamax", ("betas", "eps"), None, "Adamax"),
+    OptimizerRow("adadelta", ("rho", "eps"), None, "Adadelta"),
+    OptimizerRow("nadam", ("betas", "eps", "momentum_decay", "decoupled_weight_decay"), None, "NAdam"),
+    OptimizerRow("radam", ("betas", "eps", "decoupled_weight_decay"), None, "RAdam"),
     # Adafactor's eps is a pair (eps1 or None, eps2), not the float the other rows share: the
-    # trainer keeps torch's default (None, 1e-3).
-    OptimizerRow("adafactor", ("beta2_decay", "d")),
+    # trainer keeps torch's default (None, 1e-3). torch has no fused Adafactor.
+    OptimizerRow("adafactor", ("beta2_decay", "d"), None, "Adafactor"),
 )}
-"""The optimizers ``optimizer.name`` accepts, by name, in order (``torchimpl.train.optim.register``
-adds its rows here: their settings and checks are the configuration's)."""
+"""The optimizers ``optimizer.name`` accepts, by name, in order: each built-in one's whole row
+(``torchimpl.train.optim`` resolves them for torch and ``register`` adds its rows here)."""
 
 
 _F32_MAX = 3.4028234663852886e38

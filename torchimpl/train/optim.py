@@ -87,15 +87,6 @@ class TorchOptimizer:
         return out
 
 
-def _sgd_kernel_skip_refused(group: dict[str, Any]) -> str | None:
-    # torch's fused SGD creates its momentum buffers with empty_like before the kernel reads
-    # found_inf: a first step skipped inside the kernel would leave them uninitialised.
-    if group.get("momentum", 0) > 0:
-        return ("fused SGD with momentum (torch leaves its momentum buffers uninitialised when the kernel skips "
-                "the first step)")
-    return None
-
-
 REGISTRY: dict[str, TorchOptimizer] = {}
 
 
@@ -108,22 +99,16 @@ def register(row: TorchOptimizer) -> TorchOptimizer:
     return row
 
 
-# torch's class, its fused kernels and the sync-free refusal for each of the configuration's rows
-# (config.sections.OPTIMIZER_ROWS holds their settings and checks).
-for _name, _cls, _fused, _refused in (
-    ("adamw", torch.optim.AdamW, _FUSED_DEVICES, None),
-    ("adam", torch.optim.Adam, _FUSED_DEVICES, None),
-    ("sgd", torch.optim.SGD, _FUSED_DEVICES, _sgd_kernel_skip_refused),
-    ("adagrad", torch.optim.Adagrad, frozenset({"cpu"}), None),
-    ("rmsprop", torch.optim.RMSprop, frozenset(), None),
-    ("adamax", torch.optim.Adamax, frozenset(), None),
-    ("adadelta", torch.optim.Adadelta, frozenset(), None),
-    ("nadam", torch.optim.NAdam, frozenset(), None),
-    ("radam", torch.optim.RAdam, frozenset(), None),
-    ("adafactor", torch.optim.Adafactor, frozenset(), None),  # torch has no fused Adafactor
-):
-    _config_row = sections.OPTIMIZER_ROWS[_name]
-    register(TorchOptimizer(_name, _cls, _config_row.settings, _fused, _config_row.check, _refused))
+def _resolve(row: sections.OptimizerRow) -> TorchOptimizer:
+    """A built-in optimizer's row (``config.sections.OPTIMIZER_ROWS``, torch-free) for torch: its
+    class looked up in ``torch.optim``, ``fused_devices`` None read as torch's own list."""
+    fused = _FUSED_DEVICES if row.fused_devices is None else row.fused_devices
+    return TorchOptimizer(row.name, getattr(torch.optim, row.torch_class), row.settings, fused, row.check,
+                          row.kernel_skip_refused)
+
+
+for _row in tuple(sections.OPTIMIZER_ROWS.values()):
+    register(_resolve(_row))
 
 OPTIMIZERS = tuple(REGISTRY)
 """The names ``optimizer.name`` accepts, in the registry's order."""
