@@ -12,7 +12,8 @@ Rules:
    (``MasterState``) holds its stored weight (S), the float32 master (``fp32`` only), the
    compensation buffer (S, ``kahan`` only) and the optimizer's state.
 2. Where the optimizer's state lives. ``fp32``: float32, as torch keeps it for a float32
-   master. ``none``, ``kahan``, ``stochastic``: as torch keeps it for a parameter of dtype S:
+   master; the state torch creates when the optimizer is built (over the S parameters: Adagrad's
+   ``sum``) is S's, upcast exactly, so its initial value is the S rounding of the float32 one. ``none``, ``kahan``, ``stochastic``: as torch keeps it for a parameter of dtype S:
    every state array in S, the scalar counters (``step``, NAdam's ``mu_product``) float32.
    ``kahan`` and ``stochastic`` compute in float32 and store the state back in S (RNE) after
    each step (torchao's low-precision optimizers do the same).
@@ -131,14 +132,14 @@ def init_master_state(option: str, weight: np.ndarray, row: OptimizerSpec, confi
         raise ValueError(f"weight must be stored in {name}, got {w.dtype}")
     w32 = _f32(w)
     if option == "fp32":
-        return MasterState(_frozen(w), _frozen(w32), None, row.init_state(w32, config))
+        return MasterState(_frozen(w), _frozen(w32), None, state_in(state_in(row.init_state(w32, config), name), None))
     comp = _frozen(np.zeros_like(w)) if option == "kahan" else None
     return MasterState(_frozen(w), None, comp, state_in(row.init_state(w32, config), name))
 
 
 def stochastic_round_bf16(x: np.ndarray, bits: np.ndarray) -> np.ndarray:
     """Rule 7: float32 ``x`` to bfloat16, rounding away from zero when ``bits < low 16 bits``."""
-    x32 = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+    x32 = np.array(x, dtype=np.float32, order="C")  # ascontiguousarray would make a 0-d array 1-d
     b = np.asarray(bits)
     if b.shape != x32.shape or b.dtype.kind not in "iu":
         raise ValueError(f"bits must be integers of the parameter's shape {list(x32.shape)}, "
@@ -149,8 +150,8 @@ def stochastic_round_bf16(x: np.ndarray, bits: np.ndarray) -> np.ndarray:
     truncated = pattern & np.uint32(0xFFFF0000)
     away = b.astype(np.uint32) < (pattern & np.uint32(0xFFFF))
     with np.errstate(over="ignore"):
-        rounded = np.where(away, truncated + np.uint32(0x10000), truncated).astype(np.uint32)
-    out = (rounded >> np.uint32(16)).astype(np.uint16)
+        rounded = np.asarray(np.where(away, truncated + np.uint32(0x10000), truncated), dtype=np.uint32)
+    out = np.asarray(rounded >> np.uint32(16), dtype=np.uint16)
     out[np.isnan(rounded.view(np.float32))] = 0x7FC0
     return out.view(get_format("bfloat16").dtype)
 

@@ -10,7 +10,8 @@ Rules:
 
 1. ``none``: ``optimizer.step()`` on the S tensors; the state is torch's, in S.
 2. ``fp32``: a float32 master per parameter (``f32(p)`` at the start) holds the weight; the
-   optimizer steps it with float32 state and the parameter becomes its RNE cast to S.
+   optimizer steps it with float32 state and the parameter becomes its RNE cast to S. State the
+   optimizer created with it (Adagrad's ``sum``, in S) is upcast to float32 once, exactly.
 3. ``kahan`` and ``stochastic``: the optimizer steps float32 copies of the weights and of its
    state (the gradient upcast too); the copies live during the step only. The result ``q``
    gives the update ``u = q - f32(p)``; ``kahan`` adds it through a compensation buffer (S),
@@ -83,6 +84,10 @@ class MasterWeights:
         self.optimizer, self.option, self.dtype, self.params = optimizer, option, dtype, params
         with torch.no_grad():
             self.masters = [p.detach().float().clone() for p in params] if option == "fp32" else None
+            if option == "fp32":  # state an optimizer built with it (Adagrad's sum) steps in float32 too
+                for p in params:
+                    if p in optimizer.state:
+                        _state_to(optimizer.state[p], torch.float32)
             self.compensation = [torch.zeros_like(p) for p in params] if option == "kahan" else None
         if option == "stochastic" and generator is None:
             generator = torch.Generator(device=params[0].device).manual_seed(torch.initial_seed())
