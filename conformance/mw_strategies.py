@@ -30,7 +30,8 @@ def storage_formats(option: str) -> tuple[np.dtype, ...]:
 def master_case(draw, name: str, option: str) -> dict:
     """``config`` (torch's keyword arguments), ``storage`` (S), ``params`` and ``grads`` in S
     (a step's list holds None for a parameter without a gradient), ``seed`` of the generator
-    that draws the stochastic bits."""
+    that draws the stochastic bits, ``boundary``: None (the generator's bits) or the offset of
+    explicit bits from the low 16 bits of the float32 result (stochastic only)."""
     case = strategies.OPTIMIZER_CASES[name]
     storage = draw(st.sampled_from(storage_formats(option)), label="storage")
     trajectory = draw(strategies.optimizer_trajectory(plant_nonfinite=True, zero_d=True, min_ndim=case.min_ndim,
@@ -38,5 +39,8 @@ def master_case(draw, name: str, option: str) -> dict:
     with np.errstate(over="ignore", invalid="ignore"):
         params = [np.asarray(p).astype(storage) for p in trajectory["params"]]
         grads = [[None if g is None else np.asarray(g).astype(storage) for g in step] for step in trajectory["grads"]]
+    # Stochastic rounding's boundary: bits equal to the low half of the float32 result, one below or
+    # one above (explicit bits; elsewhere the generator's, where equality has probability 2^-16).
+    boundary = draw(st.sampled_from([0, None, -1, 1]), label="boundary bits") if option == "stochastic" else None
     return dict(config=draw(case.config(), label="config"), storage=storage, params=params, grads=grads,
-                seed=draw(st.integers(0, 2**31 - 1), label="seed"))
+                seed=draw(st.integers(0, 2**31 - 1), label="seed"), boundary=boundary)

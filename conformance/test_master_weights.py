@@ -7,7 +7,9 @@ property per option, optimizer and implementation runs with ``--runslow``), with
 NaN: the step engine skips those (nothing is called), and every weight, master, compensation
 buffer, state and the generator must then be left as they were. On an applied step both sides
 take the same gradients; the stochastic option's bits are the ones production drew from its
-generator, which must equal a replay of that generator over the applied steps only. After each
+generator, which must equal a replay of that generator over the applied steps only, or, in
+some cases, explicit bits at the rounding threshold (the low 16 bits of the float32 result, one
+below, one above), where a draw from the generator would hit it with probability 2^-16. After each
 step every field must agree: the stored weight, the master (``fp32``), the compensation buffer
 (``kahan``), each optimizer state field torch keeps (by name, in its dtype), and the lost-update
 count of every parameter (``reference.health`` rule 12).
@@ -109,6 +111,20 @@ def _compare(mw: MasterWeights, states: tuple, exact_mode: bool, where: Where, s
                 assert_same(got, _zero_sign_only(got, value) if signed_zero_state else value, where.at(f"{f.name}[{i}]"))
 
 
+def _boundary_bits(row, impl: str, states: tuple, grads: list, cfg, sqrt, offset: int, device: str) -> list:
+    """Explicit bits at the stochastic rounding's threshold: the low 16 bits of the spec's float32
+    result plus ``offset``, clamped into [0, 2**16)."""
+    q, _, _ = ref.float32_step(row, impl, [s.weight for s in states], grads, [s.opt for s in states], cfg, sqrt=sqrt)
+    out = []
+    for qi, g in zip(q, grads):
+        if g is None:
+            out.append(None)
+            continue
+        low = (np.asarray(qi, np.float32).view(np.uint32) & 0xFFFF).astype(np.int64) + offset
+        out.append(to_torch(np.clip(low, 0, 0xFFFF).astype(np.float64), device).to(torch.int32))
+    return out
+
+
 def _snapshot(mw: MasterWeights) -> dict[str, np.ndarray]:
     """Every tensor the option holds, by name, as NumPy arrays (bits kept)."""
     out = {}
@@ -166,10 +182,16 @@ def run_case(option: str, name: str, impl: str, case: dict, device: str) -> None
             event(f"{name}[{impl}]: keyed expectation {known[0].__name__}")
             return
         before = [to_numpy(p) for p in params]
-        mw.step(measure_lost=True)
+        explicit = None
+        if option == "stochastic" and case["boundary"] is not None and exact_mode:
+            explicit = _boundary_bits(row, impl, states, grads, cfg, sqrt, case["boundary"], device)
+            event("stochastic: bits at the rounding boundary")
+        mw.step(measure_lost=True, bits=explicit)
         kept = _snapshot(mw)
         bits = None
-        if option == "stochastic":
+        if explicit is not None:
+            bits = [None if b is None else to_numpy(b.to(torch.float64)).astype(np.int64) for b in explicit]
+        elif option == "stochastic":
             want = [None if g is None else torch.randint(0, 1 << 16, tuple(g.shape), dtype=torch.int32, device=device,
                                                          generator=replay) for g in grads]
             for i, (a, b) in enumerate(zip(mw.last_bits, want)):
