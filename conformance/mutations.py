@@ -134,6 +134,12 @@ def _tensor_lr_property(name: str, impl: str, promoted: str = "") -> tuple[str, 
 # Spec mutants: one deliberate error in each optimizer's spec function, which that optimizer's
 # conformance property must catch (it compares the spec with torch, so a wrong spec fails too).
 SPEC_MUTANTS = (
+    Mutant("lowprec_add_rounds_once", "the spec's bf16 add with alpha skips the rounding of the product to S",
+           "reference/lowprec.py", "    return _r(_f(x) + _f(_r(a * _f(y), x.dtype)), x.dtype)\n",
+           "    return _r(_f(x) + a * _f(y), x.dtype)\n", MASTER_TESTS),
+    Mutant("lowprec_scalar_in_storage_format", "the spec's bf16 multiply rounds its Python scalar to S",
+           "reference/lowprec.py", "    return _r(_f(x) * _F32(s), x.dtype)\n",
+           "    return _r(_f(x) * _f(np.asarray(_F32(s)).astype(x.dtype)), x.dtype)\n", MASTER_TESTS),
     Mutant("kahan_spec_forgets_old_compensation", "the spec's kahan takes the new compensation from u alone",
            "reference/master_weights.py", "        c = (y - (_f32(t) - p32)).astype(storage)\n",
            "        c = (u - (_f32(t) - p32)).astype(storage)\n", MASTER_TESTS),

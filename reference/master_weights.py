@@ -201,8 +201,10 @@ def master_step(option: str, row: OptimizerSpec, implementation: str, states: Se
     if option == "none":
         from reference import lowprec  # why: only `none` needs torch's low-precision kernels
 
-        weights, exact, opts = lowprec.step(row, implementation, [s.weight for s in states], grads,
-                                            [s.opt for s in states], config, lr=lr)
+        weights, opts = lowprec.step(row, implementation, [s.weight for s in states], grads,
+                                     [s.opt for s in states], config, lr=lr)
+        _, exact, _ = float32_step(row, implementation, [s.weight for s in states], grads, [s.opt for s in states],
+                                   config, lr=lr, sqrt=sqrt)
         return tuple(MasterState(_frozen(w), None, None, o) for w, o in zip(weights, opts)), exact
     if option == "fp32":
         masters = [s.master for s in states]

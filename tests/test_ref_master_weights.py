@@ -121,3 +121,24 @@ def test_bad_options_are_refused_naming_the_fix():
     s = mw.init_master_state("stochastic", np.ones(1, BF16), row, cfg)
     with pytest.raises(ValueError, match="random bits as an input"):
         mw.master_step("stochastic", row, "for-loop", [s], [np.ones(1, BF16)], cfg)
+
+
+def test_low_precision_kernels_round_a_python_scalar_to_float32_not_to_the_storage_format():
+    from reference import lowprec
+
+    s = 1 + 2**-8 + 2**-20  # bf16 would round it to 1 + 2^-7
+    # 3 * s = 3.01172 rounds to 3.015625; with s in bf16, 3.0234375 is a tie that RNE takes to 3.03125
+    assert float(lowprec.mul_scalar(np.array(3.0, BF16), s)) == 3.015625
+
+
+def test_none_is_modelled_where_covered_and_refused_naming_the_pair_elsewhere():
+    from reference import lowprec
+
+    row = spec("SGD")
+    cfg = row.make_config(lr=2**-10)
+    s = mw.init_master_state("none", np.array([1.0], BF16), row, cfg)
+    (t,), (e,) = mw.master_step("none", row, "for-loop", [s], [np.array([1.0], BF16)], cfg)
+    assert float(t.weight[0]) == 1.0 and e.tolist() == [-(2**-10)]  # lost: 1 - 2^-10 rounds back to 1
+    assert lowprec.COVERED["AdamW"] == ("for-loop",)
+    with pytest.raises(NotImplementedError, match=r"SGD \(foreach\) on low-precision parameters"):
+        mw.master_step("none", row, "foreach", [s], [np.array([1.0], BF16)], cfg)
