@@ -9,8 +9,9 @@ they meet a tensor.
 
 Rules:
 
-1. ``x.mul(s)``, ``x.div(s)``, ``x.add(s)`` with a Python scalar: ``S(x * f32(s))``,
-   ``S(x / f32(s))``, ``S(x + f32(s))``: the scalar is rounded to float32, not to S.
+1. ``x.mul(s)`` and ``x.div(s)`` with a Python scalar: ``S(x * f32(s))``, ``S(x / f32(s))``: the
+   scalar is rounded to float32, not to S; but ``x.add(s)``: ``S(x + S(s))``, the scalar rounded
+   to S first (measured on every capability: Adam's ``eps``).
 2. ``x.add(y, alpha=a)``: ``S(x + S(S(a) * y))`` in the scalar kernel: the scalar is rounded to
    S and the product is rounded to S before the sum (the vectorized kernels compute
    ``S(x + S(a) * y)``, one rounding, in float32). With ``a = 1``: ``S(x + y)``.
@@ -68,8 +69,8 @@ def div_scalar(x: np.ndarray, s: float) -> np.ndarray:
 
 
 def add_scalar(x: np.ndarray, s: float) -> np.ndarray:
-    """Rule 1."""
-    return _r(_f(x) + _F32(s), x.dtype)
+    """Rule 1: the scalar is rounded to S before the sum."""
+    return _r(_f(x) + _f(np.asarray(_F32(s)).astype(x.dtype)), x.dtype)
 
 
 def add(x: np.ndarray, y: np.ndarray, alpha: float = 1.0) -> np.ndarray:

@@ -142,3 +142,12 @@ def test_none_is_modelled_where_covered_and_refused_naming_the_pair_elsewhere():
     assert lowprec.COVERED["AdamW"] == ("for-loop",)
     with pytest.raises(NotImplementedError, match=r"SGD \(foreach\) on low-precision parameters"):
         mw.master_step("none", row, "foreach", [s], [np.array([1.0], BF16)], cfg)
+
+
+def test_low_precision_add_of_a_python_scalar_rounds_the_scalar_to_the_storage_format_first():
+    from reference import lowprec
+
+    # bf16(0.001) = 0.00099945068359375; the sum 0.001880645751953125 is the tie between 0.0018768310546875
+    # (even) and 0.00188446044921875, so RNE keeps 0.0018768...; with 0.001 in float32 it rounds up
+    x = np.array(0.000881195068359375, BF16)
+    assert float(lowprec.add_scalar(x, 0.001)) == 0.0018768310546875
