@@ -37,6 +37,8 @@ TRAINER_TESTS = ("conformance/test_trainer.py",)
 SCALER_TESTS = ("conformance/test_scaler.py", "conformance/test_trainer.py")
 DISTRIBUTED = "torchimpl/distributed.py"
 DISTRIBUTED_TESTS = ("conformance/test_distributed.py",)
+MASTER = "torchimpl/train/master_weights.py"
+MASTER_TESTS = ("conformance/test_master_weights.py",)
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,17 @@ MUTANTS = (
            TRAINER_TESTS),
     Mutant("user_scheduler_not_restored", "ignore the user's scheduler state on resume", SCHEDULE,
            '            self.scheduler.load_state_dict(state["scheduler"])\n', "            pass\n", TRAINER_TESTS),
+    # Master weights (torchimpl/train/master_weights.py), each caught by conformance/test_master_weights.py.
+    Mutant("kahan_compensation_lost", "kahan drops what the rounding lost instead of keeping it", MASTER,
+           "                c.copy_((y - (t.float() - start[i])).to(self.dtype))\n", "                c.zero_()\n",
+           MASTER_TESTS),
+    Mutant("fp32_master_not_written_back", "fp32: the stepped master is not cast back into the bf16/fp16 weight",
+           MASTER, "            self.params[i].copy_(masters[i])\n", "            pass\n", MASTER_TESTS),
+    Mutant("state_cast_to_storage_skipped", "kahan/stochastic keep the optimizer state in float32 (its cast skipped)",
+           MASTER, "                _state_to(states[self.params[i]], self.dtype)\n", "                pass\n",
+           MASTER_TESTS),
+    Mutant("stochastic_rounds_away_on_equal_bits", "stochastic rounding rounds away when the bits equal the low half",
+           MASTER, "torch.where(bits < (pattern & 0xFFFF)", "torch.where(bits <= (pattern & 0xFFFF)", MASTER_TESTS),
 )
 
 
@@ -121,6 +134,15 @@ def _tensor_lr_property(name: str, impl: str, promoted: str = "") -> tuple[str, 
 # Spec mutants: one deliberate error in each optimizer's spec function, which that optimizer's
 # conformance property must catch (it compares the spec with torch, so a wrong spec fails too).
 SPEC_MUTANTS = (
+    Mutant("lowprec_add_rounds_once", "the spec's bf16 add with alpha skips the rounding of the product to S",
+           "reference/lowprec.py", "    return _r(_f(x) + _f(_r(a * _f(y), x.dtype)), x.dtype)\n",
+           "    return _r(_f(x) + a * _f(y), x.dtype)\n", MASTER_TESTS),
+    Mutant("lowprec_scalar_in_storage_format", "the spec's bf16 multiply rounds its Python scalar to S",
+           "reference/lowprec.py", "    return _r(_f(x) * _F32(s), x.dtype)\n",
+           "    return _r(_f(x) * _f(np.asarray(_F32(s)).astype(x.dtype)), x.dtype)\n", MASTER_TESTS),
+    Mutant("kahan_spec_forgets_old_compensation", "the spec's kahan takes the new compensation from u alone",
+           "reference/master_weights.py", "        c = (y - (_f32(t) - p32)).astype(storage)\n",
+           "        c = (u - (_f32(t) - p32)).astype(storage)\n", MASTER_TESTS),
     Mutant("sgd_dampening_on_first_step", "SGD dampens the first momentum buffer", "reference/optim/sgd.py",
            "                buf = np.array(d, copy=True)\n",
            "                buf = f(1 - config.dampening) * d\n", _optimizer_property("SGD", "for-loop")),

@@ -12,6 +12,9 @@ the dtypes it takes and its edge cases.
   calls), its record, and the replay of a recorded trace.
 - `reference.precision`: which precision a device and a request resolve to.
 - `reference.autocast`: which dtype autocast gives each operation, per device type.
+- `reference.master_weights`: parameters stored in bfloat16/float16 and the master-weight options
+  (`none`, `fp32`, `kahan`, `stochastic` with explicit random bits), their bytes per parameter;
+  `reference.lowprec`: torch's optimizer kernels on such parameters (the `none` option).
 - `reference.fp8`: scaled float8 training: amax, scales, saturating casts and scaled matmuls of
   torchao's tensorwise, rowwise and rowwise_with_gw_hp recipes, MX block scaling, and Transformer
   Engine's delayed and current scaling and DeepSeek-V3's block quantization as state machines.

@@ -1,0 +1,249 @@
+"""Master weights: ``torchimpl.train.master_weights`` against ``reference.master_weights``, step by step.
+
+One property per option, drawing the registered optimizer and implementation
+(``reference.optim.SPECS``: each row's for-loop, foreach and fused paths; the sweep with one
+property per option, optimizer and implementation runs with ``--runslow``), with parameters stored in bfloat16 or float16,
+0-d and empty ones among them, gradients sometimes None, and steps whose gradients hold inf or
+NaN: the step engine skips those (nothing is called), and every weight, master, compensation
+buffer, state and the generator must then be left as they were. On an applied step both sides
+take the same gradients; the stochastic option's bits are the ones production drew from its
+generator, which must equal a replay of that generator over the applied steps only, or, in
+some cases, explicit bits at the rounding threshold (the low 16 bits of the float32 result, one
+below, one above), where a draw from the generator would hit it with probability 2^-16. After each
+step every field must agree: the stored weight, the master (``fp32``), the compensation buffer
+(``kahan``), each optimizer state field torch keeps (by name, in its dtype), and the lost-update
+count of every parameter (``reference.health`` rule 12).
+
+Exactness (``expectations.exact_kernels``): with torch's scalar kernels the two trajectories are
+equal bit for bit, every field, from the same start (no resynchronisation), so nothing a step
+does is lost. On native kernels torch's float32 optimizer step differs from the spec's by the
+ULPs ``conformance/test_optimizers.py`` bounds; there this property checks what the option adds
+and is exact anywhere: the weight is the RNE cast of torch's own master (``fp32``), a skipped
+step changes nothing, and the bits replay the generator. The exact-mode rerun
+(``conformance/test_exact_mode.py``) runs the whole comparison.
+
+The ``none`` option (torch's kernels on the low-precision tensors themselves) is compared where
+``reference.lowprec`` models it (``lowprec.COVERED``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import event, given
+from hypothesis import strategies as st
+
+from conformance import expectations, mw_strategies, strategies
+from conformance.assertions import Where, assert_equal, assert_same
+from conformance.bridge import to_numpy, to_torch
+from reference import formats, health, lowprec, optim
+from reference import master_weights as ref
+from torchimpl.train.master_weights import MasterWeights
+
+REPRO = "rerun this test with the @reproduce_failure blob printed above"
+CASES = [(option, name, impl) for option in ("fp32", "kahan", "stochastic")
+         for name, row in optim.SPECS.items() if name in strategies.OPTIMIZER_CASES for impl in row.steps]
+CASES += [("none", name, impl) for name, impls in lowprec.COVERED.items() for impl in impls]
+
+
+def _flags(impl: str) -> dict:
+    return {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[impl]
+
+
+def _torch_sqrt(impl: str):
+    """torch's own float32 square root for the path (reference.optim rule 9); None: the fused one."""
+    if impl == "fused":
+        return None
+    if impl == "foreach":
+        return lambda a: to_numpy(torch._foreach_sqrt([to_torch(a)])[0])
+    return lambda a: to_numpy(torch.sqrt(to_torch(a)))
+
+
+def _finite(grads: list) -> bool:
+    with np.errstate(invalid="ignore"):
+        return all(g is None or np.isfinite(g.astype(np.float32)).all() for g in grads)
+
+
+def lerp_weight_one_keeps_a_negative_zero() -> bool:
+    """torch's vectorized ``lerp`` (chunks of 16 float32 elements and more) computes
+    ``end + (w - 1) * (end - start)``; at ``w = 1`` (Adam's ``1 - beta1`` with beta1 = 0) a -0.0
+    ``end`` over a zero ``start`` stays -0.0, where rule 4 of ``reference.optim._common`` (the
+    scalar kernel's ``end - (end - start) * (1 - w)``) gives +0.0. Probed on the installed torch."""
+    start, end = torch.zeros(32), torch.full((32,), -0.0)
+    return bool(torch.signbit(start.lerp(end, 1.0)[0]))
+
+
+def _zero_sign_only(got: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """The spec's array with the sign of torch's zeros where both are zero."""
+    g, v = np.asarray(got), np.array(value, copy=True)
+    both = (g.astype(np.float32) == 0) & (v.astype(np.float32) == 0)
+    v[both] = g[both]
+    return v
+
+
+def _compare(mw: MasterWeights, states: tuple, exact_mode: bool, where: Where, signed_zero_state: bool = False) -> None:
+    """Every field of every parameter: torch's against the spec's. ``signed_zero_state``: the
+    sign of a zero in the state arrays is the keyed difference of
+    ``lerp_weight_one_keeps_a_negative_zero`` (beta1 = 0), not compared."""
+    for i, (p, s) in enumerate(zip(mw.params, states)):
+        assert_same(to_numpy(p), s.weight, where.at(f"weight[{i}]"))
+        if mw.masters is not None and exact_mode:
+            assert_same(to_numpy(mw.masters[i]), s.master, where.at(f"master[{i}]"))
+        if mw.compensation is not None and exact_mode:
+            assert_same(to_numpy(mw.compensation[i]), s.compensation, where.at(f"compensation[{i}]"))
+        if not exact_mode:
+            continue
+        torch_state = mw.optimizer.state.get(p, {})
+        for f in dataclasses.fields(s.opt):
+            value, got = getattr(s.opt, f.name), torch_state.get(f.name)
+            if not torch_state:  # torch creates its state at a parameter's first gradient
+                continue
+            assert_equal(got is None, value is None, where.at(f"{f.name}[{i}] exists"))
+            if value is None:
+                continue
+            if isinstance(value, np.floating):
+                assert_same(to_numpy(got).reshape(()), np.asarray(value), where.at(f"{f.name}[{i}]"))
+            else:
+                got = to_numpy(got)
+                assert_same(got, _zero_sign_only(got, value) if signed_zero_state else value, where.at(f"{f.name}[{i}]"))
+
+
+def _boundary_bits(row, impl: str, states: tuple, grads: list, cfg, sqrt, offset: int, device: str) -> list:
+    """Explicit bits at the stochastic rounding's threshold: the low 16 bits of the spec's float32
+    result plus ``offset``, clamped into [0, 2**16)."""
+    q, _, _ = ref.float32_step(row, impl, [s.weight for s in states], grads, [s.opt for s in states], cfg, sqrt=sqrt)
+    out = []
+    for qi, g in zip(q, grads):
+        if g is None:
+            out.append(None)
+            continue
+        low = (np.asarray(qi, np.float32).view(np.uint32) & 0xFFFF).astype(np.int64) + offset
+        out.append(to_torch(np.clip(low, 0, 0xFFFF).astype(np.float64), device).to(torch.int32))
+    return out
+
+
+def _snapshot(mw: MasterWeights) -> dict[str, np.ndarray]:
+    """Every tensor the option holds, by name, as NumPy arrays (bits kept)."""
+    out = {}
+    for i, p in enumerate(mw.params):
+        out[f"weight[{i}]"] = to_numpy(p)
+        if mw.masters is not None:
+            out[f"master[{i}]"] = to_numpy(mw.masters[i])
+        if mw.compensation is not None:
+            out[f"compensation[{i}]"] = to_numpy(mw.compensation[i])
+        for key, value in mw.optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                out[f"{key}[{i}]"] = to_numpy(value)
+    if mw.generator is not None:
+        out["generator"] = bytes(mw.generator.get_state().numpy())
+    return out
+
+
+def run_case(option: str, name: str, impl: str, case: dict, device: str) -> None:
+    row, ocase = optim.spec(name), strategies.OPTIMIZER_CASES[name]
+    cfg = row.make_config(**case["config"])
+    exact_mode = expectations.exact_kernels(device)
+    storage = case["storage"].name
+    params = [torch.nn.Parameter(to_torch(p, device)) for p in case["params"]]
+    opt = ocase.torch_class(params, **case["config"], **_flags(impl))
+    mw = MasterWeights(opt, option, generator=torch.Generator(device=device).manual_seed(case["seed"]))
+    replay = torch.Generator(device=device).manual_seed(case["seed"])
+    states = tuple(ref.init_master_state(option, p, row, cfg, storage) for p in case["params"])
+    sqrt = _torch_sqrt(impl)
+    betas = case["config"].get("betas")
+    signed_zero = bool(betas) and betas[0] == 0.0 and LERP_SIGNED_ZERO
+    if signed_zero:
+        event("beta1 = 0: the sign of zero state entries is not compared (keyed)")
+    kept = _snapshot(mw)
+    for step, grads in enumerate(case["grads"]):
+        where = Where(f"{option}:{name}[{impl}] {storage}", step=step, repro=REPRO)
+        for p, g in zip(params, grads):
+            p.grad = None if g is None else to_torch(g, device)
+        if not _finite(grads):  # the engine's check found inf/NaN: nothing is called
+            event("a skipped step")
+            held = _snapshot(mw)
+            assert_equal(sorted(held), sorted(kept), where.at("tensors held across a skipped step"))
+            for key, value in held.items():
+                if isinstance(value, bytes):  # the generator's state: no bits were drawn
+                    assert_equal(value == kept[key], True, where.at(f"{key} (skipped step)"))
+                else:
+                    assert_same(value, kept[key], where.at(f"{key} (skipped step)"))
+            if exact_mode:
+                _compare(mw, states, exact_mode, where.at("skipped"), signed_zero)
+            continue
+        known = expectations.known_optimizer_failure(
+            name, impl, cfg, grads, tuple(ref.state_in(s.opt, None) for s in states), device)
+        if known is not None:
+            with pytest.raises(known[0], match=known[1]):
+                mw.step(measure_lost=True)
+            event(f"{name}[{impl}]: keyed expectation {known[0].__name__}")
+            return
+        before = [to_numpy(p) for p in params]
+        explicit = None
+        if option == "stochastic" and case["boundary"] is not None and exact_mode:
+            explicit = _boundary_bits(row, impl, states, grads, cfg, sqrt, case["boundary"], device)
+            event("stochastic: bits at the rounding boundary")
+        mw.step(measure_lost=True, bits=explicit)
+        kept = _snapshot(mw)
+        bits = None
+        if explicit is not None:
+            bits = [None if b is None else to_numpy(b.to(torch.float64)).astype(np.int64) for b in explicit]
+        elif option == "stochastic":
+            want = [None if g is None else torch.randint(0, 1 << 16, tuple(g.shape), dtype=torch.int32, device=device,
+                                                         generator=replay) for g in grads]
+            for i, (a, b) in enumerate(zip(mw.last_bits, want)):
+                assert_equal(a is None, b is None, where.at(f"bits[{i}] drawn"))
+                if a is not None:
+                    assert_equal(torch.equal(a, b), True, where.at(f"bits[{i}] replay the generator"))
+            bits = [None if b is None else to_numpy(b.to(torch.float64)).astype(np.int64) for b in mw.last_bits]
+        if not exact_mode:
+            if option == "fp32":
+                for i, p in enumerate(params):
+                    assert_same(to_numpy(p), formats.cast(to_numpy(mw.masters[i]), storage), where.at(f"weight[{i}]"))
+            continue
+        states, exact = ref.master_step(option, row, impl, states, grads, cfg, bits=bits, sqrt=sqrt)
+        _compare(mw, states, exact_mode, where, signed_zero)
+        for i, (b, s, e, got) in enumerate(zip(before, states, exact, mw.lost_counts())):
+            if e is None:
+                assert_equal(got, None, where.at(f"lost[{i}] (no gradient)"))
+                continue
+            assert_equal(got, health.applied_lost_count(b, s.weight, e), where.at(f"lost[{i}]"))
+
+
+LERP_SIGNED_ZERO = lerp_weight_one_keeps_a_negative_zero()
+
+
+def test_lerp_at_weight_one_is_the_keyed_signed_zero_difference():
+    """The keyed fact, probed: the scalar kernel (a short tensor) follows rule 4 of
+    ``reference.optim._common``, the vectorized one keeps -0.0 (torch 2.13 on CPU, every capability)."""
+    from reference.optim._common import lerp
+
+    short = torch.zeros(3).lerp(torch.full((3,), -0.0), 1.0)
+    assert not torch.signbit(short).any()
+    assert not np.signbit(lerp(np.zeros(3, np.float32), np.full(3, -0.0, np.float32), 1.0)).any()
+    assert LERP_SIGNED_ZERO, (f"torch {torch.__version__}: the vectorized lerp at weight 1 now gives +0.0, as the spec "
+                              "does: drop the signed-zero exception of these properties")
+
+
+OPTIONS = sorted({option for option, _, _ in CASES})
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+@given(data=st.data())
+def test_master_weight_steps_match_the_spec(option, device, data):
+    """Each option, over every registered optimizer and implementation (drawn)."""
+    _, name, impl = data.draw(st.sampled_from([c for c in CASES if c[0] == option]), label="optimizer")
+    case = data.draw(mw_strategies.master_case(name, option), label="case")
+    run_case(option, name, impl, case, device)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("option", "name", "impl"), CASES, ids=[f"{o}-{n}-{i}" for o, n, i in CASES])
+@given(data=st.data())
+def test_master_weight_steps_match_the_spec_for_each_optimizer(option, name, impl, device, data):
+    """The whole sweep: one property per option, optimizer and implementation (--runslow)."""
+    case = data.draw(mw_strategies.master_case(name, option), label="case")
+    run_case(option, name, impl, case, device)
