@@ -5,6 +5,7 @@ its warning, and checkpoints that resume bit for bit."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 import warnings
@@ -192,3 +193,41 @@ def test_changing_the_option_across_a_resume_is_refused_naming_the_field(tmp_pat
     _run(tmp_path, "kahan", 2)
     with pytest.raises(ResumeError, match=r"precision\.master_weights: 'kahan' \(checkpoint\) -> 'fp32' \(now\)"):
         _run(tmp_path, "fp32", 4, resume=True)
+
+
+# ---------------------------------------------------------------- the doctor and the replay
+
+
+def doctor_cli(capsys, mw: str) -> str:
+    code = main(["doctor", "--task", "mlp", "--size", "tiny", "--precision", "bf16-true", "--master-weights", mw,
+                 "--lr", "1e-7", "--steps", "2", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
+def test_the_doctor_finds_the_lost_updates_of_none_and_names_the_key_and_none_under_fp32(capsys):
+    out = doctor_cli(capsys, "none")
+    assert "update-underflow" in out and "100.0% of the updates of 'net.0.weight' (bfloat16) were lost" in out
+    assert "fix: set precision.master_weights to fp32" in out
+    out = doctor_cli(capsys, "fp32")
+    # The float32 master keeps the updates; what is left is where the bf16 gradient itself was 0.
+    largest = float(re.search(r"lost updates \(rule 12\): largest ([0-9.]+)%", out).group(1))
+    assert "update-underflow" not in out and largest < 1.0
+
+
+def test_the_doctor_refuses_master_weights_outside_bf16_true(capsys):
+    assert main(["doctor", "--task", "mlp", "--precision", "bf16", "--master-weights", "fp32"]) != 0
+    assert "--master-weights fp32 applies to --precision bf16-true" in capsys.readouterr().err
+
+
+def test_a_16_true_trace_replays_through_the_spec(capsys, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    # The gradient of an fp16 loss is the scale itself: 2**19 down to 2**16 pass fp16's 65504 and
+    # back off; from 2**15 the steps apply.
+    code, summary, err = train_cli(capsys, "precision=16-true", "precision.master_weights=kahan", "train.steps=8",
+                                   f"scaler.init_scale={2.0**19}", f"train.trace_file={trace}")
+    assert code == 0, err
+    assert summary["steps_skipped"] == 4 and summary["final_scale"] == 2.0**15
+    assert main(["replay", str(trace)]) == 0
+    assert "8 steps replayed: the scale history matches the reference" in capsys.readouterr().out
