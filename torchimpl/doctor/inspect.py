@@ -342,7 +342,7 @@ class _Runner:
             if self.master is None:
                 self.opt.step()
             else:
-                self.master.step(measure_lost=False)
+                self.master.step()  # its own counts are unused: rule 3 counts against the shadow
         else:
             self.obs.skipped_steps += 1
         after = self._stored() if finite else {}
