@@ -216,6 +216,12 @@ def test_the_doctor_finds_the_lost_updates_of_none_and_names_the_key_and_none_un
     assert "update-underflow" not in out and largest < 1.0
 
 
+@pytest.mark.parametrize("mw", ["kahan", "stochastic"])
+def test_the_doctor_steps_the_rounding_options(capsys, mw):
+    out = doctor_cli(capsys, mw)
+    assert "precision bf16-true on cpu, 2 steps" in out and "lost updates (rule 12)" in out
+
+
 def test_the_doctor_refuses_master_weights_outside_bf16_true(capsys):
     assert main(["doctor", "--task", "mlp", "--precision", "bf16", "--master-weights", "fp32"]) != 0
     assert "--master-weights fp32 applies to --precision bf16-true" in capsys.readouterr().err
@@ -231,3 +237,31 @@ def test_a_16_true_trace_replays_through_the_spec(capsys, tmp_path):
     assert summary["steps_skipped"] == 4 and summary["final_scale"] == 2.0**15
     assert main(["replay", str(trace)]) == 0
     assert "8 steps replayed: the scale history matches the reference" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- other ways in
+
+
+def test_none_runs_sync_free_with_a_fused_optimizer_and_counts_nothing_there(capsys):
+    code, summary, err = train_cli(capsys, "precision.mode=bf16-true", "optimizer.fused=true", "train.sync_free=true",
+                                   "train.steps=3", "train.log_interval=1")
+    assert code == 0, err
+    assert summary["sync_free"] is True and summary["optimizer_kind"] == "fused"
+    assert summary["lost_updates"]["measured_steps"] == 0 and summary["lost_update_fraction"] is None
+
+
+@pytest.mark.parametrize("form", ["instance", "function"])
+def test_your_own_optimizer_steps_through_the_master_copy(tmp_path, form):
+    cfg = load_config(overrides=["device=cpu", "precision.mode=bf16-true", "precision.master_weights=fp32",
+                                 "train.steps=4", "train.log_interval=1", "logging.dir=null", "train.threads=1"])
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6) if form == "instance" else (
+        lambda params: torch.optim.SGD(params, lr=1e-6))
+    trainer = Trainer(cfg)
+    summary = trainer.fit(model, _data(), optimizer=opt)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    masters = trainer._fit.master.master.masters
+    assert all(m.dtype == torch.float32 for m in masters)
+    # lr 1e-6: the masters moved, the bf16 copies (cast from them) mostly did not.
+    assert summary.lost_update_fraction == 0.0 and summary.lost_updates["storage_unchanged"] > 0
