@@ -8,6 +8,7 @@ import json
 import re
 import sys
 import textwrap
+import types
 import warnings
 
 import pytest
@@ -20,7 +21,7 @@ from torchimpl.config.sections import MASTER_WEIGHTS
 from torchimpl.run.state import ResumeError
 from torchimpl.task.builtin import build_task
 from torchimpl.train.trainer import Trainer
-from torchimpl.train.true_precision import LOST_UPDATE_WARNING, LostUpdateWarning, cast_batch
+from torchimpl.train.true_precision import LOST_UPDATE_WARNING, LostUpdateWarning, MasterStep, cast_batch
 
 TINY = ["device=cpu", "task.name=mlp", "task.size=tiny", "train.batch_size=8", "logging.dir=null",
         "train.threads=1"]
@@ -109,6 +110,31 @@ def test_the_warning_comes_once_and_only_past_its_threshold():
     assert summary.lost_update_fraction > LOST_UPDATE_WARNING and len(caught) == 1
     summary, caught = fit(1e-2)
     assert summary.lost_update_fraction <= LOST_UPDATE_WARNING and caught == []
+
+
+class _Counted:
+    """A master-weight option whose every step counts ``lost`` of ``counted`` updates."""
+
+    def __init__(self, option: str, lost: int, counted: int):
+        self.option, self.counts = option, [(lost, counted), None]
+
+    def step(self, **_) -> None: ...
+
+    def lost_counts(self):
+        return self.counts
+
+
+@pytest.mark.parametrize("option, lost, warned", [("none", 11, True), ("none", 10, False), ("kahan", 90, False),
+                                                  ("stochastic", 90, False), ("fp32", 90, False)])
+def test_the_warning_is_past_a_tenth_and_for_none_only(option, lost, warned):
+    step = MasterStep(_Counted(option, lost, 100), state=types.SimpleNamespace(step=0), measure_every=1,
+                      storage="bfloat16")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step()
+        step()  # once, not at every step past the threshold
+    assert len([w for w in caught if issubclass(w.category, LostUpdateWarning)]) == int(warned)
+    assert (step.counted, step.lost) == (200, 0 if option == "fp32" else 2 * lost)
 
 
 def test_16_true_trains_in_fp16_with_its_loss_scaler(capsys):
