@@ -291,3 +291,15 @@ def test_your_own_optimizer_steps_through_the_master_copy(tmp_path, form):
     assert all(m.dtype == torch.float32 for m in masters)
     # lr 1e-6: the masters moved, the bf16 copies (cast from them) mostly did not.
     assert summary.lost_update_fraction == 0.0 and summary.lost_updates["storage_unchanged"] > 0
+
+
+def test_the_spec_bridge_says_it_cannot_state_a_true_runs_step():
+    from torchimpl import spec_bridge
+
+    cfg = load_config(overrides=["precision.mode=bf16-true", "precision.master_weights=kahan"])
+    with pytest.raises(NotImplementedError, match=r"precision.mode 'bf16-true' \(master_weights='kahan'\).*"
+                                                  r"does not translate yet"):
+        spec_bridge.step_config(cfg, scaler_policy=None, optimizer_kind="for-loop", sync_free=False,
+                                param_ndims=[2, 1])
+    spec_bridge.step_config(load_config(), scaler_policy=None, optimizer_kind="for-loop", sync_free=False,
+                            param_ndims=[2, 1])  # a float32-weight run still has one
