@@ -24,6 +24,11 @@ Translations:
 6. the doctor's note on a CPU run (``autocast_device_note``): the aten operations it saw run on
    16-bit inputs, looked up in the autocast op policy (``reference.autocast``), name those that
    CPU autocast passes through but CUDA autocast runs in float32.
+7. A run with ``precision.mode`` bf16-true or fp16-true has no ``StepConfig``: ``reference.step``
+   steps float32 weights, and such a run's update is ``reference.master_weights``' (per
+   ``precision.master_weights``), which this bridge does not translate yet. ``step_config``
+   refuses it (``NotImplementedError`` naming the mode) rather than let a comparison report a
+   false divergence; the loss-scale replay (``ampspec replay``) judges its trace like any other.
 """
 
 from __future__ import annotations
@@ -86,6 +91,13 @@ def step_config(config: Any, *, scaler_policy: Any, optimizer_kind: str, sync_fr
     """``reference.step.StepConfig`` for a run: its ``Config``, the policy of the scaler it runs
     (``None`` without one), the optimizer kind and sync mode it resolved, and its trained
     parameters' numbers of dimensions. ``extra`` goes to ``StepConfig`` as is (``sqrt``)."""
+    mode = config.precision.mode
+    if mode in ("bf16-true", "fp16-true"):  # rule 7
+        raise NotImplementedError(
+            f"precision.mode {mode!r} (master_weights={config.precision.master_weights!r}): reference.step states "
+            "the step over float32 weights; this run's update is reference.master_weights', which the spec bridge "
+            "does not translate yet, so no step-by-step agreement is reported for it (ampspec replay still judges "
+            "its loss-scale history)")
     # the specification, only when the bridge is used: importing torchimpl never imports reference
     from reference.step import StepConfig
 

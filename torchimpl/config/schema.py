@@ -295,6 +295,24 @@ class LoggingConfig(_Checked):
         return out
 
 
+def _across_sections(cfg: "Config") -> list[tuple[str, str]]:
+    """Settings of different sections valid alone but not together, as ``(dotted field, message)``."""
+    out: list[tuple[str, str]] = []
+    mode = cfg.precision.mode
+    if mode in ("bf16-true", "fp16-true") and cfg.train.distributed != "none":
+        out.append(("train.distributed", f"precision.mode {mode!r} trains in one process: the gradient reduction "
+                                         "of parameters held in 16 bits is not implemented here; set "
+                                         "train.distributed=none, or use mode bf16 (bf16-mixed) across processes"))
+    if cfg.precision.master_weights != "none" and cfg.train.sync_free is True:
+        # The fused kernel skips a step inside itself; the master copy's write-back runs on the
+        # host and would not see that skip.
+        out.append(("train.sync_free", f"precision.master_weights={cfg.precision.master_weights!r} writes the "
+                                       "16-bit parameters back on the host after each applied step, which the "
+                                       "sync-free mode's in-kernel skip does not tell it; set train.sync_free=false, "
+                                       "or master_weights=none"))
+    return out
+
+
 @dataclass(frozen=True)
 class Config:
     """A whole training run."""
@@ -306,8 +324,9 @@ class Config:
     """Model and data."""
 
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    """Precision request (``mode``: auto, fp32, bf16, fp16, fp8; ``dtype`` for auto;
-    ``fp8_recipe`` and ``fp8_skip_first_last`` for fp8, which needs ``pip install 'ampspec[fp8]'``)."""
+    """Precision request (``mode``: auto, fp32, bf16, fp16, fp8, bf16-true, fp16-true (``16-true``);
+    ``dtype`` for auto; ``fp8_recipe`` and ``fp8_skip_first_last`` for fp8, which needs
+    ``pip install 'ampspec[fp8]'``; ``master_weights`` for the ``*-true`` modes)."""
 
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer (``name``, ``lr``, ``weight_decay``, ``betas``, ``fused``: null probes)."""
@@ -343,6 +362,8 @@ class Config:
             section = _build(tp, value, name, errors)
             if section is not None:
                 object.__setattr__(self, name, section)
+        if not errors:
+            errors = _across_sections(self)
         if errors:
             raise ConfigError(errors)
 
