@@ -37,6 +37,7 @@ TRAINER_TESTS = ("conformance/test_trainer.py",)
 SCALER_TESTS = ("conformance/test_scaler.py", "conformance/test_trainer.py")
 DISTRIBUTED = "torchimpl/distributed.py"
 DISTRIBUTED_TESTS = ("conformance/test_distributed.py",)
+GRAD_REDUCTION = "reference/grad_reduction.py"
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,18 @@ SPEC_MUTANTS = (
     Mutant("tensor_lr_zero_d_not_promoted", "two 0-d tensors compute in the first one's dtype",
            "reference/optim/_lr.py", "    return x.dtype if x.ndim > 0 else np.promote_types(x.dtype, t.dtype)\n",
            "    return x.dtype\n", _tensor_lr_property("NAdam", "foreach", "NAdam-foreach-decoupled_weight_decay-weight_decay")),
+    # Gradient reductions across ranks (reference.grad_reduction), each against 2-rank gloo.
+    Mutant("grad_reduction_avg_divides_before_the_sum", "FSDP2's AVG divides each rank before the sum",
+           GRAD_REDUCTION, '        return Reduction(reduce_dtype, world_size, post=float(world_size), op="avg")\n',
+           '        return Reduction(reduce_dtype, world_size, pre=("div", float(world_size)), op="avg")\n',
+           DISTRIBUTED_TESTS),
+    Mutant("grad_reduction_sum_not_rounded", "the wire sum stays in float32 (the wire dtype's rounding skipped)",
+           GRAD_REDUCTION, "        return (a.astype(np.float32) + b.astype(np.float32)).astype(WIRE_DTYPES[wire])\n",
+           "        return a.astype(np.float32) + b.astype(np.float32)\n", DISTRIBUTED_TESTS),
+    Mutant("grad_reduction_pre_division_not_rounded", "the compress hook's division is not rounded to bf16/fp16",
+           GRAD_REDUCTION, "    return out.astype(WIRE_DTYPES[red.wire])\n", "    return out\n", DISTRIBUTED_TESTS),
+    Mutant("grad_reduction_fp16_split_ignored", "FSDP2 divides fp16 after the sum only, as for bf16",
+           GRAD_REDUCTION, '    if reduce_dtype != "fp16":\n', '    if True:\n', DISTRIBUTED_TESTS),
 )
 
 
