@@ -35,7 +35,7 @@ OPTIM = "torchimpl/train/optim.py"
 SCHEDULE = "torchimpl/train/schedule.py"
 TRAINER_TESTS = ("conformance/test_trainer.py",)
 SCALER_TESTS = ("conformance/test_scaler.py", "conformance/test_trainer.py")
-DISTRIBUTED = "torchimpl/distributed.py"
+DISTRIBUTED = "torchimpl/distributed/context.py"
 DISTRIBUTED_TESTS = ("conformance/test_distributed.py",)
 GRAD_REDUCTION = "reference/grad_reduction.py"
 
@@ -90,6 +90,10 @@ MUTANTS = (
     Mutant("ddp_reduces_every_microbatch", "DDP all-reduces every microbatch instead of the window's local sum",
            DISTRIBUTED, "            return self._ddp.no_sync()\n", "            return contextlib.nullcontext()\n",
            DISTRIBUTED_TESTS),
+    Mutant("reduce_dtype_ignored_by_fsdp2", "FSDP2 reduces in fp32 whatever train.reduce_dtype says",
+           "torchimpl/distributed/reduction.py",
+           "        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=_DTYPES[self.reduce_dtype])\n",
+           "        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=torch.float32)\n", DISTRIBUTED_TESTS),
     Mutant("unscaled_overflow_applied", "check only the scaled gradients: apply the unscaled ones' inf/NaN", STEP,
            "        self.scaling.check_unscaled(found)\n", "", TRAINER_TESTS),
     Mutant("nonfinite_loss_applied", "apply a step whose loss is not finite (finite gradients)", STEP,

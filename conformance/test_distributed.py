@@ -90,6 +90,7 @@ def _run_case(rank: int, case: dict) -> dict:
         f"optimizer.lr={case['lr']}", "optimizer.weight_decay=0.0", "schedule.name=constant",
         f"scaler.init_scale={case['init_scale']}", f"scaler.growth_interval={case['growth_interval']}",
         f"train.clip_norm={'null' if case['clip'] is None else case['clip']}", "train.distributed_timeout_s=60",
+        f"train.reduce_dtype={case.get('reduce_dtype', 'fp32')}",
     ])
     # Batch (s * k + m) * W + r is rank r's microbatch m of step s (rank r gets every W-th batch).
     k = case["microbatches"]
@@ -290,8 +291,18 @@ def _wire_values(n: int):
         lambda v: np.array(v, dtype=np.float32))
 
 
+@st.composite
+def _paired(draw, n: int) -> list[np.ndarray]:
+    """Both ranks' values; at some positions rank 1 repeats rank 0's value, since a doubled
+    subnormal or near-max value is what tells a division before the sum from one after it."""
+    x0, x1 = draw(_wire_values(n)), draw(_wire_values(n))
+    same = np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=bool)
+    x1[same] = x0[same]
+    return [x0, x1]
+
+
 def _per_rank(n: int):
-    return st.lists(_wire_values(n), min_size=WORLD, max_size=WORLD)
+    return _paired(n)
 
 
 def _expect_equal(got: np.ndarray, want: np.ndarray, what: str, repro: str) -> None:
@@ -376,10 +387,15 @@ def _check_fsdp(group, reduce: str | None, param: str | None, placement: str, gr
                           f"fsdp2_reduction({wire!r}, 2, {factor}, {force}) of {[g[i].tolist() for g in grads]}")
 
 
+def _split_params(per_rank: list[np.ndarray]) -> list[list[np.ndarray]]:
+    """Each rank's flat values as one gradient per parameter of SHAPES."""
+    cuts = np.cumsum([int(np.prod(s)) for s in SHAPES])[:-1]
+    return [[part.reshape(s) for part, s in zip(np.split(x, cuts), SHAPES)] for x in per_rank]
+
+
 _fsdp_args = dict(reduce=st.sampled_from(["fp32", "bf16", "fp16", None]), param=st.sampled_from([None, "bf16"]),
                   placement=st.sampled_from(["default", "factor=W", "force_sum"]),
-                  grads=st.lists(st.tuples(*[_wire_values(int(np.prod(s))).map(lambda a, s=s: a.reshape(s))
-                                             for s in SHAPES]).map(list), min_size=WORLD, max_size=WORLD))
+                  grads=_paired(sum(int(np.prod(s)) for s in SHAPES)).map(_split_params))
 
 
 @_REDUCE
@@ -438,3 +454,29 @@ def test_bf16_params_with_an_fp32_master_equal_fsdp2_param_dtype_bf16(group, see
 @given(**_master_args)
 def test_bf16_params_with_an_fp32_master_equal_fsdp2_param_dtype_bf16_sweep(group, seed, lr, reduce, steps):
     _check_master(group, seed, lr, reduce, steps)
+
+
+# 8. The trainer's ``train.reduce_dtype=bf16`` under FSDP2 reduces as rule 8 of
+#    reference.grad_reduction says (bf16 AVG of each rank's float32 gradient): the shards each rank
+#    holds after backward, one microbatch, scale 1 (the gradient is G itself).
+
+def _check_trainer_bf16_reduction(group, grads: list[list[np.ndarray]], init: list[np.ndarray]) -> None:
+    case = {"mode": "fsdp2", "reduce_dtype": "bf16", "after": [], "lr": 0.5, "init_scale": 1.0, "growth_interval": 2,
+            "clip": None, "init": init, "microbatches": 1, "grads": [[[g] for g in grads]]}
+    results = group(case)
+    red = gr.fsdp2_reduction("bf16", WORLD)
+    for i in range(len(SHAPES)):
+        want = shard_rows(gr.reduce([grads[r][i] for r in range(WORLD)], red), WORLD)
+        for r in range(WORLD):
+            _expect_equal(results[r]["shards"][0][i], want[r], f"trainer fsdp2 reduce_dtype=bf16: parameter {i}, rank {r}",
+                          f"fsdp2_reduction('bf16', 2) of {[g[i].tolist() for g in grads]}")
+
+
+_trainer_args = dict(grads=_paired(sum(int(np.prod(s)) for s in SHAPES)).map(_split_params),
+                     init=st.just([np.zeros(s, np.float32) for s in SHAPES]))
+
+
+@settings(_REDUCE, max_examples=4)
+@given(**_trainer_args)
+def test_trainer_reduce_dtype_bf16_is_fsdp2s_bf16_average(group, grads, init):
+    _check_trainer_bf16_reduction(group, grads, init)

@@ -181,6 +181,13 @@ class TrainConfig(_Checked):
     process. Rank 0 alone logs, prints and writes the trace; a checkpoint written inside an
     accumulation window resumes only on the same number of ranks."""
 
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The dtype gradients cross the ranks in: ``fp32``, or ``bf16`` (half the bytes; each
+    all-reduce rounds to bf16). Under ``fsdp2`` it is ``MixedPrecisionPolicy(reduce_dtype=...)``
+    (the mean is taken after the bf16 sum); under ``ddp``, ``bf16`` registers torch's
+    ``bf16_compress_hook`` (each rank divides in bf16 before the sum), which torch runs only on
+    CUDA with NCCL >= 2.10: refused on the CPU. Refused without ``distributed``."""
+
     distributed_timeout_s: float = 300.0
     """Seconds any rank waits for the others (start-up, every collective) before failing."""
 
@@ -209,6 +216,12 @@ class TrainConfig(_Checked):
             out.append(("on_nonfinite", f"must be one of 'skip', 'stop', got {self.on_nonfinite!r}"))
         if self.distributed not in ("none", "ddp", "fsdp2"):
             out.append(("distributed", f"must be one of 'none', 'ddp', 'fsdp2', got {self.distributed!r}"))
+        if self.reduce_dtype not in ("fp32", "bf16"):
+            out.append(("reduce_dtype", f"must be one of 'fp32', 'bf16', got {self.reduce_dtype!r}"))
+        elif self.reduce_dtype != "fp32" and self.distributed == "none":
+            out.append(("reduce_dtype", f"{self.reduce_dtype!r} sets the dtype of the gradient reduction across "
+                                        "ranks; with distributed='none' there is none: leave it 'fp32', or set "
+                                        "distributed to 'ddp' or 'fsdp2'"))
         t = self.distributed_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
             out.append(("distributed_timeout_s", f"must be a finite number of seconds > 0, got {t!r}"))
@@ -343,6 +356,8 @@ class Config:
             section = _build(tp, value, name, errors)
             if section is not None:
                 object.__setattr__(self, name, section)
+        if not errors:
+            errors += _cross_section_problems(self)
         if errors:
             raise ConfigError(errors)
 
@@ -366,6 +381,20 @@ class Config:
         of dotted keys to values (``{"scaler.growth_interval": 100}``) or ``"key=value"``
         strings. One :class:`ConfigError` names every unknown keyword and every bad value."""
         return config_from_kwargs(cls, base, kwargs)
+
+
+def _cross_section_problems(config: Config) -> list[tuple[str, str]]:
+    """Combinations of fields in different sections that torch cannot run."""
+    t = config.train
+    device = config.device.split(":")[0] if isinstance(config.device, str) else ""
+    if t.distributed == "ddp" and t.reduce_dtype == "bf16" and device == "cpu":
+        # DistributedDataParallel._check_comm_hook raises a TypeError for bf16_compress_hook
+        # unless CUDA with NCCL >= 2.10 (or XPU): refuse before any process group exists.
+        return [("train.reduce_dtype", "'bf16' under distributed='ddp' is torch's bf16_compress_hook, which "
+                                       "torch runs only on CUDA with NCCL >= 2.10, not with gloo on the CPU "
+                                       "(device='cpu'): use distributed='fsdp2' (its bf16 reduction runs on "
+                                       "gloo) or reduce_dtype='fp32'")]
+    return []
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from torchimpl.config.schema import Config, ScheduleConfig
 from torchimpl.precision.device import resolve_device
 from torchimpl.precision.diagnostics import report_nonfinite
 from torchimpl.precision.guard import NonFiniteError, NonFiniteGuard
-from torchimpl.distributed import DistributedContext, init_distributed
+from torchimpl.distributed import DistributedContext, init_distributed, reduction_settings
 from torchimpl.train.optim import BuiltOptimizer, OptimizerConfig, adopt_optimizer, build_optimizer
 from torchimpl.precision.plan import PrecisionDowngradeWarning, PrecisionPlan, autocast_context, resolve_precision
 from torchimpl.run.lifecycle import Interrupts, check_train_data, outcome, preflight
@@ -361,7 +361,9 @@ class Trainer:
         fit = self._fit = _Fit(loss_fn=loss_fn or default_loss_fn, device=resolve_device(cfg.device),
                                user=(optimizer, scheduler) if optimizer is not None else None)
         # Multi-process hooks (torchimpl.distributed); identities with train.distributed=none.
-        fit.dist = init_distributed(cfg.train.distributed, device=fit.device, timeout_s=cfg.train.distributed_timeout_s)
+        reduction = reduction_settings(cfg.train.distributed, cfg.precision.mode, None, cfg.train.reduce_dtype)
+        fit.dist = init_distributed(cfg.train.distributed, device=fit.device, timeout_s=cfg.train.distributed_timeout_s,
+                                    reduction=reduction)  # refused here, before any process group, if torch cannot run it
         try:
             preflight(cfg, val_data, is_main=fit.dist.is_main)
             with claimed_run(cfg, resume=resume is not None, overwrite=overwrite, is_main=fit.dist.is_main), \
