@@ -44,6 +44,8 @@ class AuditReport:
     script_status: int | None = None
     ended: str | None = None
     interrupted: str | None = None
+    reductions: list[dict[str, Any]] = field(default_factory=list)
+    """The loop's DDP and FSDP2 gradient reductions (`audit.reductions`), as the report states them."""
 
     def counts(self) -> dict[str, int]:
         """How many findings of each severity (every severity present, in the contract's order)."""
@@ -112,6 +114,11 @@ class AuditReport:
             if r.get("fallback"):
                 lines.append(f"  {r['fallback']}")
             lines.extend(_sampling_lines(r.get("sampling")))
+        for red in self.reductions:
+            modules = red.get("modules") or []
+            lines.append(f"gradient reduction, {red['wrapper']} over {red.get('world_size', '?')} rank(s)"
+                         + (f" ({', '.join(modules[:3])}{', ...' if len(modules) > 3 else ''})" if modules else "")
+                         + f": {red['reduction']}")
         for rule, fs in self.by_rule().items():
             spec = RULES[rule]
             levels = "/".join(dict.fromkeys(f.severity for f in fs))
@@ -199,6 +206,7 @@ class AuditReport:
             "exit_status": self.exit_status,
             "stopped": self.stopped,
             "replay": self.replay,
+            "reductions": self.reductions,
             "findings": [f.to_dict() for f in self.findings],
             "steps": [s.to_dict() for s in self.steps],
             "error": self.error,
