@@ -204,8 +204,11 @@ SPEC_MUTANTS = (
     Mutant("grad_reduction_sum_not_rounded", "the wire sum stays in float32 (the wire dtype's rounding skipped)",
            GRAD_REDUCTION, "        return (a.astype(np.float32) + b.astype(np.float32)).astype(WIRE_DTYPES[wire])\n",
            "        return a.astype(np.float32) + b.astype(np.float32)\n", DISTRIBUTED_TESTS),
-    Mutant("grad_reduction_pre_division_not_rounded", "the compress hook's division is not rounded to bf16/fp16",
-           GRAD_REDUCTION, "    return out.astype(WIRE_DTYPES[red.wire])\n", "    return out\n", DISTRIBUTED_TESTS),
+    Mutant("grad_reduction_wire_cast_skipped", "the float32 gradient is divided before its cast to bf16/fp16",
+           GRAD_REDUCTION, "    pre = [_pre(to_wire(v, red.wire), red) for v in vals]\n"
+           "    return _post(gloo_sum(pre, red.wire), red).astype(np.float32)\n",
+           "    pre = [_pre(np.asarray(v, np.float32), red) for v in vals]\n"
+           "    return _post(gloo_sum(pre, red.wire), red).astype(np.float32)\n", DISTRIBUTED_TESTS),
     Mutant("grad_reduction_fp16_split_ignored", "FSDP2 divides fp16 after the sum only, as for bf16",
            GRAD_REDUCTION, '    if reduce_dtype != "fp16":\n', '    if True:\n', DISTRIBUTED_TESTS),
 )

@@ -283,9 +283,14 @@ _EDGES = [65504.0, 32768.0, 2.0**-24, 2.0**-25, 3 * 2.0**-25, 2.0**-133, 2.0**-1
           2.0**-8, 3 * 2.0**-9, 3e38, -65504.0, -(2.0**-24), 0.0, -0.0]
 
 
+def _nudged(v: float) -> float:
+    """Just past an edge in float32: a value whose cast to the wire dtype rounds (down) first."""
+    return float(np.float32(v) * np.float32(1 + 2.0**-20)) if np.isfinite(v) and abs(v) < 1e38 else v
+
+
 def _wire_values(n: int):
     ordinary = st.floats(-8.0, 8.0, width=32)
-    edge = st.sampled_from(_EDGES)
+    edge = st.sampled_from(_EDGES) | st.sampled_from(_EDGES).map(_nudged)
     rare = st.sampled_from([np.inf, -np.inf, np.nan])
     return st.lists(st.one_of(ordinary, ordinary, edge, edge, rare), min_size=n, max_size=n).map(
         lambda v: np.array(v, dtype=np.float32))
