@@ -119,17 +119,23 @@ def _adamw(params: Any, job: dict) -> Any:
 
 
 def fsdp_bf16_params(rank: int, job: dict) -> list[np.ndarray]:
-    """An MLP under FSDP2 with ``param_dtype=bf16`` (fp32 shards), AdamW, the same data on both ranks."""
+    """An MLP under FSDP2 with ``param_dtype=bf16`` (fp32 shards), AdamW, the same data on both ranks;
+    sharded by hand or (``via="torchimpl"``) by ``torchimpl.distributed.wrap_model``."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = _mlp(job["seed"])
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=_dtype(job["param"]), reduce_dtype=_dtype(job["reduce"]))
-    for unit in (model[0], model[2], model):
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    if job.get("via") == "torchimpl":  # the trainer's own wrapping (rule 11 of torchimpl.distributed)
+        from torchimpl.distributed import ReductionSettings, wrap_model
+
+        wrap_model(model, "fsdp2", device=torch.device("cpu"), reduction=ReductionSettings(job["reduce"], job["param"]))
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        policy = MixedPrecisionPolicy(param_dtype=_dtype(job["param"]), reduce_dtype=_dtype(job["reduce"]))
+        for unit in (model[0], model[2], model):
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
     opt = _adamw(model.parameters(), job)
     x, y = _data(job["seed"])
     for _ in range(job["steps"]):
