@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["JOBS", "TORCH_DTYPES", "fp32_master_run"]
+__all__ = ["JOBS", "TORCH_DTYPES", "fp32_master_run", "trainer_bf16_true"]
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -168,6 +168,41 @@ def fp32_master_run(job: dict) -> list[np.ndarray]:
     return [m.numpy().copy() for m in masters]
 
 
+def trainer_bf16_true(rank: int, job: dict) -> list[np.ndarray]:
+    """The trainer with ``precision.mode=bf16-true``, ``master_weights=fp32``, AdamW, on
+    ``job["distributed"]`` (``none`` in one process; ``fsdp2`` on the group, every batch given
+    twice so that both ranks get the same ones). Returns the fp32 masters (FSDP2: the shards, whole)."""
+    import torch
+
+    from torchimpl.config.schema import load_config
+    from torchimpl.train.trainer import Callback, Trainer
+
+    class Masters(Callback):
+        def on_step_end(self, trainer, state):
+            if job["distributed"] == "fsdp2":
+                self.got = [p.detach().full_tensor().numpy().copy() for p in trainer.params]
+            else:
+                mw = trainer._fit.master.master  # the masters follow the optimizer's groups: map them back
+                by_param = {id(p): m for p, m in zip(mw.params, mw.masters)}
+                self.got = [by_param[id(p)].numpy().copy() for p in trainer.params]
+
+    cfg = load_config(overrides=[
+        "device=cpu", "precision.mode=bf16-true", "precision.master_weights=fp32", f"train.distributed={job['distributed']}",
+        f"train.reduce_dtype={job['reduce']}", f"train.steps={job['steps']}", "train.log_interval=1000",
+        "optimizer.name=adamw", f"optimizer.lr={job['lr']}", "schedule.name=constant", "train.distributed_timeout_s=60",
+        # No clipping: one process clips the bf16 gradients, FSDP2 the fp32 reduced shards, whose
+        # norms differ by bf16's rounding of each gradient.
+        "train.clip_norm=null"])
+    g = torch.Generator().manual_seed(job["seed"] + 1)
+    batches = [(torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)) for _ in range(job["steps"])]
+    if job["distributed"] == "fsdp2":
+        batches = [b for b in batches for _ in range(2)]
+    probe = Masters()
+    Trainer(cfg, [probe]).fit(_mlp(job["seed"]), batches, loss_fn=lambda m, b: _loss(m(b[0]), b[1]))
+    return probe.got
+
+
 JOBS: dict[str, Callable[[int, dict], list[np.ndarray]]] = {
     "collective": collective, "hook": hook, "fsdp": fsdp, "fsdp_bf16_params": fsdp_bf16_params,
+    "trainer_bf16_true": trainer_bf16_true,
 }

@@ -275,7 +275,7 @@ def test_fsdp2_shards_follow_the_spec_layout(group):
 #    or by the trainer's ``torchimpl.distributed.wrap_model``;
 
 from conformance.reduction_jobs import JOBS as _REDUCTION_JOBS  # noqa: E402
-from conformance.reduction_jobs import fp32_master_run  # noqa: E402
+from conformance.reduction_jobs import fp32_master_run, trainer_bf16_true  # noqa: E402
 from reference import grad_reduction as gr  # noqa: E402
 
 # Values that tell the placements apart: the fp16 max and its halves, subnormals and the ties
@@ -488,3 +488,35 @@ _trainer_args = dict(grads=_paired(sum(int(np.prod(s)) for s in SHAPES)).map(_sp
 @given(**_trainer_args)
 def test_trainer_reduce_dtype_bf16_is_fsdp2s_bf16_average(group, grads, init):
     _check_trainer_bf16_reduction(group, grads, init)
+
+
+# 9. The trainer: ``precision.mode=bf16-true`` with ``master_weights=fp32`` in one process equals
+#    the same configuration under ``train.distributed=fsdp2`` (MixedPrecisionPolicy(param_dtype=
+#    bf16) over fp32 shards, rule 11 of torchimpl.distributed) on 2 ranks given the same batches:
+#    the fp32 masters bit for bit after every run (the derivation of property 7).
+
+_trainer_true_args = dict(seed=st.integers(0, 2**16), lr=st.sampled_from([1e-3, 1e-2]),
+                          reduce=st.sampled_from(["fp32", "bf16"]), steps=st.integers(1, 3))
+
+
+def _check_trainer_true(group, seed: int, lr: float, reduce: str, steps: int) -> None:
+    job = {"kind": "trainer_bf16_true", "seed": seed, "lr": lr, "reduce": reduce, "steps": steps}
+    got = group({**job, "distributed": "fsdp2"})
+    want = trainer_bf16_true(0, {**job, "distributed": "none", "reduce": "fp32"})
+    for r in range(WORLD):
+        for i, (a, b) in enumerate(zip(got[r], want)):
+            _expect_equal(a, b, f"trainer fsdp2 bf16-true reduce_dtype={reduce}, rank {r}, parameter {i}",
+                          f"conformance.reduction_jobs.trainer_bf16_true(0, {job})")
+
+
+@settings(_REDUCE, max_examples=1)  # two trainer runs a case: one in CI, more with --runslow
+@given(**_trainer_true_args)
+def test_trainer_bf16_true_fp32_master_equals_fsdp2_on_two_ranks(group, seed, lr, reduce, steps):
+    _check_trainer_true(group, seed, lr, reduce, steps)
+
+
+@pytest.mark.slow
+@settings(_REDUCE, max_examples=10)
+@given(**_trainer_true_args)
+def test_trainer_bf16_true_fp32_master_equals_fsdp2_on_two_ranks_sweep(group, seed, lr, reduce, steps):
+    _check_trainer_true(group, seed, lr, reduce, steps)

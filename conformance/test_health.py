@@ -96,3 +96,14 @@ def test_scale_range(case):
     want = spec.scale_range(case["grad"], case["fmt"], case["keep"])
     assert (got.low, got.high, got.works) == (want.low, want.high, want.works), \
         _msg("scale_range", "low, high", (got.low, got.high), (want.low, want.high), case)
+
+
+@given(S.weight_update())
+def test_applied_lost_count(case):
+    """Rule 12: the stored weight after one rounding of ``weight + update`` into its format."""
+    w, u = case["weight"], case["update"]
+    with np.errstate(all="ignore"):
+        after = (w.astype(np.float64) + np.asarray(u, dtype=np.float64)).astype(w.dtype)
+    got = ti.applied_lost_count(to_torch(w), to_torch(after), to_torch(u))
+    want = spec.applied_lost_count(w, after, u)
+    assert got == want, _msg("applied_lost", "applied_lost_count", got, want, case)

@@ -143,8 +143,8 @@ def test_unlisted_device_type_resolves_like_mps():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"mode": "half"}, "precision mode must be one of auto, fp32, bf16, fp16, fp8, or the spellings "
-                           "32-true, 32, bf16-mixed, 16-mixed, 16, no (16 and 32 as numbers too), got 'half'"),
+        ({"mode": "half"}, "precision mode must be one of auto, fp32, bf16, fp16, fp8, bf16-true, fp16-true, or the spellings "
+                           "32-true, 32, bf16-mixed, 16-mixed, 16, 16-true, no (16 and 32 as numbers too), got 'half'"),
         ({"dtype": "fp32"}, "precision dtype must be one of bf16, fp16, got 'fp32'"),
         (
             {"dtype": torch.bfloat16},

@@ -54,6 +54,9 @@ def _check_inputs(args: Any) -> None:
     """Every option checked before any work (rule 3, and the numbers)."""
     if args.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    if args.master_weights != "none" and args.precision != "bf16-true":
+        raise ValueError(f"--master-weights {args.master_weights} applies to --precision bf16-true (parameters held "
+                         f"in bf16), got --precision {args.precision}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     if not math.isfinite(args.lr) or args.lr < 0:
@@ -98,7 +101,8 @@ def run_doctor(args: Any) -> int:
     for precision in precisions:
         report = inspect_precision(task.model, task.train_data, task.loss_fn, precision=precision, steps=args.steps,
                                    device=device, init_scale=args.init_scale, fp32_modules=args.fp32_module,
-                                   optimizer=lambda p: torch.optim.AdamW(p, lr=args.lr))
+                                   optimizer=lambda p: torch.optim.AdamW(p, lr=args.lr),
+                                   master_weights=args.master_weights)
         reports.append(report)
         print(report.text())
         print()
@@ -118,8 +122,11 @@ def add_options(d: Any, task_type: Any) -> None:
     """The ``--task`` options on the ``doctor`` subparser."""
     d.add_argument("--task", type=task_type, metavar="lm|mlp|MODULE:FUNCTION",
                    help="diagnose this task's model (without --task: this machine's environment report)")
-    d.add_argument("--precision", default="all", choices=("bf16", "fp16", "fp8", "all"),
-                   help="the precision to diagnose (all: bf16, fp16 and, with torchao, fp8)")
+    d.add_argument("--precision", default="all", choices=("bf16", "fp16", "fp8", "bf16-true", "all"),
+                   help="the precision to diagnose (all: bf16, fp16 and, with torchao, fp8; bf16-true: "
+                        "parameters held in bf16)")
+    d.add_argument("--master-weights", default="none", choices=("none", "fp32", "kahan", "stochastic"),
+                   help="precision.master_weights of --precision bf16-true")
     d.add_argument("--steps", type=int, default=20, help="steps beside the fp32 shadow")
     d.add_argument("--report", metavar="FILE.json", help="also write the reports as JSON")
     d.add_argument("--plot", metavar="FILE.png", help="per-layer headroom and underflow bars (needs ampspec[plot])")

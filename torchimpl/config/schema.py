@@ -308,6 +308,37 @@ class LoggingConfig(_Checked):
         return out
 
 
+def _across_sections(cfg: "Config") -> list[tuple[str, str]]:
+    """Settings of different sections valid alone but not together, as ``(dotted field, message)``."""
+    out: list[tuple[str, str]] = []
+    mode, t = cfg.precision.mode, cfg.train
+    if mode in ("bf16-true", "fp16-true") and t.distributed == "ddp":
+        out.append(("train.distributed", f"precision.mode {mode!r} under ddp (replicas of 16-bit parameters) is not "
+                                         "implemented; use train.distributed=fsdp2 with precision.master_weights=fp32 "
+                                         "(fp32 shards, 16-bit compute copies), or mode bf16 (bf16-mixed) under ddp"))
+    if mode in ("bf16-true", "fp16-true") and t.distributed == "fsdp2" and cfg.precision.master_weights != "fp32":
+        out.append(("precision.master_weights", f"{cfg.precision.master_weights!r} with precision.mode {mode!r} cannot "
+                                                "run under train.distributed=fsdp2, whose shards are fp32 with a 16-bit "
+                                                "compute copy (MixedPrecisionPolicy(param_dtype=...)): set "
+                                                "precision.master_weights=fp32, or train.distributed=none"))
+    device = cfg.device.split(":")[0] if isinstance(cfg.device, str) else ""
+    if t.distributed == "ddp" and t.reduce_dtype == "bf16" and device == "cpu":
+        # DistributedDataParallel._check_comm_hook raises a TypeError for bf16_compress_hook
+        # unless CUDA with NCCL >= 2.10 (or XPU): refuse before any process group exists.
+        out.append(("train.reduce_dtype", "'bf16' under distributed='ddp' is torch's bf16_compress_hook, which "
+                                          "torch runs only on CUDA with NCCL >= 2.10, not with gloo on the CPU "
+                                          "(device='cpu'): use distributed='fsdp2' (its bf16 reduction runs on "
+                                          "gloo) or reduce_dtype='fp32'"))
+    if cfg.precision.master_weights != "none" and cfg.train.sync_free is True:
+        # The fused kernel skips a step inside itself; the master copy's write-back runs on the
+        # host and would not see that skip.
+        out.append(("train.sync_free", f"precision.master_weights={cfg.precision.master_weights!r} writes the "
+                                       "16-bit parameters back on the host after each applied step, which the "
+                                       "sync-free mode's in-kernel skip does not tell it; set train.sync_free=false, "
+                                       "or master_weights=none"))
+    return out
+
+
 @dataclass(frozen=True)
 class Config:
     """A whole training run."""
@@ -319,8 +350,9 @@ class Config:
     """Model and data."""
 
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    """Precision request (``mode``: auto, fp32, bf16, fp16, fp8; ``dtype`` for auto;
-    ``fp8_recipe`` and ``fp8_skip_first_last`` for fp8, which needs ``pip install 'ampspec[fp8]'``)."""
+    """Precision request (``mode``: auto, fp32, bf16, fp16, fp8, bf16-true, fp16-true (``16-true``);
+    ``dtype`` for auto; ``fp8_recipe`` and ``fp8_skip_first_last`` for fp8, which needs
+    ``pip install 'ampspec[fp8]'``; ``master_weights`` for the ``*-true`` modes)."""
 
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer (``name``, ``lr``, ``weight_decay``, ``betas``, ``fused``: null probes)."""
@@ -357,7 +389,7 @@ class Config:
             if section is not None:
                 object.__setattr__(self, name, section)
         if not errors:
-            errors += _cross_section_problems(self)
+            errors = _across_sections(self)
         if errors:
             raise ConfigError(errors)
 
@@ -381,20 +413,6 @@ class Config:
         of dotted keys to values (``{"scaler.growth_interval": 100}``) or ``"key=value"``
         strings. One :class:`ConfigError` names every unknown keyword and every bad value."""
         return config_from_kwargs(cls, base, kwargs)
-
-
-def _cross_section_problems(config: Config) -> list[tuple[str, str]]:
-    """Combinations of fields in different sections that torch cannot run."""
-    t = config.train
-    device = config.device.split(":")[0] if isinstance(config.device, str) else ""
-    if t.distributed == "ddp" and t.reduce_dtype == "bf16" and device == "cpu":
-        # DistributedDataParallel._check_comm_hook raises a TypeError for bf16_compress_hook
-        # unless CUDA with NCCL >= 2.10 (or XPU): refuse before any process group exists.
-        return [("train.reduce_dtype", "'bf16' under distributed='ddp' is torch's bf16_compress_hook, which "
-                                       "torch runs only on CUDA with NCCL >= 2.10, not with gloo on the CPU "
-                                       "(device='cpu'): use distributed='fsdp2' (its bf16 reduction runs on "
-                                       "gloo) or reduce_dtype='fp32'")]
-    return []
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

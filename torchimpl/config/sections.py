@@ -22,10 +22,12 @@ from torchimpl.config.problems import ConfigError
 __all__ = [
     "DTYPES",
     "FP8_RECIPES",
+    "MASTER_WEIGHTS",
     "MODES",
     "OPTIMIZER_ROWS",
     "REFUSED_SPELLINGS",
     "SPELLINGS",
+    "TRUE_MODES",
     "OptimizerConfig",
     "OptimizerRow",
     "PrecisionConfig",
@@ -38,8 +40,18 @@ log = logging.getLogger("torchimpl.precision.plan")
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
 """The float8 recipes ``precision.fp8_recipe`` accepts (checked by ``PrecisionConfig``)."""
 
-MODES = ("auto", "fp32", "bf16", "fp16", "fp8")
+MODES = ("auto", "fp32", "bf16", "fp16", "fp8", "bf16-true", "fp16-true")
 DTYPES = ("bf16", "fp16")
+TRUE_MODES = ("bf16-true", "fp16-true")
+"""The modes that hold the parameters themselves in 16 bits (Lightning's ``bf16-true`` and
+``16-true``): no autocast; ``precision.master_weights`` says what keeps the updates."""
+
+MASTER_WEIGHTS = ("none", "fp32", "kahan", "stochastic")
+"""``precision.master_weights`` under a ``*-true`` mode: ``none`` (the 16-bit parameters are
+stepped as they are, optimizer state in 16 bits too: Lightning's ``bf16-true``), ``fp32`` (a
+float32 master copy and float32 optimizer state step; the 16-bit copy is cast from it), ``kahan``
+(a 16-bit compensation buffer keeps what each rounding lost), ``stochastic`` (the update is
+rounded to bf16 stochastically, with a seeded generator)."""
 
 # Rule 8: other libraries' spellings -> (mode, the library that writes it).
 SPELLINGS: dict[str, tuple[str, str]] = {
@@ -48,19 +60,17 @@ SPELLINGS: dict[str, tuple[str, str]] = {
     "bf16-mixed": ("bf16", "Lightning"),
     "16-mixed": ("fp16", "Lightning"),
     "16": ("fp16", "Lightning"),
+    "16-true": ("fp16-true", "Lightning"),
     "no": ("fp32", "Accelerate"),
 }
 _MEANING = {
     "fp32": "float32 throughout, without autocast or a loss scaler",
     "bf16": "bf16 autocast over float32 weights, without a loss scaler",
     "fp16": "fp16 autocast over float32 weights with a dynamic loss scaler",
+    "fp16-true": "parameters held in fp16, without autocast, with a dynamic loss scaler",
 }
-_NOT_MIXED = ("ampspec trains float32 master weights under autocast; a model held entirely in {dtype} "
-              "is not a mixed-precision recipe it implements")
 # Rule 8: spellings of recipes ampspec does not implement -> why, and what to use instead.
 REFUSED_SPELLINGS: dict[str, str] = {
-    "bf16-true": _NOT_MIXED.format(dtype="bf16") + "; use 'bf16-mixed' (mode bf16)",
-    "16-true": _NOT_MIXED.format(dtype="fp16") + "; use '16-mixed' (mode fp16, with a loss scaler)",
     "64-true": "ampspec trains in float32 at most and has no float64 mode; use '32-true' (mode fp32)",
     "64": "ampspec trains in float32 at most and has no float64 mode; use '32-true' (mode fp32)",
     "transformer-engine": ("ampspec's float8 training goes through torchao, not NVIDIA Transformer Engine's "
@@ -96,10 +106,11 @@ def canonical_mode(value: Any) -> tuple[str, str | None]:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """What the user asks for: ``mode`` in auto|fp32|bf16|fp16|fp8, or a spelling of rule 8
-    (stored as its canonical mode, the spelling's meaning in ``spelling_note``); ``dtype`` in
-    bf16|fp16 is the preferred mixed dtype, consulted only when ``mode`` is ``auto``;
-    ``fp8_recipe`` and ``fp8_skip_first_last`` apply to ``mode: fp8`` only."""
+    """What the user asks for: ``mode`` in auto|fp32|bf16|fp16|fp8|bf16-true|fp16-true, or a
+    spelling of rule 8 (stored as its canonical mode, the spelling's meaning in ``spelling_note``);
+    ``dtype`` in bf16|fp16 is the preferred mixed dtype, consulted only when ``mode`` is ``auto``;
+    ``fp8_recipe`` and ``fp8_skip_first_last`` apply to ``mode: fp8`` only, ``master_weights``
+    to the ``*-true`` modes only (:func:`_true_mode_problems` states what goes together)."""
 
     mode: str | int = "auto"
     """A mode or a spelling (rule 8; ``16`` as a number too); always a mode once constructed."""
@@ -112,6 +123,10 @@ class PrecisionConfig:
     """Patterns (fnmatch) of qualified module names whose forward runs in an fp32 island, autocast
     off and inputs upcast (``torchimpl.precision.fp32_modules``): the fix for a forward overflow that loss
     scaling cannot cure (``ampspec doctor``). A pattern matching no module is refused at fit."""
+    master_weights: str = "none"
+    """With ``mode`` bf16-true or 16-true: what keeps the updates the 16-bit parameters cannot hold
+    (:data:`MASTER_WEIGHTS`: none, fp32, kahan, stochastic); ``none`` under every other mode, whose
+    parameters are float32 already."""
 
     def __post_init__(self) -> None:
         mode, note = canonical_mode(self.mode)
@@ -132,11 +147,50 @@ class PrecisionConfig:
             object.__setattr__(self, "fp32_modules", tuple(self.fp32_modules))
         if not isinstance(self.fp32_modules, tuple) or not all(isinstance(p, str) and p for p in self.fp32_modules):
             raise ValueError(f"fp32_modules must be a list of module name patterns, got {self.fp32_modules!r}")
+        if self.master_weights not in MASTER_WEIGHTS:
+            close = difflib.get_close_matches(str(self.master_weights), MASTER_WEIGHTS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"master_weights must be one of {', '.join(MASTER_WEIGHTS)}, got "
+                             f"{self.master_weights!r}{hint}")
+        problems = _true_mode_problems(self)
+        if problems:
+            # A ConfigError names each field, so the loader reports these as they are instead of
+            # retrying each field alone against the defaults.
+            raise ConfigError(problems)
 
     @property
     def spelling_note(self) -> str | None:
         """What the spelling ``mode`` was given in means (rule 8); None for a canonical mode."""
         return self._spelling_note  # type: ignore[attr-defined]
+
+
+def _true_mode_problems(config: PrecisionConfig) -> list[tuple[str, str]]:
+    """The settings valid alone but not with (or without) a ``*-true`` mode, as ``(field, message)``."""
+    mode, mw, out = config.mode, config.master_weights, []
+    if mode not in TRUE_MODES:
+        if mw != "none":
+            out.append(("master_weights", f"{mw!r} applies to precision.mode bf16-true or 16-true, whose parameters "
+                                          f"are held in 16 bits; under mode {mode!r} they are float32 already (their "
+                                          "own master copy): remove master_weights, or set mode bf16-true"))
+        return out
+    if mode == "fp16-true" and mw == "none":
+        # torch's GradScaler refuses this too ("Attempting to unscale FP16 gradients.").
+        out.append(("master_weights", "16-true with no master copy steps fp16 parameters with fp16 optimizer "
+                                      "state, where Adam's eps (1e-8) rounds to 0 and a second moment below "
+                                      "6e-8 flushes (0 / 0 updates), and torch's GradScaler refuses to step fp16 "
+                                      "parameters; set master_weights to fp32 or kahan, or use mode bf16-true"))
+    if mode == "fp16-true" and mw == "stochastic":
+        out.append(("master_weights", "stochastic rounding is bf16's (random bits added below bf16's 8-bit "
+                                      "mantissa of a float32); under 16-true use fp32, or use mode bf16-true"))
+    if config.fp8_recipe != "tensorwise" or config.fp8_skip_first_last is not True:
+        out.append(("fp8_recipe" if config.fp8_recipe != "tensorwise" else "fp8_skip_first_last",
+                    f"float8 settings apply to mode fp8, which keeps float32 weights; mode {mode!r} holds them in "
+                    "16 bits: remove the fp8 settings, or set mode fp8"))
+    if config.fp32_modules:
+        out.append(("fp32_modules", "fp32 islands turn autocast off around modules whose weights are float32; "
+                                    f"under mode {mode!r} there is no autocast and the weights are 16-bit: remove "
+                                    "fp32_modules, or use mode bf16 (bf16-mixed)"))
+    return out
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ __all__ = ["ReductionSettings", "reduction_problems", "reduction_settings"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Precision modes whose parameters are held in a low-precision dtype (Lightning's spellings).
-_HELD_IN = {"bf16-true": "bf16", "16-true": "fp16"}
+_HELD_IN = {"bf16-true": "bf16", "fp16-true": "fp16", "16-true": "fp16"}
 _NCCL_BF16 = (2, 10)  # DistributedDataParallel._check_comm_hook: bf16_compress_hook needs NCCL >= 2.10
 
 
@@ -66,7 +66,7 @@ def reduction_settings(mode: str, precision_mode: str, master_weights: str | Non
                        reduce_dtype: str) -> ReductionSettings:
     """The settings for ``train.distributed=mode`` from the configuration's strings.
 
-    Under ``fsdp2``, parameters held in bf16 (``bf16-true``) or fp16 (``16-true``) with
+    Under ``fsdp2``, parameters held in bf16 (``bf16-true``) or fp16 (``fp16-true``) with
     ``master_weights="fp32"`` are ``param_dtype=bf16``/``fp16`` over fp32 shards: FSDP2 keeps the
     fp32 copy and casts the compute copy after each step, which is what the fp32 master does.
     Any other master-weight option would need the shards themselves held in low precision:

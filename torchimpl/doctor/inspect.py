@@ -10,7 +10,11 @@
    same batch. fp16 runs scale the loss by ``init_scale`` (held constant: the doctor measures at
    that scale) and skip the optimizer step on non-finite gradients, as the scaler does.
 3. The update each parameter should get is the shadow optimizer's (in fp32, from the shadow's
-   gradients); it is judged against the mixed model's stored weight (the half-ULP rule).
+   gradients): the exact update of ``reference.health`` rule 12, against which the mixed step's
+   stored weights before and after it are judged (lost: unchanged where the exact update is
+   non-zero). ``bf16-true`` holds the mixed model's parameters in bf16 (its batches' floating
+   tensors cast, no autocast) and steps them through ``precision.master_weights``
+   (``master_weights``; under ``fp32`` the stored weight is the float32 master copy).
 4. The first step, and the first two steps whose mixed loss is non-finite, run under an op scan
    (``torchimpl.precision.diagnostics``' scanner): unsafe math and fp16 normalisation, and which
    operations ran in a 16-bit dtype, for the CPU/CUDA autocast note.
@@ -42,11 +46,13 @@ from torchimpl.train.loss_protocol import default_loss_fn
 from torchimpl.precision.plan import fp32_island
 from torchimpl.spec_bridge import autocast_device_note
 from torchimpl.precision.fp8 import convert_to_fp8
+from torchimpl.train.master_weights import MasterWeights
+from torchimpl.train.true_precision import cast_batch
 
 __all__ = ["DOCTOR_PRECISIONS", "Observations", "inspect_precision"]
 
-DOCTOR_PRECISIONS = ("bf16", "fp16", "fp8")
-_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+DOCTOR_PRECISIONS = ("bf16", "fp16", "fp8", "bf16-true")
+_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16, "bf16-true": torch.bfloat16}
 _SCANS = 3
 _FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                               "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n))
@@ -143,6 +149,7 @@ def inspect_precision(
     fp8_recipe: str = "tensorwise",
     keep: float = 0.999,
     sqnr_threshold_db: float = 20.0,
+    master_weights: str = "none",
 ) -> PrecisionReport:
     """Diagnose ``model``'s precision on ``steps`` batches of ``batches`` (reused from the start
     when there are fewer); see the module docstring. ``loss_fn(model, batch)`` (default: the
@@ -150,14 +157,19 @@ def inspect_precision(
     ``optimizer`` builds the optimizer from parameters (default AdamW, lr 1e-3); ``init_scale``
     is the fp16 loss scale; ``fp32_modules`` are patterns of modules to run in an fp32 island
     (``precision.fp32_modules``); ``keep`` is the share of non-zero gradients a scale must keep
-    representable; ``sqnr_threshold_db`` the SQNR below which a layer is reported."""
+    representable; ``sqnr_threshold_db`` the SQNR below which a layer is reported;
+    ``master_weights`` the option of ``precision: bf16-true`` (none, fp32, kahan, stochastic)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
     _check_args(precision, steps, init_scale, keep)
+    if master_weights != "none" and precision != "bf16-true":
+        raise ValueError(f"master_weights={master_weights!r} applies to precision 'bf16-true' (parameters held in "
+                         f"bf16), got precision {precision!r}")
     dev = torch.device(device) if device is not None else next(
         (p.device for p in model.parameters()), torch.device("cpu"))
     runner = _Runner(model, precision, dev, loss_fn or _default_loss, optimizer or _default_optimizer,
-                     init_scale if precision == "fp16" else 1.0, tuple(fp32_modules), fp8_recipe, keep)
+                     init_scale if precision == "fp16" else 1.0, tuple(fp32_modules), fp8_recipe, keep,
+                     master_weights)
     rng = capture_rng_state()
     try:
         for i, batch in enumerate(itertools.islice(_cycle(batches), steps)):
@@ -192,7 +204,8 @@ class _Runner:
     """The mixed model, its fp32 shadow, their optimizers, and what they showed (rules 1-4)."""
 
     def __init__(self, model: nn.Module, precision: str, device: torch.device, loss_fn: Callable, make_opt: Callable,
-                 scale: float, fp32_modules: tuple[str, ...], fp8_recipe: str, keep: float) -> None:
+                 scale: float, fp32_modules: tuple[str, ...], fp8_recipe: str, keep: float,
+                 master_weights: str = "none") -> None:
         self.device, self.loss_fn, self.scale = device, loss_fn, scale
         self.dtype = _DTYPE[precision]
         self.shadow = copy.deepcopy(model).to(device).float().train()
@@ -201,8 +214,11 @@ class _Runner:
         if precision == "fp8":
             mixed, self.fp8_report = convert_to_fp8(mixed, fp8_recipe, device)
         self.fp32_modules = apply_fp32_modules(mixed, fp32_modules)
-        self.mixed = mixed
-        self.opt, self.shadow_opt = make_opt(mixed.parameters()), make_opt(self.shadow.parameters())
+        self.true = precision == "bf16-true"
+        self.mixed = mixed.to(self.dtype) if self.true else mixed
+        self.opt, self.shadow_opt = make_opt(self.mixed.parameters()), make_opt(self.shadow.parameters())
+        self.master = MasterWeights(self.opt, master_weights) if self.true else None
+        mixed = self.mixed
         self.obs = Observations(precision, str(device), precision == "fp16", scale, keep)
         names = dict(mixed.named_parameters())
         for name, p in names.items():
@@ -231,7 +247,9 @@ class _Runner:
         rec = Recorder(model)
         probe = Fp8Probe(model) if mixed and self.obs.fp8 else None
         handles = _scan_hooks(model, scanner) if scanner is not None else []
-        ctx = torch.autocast(self.device.type, dtype=self.dtype) if mixed else _NoAutocast()
+        ctx = torch.autocast(self.device.type, dtype=self.dtype) if mixed and not self.true else _NoAutocast()
+        if mixed and self.true:
+            batch = cast_batch(batch, self.dtype)
         try:
             with (scanner if scanner is not None else _Null()):
                 with ctx:
@@ -308,7 +326,8 @@ class _Runner:
         mixed = dict(self.mixed.named_parameters())
         shadow = dict(self.shadow.named_parameters())
         before = {n: p.detach().clone() for n, p in shadow.items()}
-        stored = {n: p.detach().clone() for n, p in mixed.items()}
+        stored = self._stored()
+        stored = {n: t.detach().clone() for n, t in stored.items()}
         finite = True
         with torch.no_grad():
             for p in mixed.values():
@@ -318,15 +337,29 @@ class _Runner:
         if all(p.grad is None for p in shadow.values()):
             return
         self.shadow_opt.step()
+        grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in mixed.items()}
+        if finite:
+            if self.master is None:
+                self.opt.step()
+            else:
+                self.master.step()  # its own counts are unused: rule 3 counts against the shadow
+        else:
+            self.obs.skipped_steps += 1
+        after = self._stored() if finite else {}
         with health.one_thread(self.device):
             for n, p in mixed.items():
                 sp = shadow.get(n)
                 update = (sp.detach() - before[n]) if sp is not None and sp.grad is not None else None
-                self.obs.params[n].add(stored[n], update, p.grad, sp.grad if sp is not None else None)
-        if finite:
-            self.opt.step()
-        else:
-            self.obs.skipped_steps += 1
+                self.obs.params[n].add(stored[n], after.get(n), update, grads[n], sp.grad if sp is not None else None)
+
+    def _stored(self) -> dict[str, torch.Tensor]:
+        """Where each weight is stored (rule 3): the parameter, or under ``fp32`` its master copy."""
+        masters = self.master.masters if self.master is not None and self.master.option == "fp32" else None
+        named = dict(self.mixed.named_parameters())
+        if masters is None:
+            return named
+        index = {id(p): i for i, p in enumerate(self.master.params)}
+        return {n: masters[index[id(p)]] for n, p in named.items()}
 
     def notes(self) -> list[str]:
         out = []

@@ -67,7 +67,7 @@ class PrecisionReport:
         low = [p for p in self.parameters if p.lost[1]]
         if low:
             worst = max(low, key=lambda p: p.lost_update_fraction)
-            lines.append(f"lost updates (half-ULP rule): largest {worst.lost_update_fraction:.1%} in "
+            lines.append(f"lost updates (rule 12): largest {worst.lost_update_fraction:.1%} in "
                          f"{worst.name} ({worst.dtype})")
         for f in self.fp8_layers:
             d = f.to_dict()

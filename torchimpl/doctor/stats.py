@@ -13,8 +13,9 @@ Every number comes from ``torchimpl.precision.health`` (the spec's rules, comput
    (zero in the mixed run, for any reason), the underflow fraction of the shadow's gradient at
    the loss scale in the output's format (rule 5: lost to the scale itself), and the
    power-of-two scale range (rule 10) of the shadow's gradient in that format.
-3. A parameter (``ParamStats``): its dtype, the lost-update fraction of the update the fp32
-   shadow's optimizer computes, judged against the stored weight (rule 9), and the flushed
+3. A parameter (``ParamStats``): its dtype, the lost-update fraction (rule 12): of the
+   entries whose update by the fp32 shadow's optimizer (the exact update) is finite and
+   non-zero, those whose stored weight the mixed step left unchanged; and the flushed
    fraction of its gradient.
 4. A float8 layer (``Fp8Stats``): for the input and weight (float8_e4m3fn) and grad_output
    (float8_e5m2), the amax, and the saturated and underflowed fractions under the recipe's
@@ -164,10 +165,12 @@ class ParamStats:
     def grad_underflow(self) -> float:
         return _ratio(self.grad_flushed)
 
-    def add(self, stored: torch.Tensor, update: torch.Tensor | None, mixed_grad: torch.Tensor | None,
-            shadow_grad: torch.Tensor | None) -> None:
-        if update is not None:
-            for i, n in enumerate(health.lost_update_count(stored, update)):
+    def add(self, stored: torch.Tensor, after: torch.Tensor | None, update: torch.Tensor | None,
+            mixed_grad: torch.Tensor | None, shadow_grad: torch.Tensor | None) -> None:
+        """``stored`` and ``after``: the weight as stored before and after the mixed step (None when
+        it was skipped); ``update``: the exact update, the fp32 shadow's (``reference.health`` rule 12)."""
+        if update is not None and after is not None:
+            for i, n in enumerate(health.applied_lost_count(stored, after, update)):
                 self.lost[i] += n
         if mixed_grad is not None and shadow_grad is not None:
             for i, n in enumerate(health.flushed_count(shadow_grad, mixed_grad)):

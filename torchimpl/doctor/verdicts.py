@@ -26,7 +26,8 @@ this order). The rules, on the numbers of ``torchimpl.doctor.stats``:
    of an operand saturated, or more than ``FP8_UNDERFLOW`` of its non-zero values flushed,
    under the recipe's scale.
 8. ``update-underflow``: a module with a 16-bit parameter of which at least
-   ``UPDATE_UNDERFLOW`` of the updates round away (the half-ULP rule); fp32 parameters are
+   ``UPDATE_UNDERFLOW`` of the updates were lost (``reference.health`` rule 12); its fix names
+   ``precision.master_weights``; fp32 parameters are
    reported as a reference, never judged.
 9. ``loss-in-low-precision``: the mixed run's loss is not float32.
 10. A healthy model gets no verdict.
@@ -200,10 +201,11 @@ def _updates(obs: Any) -> list[Verdict]:
     for module, ps in by_module.items():
         worst = max(ps, key=lambda p: p.lost_update_fraction)
         out.append(Verdict("update-underflow", module or None,
-                           f"{worst.lost_update_fraction:.1%} of the updates of {worst.name!r} ({worst.dtype}) are "
-                           "smaller than half an ULP of the weight and round away",
-                           "keep fp32 master weights (the model in float32 under autocast), or raise the learning "
-                           "rate, or use Kahan summation / stochastic rounding in the optimizer",
+                           f"{worst.lost_update_fraction:.1%} of the updates of {worst.name!r} ({worst.dtype}) were "
+                           "lost: the stored weight did not change although the exact update was non-zero",
+                           "set precision.master_weights to fp32 (a float32 master copy), kahan or stochastic "
+                           "(or train under autocast over float32 weights: precision.mode bf16), or raise the "
+                           "learning rate",
                            {"parameters": [p.name for p in ps], "lost_update_fraction": worst.lost_update_fraction}))
     return out
 

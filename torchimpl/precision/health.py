@@ -19,6 +19,9 @@ Python numbers (one host sync each).
 9. ``lost_update_count``: |update| < gap / 2, the gap from ``frexp``: 2^(e - 1 - mantissa bits)
    in the binade [2^(e-1), 2^e), half that downward at an exact power of two above the smallest
    normal, the smallest subnormal at and below the smallest normal's binade and at ±0.
+12. ``applied_lost_count``: of the entries with a finite non-zero exact update, those whose
+    stored bits did not change (compared as integers of the dtype's width, so -0.0 -> +0.0 is a
+    change and an unchanged NaN is not).
 10. ``scale_range``: exponents from ``frexp`` (exact): ``high`` largest k with amax 2^k <= max,
     ``low`` smallest k with the needed-th largest |g| times 2^k above half the smallest subnormal.
 """
@@ -35,6 +38,7 @@ import torch
 __all__ = [
     "ScaleRange",
     "amax",
+    "applied_lost_count",
     "flushed_count",
     "headroom_bits",
     "lost_update_count",
@@ -173,6 +177,21 @@ def lost_update_count(weight: torch.Tensor, update: torch.Tensor) -> tuple[int, 
     gap = torch.where(outward, up, down)
     lost = live & (u.abs() < gap / 2)
     return int(lost.sum()), int(live.sum())
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def applied_lost_count(before: torch.Tensor, after: torch.Tensor, exact: torch.Tensor) -> tuple[int, int]:
+    """Rule 12 for one parameter's stored values around a step: (lost, counted)."""
+    if before.shape != after.shape or before.dtype != after.dtype or exact.shape != before.shape:
+        raise ValueError(f"before {before.dtype}{list(before.shape)}, after {after.dtype}{list(after.shape)} and "
+                         f"exact {list(exact.shape)} must be one parameter's: same dtype and shape")
+    e = exact.detach()
+    counted = (torch.isfinite(e) & (e != 0)).reshape(-1)
+    width = _BITS[before.element_size()]
+    same = before.detach().reshape(-1).view(width) == after.detach().reshape(-1).view(width)
+    return int((counted & same).sum()), int(counted.sum())
 
 
 @dataclass(frozen=True)

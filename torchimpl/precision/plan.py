@@ -19,6 +19,10 @@ Rules:
    CPU       fp8                              fp8    no      yes (bf16, float8 emulated)
    CUDA      fp8, capability >= 8.9           fp8    no      yes (bf16)
    CUDA      fp8, capability < 8.9            bf16 (fp16 without bf16), downgraded
+   CPU       bf16-true / fp16-true            same   no/yes  no (parameters in 16 bits)
+   CUDA      bf16-true, bf16 supported        same   no      no
+   CUDA      bf16-true, bf16 unsupported      fp32   no      no
+   CUDA      fp16-true                        same   yes     no
    ========  ===============================  =====  ======  ========
 
    Mode ``auto`` consults ``PrecisionConfig.dtype`` (the preferred mixed dtype; ``auto`` with
@@ -49,8 +53,15 @@ Rules:
    ``"32-true"``, ...) and Accelerate (``"no"``), case-insensitively (:data:`SPELLINGS`). The
    config stores the canonical mode, so a spelled and a canonical precision compare equal; the
    spelling's meaning is logged at INFO and kept in ``spelling_note`` (config and plan).
-   Spellings for recipes ampspec does not implement (``"bf16-true"``, ``"64-true"``,
-   ``"transformer-engine"``, ...) are refused with the reason and what to use instead.
+   Spellings for recipes ampspec does not implement (``"64-true"``, ``"transformer-engine"``,
+   ...) are refused with the reason and what to use instead.
+9. ``bf16-true`` and ``fp16-true`` (Lightning's ``bf16-true``, ``16-true``) hold the parameters
+   in 16 bits (``param_dtype``; the trainer casts the model and each batch's floating tensors,
+   as Lightning's ``HalfPrecision`` does) and run no autocast; ``fp16-true`` takes a dynamic loss
+   scaler on every device it runs on, since nothing is downgraded under it. They resolve as
+   their dtype's mixed mode would: CPU and CUDA with native bf16 run them; bf16-true on a CUDA
+   device without native bf16, and either on MPS or another device, is downgraded to fp32
+   (rule 3). ``master_weights`` (none, fp32, kahan, stochastic) is carried to the plan.
 """
 
 from __future__ import annotations
@@ -88,7 +99,9 @@ __all__ = [
 ]
 
 # fp8: the layers outside float8 run under bf16 autocast.
-_TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+_TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16,
+               "bf16-true": torch.bfloat16, "fp16-true": torch.float16}
+_TRUE_MODES = ("bf16-true", "fp16-true")
 
 
 class PrecisionDowngradeWarning(UserWarning):
@@ -113,11 +126,18 @@ class PrecisionPlan:
     note: str | None = None
     spelling_note: str | None = None
     """The config's ``spelling_note``: what the precision's spelling means (rule 8)."""
+    master_weights: str = "none"
+    """``precision.master_weights`` of a ``*-true`` plan (rule 9); ``none`` for every other."""
 
     @property
     def is_mixed_precision(self) -> bool:
         """True for bf16, fp16 and fp8 plans."""
         return self.mode in ("bf16", "fp16", "fp8")
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype the parameters are held in: ``dtype`` for a ``*-true`` plan, else float32."""
+        return self.dtype if self.mode in _TRUE_MODES else torch.float32
 
 
 def cuda_bf16_supported() -> bool:
@@ -137,8 +157,8 @@ def _plan(mode: str, device_type: str, reason: str | None = None) -> PrecisionPl
     return PrecisionPlan(
         mode=mode,
         dtype=_TORCH_DTYPE[mode],
-        use_scaler=mode == "fp16",
-        autocast_enabled=mode != "fp32",
+        use_scaler=mode in ("fp16", "fp16-true"),
+        autocast_enabled=mode not in ("fp32",) + _TRUE_MODES,
         device_type=device_type,
         reason=reason,
     )
@@ -154,6 +174,8 @@ def resolve_precision(config: PrecisionConfig, device: str | torch.device) -> Pr
     if not isinstance(config, PrecisionConfig):
         raise ValueError(f"config must be a PrecisionConfig, got {type(config).__name__}")
     plan = _resolve(config, device)
+    if plan.mode in _TRUE_MODES:
+        plan = dataclasses.replace(plan, master_weights=config.master_weights)
     if config.spelling_note is None:
         return plan
     return dataclasses.replace(plan, spelling_note=config.spelling_note)
@@ -166,6 +188,8 @@ def _resolve(config: PrecisionConfig, device: str | torch.device) -> PrecisionPl
         return _plan("fp32", device_type)
     if mode == "fp8":
         return _resolve_fp8(config, torch.device(device))
+    if mode in _TRUE_MODES:
+        return _resolve_true(mode, device_type)
     if device_type == "cuda":
         if mode == "fp16" or (mode == "auto" and config.dtype == "fp16"):
             return _plan("fp16", device_type)
@@ -197,6 +221,16 @@ def _resolve(config: PrecisionConfig, device: str | torch.device) -> PrecisionPl
         f"precision mode {mode!r} was requested on {device_type}, where mixed precision is not "
         "supported by this package: running in fp32; use mode 'fp32' to silence this warning",
     )
+
+
+def _resolve_true(mode: str, device_type: str) -> PrecisionPlan:
+    """Rule 9: parameters in 16 bits where their dtype runs, else fp32 with the downgrade's warning."""
+    if device_type == "cpu" or (device_type == "cuda" and (mode == "fp16-true" or cuda_bf16_supported())):
+        return _plan(mode, device_type)
+    why = ("this CUDA device does not support bf16 natively (or the support probe failed)" if device_type == "cuda"
+           else f"parameters held in 16 bits are not supported on {device_type} by this package")
+    return _downgrade(device_type, f"precision mode {mode!r} was requested, but {why}: running in fp32; "
+                                   "use mode 'fp32' to silence this warning")
 
 
 def _resolve_fp8(config: PrecisionConfig, device: torch.device) -> PrecisionPlan:

@@ -44,6 +44,10 @@ the fix; a checkpoint that verified is never lost or overwritten by a refused ru
     continues the saved run, so a value in the freshly built optimizer that differs from the
     saved one is named in a warning and the saved one is kept. The configuration's
     ``optimizer`` and ``schedule`` sections, unused with a user's optimizer, are not compared.
+13. Under ``precision.mode`` bf16-true or fp16-true, the optimizer's entry is the master-weight
+    option's state (its master copy, compensation buffer or generator, and the optimizer's state
+    in the dtype the option keeps it in), and ``lost_updates`` the run's counts so far; a resume
+    with another ``precision.master_weights`` is refused by rule 11 (it is part of the precision).
 """
 
 from __future__ import annotations
@@ -286,10 +290,12 @@ class RunState:
     """Builds a checkpoint's contents from the live run and restores a run from one."""
 
     def __init__(self, *, config: Any, model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_kind: str,
-                 engine: Any, cursor: DataCursor, plan_mode: str, user_optimizer: bool = False):
+                 engine: Any, cursor: DataCursor, plan_mode: str, user_optimizer: bool = False, master: Any = None):
         self.config, self.model, self.optimizer, self.optimizer_kind = config, model, optimizer, optimizer_kind
         self.engine, self.cursor, self.plan_mode = engine, cursor, plan_mode
         self.user_optimizer = user_optimizer
+        # Under a *-true plan (rule 13): the master-weight option's step, whose state holds the optimizer's.
+        self.master = master
 
     def optimizer_source(self) -> dict[str, Any]:
         """Rule 12: whose optimizer and scheduler run, by class."""
@@ -314,7 +320,8 @@ class RunState:
             "config": self.config.to_dict(),
             "model": model_state,
             "model_signature": {k: list(v.shape) for k, v in model_state.items()},
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.master is None else self.master.master.state_dict(),
+            "lost_updates": None if self.master is None else self.master.state_dict(),
             "optimizer_kind": self.optimizer_kind,
             "optimizer_source": self.optimizer_source(),
             "schedule": engine.skip.schedule_state(applied),
@@ -344,8 +351,12 @@ class RunState:
             raise CheckpointError(f"{path}: its model state does not fit this model: {' '.join(str(exc).split())[:300]}"
                                   ) from None
         try:
-            self.optimizer.load_state_dict(ckpt["optimizer"])
-        except (ValueError, KeyError) as exc:
+            if self.master is None:
+                self.optimizer.load_state_dict(ckpt["optimizer"])
+            else:  # rule 13
+                self.master.master.load_state_dict(ckpt["optimizer"])
+                self.master.load_state_dict(ckpt.get("lost_updates"))
+        except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{path}: optimizer state does not fit this optimizer: {exc}") from None
         if self.user_optimizer:
             _warn_kept(fresh, self.optimizer.param_groups, path, ckpt["trainer"]["step"])

@@ -88,6 +88,8 @@ class DynamicLossScaler(GradScaler):
       everything and changes nothing when it rejects.
     """
 
+    allow_fp16_grads = False  # True for fp16-true (make_grad_scaler): fp16 gradients unscaled in place
+
     def __init__(self, device: str = "cuda", config: ScalerConfig | None = None) -> None:
         if config is None:
             config = ScalerConfig()
@@ -228,7 +230,7 @@ class DynamicLossScaler(GradScaler):
                     super().unscale_(optimizer)  # torch's path: per-device flags, sparse values
                     self.found_inf_tensor(out=found_inf)
                     return
-                if grad.dtype == torch.float16:
+                if grad.dtype == torch.float16 and not self.allow_fp16_grads:  # fp16-true: make_grad_scaler
                     raise ValueError("Attempting to unscale FP16 gradients.")
                 by_dtype.setdefault(grad.dtype, []).append(grad)
         inv_scale = scale.double().reciprocal().float()
@@ -566,7 +568,8 @@ def make_grad_scaler(
     """A loss scaler for a precision plan, or ``None`` when the plan needs none.
 
     ``plan`` needs ``use_scaler`` and ``device_type`` (a ``torchimpl.precision.plan.PrecisionPlan``).
-    A scaler is made only for fp16 on CUDA (``plan.use_scaler`` and device type ``"cuda"``);
+    A scaler is made only for fp16 on CUDA (``plan.use_scaler`` and device type ``"cuda"``) and
+    for fp16-true wherever it runs;
     ``force=True`` makes one on the plan's device type whatever the plan says (CPU fp16
     experiments, tests). ``config.enabled=False`` turns loss scaling off whatever the plan and
     ``force`` say (``None``, with a warning when the plan needs a scaler: fp16 gradients
@@ -578,13 +581,17 @@ def make_grad_scaler(
             f"plan must have use_scaler and device_type (a PrecisionPlan), "
             f"{type(plan).__name__} lacks {missing}"
         )
-    needed = force or (plan.use_scaler and plan.device_type == "cuda")
+    # fp16-true runs fp16 wherever it resolves (nothing is downgraded), so it needs its scaler there.
+    needed = force or (plan.use_scaler and (plan.device_type == "cuda" or plan.mode == "fp16-true"))
     if config is not None and not config.enabled:
         if needed:
             warnings.warn("scaler.enabled is false: this run takes fp16 steps without loss scaling, so "
                           "gradients below 2**-24 flush to zero; remove scaler.enabled=false to scale",
                           stacklevel=2)
         return None
-    if needed:
-        return DynamicLossScaler(plan.device_type, config)
-    return None
+    if not needed:
+        return None
+    scaler = DynamicLossScaler(plan.device_type, config)
+    # Parameters held in fp16 have fp16 gradients, unscaled in place (rounded to fp16 again).
+    scaler.allow_fp16_grads = getattr(plan, "mode", None) == "fp16-true"
+    return scaler

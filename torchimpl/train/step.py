@@ -219,9 +219,11 @@ class HostSkip(_Skip):
     sync_free = False
 
     def __init__(self, optimizer: torch.optim.Optimizer, schedule: AppliedStepSchedule, *, fused: bool,
-                 stop_on_nonfinite: bool, unit_scaling: bool):
+                 stop_on_nonfinite: bool, unit_scaling: bool, stepper: Callable[[], Any] | None = None):
         self.optimizer, self.schedule, self._fused = optimizer, schedule, fused
         self._stop, self._unit = stop_on_nonfinite, unit_scaling
+        # The applied step's call: the optimizer's, or a master-weight option's (train.true_precision).
+        self._step = stepper or optimizer.step
 
     def step(self, flags: torch.Tensor, found: torch.Tensor, loss_acc: torch.Tensor) -> Decision:
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -241,7 +243,7 @@ class HostSkip(_Skip):
             if self._fused:
                 self.optimizer.grad_scale = None
                 self.optimizer.found_inf = found
-            self.optimizer.step()
+            self._step()
         return Decision(found_value, loss_sum, lr, applied)
 
     def advance(self, decision: Decision, found: torch.Tensor, state: Any) -> None:
@@ -386,8 +388,9 @@ class StepEngine:
                  scaling: UnitScaling | DynamicScaling, skip: HostSkip | KernelSkip,
                  clip: Callable[[torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]] | None,
                  dist: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor], autocast: Any, device: torch.device,
-                 state: Any, hooks: StepHooks, stop_requested: Callable[[], Any]):
+                 state: Any, hooks: StepHooks, stop_requested: Callable[[], Any], prepare: Callable = to_device):
         self.model, self.params, self.optimizer = model, params, optimizer
+        self.prepare = prepare  # a batch to the device (and, under a *-true plan, to the parameters' dtype)
         self.scaling, self.skip, self.dist = scaling, skip, dist
         self.loss_fn, self.autocast, self.device, self.state = loss_fn, autocast, device, state
         self.hooks, self._stop_requested = hooks, stop_requested
@@ -426,10 +429,10 @@ class StepEngine:
         st, scaling, loss_acc, device = self.state, self.scaling, self.loss_acc, self.device
         self.window, self.scale_before = window, scaling.scale_before()
         model, loss_fn, autocast, hooks = self.model, self.loss_fn, self.autocast, self.hooks.microbatch_end
-        accumulate = self._accumulate
+        accumulate, prepare = self._accumulate, self.prepare
         for batch in window:
             n = batch_size(batch)
-            batch = to_device(batch, device)
+            batch = prepare(batch, device)
             if accumulate is None:
                 with autocast:
                     loss = loss_fn(model, batch)
@@ -536,12 +539,15 @@ def build_step_engine(*, config: Any, sync_free: bool, model: nn.Module, forward
                       optimizer: torch.optim.Optimizer, optimizer_kind: str, scaler: DynamicLossScaler | None,
                       dist: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor], autocast: Any,
                       device: torch.device, state: Any, hooks: StepHooks,
-                      stop_requested: Callable[[], Any], schedule: Any = None) -> StepEngine:
+                      stop_requested: Callable[[], Any], schedule: Any = None, stepper: Callable[[], Any] | None = None,
+                      prepare: Callable = to_device) -> StepEngine:
     """The engine for a resolved plan: ``config`` is the run's ``Config``; ``model`` the module
     whose parameters train, ``forward_model`` what the microbatches call (DDP's wrapper, a
     compiled module); ``schedule`` the learning-rate schedule when it is not the
     configuration's (a user's scheduler: ``torchimpl.train.schedule.UserSchedule``; the sync-free mode
-    takes an ``AppliedStepSchedule`` only, whose rates it tabulates)."""
+    takes an ``AppliedStepSchedule`` only, whose rates it tabulates); ``stepper`` the applied step's
+    call when it is not ``optimizer.step`` and ``prepare`` the batch's way to the model when it is
+    not ``to_device`` (a ``*-true`` plan's: ``torchimpl.train.true_precision``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = group_by_device_and_dtype(params)
     one = torch.ones((), dtype=torch.float32, device=device)
@@ -554,13 +560,13 @@ def build_step_engine(*, config: Any, sync_free: bool, model: nn.Module, forward
                                                  total_steps=config.train.steps, stop_on_nonfinite=stop)
     else:
         skip = HostSkip(optimizer, schedule, fused=optimizer_kind == "fused", stop_on_nonfinite=stop,
-                        unit_scaling=scaling.is_unit)
+                        unit_scaling=scaling.is_unit, stepper=stepper)
     clip = None
     if config.train.clip_norm is not None:
         clip = functools.partial(clip_grad_norm_, groups, params, config.train.clip_norm, dist.total_norm, one)
     return StepEngine(model=forward_model, params=params, optimizer=optimizer, scaling=scaling, skip=skip,
                       clip=clip, dist=dist, loss_fn=loss_fn, autocast=autocast, device=device, state=state,
-                      hooks=hooks, stop_requested=stop_requested)
+                      hooks=hooks, stop_requested=stop_requested, prepare=prepare)
 
 
 def bind_hooks(callbacks: Sequence[Any], owner: Any, base: type) -> StepHooks:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import random
 import warnings
 from dataclasses import dataclass
@@ -38,7 +37,6 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from torchimpl.precision.batches import to_device
 from torchimpl.train.callback_checks import checked_hook
 from torchimpl.train.cadence import Checkpointer, Evaluator, LogPoints, StepClock, quiet_steps
 from torchimpl.run.checkpoint import CheckpointError, check_loadable, remove_stale_temporaries
@@ -60,69 +58,14 @@ from torchimpl.train.scaler import DynamicLossScaler, make_grad_scaler
 from torchimpl.train.schedule import AppliedStepSchedule, UserSchedule, adopt_scheduler
 from torchimpl.train.callbacks import Callback, StopTraining
 from torchimpl.train.step import StepEngine, bind_hooks, build_step_engine, choose_sync_free
+from torchimpl.train.summary import RunSummary
+from torchimpl.train.true_precision import MasterStep, batch_preparer, cast_model, master_step
 from torchimpl.train.threads import run_threads
 from torchimpl.precision.fp8 import Fp8Report, check_mx_batch, convert_to_fp8
 
 __all__ = ["Callback", "RunSummary", "StopTraining", "Trainer", "TrainState", "default_loss_fn"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RunSummary:
-    """What a ``fit`` did, for people and for ``report.json``: read it as attributes
-    (``summary.final_train_loss``), as a plain dict (:meth:`to_dict`, what ``ampspec train``
-    prints as JSON) or by key (``summary["final_train_loss"]``, the same keys)."""
-
-    device: str
-    precision_mode: str
-    autocast_dtype: str | None
-    use_scaler: bool
-    downgrades: list[str]
-    optimizer_kind: str
-    optimizer_reason: str | None
-    sync_free: bool
-    compiled: bool
-    steps: int
-    steps_applied: int
-    steps_skipped: int
-    final_scale: float | None
-    time_per_step_s: float
-    samples_per_s: float
-    peak_memory_bytes: int | None
-    final_train_loss: float | None
-    final_val_loss: float | None
-    best_val_loss: float | None
-    stopped: str | None = None
-    last_checkpoint: str | None = None
-    diagnosis_report: str | None = None
-    outcome: str = "completed"
-    """How the run ended (``torchimpl.run.lifecycle``): completed, stopped, failed, no_progress,
-    interrupted:SIGINT or interrupted:SIGTERM."""
-    fp8: dict[str, Any] | None = None
-    """With ``precision.mode: fp8``: the recipe, what runs where, the converted layers and those
-    kept in high precision with the reason for each."""
-    precision_note: str | None = None
-    """What the precision's spelling means when it was given as another library writes it
-    (``'16-mixed' (Lightning) means fp16 autocast ... with a dynamic loss scaler``)."""
-    log_dir: str | None = None
-    """The run folder holding the metrics files (``logging.dir``), or None when none was written."""
-    metrics_file: str | None = None
-    """The run's ``metrics.csv`` (``torchimpl.run.metrics``), or None without one."""
-    fp32_modules: list[str] = dataclasses.field(default_factory=list)
-    """The modules run in fp32 islands (``precision.fp32_modules``)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain values, valid JSON: a non-finite number becomes None."""
-        return {k: None if isinstance(v, float) and not math.isfinite(v) else v
-                for k, v in dataclasses.asdict(self).items()}
-
-    def __getitem__(self, key: str) -> Any:
-        """``to_dict()[key]``; an unknown key is a KeyError naming the keys there are."""
-        values = self.to_dict()
-        if key not in values:
-            raise KeyError(f"RunSummary has no key {key!r}; keys: {', '.join(values)}")
-        return values[key]
 
 
 @dataclass
@@ -153,6 +96,8 @@ class _Fit:
     scheduler: LRScheduler | ReduceLROnPlateau | None = None
     """Your scheduler, when ``fit`` was given one (the configuration's schedule is the engine's)."""
     scaler: DynamicLossScaler | None = None
+    master: MasterStep | None = None
+    """Under a ``*-true`` plan: the applied step through ``precision.master_weights``."""
     sync_free: bool = False
     state: TrainState = dataclasses.field(default_factory=TrainState)
     engine: StepEngine | None = None
@@ -230,6 +175,22 @@ def _check_resume_target(resume: str | Path | None, cfg: Config, overwrite: bool
     elif not Path(resume).exists():
         raise CheckpointError(f"cannot read checkpoint {resume}: No such file or directory; give an existing "
                               "checkpoint file, or resume='latest' with checkpoint.folder")
+
+
+def _reduction(cfg: Config) -> Any:
+    """Rule 11 of torchimpl.distributed: the gradient reduction and FSDP2's parameter dtype."""
+    p = cfg.precision
+    return reduction_settings(cfg.train.distributed, p.mode, p.master_weights, cfg.train.reduce_dtype)
+
+
+def _held_model(model: nn.Module, plan: Any, dist: DistributedContext) -> tuple[nn.Module, bool]:
+    """The model in the dtype its parameters are held in, and whether FSDP2's fp32 shards are the
+    master copy: a ``*-true`` plan casts the model to 16 bits, except under FSDP2 with
+    ``param_dtype`` set, where the parameters stay fp32 and FSDP2 casts the compute copies. They
+    start from the 16-bit values, as one process's fp32 master copy of a cast model does."""
+    if dist.reduction.param_dtype is not None:
+        return cast_model(model, plan).to(torch.float32), True
+    return cast_model(model, plan), False
 
 
 def _close(fit: _Fit, callbacks: list[Callback]) -> None:
@@ -317,7 +278,7 @@ class Trainer:
         count = 0
         for batch in val_data:
             with autocast_context(self.plan, self.device):
-                loss = self.loss_fn(self.engine.model, to_device(batch, self.device))
+                loss = self.loss_fn(self.engine.model, self.engine.prepare(batch, self.device))
             total += loss.detach().to(torch.float64)
             count += 1
         self.model.train(was_training)
@@ -361,9 +322,8 @@ class Trainer:
         fit = self._fit = _Fit(loss_fn=loss_fn or default_loss_fn, device=resolve_device(cfg.device),
                                user=(optimizer, scheduler) if optimizer is not None else None)
         # Multi-process hooks (torchimpl.distributed); identities with train.distributed=none.
-        reduction = reduction_settings(cfg.train.distributed, cfg.precision.mode, None, cfg.train.reduce_dtype)
         fit.dist = init_distributed(cfg.train.distributed, device=fit.device, timeout_s=cfg.train.distributed_timeout_s,
-                                    reduction=reduction)  # refused here, before any process group, if torch cannot run it
+                                    reduction=_reduction(cfg))  # refused here, before any process group, if torch cannot run it
         try:
             preflight(cfg, val_data, is_main=fit.dist.is_main)
             with claimed_run(cfg, resume=resume is not None, overwrite=overwrite, is_main=fit.dist.is_main), \
@@ -394,7 +354,7 @@ class Trainer:
         fit.downgrades = [plan.reason] if plan.reason else []
         if plan.reason:
             warnings.warn(f"precision: {plan.reason}", PrecisionDowngradeWarning, stacklevel=3)
-        model = model.to(device)
+        model, sharded_master = _held_model(model.to(device), plan, fit.dist)
         if plan.mode == "fp8":  # torchao swaps the linear layers: keep the module it returns
 
             model, fit.fp8_report = convert_to_fp8(model, plan.fp8_recipe, device,
@@ -411,6 +371,8 @@ class Trainer:
         if built.reason:
             log.info("optimizer: %s (%s)", built.kind, built.reason)
         fit.scaler = make_grad_scaler(plan, cfg.scaler, force=cfg.train.force_scaler)
+        fit.master = None if sharded_master else master_step(fit.optimizer, plan, seed=cfg.train.seed, state=fit.state,
+                                                             measure_every=cfg.train.log_interval)
         fit.dist.attach(fit.model, fit.optimizer)
         if cfg.train.compile:
             forward_model = torch.compile(forward_model)
@@ -419,10 +381,10 @@ class Trainer:
             optimizer=fit.optimizer, optimizer_kind=built.kind, scaler=fit.scaler, dist=fit.dist,
             loss_fn=fit.loss_fn, autocast=autocast_context(plan, device), device=device,
             state=fit.state, hooks=bind_hooks((), self, Callback), stop_requested=lambda: fit.stop_requested,
-            schedule=schedule)
+            schedule=schedule, stepper=fit.master, prepare=batch_preparer(plan))
         fit.run = RunState(config=cfg, model=fit.model, optimizer=fit.optimizer, optimizer_kind=built.kind,
                            engine=fit.engine, cursor=DataCursor(fit.train_data, fit.state),
-                           plan_mode=plan.mode, user_optimizer=fit.user is not None)
+                           plan_mode=plan.mode, user_optimizer=fit.user is not None, master=fit.master)
         fit.checkpointer = Checkpointer(cfg.checkpoint, fit.dist)
 
     def _seed(self) -> None:
@@ -564,7 +526,7 @@ class Trainer:
         folder = Path(cfg.checkpoint.folder or (Path(cfg.train.trace_file).parent if cfg.train.trace_file else "."))
         fit.diagnosis = report_nonfinite(
             folder / f"nonfinite-step{fit.state.step:08d}.json", step=fit.state.step, what=what,
-            model=fit.model, batch=to_device(window[0], fit.device), loss_fn=fit.loss_fn, plan=fit.plan,
+            model=fit.model, batch=fit.engine.prepare(window[0], fit.device), loss_fn=fit.loss_fn, plan=fit.plan,
             optimizer=fit.optimizer, scaler=fit.scaler, dist=fit.dist)
         fit.state.window_size = fit.state.window_done = 0
         fit.fault = f"{what} at step {fit.state.step}"
@@ -587,8 +549,7 @@ class Trainer:
             fp8=fit.fp8_report.to_dict() if fit.fp8_report is not None else None,
             precision_note=plan.spelling_note,
             log_dir=str(fit.log_dir) if fit.log_dir is not None else None, metrics_file=fit.metrics_file,
-            fp32_modules=fit.fp32_modules,
-        )
+            fp32_modules=fit.fp32_modules, **(fit.master.summary() if fit.master else {}))
         for cb in self.callbacks:
             checked_hook(cb.on_fit_end, lambda: fit.state)(self, summary)
         return summary
