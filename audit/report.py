@@ -114,11 +114,7 @@ class AuditReport:
             if r.get("fallback"):
                 lines.append(f"  {r['fallback']}")
             lines.extend(_sampling_lines(r.get("sampling")))
-        for red in self.reductions:
-            modules = red.get("modules") or []
-            lines.append(f"gradient reduction, {red['wrapper']} over {red.get('world_size', '?')} rank(s)"
-                         + (f" ({', '.join(modules[:3])}{', ...' if len(modules) > 3 else ''})" if modules else "")
-                         + f": {red['reduction']}")
+        lines.extend(_reduction_lines(self.reductions))
         for rule, fs in self.by_rule().items():
             spec = RULES[rule]
             levels = "/".join(dict.fromkeys(f.severity for f in fs))
@@ -228,6 +224,17 @@ def _telling(expected: Any, got: Any) -> bool:
     if isinstance(expected, float) and isinstance(got, float) and not (math.isfinite(expected) or math.isfinite(got)):
         return not (expected == got or (math.isnan(expected) and math.isnan(got)))
     return True
+
+
+def _reduction_lines(reductions: list[dict[str, Any]]) -> list[str]:
+    """The loop's DDP/FSDP2 gradient reductions as the text report states them (audit.reductions)."""
+    out = []
+    for red in reductions:
+        modules = red.get("modules") or []
+        named = f" ({', '.join(modules[:3])}{', ...' if len(modules) > 3 else ''})" if modules else ""
+        out.append(f"gradient reduction, {red['wrapper']} over {red.get('world_size', '?')} rank(s){named}: "
+                   f"{red['reduction']}")
+    return out
 
 
 def _sampling_lines(sm: dict[str, Any] | None) -> list[str]:
