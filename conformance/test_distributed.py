@@ -273,6 +273,7 @@ def test_fsdp2_shards_follow_the_spec_layout(group):
 # 7. one process holding bf16 parameters with an fp32 master copy equals FSDP2 with
 #    ``param_dtype=bf16`` on 2 ranks fed the same data (derivation at the test), sharded by hand
 #    or by the trainer's ``torchimpl.distributed.wrap_model``;
+# 8-10 below: the trainer's bf16 reduction, the trainer's bf16-true under FSDP2, three ranks.
 
 from conformance.reduction_jobs import JOBS as _REDUCTION_JOBS  # noqa: E402
 from conformance.reduction_jobs import fp32_master_run, trainer_bf16_true  # noqa: E402
@@ -520,3 +521,27 @@ def test_trainer_bf16_true_fp32_master_equals_fsdp2_on_two_ranks(group, seed, lr
 @given(**_trainer_true_args)
 def test_trainer_bf16_true_fp32_master_equals_fsdp2_on_two_ranks_sweep(group, seed, lr, reduce, steps):
     _check_trainer_true(group, seed, lr, reduce, steps)
+
+
+# 10. Three ranks (--runslow): gloo fixes no order of additions (rule 3), so each element of an
+#     all-reduce must be one of the results of the 3! orders, and every rank gets the same bits.
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    with rank_group(_dispatch, 3, wait_s=WAIT_S) as run:
+        yield lambda job: run(job, check=True)
+
+
+@pytest.mark.slow
+@_REDUCE_SLOW
+@given(wire=st.sampled_from(["fp32", "bf16", "fp16"]), op=st.sampled_from(["sum", "avg"]),
+       x=st.lists(_wire_values(48), min_size=3, max_size=3))
+def test_three_rank_sums_are_one_of_the_orders(three_ranks, wire, op, x):
+    got = three_ranks({"kind": "collective", "wire": wire, "op": op, "x": x})
+    red = gr.Reduction(wire, 3, post=3.0 if op == "avg" else None, op=op)
+    rows = gr.reduce_candidates(x, red)
+    ok = ((rows.view(np.uint32) == got[0][0].view(np.uint32)) | (np.isnan(rows) & np.isnan(got[0][0]))).any(axis=0)
+    assert ok.all(), (f"3-rank {op} in {wire}: elements {np.flatnonzero(~ok)[:4].tolist()} are no order's result: "
+                      f"{got[0][0][~ok][:4].tolist()}\n  reproduce: reduce_candidates({[a.tolist() for a in x]}, {red})")
+    for r in (1, 2):
+        _expect_equal(got[r][0], got[0][0], f"3-rank {op} in {wire}: rank {r} against rank 0", "the same job")
