@@ -140,7 +140,7 @@ class Audit:
         self._report = AuditReport(findings=list(rec.findings), steps=list(rec.records), replay=replay,
                                    target=self.target, argv=list(self.argv), error=text,
                                    stopped=f"stopped after {self.steps} steps as asked" if limited else None,
-                                   strict=self.strict, interrupted=interrupted)
+                                   strict=self.strict, interrupted=interrupted, reductions=list(rec.reductions))
         return self._report
 
     @property

@@ -39,6 +39,12 @@ PER_OPTIMIZER_STATE_KEYS: dict[str, str] = {"found_inf_per_device": "the found_i
 OPTIMIZER_FLAG = ("_step_supports_amp_scaling", "a fused optimizer unscales and skips inside its own kernel")
 AUTOCAST_FLAG = ("_enabled", "whether a torch.autocast region the audited code entered is on")
 SCHEDULER_COUNTER = ("_step_count", "the scheduler constructor's own first step (0) is not the user's call")
+# How a DDP or FSDP2 module reduces gradients (audit.reductions), read from the live wrappers.
+REDUCTION_ATTRIBUTES: dict[str, str] = {
+    "DistributedDataParallel._comm_hooks": "the comm hooks registered on a DDP module (register_comm_hook keeps them)",
+    "FSDPModule._get_fsdp_state": "an FSDP2 module's state, which holds its parameter groups",
+    "FSDPState._fsdp_param_groups": "each group's MixedPrecisionPolicy, divide factor and force-sum flag",
+}
 # Mul/Div backward nodes keep a Python-scalar operand under these names: how the audit finds
 # the constant a loss was multiplied by (a hand-made loss scale).
 SAVED_OPERANDS = ("_saved_other", "_saved_self")

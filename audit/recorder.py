@@ -56,6 +56,7 @@ from typing import Any, Iterable
 import torch
 
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
+from audit.reductions import find_reductions
 from audit.records import (Backward, OptTrack, ScalerTrack, Snapshots, StepData, StepLimitReached, StepRecord,
                            Window, _f32, _jsonish, _num, _unwrap_optimizer, plain_tensor)
 from audit.records import _classify, _loss_factor, call_site  # noqa: F401  (the tests read these here)
@@ -85,6 +86,7 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
         self.scalers: dict[int, ScalerTrack] = {}
         self.optimizers: dict[int, OptTrack] = {}
         self.primary: OptTrack | None = None
+        self.reductions: list[dict[str, Any]] = []  # audit.reductions: the DDP/FSDP2 settings
         self.unassigned = Window()
         self.in_clip = False
         self._bw_depth = 0
@@ -212,6 +214,7 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
         w = o.window
         if self.primary is None:
             self.primary = o
+            self.reductions = find_reductions()  # the wrappers exist by the first step
         if o is self.primary:
             self._check_saves()
         k = len(w.backwards)

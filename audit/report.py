@@ -44,6 +44,8 @@ class AuditReport:
     script_status: int | None = None
     ended: str | None = None
     interrupted: str | None = None
+    reductions: list[dict[str, Any]] = field(default_factory=list)
+    """The loop's DDP and FSDP2 gradient reductions (`audit.reductions`), as the report states them."""
 
     def counts(self) -> dict[str, int]:
         """How many findings of each severity (every severity present, in the contract's order)."""
@@ -112,6 +114,7 @@ class AuditReport:
             if r.get("fallback"):
                 lines.append(f"  {r['fallback']}")
             lines.extend(_sampling_lines(r.get("sampling")))
+        lines.extend(_reduction_lines(self.reductions))
         for rule, fs in self.by_rule().items():
             spec = RULES[rule]
             levels = "/".join(dict.fromkeys(f.severity for f in fs))
@@ -199,6 +202,7 @@ class AuditReport:
             "exit_status": self.exit_status,
             "stopped": self.stopped,
             "replay": self.replay,
+            "reductions": self.reductions,
             "findings": [f.to_dict() for f in self.findings],
             "steps": [s.to_dict() for s in self.steps],
             "error": self.error,
@@ -220,6 +224,17 @@ def _telling(expected: Any, got: Any) -> bool:
     if isinstance(expected, float) and isinstance(got, float) and not (math.isfinite(expected) or math.isfinite(got)):
         return not (expected == got or (math.isnan(expected) and math.isnan(got)))
     return True
+
+
+def _reduction_lines(reductions: list[dict[str, Any]]) -> list[str]:
+    """The loop's DDP/FSDP2 gradient reductions as the text report states them (audit.reductions)."""
+    out = []
+    for red in reductions:
+        modules = red.get("modules") or []
+        named = f" ({', '.join(modules[:3])}{', ...' if len(modules) > 3 else ''})" if modules else ""
+        out.append(f"gradient reduction, {red['wrapper']} over {red.get('world_size', '?')} rank(s){named}: "
+                   f"{red['reduction']}")
+    return out
 
 
 def _sampling_lines(sm: dict[str, Any] | None) -> list[str]:

@@ -35,10 +35,11 @@ OPTIM = "torchimpl/train/optim.py"
 SCHEDULE = "torchimpl/train/schedule.py"
 TRAINER_TESTS = ("conformance/test_trainer.py",)
 SCALER_TESTS = ("conformance/test_scaler.py", "conformance/test_trainer.py")
-DISTRIBUTED = "torchimpl/distributed.py"
+DISTRIBUTED = "torchimpl/distributed/context.py"
 DISTRIBUTED_TESTS = ("conformance/test_distributed.py",)
 MASTER = "torchimpl/train/master_weights.py"
 MASTER_TESTS = ("conformance/test_master_weights.py",)
+GRAD_REDUCTION = "reference/grad_reduction.py"
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,14 @@ MUTANTS = (
     Mutant("ddp_reduces_every_microbatch", "DDP all-reduces every microbatch instead of the window's local sum",
            DISTRIBUTED, "            return self._ddp.no_sync()\n", "            return contextlib.nullcontext()\n",
            DISTRIBUTED_TESTS),
+    Mutant("reduce_dtype_ignored_by_fsdp2", "FSDP2 reduces in fp32 whatever train.reduce_dtype says",
+           "torchimpl/distributed/reduction.py",
+           "        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=_DTYPES[self.reduce_dtype])\n",
+           "        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=torch.float32)\n", DISTRIBUTED_TESTS),
+    Mutant("param_dtype_ignored_by_fsdp2", "FSDP2 computes in fp32 though the parameters are held in bf16",
+           "torchimpl/distributed/reduction.py",
+           "        param = None if self.param_dtype is None else _DTYPES[self.param_dtype]\n",
+           "        param = None\n", DISTRIBUTED_TESTS),
     Mutant("unscaled_overflow_applied", "check only the scaled gradients: apply the unscaled ones' inf/NaN", STEP,
            "        self.scaling.check_unscaled(found)\n", "", TRAINER_TESTS),
     Mutant("nonfinite_loss_applied", "apply a step whose loss is not finite (finite gradients)", STEP,
@@ -213,6 +222,21 @@ SPEC_MUTANTS = (
     Mutant("tensor_lr_zero_d_not_promoted", "two 0-d tensors compute in the first one's dtype",
            "reference/optim/_lr.py", "    return x.dtype if x.ndim > 0 else np.promote_types(x.dtype, t.dtype)\n",
            "    return x.dtype\n", _tensor_lr_property("NAdam", "foreach", "NAdam-foreach-decoupled_weight_decay-weight_decay")),
+    # Gradient reductions across ranks (reference.grad_reduction), each against 2-rank gloo.
+    Mutant("grad_reduction_avg_divides_before_the_sum", "FSDP2's AVG divides each rank before the sum",
+           GRAD_REDUCTION, '        return Reduction(reduce_dtype, world_size, post=float(world_size), op="avg")\n',
+           '        return Reduction(reduce_dtype, world_size, pre=("div", float(world_size)), op="avg")\n',
+           DISTRIBUTED_TESTS),
+    Mutant("grad_reduction_sum_not_rounded", "the wire sum stays in float32 (the wire dtype's rounding skipped)",
+           GRAD_REDUCTION, "        return (a.astype(np.float32) + b.astype(np.float32)).astype(WIRE_DTYPES[wire])\n",
+           "        return a.astype(np.float32) + b.astype(np.float32)\n", DISTRIBUTED_TESTS),
+    Mutant("grad_reduction_wire_cast_skipped", "the float32 gradient is divided before its cast to bf16/fp16",
+           GRAD_REDUCTION, "    pre = [_pre(to_wire(v, red.wire), red) for v in vals]\n"
+           "    return _post(gloo_sum(pre, red.wire), red).astype(np.float32)\n",
+           "    pre = [_pre(np.asarray(v, np.float32), red) for v in vals]\n"
+           "    return _post(gloo_sum(pre, red.wire), red).astype(np.float32)\n", DISTRIBUTED_TESTS),
+    Mutant("grad_reduction_fp16_split_ignored", "FSDP2 divides fp16 after the sum only, as for bf16",
+           GRAD_REDUCTION, '    if reduce_dtype != "fp16":\n', '    if True:\n', DISTRIBUTED_TESTS),
 )
 
 

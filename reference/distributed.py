@@ -4,7 +4,7 @@
 produces on each rank: its own scaled gradients (DDP), or the gradient shards each rank holds
 after FSDP2's reduce-scatter. Rules:
 
-1. DDP averages while reducing: each rank multiplies its gradient by ``f32(1 / W)`` in float32
+1. DDP averages while reducing (`reference.grad_reduction` states every wire dtype and hook): each rank multiplies its gradient by ``f32(1 / W)`` in float32
    (one rounding, *before* the sum), and the products are added in float32 in rank order. So a
    subnormal can vanish in the pre-division, and two finite halves never overflow the sum. For
    two ranks the order of the addition does not matter (float addition is commutative); with

@@ -23,7 +23,7 @@ ARROWS = {
     "spec_bridge": {"train"},
     "task": {"config"},
     "train": {"config", "precision", "run", "distributed", "safe_files", "_torch_compat"},
-    "distributed": {"run"},
+    "distributed": {"run", "config"},
     "config": set(),
     "run": {"config", "task", "safe_files", "torchimpl"},
     "precision": {"config", "safe_files", "_torch_compat"},

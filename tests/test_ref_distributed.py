@@ -178,3 +178,123 @@ def test_fsdp_step_checks_shard_shapes():
     st = step.init_train_state([np.ones((7, 3), F32)], cfg)
     with pytest.raises(ValueError, match=r"shard shapes must be \[\(4, 3\), \(3, 3\)\]"):
         fsdp_step(st, [[g[0][:3]], [g[0][3:]]], cfg)
+
+
+# ---------------------------------------------------------------- gradient reductions (reference.grad_reduction)
+
+from reference import grad_reduction as gr  # noqa: E402
+
+BF16 = gr.WIRE_DTYPES["bf16"]
+
+
+def _f(*v) -> np.ndarray:
+    return np.array(v, dtype=F32)
+
+
+def test_two_rank_sum_rounds_once_to_the_wire_dtype():
+    # bf16 keeps 8 significant bits: 1 + 2^-8 is the tie between 1 and 1 + 2^-7 (even: 1);
+    # 1 + 3 * 2^-9 is past it (1 + 2^-7); float32 keeps both exactly.
+    a, b = _f(1.0, 1.0), _f(2.0**-8, 3 * 2.0**-9)
+    assert gr.gloo_sum([a, b], "bf16").astype(F32).tolist() == [1.0, 1.0078125]
+    assert gr.gloo_sum([a, b], "fp32").tolist() == [1.00390625, 1.005859375]
+    assert gr.gloo_sum([b, a], "bf16").tobytes() == gr.gloo_sum([a, b], "bf16").tobytes()
+
+
+def test_gloo_sum_refuses_an_unfixed_order():
+    with pytest.raises(ValueError, match="no order of additions for 3 ranks"):
+        gr.gloo_sum([_f(1.0)] * 3, "bf16")
+
+
+def test_ddp_compress_hook_divides_in_the_wire_dtype_before_the_sum():
+    # bf16: 1/2 = 0.5 and 2^-8 / 2 = 2^-9, half an ULP of 0.5: the tie rounds to 0.5; float32
+    # DDP keeps 0.5 + 2^-9.
+    g0, g1 = _f(1.0), _f(2.0**-8)
+    assert gr.reduce([g0, g1], gr.ddp_compress_hook("bf16", 2)).tolist() == [0.5]
+    assert gr.reduce([g0, g1], gr.ddp_default(2)).tolist() == [0.501953125]
+    assert gr.reduce([g0, g1], gr.ddp_default(2)).tobytes() == ddp_average([[g0], [g1]])[0].tobytes()
+    # fp16: the smallest subnormal 2^-24 halves to the tie 2^-25, which rounds to 0 on each rank
+    # (pre-division); 65504 halves to 32752 and the sum stays finite.
+    tiny, big = _f(2.0**-24, 65504.0), _f(2.0**-24, 65504.0)
+    assert gr.reduce([tiny, big], gr.ddp_compress_hook("fp16", 2)).tolist() == [0.0, 65504.0]
+
+
+def test_avg_divides_the_rounded_sum():
+    # Rule 4: the fp16 sum 131008 overflows before the division (float32 arithmetic gives 65504);
+    # 2^-24 + 2^-24 = 2^-23 halves back to 2^-24 (a pre-division would give 0).
+    red = gr.Reduction("fp16", 2, post=2.0, op="avg")  # all_reduce(op=AVG) of fp16 tensors on gloo
+    x = _f(65504.0, 2.0**-24)
+    assert gr.reduce([x, x], red).tolist() == [np.inf, 2.0**-24]
+    # bf16 AVG: 1 + 2^-8 ties to 1, then 0.5.
+    avg = gr.fsdp2_reduction("bf16", 2)
+    assert avg.op == "avg" and gr.reduce([_f(1.0), _f(2.0**-8)], avg).tolist() == [0.5]
+
+
+def test_fsdp2_fp16_splits_the_division_as_torch_does():
+    assert gr.fsdp2_divide_factors("fp16", 2) == (2.0, 1.0, "sum")
+    assert gr.fsdp2_divide_factors("fp16", 4) == (2.0, 2.0, "sum")
+    assert gr.fsdp2_divide_factors("fp16", 8) == (4.0, 2.0, "sum")
+    assert gr.fsdp2_divide_factors("fp16", 6) == (4.0, 1.5, "sum")  # 6 % 4 != 0 stops the doubling
+    assert gr.fsdp2_divide_factors("bf16", 2) == (None, None, "avg")
+    assert gr.fsdp2_divide_factors("fp32", 1) == (None, None, "sum")
+    assert gr.fsdp2_divide_factors("fp32", 4, factor=4) == (None, None, "avg")
+    assert gr.fsdp2_divide_factors("fp32", 4, factor=8) == (None, None, "premul_sum")
+    assert gr.fsdp2_divide_factors("bf16", 4, force_sum=True) == (None, 4.0, "sum")
+    # fp16 at 2 ranks: pre-division by 2, the same arithmetic as DDP's fp16 hook.
+    red = gr.fsdp2_reduction("fp16", 2)
+    assert red.pre == ("div", 2.0) and red.post == 1.0
+    x = _f(2.0**-24, 65504.0, 3.0)
+    assert gr.reduce([x, x], red).tobytes() == gr.reduce([x, x], gr.ddp_compress_hook("fp16", 2)).tobytes()
+
+
+def test_premul_sum_is_not_on_gloo():
+    red = gr.fsdp2_reduction("fp32", 2, factor=4.0)
+    assert red.op == "premul_sum" and not red.runs_on_gloo
+    # 1/4 in the wire dtype, times each rank's value, then the sum.
+    assert gr.reduce([_f(1.0), _f(3.0)], red).tolist() == [1.0]
+    assert gr.fsdp2_reduction("fp32", 2).runs_on_gloo
+
+
+def test_wire_cast_rounds_first():
+    # Rule 1a: an fp32 gradient below half the smallest fp16 subnormal is 0 on the wire; one past
+    # 65519.99 (max plus half a spacing) is inf.
+    red = gr.ddp_compress_hook("fp16", 2)
+    g = _f(1e-8, 70000.0)
+    assert gr.reduce([g, g], red).tolist() == [0.0, np.inf]
+
+
+def test_three_ranks_have_one_result_per_order_and_an_envelope():
+    # 1 + 2^-8 + 2^-8 in bf16: (1 + 2^-8) ties to 1, so adding 1 first loses both; the two small
+    # ones first give 2^-7 exactly, then 1 + 2^-7.
+    vals = [_f(1.0), _f(2.0**-8), _f(2.0**-8)]
+    got = sorted({float(v) for v in gr.sum_candidates(vals, "bf16").astype(F32).ravel()})
+    assert got == [1.0, 1.0078125]
+    # Envelope: two roundings, B = (1 + 2^-7)(1 + 2^-8) rounds up to 1.015625, ULP 2^-7: 2^-7.
+    # The worst order (result 1.0) is exactly that far from 1 + 2^-7.
+    assert gr.sum_envelope(vals, "bf16").tolist() == [2.0**-7]
+    red = gr.Reduction("bf16", 3, op="sum")
+    assert sorted(set(gr.reduce_candidates(vals, red).ravel().tolist())) == [1.0, 1.0078125]
+
+
+def test_every_order_lies_inside_the_envelope():
+    rng = np.random.default_rng(3)
+    for wire in ("fp32", "bf16", "fp16"):
+        for w in (3, 4, 5):
+            vals = [(rng.standard_normal(400) * np.exp2(rng.integers(-8, 8, 400))).astype(F32) for _ in range(w)]
+            wired = [gr.to_wire(v, wire).astype(np.float64) for v in vals]
+            exact = np.sum(np.stack(wired), axis=0)  # float64 is exact here (W <= 5, 24-bit inputs, 16 binades)
+            err = np.abs(gr.sum_candidates(vals, wire).astype(np.float64) - exact).max(axis=0)
+            env = gr.sum_envelope(vals, wire)
+            assert (err <= env).all(), f"{wire} W={w}: error {err[err > env][:3]} beyond {env[err > env][:3]}"
+            # The envelope is not loose: some order comes within a factor 4 of it somewhere.
+            assert (err > env / 4).any()
+
+
+def test_reduction_refuses_bad_input():
+    with pytest.raises(ValueError, match="wire must be one of"):
+        gr.Reduction("fp8", 2)
+    with pytest.raises(ValueError, match="from 3 ranks for a reduction over 2"):
+        gr.reduce([_f(1.0)] * 3, gr.ddp_default(2))
+    with pytest.raises(ValueError, match="compress hooks send bf16 or fp16"):
+        gr.ddp_compress_hook("fp32", 2)
+    with pytest.raises(ValueError, match="differ in shape"):
+        gr.reduce([_f(1.0), _f(1.0, 2.0)], gr.ddp_default(2))

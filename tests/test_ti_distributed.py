@@ -21,10 +21,13 @@ from torchimpl.run.checkpoint import CheckpointError
 from torchimpl.config.schema import ConfigError, load_config
 from torchimpl.distributed import (
     DistributedError,
+    ReductionSettings,
     ShardedData,
     config_differences,
     init_distributed,
     rank_seed,
+    reduction_problems,
+    reduction_settings,
     shard_data,
 )
 from torchimpl.task.builtin import SyntheticBatches
@@ -41,6 +44,59 @@ def test_config_field_is_validated():
         load_config(overrides=["train.distributed=horovod"])
     with pytest.raises(ConfigError, match="distributed_timeout_s"):
         load_config(overrides=["train.distributed_timeout_s=0"])
+
+
+def test_reduce_dtype_is_validated_and_refused_where_torch_cannot_run_it():
+    with pytest.raises(ConfigError, match="train.reduce_dtype: must be one of 'fp32', 'bf16', got 'fp16'"):
+        load_config(overrides=["train.reduce_dtype=fp16", "train.distributed=fsdp2"])
+    with pytest.raises(ConfigError, match="train.reduce_dtype: 'bf16' sets the dtype .* distributed='none'"):
+        load_config(overrides=["train.reduce_dtype=bf16"])
+    with pytest.raises(ConfigError, match="train.reduce_dtype: 'bf16' under distributed='ddp' is torch's "
+                                          "bf16_compress_hook, which torch runs only on CUDA"):
+        load_config(overrides=["train.reduce_dtype=bf16", "train.distributed=ddp", "device=cpu"])
+    assert load_config(overrides=["train.reduce_dtype=bf16", "train.distributed=fsdp2", "device=cpu"]).train.reduce_dtype == "bf16"
+    assert load_config().train.reduce_dtype == "fp32"
+
+
+def test_reduction_problems_follow_torchs_own_check():
+    bf16 = ReductionSettings("bf16")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    # DistributedDataParallel._check_comm_hook: bf16_compress_hook needs CUDA and NCCL >= 2.10.
+    assert reduction_problems("ddp", bf16, cuda, nccl_version=(2, 21, 5)) == []
+    assert "NCCL 2.9.9" in reduction_problems("ddp", bf16, cuda, nccl_version=(2, 9, 9))[0][1]
+    ((field, msg),) = reduction_problems("ddp", bf16, cpu)
+    assert field == "train.reduce_dtype" and "not on cpu (gloo)" in msg
+    assert reduction_problems("fsdp2", bf16, cpu) == []  # gloo reduces bf16 (measured)
+    assert reduction_problems("none", bf16, cpu)[0][0] == "train.reduce_dtype"
+    assert reduction_problems("ddp", ReductionSettings(), cpu) == []
+
+
+def test_a_refused_reduction_stops_before_any_process_group():
+    # device=auto resolving to the CPU is refused at run time, with the same field.
+    with pytest.raises(ConfigError, match="train.reduce_dtype: 'bf16' under train.distributed='ddp'"):
+        init_distributed("ddp", device=torch.device("cpu"), reduction=ReductionSettings("bf16"))
+    assert not torch.distributed.is_initialized()
+
+
+def test_reduction_settings_map_onto_torchs_policy_and_hook():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # the hook torch ships
+
+    fp32_master = reduction_settings("fsdp2", "bf16-true", "fp32", "fp32")
+    assert fp32_master == ReductionSettings("fp32", "bf16")
+    policy = fp32_master.fsdp_policy()
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    policy = reduction_settings("fsdp2", "16-true", "fp32", "bf16").fsdp_policy()
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.float16, torch.bfloat16)
+    # Autocast modes keep the parameters' own dtype; DDP never changes it.
+    assert reduction_settings("fsdp2", "bf16", None, "bf16").fsdp_policy().param_dtype is None
+    assert reduction_settings("ddp", "bf16-true", "none", "fp32") == ReductionSettings()
+    for option in ("none", "kahan", "stochastic"):
+        with pytest.raises(ValueError, match=f"precision.master_weights: '{option}' .* set precision.master_weights='fp32'"):
+            reduction_settings("fsdp2", "bf16-true", option, "fp32")
+    assert ReductionSettings("bf16").ddp_hook() is default_hooks.bf16_compress_hook
+    assert ReductionSettings().ddp_hook() is None
+    with pytest.raises(ValueError, match="reduce_dtype must be 'fp32' or 'bf16'"):
+        ReductionSettings("fp16")
 
 
 def test_rank_seed_keeps_rank_0_and_separates_the_others():

@@ -67,7 +67,12 @@ def test_master_weights_outside_a_true_mode_is_refused(mode):
     (["precision.mode=bf16-true", "precision.fp8_skip_first_last=false"], "precision.fp8_skip_first_last",
      "set mode fp8"),
     (["precision.mode=bf16-true", "precision.fp32_modules=[head]"], "precision.fp32_modules", "remove fp32_modules"),
-    (["precision.mode=bf16-true", "train.distributed=ddp"], "train.distributed", "set train.distributed=none"),
+    (["precision.mode=bf16-true", "train.distributed=ddp"], "train.distributed",
+     "use train.distributed=fsdp2 with precision.master_weights=fp32"),
+    (["precision.mode=bf16-true", "train.distributed=fsdp2"], "precision.master_weights",
+     "set precision.master_weights=fp32, or train.distributed=none"),
+    (["precision.mode=bf16-true", "precision.master_weights=kahan", "train.distributed=fsdp2"],
+     "precision.master_weights", "shards are fp32 with a 16-bit compute copy"),
     (["precision.mode=bf16-true", "precision.master_weights=kahan", "train.sync_free=true"], "train.sync_free",
      "set train.sync_free=false"),
     (["precision.mode=bf16-true", "precision.master_weights=fp32", "train.sync_free=true"], "train.sync_free",
@@ -79,6 +84,14 @@ def test_combinations_that_cannot_run_are_refused_naming_the_field(overrides, fi
     errors = refusal(overrides)
     assert [f for f, _ in errors] == [field]
     assert words in errors[0][1]
+
+
+def test_fsdp2_takes_the_fp32_master_option():
+    # torchimpl.distributed rule 11: FSDP2's MixedPrecisionPolicy(param_dtype=...) over fp32 shards.
+    for mode in ("bf16-true", "16-true"):
+        cfg = load_config(overrides=[f"precision.mode={mode}", "precision.master_weights=fp32",
+                                     "train.distributed=fsdp2", "train.reduce_dtype=bf16"])
+        assert (cfg.train.distributed, cfg.precision.master_weights) == ("fsdp2", "fp32")
 
 
 def test_fused_is_accepted_with_every_option():

@@ -181,6 +181,13 @@ class TrainConfig(_Checked):
     process. Rank 0 alone logs, prints and writes the trace; a checkpoint written inside an
     accumulation window resumes only on the same number of ranks."""
 
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The dtype gradients cross the ranks in: ``fp32``, or ``bf16`` (half the bytes; each
+    all-reduce rounds to bf16). Under ``fsdp2`` it is ``MixedPrecisionPolicy(reduce_dtype=...)``
+    (the mean is taken after the bf16 sum); under ``ddp``, ``bf16`` registers torch's
+    ``bf16_compress_hook`` (each rank divides in bf16 before the sum), which torch runs only on
+    CUDA with NCCL >= 2.10: refused on the CPU. Refused without ``distributed``."""
+
     distributed_timeout_s: float = 300.0
     """Seconds any rank waits for the others (start-up, every collective) before failing."""
 
@@ -209,6 +216,12 @@ class TrainConfig(_Checked):
             out.append(("on_nonfinite", f"must be one of 'skip', 'stop', got {self.on_nonfinite!r}"))
         if self.distributed not in ("none", "ddp", "fsdp2"):
             out.append(("distributed", f"must be one of 'none', 'ddp', 'fsdp2', got {self.distributed!r}"))
+        if self.reduce_dtype not in ("fp32", "bf16"):
+            out.append(("reduce_dtype", f"must be one of 'fp32', 'bf16', got {self.reduce_dtype!r}"))
+        elif self.reduce_dtype != "fp32" and self.distributed == "none":
+            out.append(("reduce_dtype", f"{self.reduce_dtype!r} sets the dtype of the gradient reduction across "
+                                        "ranks; with distributed='none' there is none: leave it 'fp32', or set "
+                                        "distributed to 'ddp' or 'fsdp2'"))
         t = self.distributed_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
             out.append(("distributed_timeout_s", f"must be a finite number of seconds > 0, got {t!r}"))
@@ -298,11 +311,24 @@ class LoggingConfig(_Checked):
 def _across_sections(cfg: "Config") -> list[tuple[str, str]]:
     """Settings of different sections valid alone but not together, as ``(dotted field, message)``."""
     out: list[tuple[str, str]] = []
-    mode = cfg.precision.mode
-    if mode in ("bf16-true", "fp16-true") and cfg.train.distributed != "none":
-        out.append(("train.distributed", f"precision.mode {mode!r} trains in one process: the gradient reduction "
-                                         "of parameters held in 16 bits is not implemented here; set "
-                                         "train.distributed=none, or use mode bf16 (bf16-mixed) across processes"))
+    mode, t = cfg.precision.mode, cfg.train
+    if mode in ("bf16-true", "fp16-true") and t.distributed == "ddp":
+        out.append(("train.distributed", f"precision.mode {mode!r} under ddp (replicas of 16-bit parameters) is not "
+                                         "implemented; use train.distributed=fsdp2 with precision.master_weights=fp32 "
+                                         "(fp32 shards, 16-bit compute copies), or mode bf16 (bf16-mixed) under ddp"))
+    if mode in ("bf16-true", "fp16-true") and t.distributed == "fsdp2" and cfg.precision.master_weights != "fp32":
+        out.append(("precision.master_weights", f"{cfg.precision.master_weights!r} with precision.mode {mode!r} cannot "
+                                                "run under train.distributed=fsdp2, whose shards are fp32 with a 16-bit "
+                                                "compute copy (MixedPrecisionPolicy(param_dtype=...)): set "
+                                                "precision.master_weights=fp32, or train.distributed=none"))
+    device = cfg.device.split(":")[0] if isinstance(cfg.device, str) else ""
+    if t.distributed == "ddp" and t.reduce_dtype == "bf16" and device == "cpu":
+        # DistributedDataParallel._check_comm_hook raises a TypeError for bf16_compress_hook
+        # unless CUDA with NCCL >= 2.10 (or XPU): refuse before any process group exists.
+        out.append(("train.reduce_dtype", "'bf16' under distributed='ddp' is torch's bf16_compress_hook, which "
+                                          "torch runs only on CUDA with NCCL >= 2.10, not with gloo on the CPU "
+                                          "(device='cpu'): use distributed='fsdp2' (its bf16 reduction runs on "
+                                          "gloo) or reduce_dtype='fp32'"))
     if cfg.precision.master_weights != "none" and cfg.train.sync_free is True:
         # The fused kernel skips a step inside itself; the master copy's write-back runs on the
         # host and would not see that skip.

@@ -44,7 +44,7 @@ from torchimpl.config.schema import Config, ScheduleConfig
 from torchimpl.precision.device import resolve_device
 from torchimpl.precision.diagnostics import report_nonfinite
 from torchimpl.precision.guard import NonFiniteError, NonFiniteGuard
-from torchimpl.distributed import DistributedContext, init_distributed
+from torchimpl.distributed import DistributedContext, init_distributed, reduction_settings
 from torchimpl.train.optim import BuiltOptimizer, OptimizerConfig, adopt_optimizer, build_optimizer
 from torchimpl.precision.plan import PrecisionDowngradeWarning, PrecisionPlan, autocast_context, resolve_precision
 from torchimpl.run.lifecycle import Interrupts, check_train_data, outcome, preflight
@@ -177,6 +177,22 @@ def _check_resume_target(resume: str | Path | None, cfg: Config, overwrite: bool
                               "checkpoint file, or resume='latest' with checkpoint.folder")
 
 
+def _reduction(cfg: Config) -> Any:
+    """Rule 11 of torchimpl.distributed: the gradient reduction and FSDP2's parameter dtype."""
+    p = cfg.precision
+    return reduction_settings(cfg.train.distributed, p.mode, p.master_weights, cfg.train.reduce_dtype)
+
+
+def _held_model(model: nn.Module, plan: Any, dist: DistributedContext) -> tuple[nn.Module, bool]:
+    """The model in the dtype its parameters are held in, and whether FSDP2's fp32 shards are the
+    master copy: a ``*-true`` plan casts the model to 16 bits, except under FSDP2 with
+    ``param_dtype`` set, where the parameters stay fp32 and FSDP2 casts the compute copies. They
+    start from the 16-bit values, as one process's fp32 master copy of a cast model does."""
+    if dist.reduction.param_dtype is not None:
+        return cast_model(model, plan).to(torch.float32), True
+    return cast_model(model, plan), False
+
+
 def _close(fit: _Fit, callbacks: list[Callback]) -> None:
     """On every exit from ``fit``: callbacks drop what they hung on the user's model, then the processes close."""
     try:
@@ -306,7 +322,8 @@ class Trainer:
         fit = self._fit = _Fit(loss_fn=loss_fn or default_loss_fn, device=resolve_device(cfg.device),
                                user=(optimizer, scheduler) if optimizer is not None else None)
         # Multi-process hooks (torchimpl.distributed); identities with train.distributed=none.
-        fit.dist = init_distributed(cfg.train.distributed, device=fit.device, timeout_s=cfg.train.distributed_timeout_s)
+        fit.dist = init_distributed(cfg.train.distributed, device=fit.device, timeout_s=cfg.train.distributed_timeout_s,
+                                    reduction=_reduction(cfg))  # refused here, before any process group, if torch cannot run it
         try:
             preflight(cfg, val_data, is_main=fit.dist.is_main)
             with claimed_run(cfg, resume=resume is not None, overwrite=overwrite, is_main=fit.dist.is_main), \
@@ -337,7 +354,7 @@ class Trainer:
         fit.downgrades = [plan.reason] if plan.reason else []
         if plan.reason:
             warnings.warn(f"precision: {plan.reason}", PrecisionDowngradeWarning, stacklevel=3)
-        model = cast_model(model.to(device), plan)  # *-true: the parameters in 16 bits
+        model, sharded_master = _held_model(model.to(device), plan, fit.dist)
         if plan.mode == "fp8":  # torchao swaps the linear layers: keep the module it returns
 
             model, fit.fp8_report = convert_to_fp8(model, plan.fp8_recipe, device,
@@ -354,8 +371,8 @@ class Trainer:
         if built.reason:
             log.info("optimizer: %s (%s)", built.kind, built.reason)
         fit.scaler = make_grad_scaler(plan, cfg.scaler, force=cfg.train.force_scaler)
-        fit.master = master_step(fit.optimizer, plan, seed=cfg.train.seed, state=fit.state,
-                                 measure_every=cfg.train.log_interval)
+        fit.master = None if sharded_master else master_step(fit.optimizer, plan, seed=cfg.train.seed, state=fit.state,
+                                                             measure_every=cfg.train.log_interval)
         fit.dist.attach(fit.model, fit.optimizer)
         if cfg.train.compile:
             forward_model = torch.compile(forward_model)

@@ -1,51 +1,5 @@
-"""Multi-process training on PyTorch's own engines: DDP and FSDP2, launched with ``torchrun``.
-
-The trainer calls the hooks of one :class:`DistributedContext`; with ``train.distributed: none``
-every hook is the identity and nothing here touches ``torch.distributed``. Rules:
-
-1. One process per rank, started by ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-   ``MASTER_ADDR``, ``MASTER_PORT``). gloo on CPU, NCCL on CUDA (each rank on ``cuda:LOCAL_RANK``).
-   Without those variables a single-rank group is created in-process (to load a sharded
-   checkpoint for evaluation, or to test). An existing process group is reused, not destroyed.
-2. Every collective is bounded by ``train.distributed_timeout_s``: a rank that dies or hangs
-   makes the others fail with :class:`DistributedError` naming the operation, not wait forever.
-3. At start the ranks compare their configurations; a difference raises
-   :class:`DistributedError` naming the ranks and the fields.
-4. The model starts from rank 0's parameters on every rank. DDP replicates it; FSDP2
-   (``fully_shard``) shards every called child with parameters, then the root, with a
-   ``MixedPrecisionPolicy`` that keeps fp32 parameters and fp32 gradient reduction: autocast
-   picks the compute dtype per operation exactly as on one device.
-5. The skip decision: after ``unscale_``, the found_inf flag and the window's loss are summed over
-   ranks in one all-reduce of a device tensor (no host read), and the reduced flag is written
-   back into the scaler's per-device records before the step decision and ``update``. Every
-   rank skips, or none does, even when an inf appears after the gradient reduction; every rank
-   sees the same mean loss, so a stop on a non-finite loss is rank-consistent too.
-6. The gradient norm is global: DDP's gradients are replicated, so the local norm is the global
-   one; FSDP2's norm over DTensor shards is reduced by torch (a ``Replicate`` DTensor, made a plain
-   tensor here). Identical on every rank.
-7. Data: rank ``r`` of ``W`` takes batches ``r, r + W, r + 2W, ...`` of each epoch, and every rank
-   the same number of them (``len(data) // W``), so all ranks run the same windows. A
-   ``DataLoader`` with a ``DistributedSampler`` is used as it is.
-8. Random streams: rank 0 keeps ``train.seed`` (a one-rank run equals a non-distributed one);
-   rank ``r`` seeds ``seed + r * 1_000_003``. Checkpoints keep every rank's generator states.
-9. Rank 0 alone logs at INFO, writes the trace, the progress bar and the non-finite diagnosis
-   (one file holding every rank's diagnosis of its own batch). Checkpoints: DDP (and none) write
-   the usual single file from rank 0; FSDP2 writes a ``step-NNNNNNNN.dcp`` folder with
-   ``torch.distributed.checkpoint`` (model, optimizer and, inside an accumulation window, the
-   sharded accumulated gradients) plus ``meta.ckpt`` (the rest), first under a temporary name,
-   then renamed by rank 0 once every rank has finished. Every rank's generator states and, inside
-   a window, its own loss accumulator (and DDP's local gradient sums) are gathered into rank 0's
-   file (for DDP that is world size x the model's gradients in rank 0's memory while it writes).
-   A checkpoint written inside a window resumes only on as many ranks as wrote it (the partial
-   sums belong to those ranks' data shards); at a window boundary any world size loads it. An
-   optimizer without state yet (before its first applied step) is left out of an FSDP2
-   checkpoint: ``get_state_dict`` would create the state with a zero-learning-rate step.
-10. Gradient accumulation: DDP runs every microbatch of a window but the last under
-   ``no_sync()``, so each rank sums its microbatch gradients locally and DDP all-reduces the
-   window's sum once, in the last backward (one gradient all-reduce per window, not one per
-   microbatch). FSDP2 reduce-scatters every microbatch into its sharded gradients (gradient
-   memory stays sharded).
-"""
+"""The multi-rank context the trainer calls (rules 1-3, 5, 6, 9, 10 of ``torchimpl.distributed``):
+the process group, the configuration check, the skip decision, the norm, checkpoints."""
 
 from __future__ import annotations
 
@@ -67,36 +21,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchimpl.distributed.data import rank_seed, shard_data
+from torchimpl.distributed.model import MODES, wrap_model
+from torchimpl.config.problems import ConfigError
+from torchimpl.distributed.reduction import ReductionSettings, reduction_problems
 from torchimpl.run.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
-__all__ = [
-    "MODES",
-    "DistributedContext",
-    "DistributedError",
-    "ShardedData",
-    "config_differences",
-    "init_distributed",
-    "launch_rank",
-    "rank_seed",
-    "shard_data",
-    "wrap_model",
-]
+__all__ = ["DistributedContext", "DistributedError", "config_differences", "init_distributed", "launch_rank"]
 
-log = logging.getLogger(__name__)
-
-MODES = ("none", "ddp", "fsdp2")
-_SEED_STRIDE = 1_000_003
+log = logging.getLogger("torchimpl.distributed")
 
 
 class DistributedError(RuntimeError):
     """A multi-rank run cannot continue: a rank died or hangs, or the ranks disagree."""
 
-
-def rank_seed(seed: int, rank: int) -> int:
-    """Rule 8: the seed of rank ``rank``'s generators (rank 0 keeps ``seed``)."""
-    if rank < 0:
-        raise ValueError(f"rank must be >= 0, got {rank}")
-    return (seed + rank * _SEED_STRIDE) % (2**63)
 
 
 def launch_rank() -> int:
@@ -121,169 +59,28 @@ def _fingerprint(config: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-# ---------------------------------------------------------------- data (rule 7)
-
-
-class ShardedData:
-    """Rank ``rank``'s share of a re-iterable of batches: every ``world_size``-th batch.
-
-    Positional sources (with ``iter_from(epoch, index)`` or ``batch(epoch, index)``, or a
-    sequence) give ``iter_from`` too, so a resume starts mid-epoch without replaying. Other
-    iterables are iterated with the global generator seeded from ``(seed, epoch)`` identically
-    on every rank, so a shuffling ``DataLoader`` gives all ranks the same order to share.
-    """
-
-    def __init__(self, base: Any, rank: int, world_size: int, seed: int = 0):
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
-        self.base, self.rank, self.world_size, self.seed = base, rank, world_size, seed
-        self.epoch = 0
-        try:
-            total = len(base)
-        except TypeError:
-            total = None
-        if total is not None and total < world_size:
-            raise ValueError(f"train_data has {total} batches per epoch, fewer than the {world_size} ranks")
-        self._per_rank = None if total is None else total // world_size
-        self.positional = hasattr(base, "iter_from") or hasattr(base, "batch") or isinstance(base, Sequence)
-
-    def __len__(self) -> int:
-        if self._per_rank is None:
-            raise TypeError("the underlying data has no length")
-        return self._per_rank
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-        for target in (self.base, getattr(self.base, "sampler", None), getattr(self.base, "batch_sampler", None)):
-            if hasattr(target, "set_epoch"):
-                target.set_epoch(epoch)
-
-    def _indices(self, index: int) -> range:
-        stop = None if self._per_rank is None else self._per_rank * self.world_size
-        return range(self.rank + index * self.world_size, stop if stop is not None else 2**62, self.world_size)
-
-    def iter_from(self, epoch: int, index: int) -> Iterator[Any]:
-        if not self.positional:
-            raise TypeError("iter_from needs a positional source (iter_from, batch, or a sequence)")
-        self.epoch = epoch
-        wanted = self._indices(index)
-        base = self.base
-        if hasattr(base, "batch"):
-            return (base.batch(epoch, i) for i in wanted)
-        if isinstance(base, Sequence) and not hasattr(base, "iter_from"):
-            return (base[i] for i in wanted)
-        return self._take(base.iter_from(epoch, index * self.world_size))
-
-    def __iter__(self) -> Iterator[Any]:
-        if self.positional:
-            return self.iter_from(self.epoch, 0)
-        return self._iterate_shared_order()
-
-    def _iterate_shared_order(self) -> Iterator[Any]:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(rank_seed(self.seed, 0) * 7919 + self.epoch)
-            it = iter(self.base)
-            # A sampler draws its seed lazily, at the first batch: draw it under the shared seed.
-            first = next(it, _END)
-        return self._take(it if first is _END else itertools.chain([first], it))
-
-    def _take(self, source: Iterator[Any]) -> Iterator[Any]:
-        # Whole groups of W batches only: an incomplete last group is dropped on every rank, so
-        # all ranks run the same number of windows even when the length is unknown.
-        for group in zip(*[iter(source)] * self.world_size):
-            yield group[self.rank]
-
-
-_END = object()
-
-
-def shard_data(data: Any, rank: int, world_size: int, seed: int = 0) -> Any:
-    """Rule 7: ``data`` as rank ``rank`` sees it (unchanged on one rank or with a DistributedSampler)."""
-    if world_size == 1:
-        return data
-    sampler = getattr(data, "sampler", None)
-    if isinstance(sampler, torch.utils.data.distributed.DistributedSampler):
-        return data
-    return ShardedData(data, rank, world_size, seed)
-
-
-# ---------------------------------------------------------------- model (rule 4)
-
-
-def _broadcast_from_rank0(model: nn.Module) -> None:
-    with torch.no_grad():
-        for t in itertools.chain(model.parameters(), model.buffers()):
-            dist.broadcast(t.data, src=0)
-
-
-def wrap_model(model: nn.Module, mode: str, plan: Any = None, device: torch.device | None = None) -> tuple[nn.Module, nn.Module]:
-    """Rule 4: ``(module, forward_module)`` for ``mode``, on an initialised process group.
-
-    ``module`` owns the parameters (state dicts, the optimizer); ``forward_module`` is what the
-    forward pass calls (the DDP wrapper; for FSDP2 the sharded module itself). ``plan`` is the
-    precision plan: with FSDP2 the parameters and the gradient reduction stay float32 and the
-    plan's autocast chooses the compute dtype per operation.
-    """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if mode == "none":
-        return model, model
-    device = device or next(model.parameters()).device
-    _broadcast_from_rank0(model)
-    if mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel  # loaded when used (slow to import)
-
-        ids = [device.index] if device.type == "cuda" and device.index is not None else None
-        return model, DistributedDataParallel(model, device_ids=ids)
-    from torch.distributed.device_mesh import init_device_mesh  # loaded when used (slow to import)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    # fp32 parameters and reduction: numerics as on one device, autocast does the casting.
-    policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
-    for unit in _shard_units(model):
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model, model
-
-
-def _has_params(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
-
-
-def _shard_units(model: nn.Module) -> list[nn.Module]:
-    """The submodules FSDP2 shards on their own: the root's children that forward calls.
-
-    Containers are never called (their parameters are read directly), so a ``ModuleList`` or
-    ``ModuleDict`` contributes its elements and a ``ParameterList``/``ParameterDict`` stays with
-    the root, whose own unit covers every parameter not in a child unit.
-    """
-    units = []
-    for child in model.children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            units += [c for c in child.children() if _has_params(c)]
-        elif not isinstance(child, (nn.ParameterList, nn.ParameterDict)) and _has_params(child):
-            units.append(child)
-    return units
-
-
-# ---------------------------------------------------------------- the context
-
-
 def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(seconds))
 
 
 def init_distributed(mode: str = "ddp", *, device: torch.device | None = None,
-                     timeout_s: float = 300.0) -> DistributedContext:
-    """Rule 1: join (or create) the process group for ``mode`` and return the context."""
+                     timeout_s: float = 300.0, reduction: ReductionSettings | None = None) -> DistributedContext:
+    """Rule 1: join (or create) the process group for ``mode`` and return the context.
+
+    Rule 11: ``reduction`` (default fp32) is checked against the device first; a setting torch
+    cannot run raises :class:`ConfigError` naming the field, before any process group exists.
+    """
     if mode not in MODES:
         raise ValueError(f"train.distributed must be one of {MODES}, got {mode!r}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
     device = device or torch.device("cpu")
+    reduction = reduction or ReductionSettings()
+    problems = reduction_problems(mode, reduction, device)
+    if problems:
+        raise ConfigError(problems)
     if mode == "none":
-        return DistributedContext("none", 0, 1, 0, device, owns_group=False, timeout_s=timeout_s)
+        return DistributedContext("none", 0, 1, 0, device, owns_group=False, timeout_s=timeout_s, reduction=reduction)
     if not dist.is_available():
         raise DistributedError("torch.distributed is not available in this build of PyTorch")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -301,7 +98,8 @@ def init_distributed(mode: str = "ddp", *, device: torch.device | None = None,
                                     timeout=_timeout(timeout_s))
         owns = True
     ctx = DistributedContext(mode, dist.get_rank(), dist.get_world_size(), local_rank, device, owns_group=owns,
-                             timeout_s=timeout_s)
+                             timeout_s=timeout_s, reduction=reduction)
+    log.info("gradient reduction: %s", reduction.describe(mode))
     if ctx.rank != 0:
         # Rule 9: only rank 0 reports progress; warnings and errors still show on every rank.
         logging.getLogger("torchimpl").setLevel(logging.WARNING)
@@ -312,9 +110,10 @@ class DistributedContext:
     """What the trainer needs to run on ``world_size`` ranks (identity hooks for ``none``)."""
 
     def __init__(self, mode: str, rank: int, world_size: int, local_rank: int, device: torch.device, *,
-                 owns_group: bool, timeout_s: float):
+                 owns_group: bool, timeout_s: float, reduction: ReductionSettings | None = None):
         self.mode, self.rank, self.world_size, self.local_rank = mode, rank, world_size, local_rank
         self.device, self.owns_group, self.timeout_s = device, owns_group, timeout_s
+        self.reduction = reduction or ReductionSettings()
         self._ddp: nn.Module | None = None
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
@@ -400,7 +199,8 @@ class DistributedContext:
     def wrap_model(self, model: nn.Module, plan: Any = None) -> tuple[nn.Module, nn.Module]:
         if not self.enabled:
             return model, model
-        module, forward = self._collective("wrapping the model", lambda: wrap_model(model, self.mode, plan, self.device))
+        module, forward = self._collective("wrapping the model", lambda: wrap_model(model, self.mode, plan, self.device,
+                                                                                self.reduction))
         self._ddp = forward if self.mode == "ddp" else None
         return module, forward
 
