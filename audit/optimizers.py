@@ -160,6 +160,13 @@ def lookup(cls: type) -> tuple[AuditOptimizer | None, str | None]:
     return None, f"{name} is not in the specification"
 
 
+STOCHASTIC = ("{name} with bf16_stochastic_round=True: stochastic rounding draws random bits the audit "
+              "cannot observe, so its stored values cannot be recomputed; update-lost-to-rounding does not "
+              "apply (an update smaller than the gap changes the weight with probability |update|/gap, and "
+              "is kept in expectation)")
+"""Why an optimizer that rounds stochastically (torchao's, ``bf16_stochastic_round``) is not replayed."""
+
+
 @dataclass(frozen=True)
 class OptimizerRef:
     """What the replay needs of a torch optimizer: its label in the report, its class's
@@ -176,6 +183,8 @@ def optimizer_ref(o: Any, in_process: bool = False) -> OptimizerRef:
     worker, which cannot load a spec defined in the audited script)."""
     cls = type(o.obj)
     entry, refused = lookup(cls)
+    if getattr(o.obj, "bf16_stochastic_round", False) is True:
+        entry, refused = None, STOCHASTIC.format(name=f"{cls.__module__}.{cls.__qualname__}")
     if entry is not None and in_process and not entry.builtin and _in_main(entry.spec):
         entry, refused = None, (f"the spec of {cls.__qualname__} is defined in the audited script, which the replay "
                                 "process (started before the script) cannot load: define it in a module of its own "

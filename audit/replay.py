@@ -65,6 +65,9 @@ import torch
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
 from audit import optimizers, worker
 from audit.checks_numbers import replay_divergence
+from audit.lost import LOW_DTYPES, LostBook, exact_update, low_precision, widen
+from audit.lost import events as lost_events
+from audit.rules import dispatch
 from audit.sampling import SampleBook, Sampling
 from audit.optimizers import OptimizerRef, optimizer_ref  # noqa: F401  (re-exported)
 from audit.stages import CLIP_ULP, NORM_ULP, NotReplayable, StepStages, UpdateCheck
@@ -159,6 +162,8 @@ class Replayer(StepStages, UpdateCheck):
         self.steps_bit_exact = 0
         self.updates_checked = 0
         self.worst: dict[str, float] = {}
+        self.lost = LostBook()  # the lost updates of bfloat16/float16 parameters (update-lost-to-rounding)
+        self.lost_summary: dict[str, dict[str, Any]] = {}  # per parameter measured, the run's totals
         self._found: dict[tuple[str, int], bool] = {}  # (optimizer, step) -> the spec's found_inf
         self._expected_after: dict[str, Any] = {}  # scaler label -> the scale its last update left
         self.process: Any = None
@@ -228,7 +233,7 @@ class Replayer(StepStages, UpdateCheck):
         """What the replay found, for the process that reports it (process mode)."""
         return {"divergences": self.divergences, "findings": self.findings, "not_replayed": self.not_replayed,
                 "steps_replayed": self.steps_replayed, "steps_bit_exact": self.steps_bit_exact,
-                "updates_checked": self.updates_checked, "worst": self.worst}
+                "updates_checked": self.updates_checked, "worst": self.worst, "lost": self.lost}
 
     def _wait(self) -> None:
         """Every job done; the replay's state here."""
@@ -321,13 +326,27 @@ class Replayer(StepStages, UpdateCheck):
 
     def _replay_optimizer(self, o: OptimizerRef, d: Any, rec: Any, where: str) -> None:
         for p_np in d.params_before:
-            if p_np is not None and p_np.dtype not in (np.float32, np.float64):
+            if p_np is not None and p_np.dtype not in (np.float32, np.float64) and str(p_np.dtype) not in LOW_DTYPES:
                 raise _NotReplayable(f"{p_np.dtype} parameters (the specification's optimizers take float32 and float64)")
         if o.entry is None:
             raise _NotReplayable(o.refused)
         if d.sample is not None and (len(d.sample.shapes) != len(d.params_before)
                                      or all(p is None for p in d.params_before)):
             raise _NotReplayable("the optimizer's parameters changed during the step (the sample no longer fits)")
+        low = low_precision(d.params_before)
+        if low is not None:
+            self._count_lost(o, d, rec, where)
+            raise _NotReplayable(f"{low} parameters: the optimizer stage is not compared (the specification's "
+                                 "optimizers take float32 and float64); its lost updates are counted "
+                                 "(update-lost-to-rounding)")
+        for idx, cfg, params, grads, states, new_params, new_states in self._spec_steps(o, d, lambda a: a):
+            for j, i in enumerate(idx):
+                self._compare_param(o, rec, cfg, i, params[j], grads[j], states[j], new_params[j], new_states[j],
+                                    d, where)
+
+    def _spec_steps(self, o: OptimizerRef, d: Any, cast: Any) -> Any:
+        """Per parameter group: its indices, the spec's configuration, and its parameters, gradients
+        and states (each passed through ``cast``) before and after the spec row's step."""
         row = o.entry.spec
         for gi, group in enumerate(d.groups):
             idx = [i for i, g in enumerate(d.group_of) if g == gi and d.params_before[i] is not None]
@@ -335,9 +354,10 @@ class Replayer(StepStages, UpdateCheck):
                 continue  # a group the sample left out
             cfg, impl = _spec_config(o, group)
             lr = _tensor_lr(group["lr"]) if isinstance(group.get("lr"), torch.Tensor) else cfg.lr
-            params = [d.params_before[i] for i in idx]
-            grads = [d.step_grads[i] for i in idx]
-            states = tuple(row.state_from(d.state_before[i], params[j], cfg) for j, i in enumerate(idx))
+            params = [cast(d.params_before[i]) for i in idx]
+            grads = [cast(d.step_grads[i]) for i in idx]
+            states = tuple(row.state_from({k: cast(v) for k, v in d.state_before[i].items()}, params[j], cfg)
+                           for j, i in enumerate(idx))
             if impl in row.kernel_scaled:
                 if d.kernel_unscale and row.kernel_skip_refused(cfg):
                     raise _NotReplayable(f"{row.name} unscaled by its own kernel: {row.kernel_skip_refused(cfg)}")
@@ -351,9 +371,23 @@ class Replayer(StepStages, UpdateCheck):
                 if not isinstance(lr, np.ndarray):
                     raise
                 raise _NotReplayable(f"a tensor learning rate ({exc})") from None
+            yield idx, cfg, params, grads, states, new_params, new_states
+
+    def _count_lost(self, o: OptimizerRef, d: Any, rec: Any, where: str) -> None:
+        """The lost updates of the step's bfloat16/float16 parameters (`audit.lost`): the spec row's
+        step in float32 from torch's widened inputs gives each element's exact update; torch's
+        stored bits before and after say which were lost."""
+        for idx, _, params, grads, _, new_params, _ in self._spec_steps(o, d, widen):
             for j, i in enumerate(idx):
-                self._compare_param(o, rec, cfg, i, params[j], grads[j], states[j], new_params[j], new_states[j],
-                                    d, where)
+                before, after = d.params_before[i], d.params_after[i]
+                if grads[j] is None or after is None or str(before.dtype) not in LOW_DTYPES:
+                    continue  # no update, or a float32 parameter beside the low-precision ones
+                whole = d.sample is None or d.sample.whole(i)
+                shape = before.shape if d.sample is None else d.sample.shapes[i]
+                sampled = None if whole else f"{before.size} of {int(np.prod(shape))} elements, seed {d.sample.seed}"
+                self.lost.add(o.label, i, rec.step, where, before, after, exact_update(params[j], new_params[j]),
+                              tuple(shape), sampled)
+        self.lost.step_done(o.label)
 
     def _compare_param(self, o: OptimizerRef, rec: Any, cfg: Any, i: int, p: np.ndarray, g: Any, old: Any,
                        new_p: np.ndarray, new: Any, d: Any, where: str) -> None:
@@ -410,6 +444,28 @@ class Replayer(StepStages, UpdateCheck):
             rest.append(dv)
         self.unexplained = rest
         recorder.findings.extend(replay_divergence(rest))
+        recorder.findings.extend(self._lost_findings(recorder))
+
+    def _lost_findings(self, recorder: Any) -> list[Any]:
+        """``update-lost-to-rounding``: each window of each measured parameter as an event, named
+        from the recorder's optimizers, handed to the rules that read it; a parameter is reported
+        at its first window over the threshold (the finding states the run's share too)."""
+        names = {o.label: o.names or [] for o in recorder.optimizers.values()}
+        found: set[tuple[str, str]] = set()
+        out = []
+        evs = lost_events(self.lost, names)
+        self.lost_summary = {}
+        for ev in evs:  # the run's totals of each parameter, for the report's replay summary
+            self.lost_summary[f"{ev.optimizer}'s {ev.parameter}"] = {
+                "dtype": ev.dtype, "shape": list(ev.shape), "lost": ev.run_lost, "counted": ev.run_counted,
+                "fraction": round(ev.run_lost / ev.run_counted, 6) if ev.run_counted else 0.0,
+                "sampled": ev.sampled}
+        for ev in evs:
+            if (ev.optimizer, ev.parameter) not in found:
+                new = list(dispatch(ev))
+                found |= {(ev.optimizer, ev.parameter)} if new else set()
+                out += new
+        return out
 
 
 def _worker_replayer() -> Replayer:

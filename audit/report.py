@@ -111,6 +111,11 @@ class AuditReport:
                 lines.append(f"  not replayed ({count}x): {reason}")
             if r.get("fallback"):
                 lines.append(f"  {r['fallback']}")
+            if r.get("lost_updates"):
+                lines.append("  lost updates over the run (update-lost-to-rounding; bfloat16/float16 parameters): " +
+                             ", ".join(f"{name} {v['fraction']:.1%} ({v['lost']} of {v['counted']}"
+                                       f"{'; sampled ' + v['sampled'] if v['sampled'] else ''})"
+                                       for name, v in r["lost_updates"].items()))
             lines.extend(_sampling_lines(r.get("sampling")))
         for rule, fs in self.by_rule().items():
             spec = RULES[rule]
