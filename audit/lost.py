@@ -11,8 +11,8 @@ definitions:
 2. The exact update of one element at one step is the update the optimizer's spec row computes
    in float32 from torch's own parameter, gradient and state before the step, each widened
    exactly from its 16-bit value: the update a float32 master copy would apply at that step from
-   the same state. It is ``float64(p32_after) - float64(p32_before)``, the spec's float32 step's
-   result against its input.
+   the same state. It is ``u = q - f32(p)`` in float32, ``q`` the float32 step's result
+   (`reference.master_weights.float32_step`, that module's rule 5).
 3. An element's update was lost when its exact update is finite and non-zero and torch's stored
    bits did not change across the step (`reference.health.applied_lost_count`, rule 12). The
    count is over the elements whose exact update is finite and non-zero.
@@ -38,7 +38,7 @@ from audit.boundaries import LostUpdates
 from audit.checks_numbers import LOST_WINDOW
 from reference import health
 
-__all__ = ["LOW_DTYPES", "LostBook", "Window", "exact_update", "events", "low_precision"]
+__all__ = ["LOW_DTYPES", "LostBook", "Window", "events", "low_precision"]
 
 LOW_DTYPES = ("bfloat16", "float16")
 
@@ -46,18 +46,6 @@ LOW_DTYPES = ("bfloat16", "float16")
 def low_precision(params: list[Any]) -> str | None:
     """The name of the 16-bit float dtype among ``params`` (NumPy copies; None entries skipped), or None."""
     return next((str(p.dtype) for p in params if p is not None and str(p.dtype) in LOW_DTYPES), None)
-
-
-def widen(x: Any) -> Any:
-    """A 16-bit float array as float32 (exact); any other value as it is."""
-    if isinstance(x, np.ndarray) and str(x.dtype) in LOW_DTYPES:
-        return x.astype(np.float32)
-    return x
-
-
-def exact_update(before32: np.ndarray, after32: np.ndarray) -> np.ndarray:
-    """Definition 2: the spec's float32 step's result against its input, in float64."""
-    return np.asarray(after32, np.float64) - np.asarray(before32, np.float64)
 
 
 @dataclass

@@ -65,13 +65,13 @@ import torch
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
 from audit import optimizers, worker
 from audit.checks_numbers import replay_divergence
-from audit.lost import LOW_DTYPES, LostBook, exact_update, low_precision, widen
+from audit.lost import LOW_DTYPES, LostBook, low_precision
 from audit.lost import events as lost_events
 from audit.rules import dispatch
 from audit.sampling import SampleBook, Sampling
 from audit.optimizers import OptimizerRef, optimizer_ref  # noqa: F401  (re-exported)
 from audit.stages import CLIP_ULP, NORM_ULP, NotReplayable, StepStages, UpdateCheck
-from reference import optim
+from reference import master_weights, optim
 
 __all__ = ["Replayer", "Divergence", "NORM_ULP", "CLIP_ULP"]
 
@@ -339,14 +339,15 @@ class Replayer(StepStages, UpdateCheck):
             raise _NotReplayable(f"{low} parameters: the optimizer stage is not compared (the specification's "
                                  "optimizers take float32 and float64); its lost updates are counted "
                                  "(update-lost-to-rounding)")
-        for idx, cfg, params, grads, states, new_params, new_states in self._spec_steps(o, d, lambda a: a):
+        for idx, cfg, params, grads, states, new_params, new_states in self._spec_steps(o, d, o.entry.spec.step):
             for j, i in enumerate(idx):
                 self._compare_param(o, rec, cfg, i, params[j], grads[j], states[j], new_params[j], new_states[j],
                                     d, where)
 
-    def _spec_steps(self, o: OptimizerRef, d: Any, cast: Any) -> Any:
+    def _spec_steps(self, o: OptimizerRef, d: Any, step: Any) -> Any:
         """Per parameter group: its indices, the spec's configuration, and its parameters, gradients
-        and states (each passed through ``cast``) before and after the spec row's step."""
+        and states before ``step`` (the spec row's, or `reference.master_weights.float32_step` on it)
+        and what it returns: the parameters after (or the exact updates) and the states."""
         row = o.entry.spec
         for gi, group in enumerate(d.groups):
             idx = [i for i, g in enumerate(d.group_of) if g == gi and d.params_before[i] is not None]
@@ -354,10 +355,10 @@ class Replayer(StepStages, UpdateCheck):
                 continue  # a group the sample left out
             cfg, impl = _spec_config(o, group)
             lr = _tensor_lr(group["lr"]) if isinstance(group.get("lr"), torch.Tensor) else cfg.lr
-            params = [cast(d.params_before[i]) for i in idx]
-            grads = [cast(d.step_grads[i]) for i in idx]
-            states = tuple(row.state_from({k: cast(v) for k, v in d.state_before[i].items()}, params[j], cfg)
-                           for j, i in enumerate(idx))
+            params = [d.params_before[i] for i in idx]
+            grads = [d.step_grads[i] for i in idx]
+            # A 16-bit parameter's state is read against its float32 widening (the spec's rows init float32).
+            states = tuple(row.state_from(d.state_before[i], _wide(params[j]), cfg) for j, i in enumerate(idx))
             if impl in row.kernel_scaled:
                 if d.kernel_unscale and row.kernel_skip_refused(cfg):
                     raise _NotReplayable(f"{row.name} unscaled by its own kernel: {row.kernel_skip_refused(cfg)}")
@@ -366,7 +367,7 @@ class Replayer(StepStages, UpdateCheck):
             else:
                 kwargs = {"sqrt": _torch_sqrt(impl)}
             try:
-                new_params, _, new_states = row.step(impl, params, grads, states, cfg, lr=lr, **kwargs)
+                new_params, _, new_states = step(impl, params, grads, states, cfg, lr=lr, **kwargs)
             except ValueError as exc:
                 if not isinstance(lr, np.ndarray):
                     raise
@@ -375,9 +376,19 @@ class Replayer(StepStages, UpdateCheck):
 
     def _count_lost(self, o: OptimizerRef, d: Any, rec: Any, where: str) -> None:
         """The lost updates of the step's bfloat16/float16 parameters (`audit.lost`): the spec row's
-        step in float32 from torch's widened inputs gives each element's exact update; torch's
-        stored bits before and after say which were lost."""
-        for idx, _, params, grads, _, new_params, _ in self._spec_steps(o, d, widen):
+        step in float32 from torch's widened inputs gives each element's exact update
+        (`reference.master_weights` rule 5); torch's stored bits before and after say which were lost."""
+        row = o.entry.spec
+
+        def float32(impl: str, params: Any, grads: Any, states: Any, cfg: Any, *, lr: Any = None, sqrt: Any = None,
+                     grad_scale: Any = None, found_inf: float = 0.0) -> Any:
+            if grad_scale is not None or found_inf:
+                raise _NotReplayable(f"{row.name} unscaled by its own kernel on 16-bit parameters (the exact "
+                                     "update is not specified there)")
+            q, exact, new = master_weights.float32_step(row, impl, params, grads, states, cfg, lr=lr, sqrt=sqrt)
+            return exact, q, new  # the exact updates in the place of the parameters after
+
+        for idx, _, params, grads, _, exact, _ in self._spec_steps(o, d, float32):
             for j, i in enumerate(idx):
                 before, after = d.params_before[i], d.params_after[i]
                 if grads[j] is None or after is None or str(before.dtype) not in LOW_DTYPES:
@@ -385,8 +396,7 @@ class Replayer(StepStages, UpdateCheck):
                 whole = d.sample is None or d.sample.whole(i)
                 shape = before.shape if d.sample is None else d.sample.shapes[i]
                 sampled = None if whole else f"{before.size} of {int(np.prod(shape))} elements, seed {d.sample.seed}"
-                self.lost.add(o.label, i, rec.step, where, before, after, exact_update(params[j], new_params[j]),
-                              tuple(shape), sampled)
+                self.lost.add(o.label, i, rec.step, where, before, after, exact[j], tuple(shape), sampled)
         self.lost.step_done(o.label)
 
     def _compare_param(self, o: OptimizerRef, rec: Any, cfg: Any, i: int, p: np.ndarray, g: Any, old: Any,
@@ -507,6 +517,11 @@ def _tensor_lr(lr: torch.Tensor) -> np.ndarray:
                              f"{', requiring grad' if lr.requires_grad else ''} (the specification takes a "
                              "one-element float32/float64 tensor)")
     return np.asarray(lr.detach().cpu().reshape(()).numpy())
+
+
+def _wide(p: np.ndarray) -> np.ndarray:
+    """A bfloat16/float16 array widened to float32 (exact); any other as it is."""
+    return p.astype(np.float32) if str(p.dtype) in LOW_DTYPES else p
 
 
 def _torch_sqrt(impl: str) -> Any:
