@@ -110,3 +110,44 @@ def events(book: LostBook, names: dict[str, list[str]]) -> list[LostUpdates]:
         out.append(LostUpdates(w.steps[-1], w.where, w.optimizer, name, w.dtype, w.shape, w.lost, w.counted,
                                tuple(w.steps), w.sampled, run[0], run[1]))
     return out
+
+
+# ---------------------------------------------------------------------------------- stochastic rounding
+
+ENVELOPE_WEIGHT_ULPS = 2
+"""float32 ULPs of the weight: torchao computes ``p - lr*wd*p`` where the spec has ``p*(1 - lr*wd)``
+(one rounding each way), then subtracts the update (half an ULP of the result each way)."""
+ENVELOPE_UPDATE_SHARE = 2.0**-12
+"""Of the exact update: torchao's bias corrections are float32 tensors (``1 - f32(0.999)**step``
+is off by up to 1.3e-5 relative at step 1, half that through the square root), the spec's are
+Python floats; 2**-12 (2.4e-4) is 20 times that."""
+
+
+def stochastic_envelope(after: np.ndarray, q: np.ndarray, before: np.ndarray, exact: np.ndarray) -> np.ndarray:
+    """The flat indices of the bfloat16 ``after`` that no stochastic rounding of the float32 step's
+    result can give (`reference.master_weights` rule 7): a stochastic rounding of ``x`` is ``x``'s
+    bfloat16 truncation toward zero or the next bfloat16 away from zero, and the optimizer's own
+    float32 result may differ from the spec's ``q`` by ``tol = ENVELOPE_WEIGHT_ULPS`` float32 ULPs
+    of the weight ``before`` (and one of ``q``) plus ``ENVELOPE_UPDATE_SHARE`` of the exact update.
+    So ``after`` must lie between the truncation of ``|q| - tol`` and one bfloat16 above the
+    truncation of ``|q| + tol``, on ``q``'s side of zero (either side where that range reaches 0).
+    Elements whose ``q`` is not finite are not judged."""
+    q64 = np.asarray(q, np.float64).reshape(-1)
+    w32 = np.abs(np.asarray(before, np.float32).reshape(-1))
+    tol = (ENVELOPE_WEIGHT_ULPS * np.spacing(w32).astype(np.float64)
+           + np.spacing(np.abs(q64).astype(np.float32)).astype(np.float64)
+           + ENVELOPE_UPDATE_SHARE * np.abs(np.asarray(exact, np.float64).reshape(-1)))
+    a = np.asarray(after).astype(np.float32).reshape(-1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        low = np.maximum(np.abs(q64) - tol, 0.0).astype(np.float32)
+        high = (np.abs(q64) + tol).astype(np.float32)
+        # float32 rounding of the bounds may go inward: one float32 step outward.
+        low = np.nextafter(low, np.float32(0))
+        high = np.nextafter(high, np.float32(np.inf))
+        floor_bits = low.view(np.uint32) & np.uint32(0xFFFF0000)
+        ceil_bits = (high.view(np.uint32) & np.uint32(0xFFFF0000)) + np.uint32(0x10000)
+        mag = np.abs(a).view(np.uint32)
+        inside = (mag >= floor_bits) & (mag <= ceil_bits)
+        side = (np.signbit(a) == np.signbit(q64)) | (np.abs(q64) <= tol) | (a == 0)
+    judged = np.isfinite(q64)
+    return np.flatnonzero(judged & ~(inside & side))

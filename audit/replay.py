@@ -65,7 +65,7 @@ import torch
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
 from audit import optimizers, worker
 from audit.checks_numbers import replay_divergence
-from audit.lost import LOW_DTYPES, LostBook, low_precision
+from audit.lost import LOW_DTYPES, LostBook, low_precision, stochastic_envelope
 from audit.lost import events as lost_events
 from audit.rules import dispatch
 from audit.sampling import SampleBook, Sampling
@@ -287,6 +287,7 @@ class Replayer(StepStages, UpdateCheck):
         self._max_seen = 0.0
         self._edits = 0
         self._hooks = d.hooks
+        self._stochastic = False
         try:
             self._replay_step(o, d, rec)
         except _NotReplayable as exc:
@@ -296,6 +297,9 @@ class Replayer(StepStages, UpdateCheck):
             self.steps_replayed += 1
         if len(self.divergences) > before:
             rec.replay = f"diverged: {self.divergences[before].field}"
+        elif rec.replay == "off" and self._stochastic:
+            rec.replay = ("within the envelope of stochastic rounding (each bfloat16 weight one of the two "
+                          "neighbours of the float32 step's result; its random bits are not observable)")
         elif rec.replay == "off":
             exact = self._max_seen == 0.0
             self.steps_bit_exact += int(exact)
@@ -333,21 +337,24 @@ class Replayer(StepStages, UpdateCheck):
         if d.sample is not None and (len(d.sample.shapes) != len(d.params_before)
                                      or all(p is None for p in d.params_before)):
             raise _NotReplayable("the optimizer's parameters changed during the step (the sample no longer fits)")
+        if o.stochastic:
+            self._stochastic_step(o, d, rec, where)
+            return
         low = low_precision(d.params_before)
         if low is not None:
             self._count_lost(o, d, rec, where)
             raise _NotReplayable(f"{low} parameters: the optimizer stage is not compared (the specification's "
                                  "optimizers take float32 and float64); its lost updates are counted "
                                  "(update-lost-to-rounding)")
-        for idx, cfg, params, grads, states, new_params, new_states in self._spec_steps(o, d, o.entry.spec.step):
+        for idx, cfg, params, grads, states, (new_params, _, new_states) in self._spec_steps(o, d, o.entry.spec.step):
             for j, i in enumerate(idx):
                 self._compare_param(o, rec, cfg, i, params[j], grads[j], states[j], new_params[j], new_states[j],
                                     d, where)
 
     def _spec_steps(self, o: OptimizerRef, d: Any, step: Any) -> Any:
-        """Per parameter group: its indices, the spec's configuration, and its parameters, gradients
-        and states before ``step`` (the spec row's, or `reference.master_weights.float32_step` on it)
-        and what it returns: the parameters after (or the exact updates) and the states."""
+        """Per parameter group: its indices, the spec's configuration, its parameters, gradients and
+        states before ``step`` (the spec row's, or `reference.master_weights.float32_step` on it), and
+        the triple ``step`` returns."""
         row = o.entry.spec
         for gi, group in enumerate(d.groups):
             idx = [i for i, g in enumerate(d.group_of) if g == gi and d.params_before[i] is not None]
@@ -367,17 +374,17 @@ class Replayer(StepStages, UpdateCheck):
             else:
                 kwargs = {"sqrt": _torch_sqrt(impl)}
             try:
-                new_params, _, new_states = step(impl, params, grads, states, cfg, lr=lr, **kwargs)
+                result = step(impl, params, grads, states, cfg, lr=lr, **kwargs)
             except ValueError as exc:
                 if not isinstance(lr, np.ndarray):
                     raise
                 raise _NotReplayable(f"a tensor learning rate ({exc})") from None
-            yield idx, cfg, params, grads, states, new_params, new_states
+            yield idx, cfg, params, grads, states, result
 
-    def _count_lost(self, o: OptimizerRef, d: Any, rec: Any, where: str) -> None:
-        """The lost updates of the step's bfloat16/float16 parameters (`audit.lost`): the spec row's
-        step in float32 from torch's widened inputs gives each element's exact update
-        (`reference.master_weights` rule 5); torch's stored bits before and after say which were lost."""
+    @staticmethod
+    def _float32(o: OptimizerRef) -> Any:
+        """The spec row's step in float32 from 16-bit inputs (`reference.master_weights.float32_step`:
+        the results ``q``, the exact updates ``u``, the float32 states), with `_spec_steps`' arguments."""
         row = o.entry.spec
 
         def float32(impl: str, params: Any, grads: Any, states: Any, cfg: Any, *, lr: Any = None, sqrt: Any = None,
@@ -385,10 +392,43 @@ class Replayer(StepStages, UpdateCheck):
             if grad_scale is not None or found_inf:
                 raise _NotReplayable(f"{row.name} unscaled by its own kernel on 16-bit parameters (the exact "
                                      "update is not specified there)")
-            q, exact, new = master_weights.float32_step(row, impl, params, grads, states, cfg, lr=lr, sqrt=sqrt)
-            return exact, q, new  # the exact updates in the place of the parameters after
+            return master_weights.float32_step(row, impl, params, grads, states, cfg, lr=lr, sqrt=sqrt)
 
-        for idx, _, params, grads, _, exact, _ in self._spec_steps(o, d, float32):
+        return float32
+
+    def _stochastic_step(self, o: OptimizerRef, d: Any, rec: Any, where: str) -> None:
+        """An optimizer that rounds its bfloat16 weights stochastically (`audit.optimizers.STOCHASTIC_ROWS`),
+        by envelope: each weight one of the two bfloat16 neighbours of the spec row's float32 result
+        (`audit.lost.stochastic_envelope`); each state array as the spec's float32 state rounded to
+        its dtype, within 1 ULP (torchao's float32 formulas differ from the row's by a few float32
+        ULPs, which can move a rounding to the next value); a parameter without a gradient unchanged."""
+        self._stochastic = True
+        for idx, _, params, grads, _, (q, exact, new_states) in self._spec_steps(o, d, self._float32(o)):
+            for j, i in enumerate(idx):
+                before, after = d.params_before[i], d.params_after[i]
+                at = None if d.sample is None or d.sample.whole(i) else (d.sample.indices(i), d.sample.shapes[i])
+                if grads[j] is None or str(before.dtype) != "bfloat16":
+                    self._check(o, rec, f"parameter {i}", after, before, 0, where, at=at)
+                    continue
+                bad = stochastic_envelope(after, q[j], before, exact[j])
+                if bad.size:
+                    k = int(bad[0])
+                    self._diverge(o, rec, f"parameter {i}", float(after.reshape(-1)[k]), float(q[j].reshape(-1)[k]),
+                                  f"{bad.size} of {after.size} elements are neither bfloat16 neighbour of the float32 "
+                                  f"step's result (within its envelope); first at flat index {k}", where)
+                for fld in dataclasses.fields(new_states[j]):
+                    value, got = getattr(new_states[j], fld.name), d.state_after[i].get(fld.name)
+                    if got is None or not isinstance(value, np.ndarray) or np.shape(value) != np.shape(got):
+                        continue
+                    if isinstance(got, np.ndarray) and got.dtype != value.dtype:
+                        value = value.astype(got.dtype)  # the state stored back in its dtype, to nearest
+                    self._check(o, rec, f"{fld.name} of parameter {i}", got, value, 1, where, at=at)
+
+    def _count_lost(self, o: OptimizerRef, d: Any, rec: Any, where: str) -> None:
+        """The lost updates of the step's bfloat16/float16 parameters (`audit.lost`): the spec row's
+        step in float32 from torch's widened inputs gives each element's exact update
+        (`reference.master_weights` rule 5); torch's stored bits before and after say which were lost."""
+        for idx, _, params, grads, _, (_, exact, _) in self._spec_steps(o, d, self._float32(o)):
             for j, i in enumerate(idx):
                 before, after = d.params_before[i], d.params_after[i]
                 if grads[j] is None or after is None or str(before.dtype) not in LOW_DTYPES:

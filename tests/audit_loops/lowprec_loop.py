@@ -9,15 +9,18 @@
   rounds back to the stored weight (the audit warns at the end of its first window, step 9).
 - ``--keep stochastic``: torchao's ``_AdamW(bf16_stochastic_round=True)`` over the bf16
   parameters: the update is computed in float32 and rounded to bf16 stochastically, kept in
-  expectation. Its random bits are not observable: its steps are not replayed, and no
-  update-lost-to-rounding finding is made.
+  expectation. Its random bits are not observable: its steps are checked by envelope (each
+  weight one of the two bf16 neighbours of the float32 step's result), and no
+  update-lost-to-rounding finding is made. ``--bug parameters-altered`` adds a step hook that
+  scales the first weight by 1.05 after every step: outside the envelope (a divergence, a
+  warning as the hook is the loop's own).
 """
 
 import torch
 
 from _common import batches, make_model, parse
 
-BUGS = ("update-lost-to-rounding",)
+BUGS = ("update-lost-to-rounding", "parameters-altered")
 args = parse(BUGS, keep="master", lr=1e-5)
 
 model = make_model().to(torch.bfloat16)
@@ -32,6 +35,8 @@ elif args.keep == "stochastic":
 else:
     params = [p.detach().float() for p in model.parameters()]  # the float32 master copy
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+if args.bug == "parameters-altered":
+    opt.register_step_post_hook(lambda *_: params[0].data.mul_(1.05))
 
 for step, (x, y) in enumerate(batches(args.steps)):
     model.zero_grad()
