@@ -65,13 +65,11 @@ import torch
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
 from audit import optimizers, worker
 from audit.checks_numbers import replay_divergence
-from audit.lost import LOW_DTYPES, LostBook, low_precision, stochastic_envelope
-from audit.lost import events as lost_events
-from audit.rules import dispatch
+from audit.lost import LOW_DTYPES, LostBook, LowPrecisionStage, low_precision
 from audit.sampling import SampleBook, Sampling
 from audit.optimizers import OptimizerRef, optimizer_ref  # noqa: F401  (re-exported)
 from audit.stages import CLIP_ULP, NORM_ULP, NotReplayable, StepStages, UpdateCheck
-from reference import master_weights, optim
+from reference import optim
 
 __all__ = ["Replayer", "Divergence", "NORM_ULP", "CLIP_ULP"]
 
@@ -123,7 +121,7 @@ def default_mode() -> str:
     return "process" if worker.available() else "thread"
 
 
-class Replayer(StepStages, UpdateCheck):
+class Replayer(StepStages, UpdateCheck, LowPrecisionStage):
     """Replays steps as the recorder hands them over; turns divergences into findings at the end.
 
     Where the replay runs (``mode``, `default_mode`):
@@ -381,64 +379,6 @@ class Replayer(StepStages, UpdateCheck):
                 raise _NotReplayable(f"a tensor learning rate ({exc})") from None
             yield idx, cfg, params, grads, states, result
 
-    @staticmethod
-    def _float32(o: OptimizerRef) -> Any:
-        """The spec row's step in float32 from 16-bit inputs (`reference.master_weights.float32_step`:
-        the results ``q``, the exact updates ``u``, the float32 states), with `_spec_steps`' arguments."""
-        row = o.entry.spec
-
-        def float32(impl: str, params: Any, grads: Any, states: Any, cfg: Any, *, lr: Any = None, sqrt: Any = None,
-                     grad_scale: Any = None, found_inf: float = 0.0) -> Any:
-            if grad_scale is not None or found_inf:
-                raise _NotReplayable(f"{row.name} unscaled by its own kernel on 16-bit parameters (the exact "
-                                     "update is not specified there)")
-            return master_weights.float32_step(row, impl, params, grads, states, cfg, lr=lr, sqrt=sqrt)
-
-        return float32
-
-    def _stochastic_step(self, o: OptimizerRef, d: Any, rec: Any, where: str) -> None:
-        """An optimizer that rounds its bfloat16 weights stochastically (`audit.optimizers.STOCHASTIC_ROWS`),
-        by envelope: each weight one of the two bfloat16 neighbours of the spec row's float32 result
-        (`audit.lost.stochastic_envelope`); each state array as the spec's float32 state rounded to
-        its dtype, within 1 ULP (torchao's float32 formulas differ from the row's by a few float32
-        ULPs, which can move a rounding to the next value); a parameter without a gradient unchanged."""
-        self._stochastic = True
-        for idx, _, params, grads, _, (q, exact, new_states) in self._spec_steps(o, d, self._float32(o)):
-            for j, i in enumerate(idx):
-                before, after = d.params_before[i], d.params_after[i]
-                at = None if d.sample is None or d.sample.whole(i) else (d.sample.indices(i), d.sample.shapes[i])
-                if grads[j] is None or str(before.dtype) != "bfloat16":
-                    self._check(o, rec, f"parameter {i}", after, before, 0, where, at=at)
-                    continue
-                bad = stochastic_envelope(after, q[j], before, exact[j])
-                if bad.size:
-                    k = int(bad[0])
-                    self._diverge(o, rec, f"parameter {i}", float(after.reshape(-1)[k]), float(q[j].reshape(-1)[k]),
-                                  f"{bad.size} of {after.size} elements are neither bfloat16 neighbour of the float32 "
-                                  f"step's result (within its envelope); first at flat index {k}", where)
-                for fld in dataclasses.fields(new_states[j]):
-                    value, got = getattr(new_states[j], fld.name), d.state_after[i].get(fld.name)
-                    if got is None or not isinstance(value, np.ndarray) or np.shape(value) != np.shape(got):
-                        continue
-                    if isinstance(got, np.ndarray) and got.dtype != value.dtype:
-                        value = value.astype(got.dtype)  # the state stored back in its dtype, to nearest
-                    self._check(o, rec, f"{fld.name} of parameter {i}", got, value, 1, where, at=at)
-
-    def _count_lost(self, o: OptimizerRef, d: Any, rec: Any, where: str) -> None:
-        """The lost updates of the step's bfloat16/float16 parameters (`audit.lost`): the spec row's
-        step in float32 from torch's widened inputs gives each element's exact update
-        (`reference.master_weights` rule 5); torch's stored bits before and after say which were lost."""
-        for idx, _, params, grads, _, (_, exact, _) in self._spec_steps(o, d, self._float32(o)):
-            for j, i in enumerate(idx):
-                before, after = d.params_before[i], d.params_after[i]
-                if grads[j] is None or after is None or str(before.dtype) not in LOW_DTYPES:
-                    continue  # no update, or a float32 parameter beside the low-precision ones
-                whole = d.sample is None or d.sample.whole(i)
-                shape = before.shape if d.sample is None else d.sample.shapes[i]
-                sampled = None if whole else f"{before.size} of {int(np.prod(shape))} elements, seed {d.sample.seed}"
-                self.lost.add(o.label, i, rec.step, where, before, after, exact[j], tuple(shape), sampled)
-        self.lost.step_done(o.label)
-
     def _compare_param(self, o: OptimizerRef, rec: Any, cfg: Any, i: int, p: np.ndarray, g: Any, old: Any,
                        new_p: np.ndarray, new: Any, d: Any, where: str) -> None:
         """One parameter and its state after the step: scalar fields (the step counter) bit for
@@ -495,28 +435,6 @@ class Replayer(StepStages, UpdateCheck):
         self.unexplained = rest
         recorder.findings.extend(replay_divergence(rest))
         recorder.findings.extend(self._lost_findings(recorder))
-
-    def _lost_findings(self, recorder: Any) -> list[Any]:
-        """``update-lost-to-rounding``: each window of each measured parameter as an event, named
-        from the recorder's optimizers, handed to the rules that read it; a parameter is reported
-        at its first window over the threshold (the finding states the run's share too)."""
-        names = {o.label: o.names or [] for o in recorder.optimizers.values()}
-        found: set[tuple[str, str]] = set()
-        out = []
-        evs = lost_events(self.lost, names)
-        self.lost_summary = {}
-        for ev in evs:  # the run's totals of each parameter, for the report's replay summary
-            self.lost_summary[f"{ev.optimizer}'s {ev.parameter}"] = {
-                "dtype": ev.dtype, "shape": list(ev.shape), "lost": ev.run_lost, "counted": ev.run_counted,
-                "fraction": round(ev.run_lost / ev.run_counted, 6) if ev.run_counted else 0.0,
-                "sampled": ev.sampled}
-        for ev in evs:
-            if (ev.optimizer, ev.parameter) not in found:
-                new = list(dispatch(ev))
-                found |= {(ev.optimizer, ev.parameter)} if new else set()
-                out += new
-        return out
-
 
 def _worker_replayer() -> Replayer:
     """The replayer of the forked worker (`audit.worker` runs it; it does not import this module)."""
