@@ -349,35 +349,8 @@ class Replayer(StepStages, UpdateCheck, LowPrecisionStage):
                 self._compare_param(o, rec, cfg, i, params[j], grads[j], states[j], new_params[j], new_states[j],
                                     d, where)
 
-    def _spec_steps(self, o: OptimizerRef, d: Any, step: Any) -> Any:
-        """Per parameter group: its indices, the spec's configuration, its parameters, gradients and
-        states before ``step`` (the spec row's, or `reference.master_weights.float32_step` on it), and
-        the triple ``step`` returns."""
-        row = o.entry.spec
-        for gi, group in enumerate(d.groups):
-            idx = [i for i, g in enumerate(d.group_of) if g == gi and d.params_before[i] is not None]
-            if not idx:
-                continue  # a group the sample left out
-            cfg, impl = _spec_config(o, group)
-            lr = _tensor_lr(group["lr"]) if isinstance(group.get("lr"), torch.Tensor) else cfg.lr
-            params = [d.params_before[i] for i in idx]
-            grads = [d.step_grads[i] for i in idx]
-            # A 16-bit parameter's state is read against its float32 widening (the spec's rows init float32).
-            states = tuple(row.state_from(d.state_before[i], _wide(params[j]), cfg) for j, i in enumerate(idx))
-            if impl in row.kernel_scaled:
-                if d.kernel_unscale and row.kernel_skip_refused(cfg):
-                    raise _NotReplayable(f"{row.name} unscaled by its own kernel: {row.kernel_skip_refused(cfg)}")
-                kwargs = {"grad_scale": d.scale if d.kernel_unscale else None,
-                          "found_inf": float(d.torch_found_inf or 0.0) if d.amp_aware else 0.0}
-            else:
-                kwargs = {"sqrt": _torch_sqrt(impl)}
-            try:
-                result = step(impl, params, grads, states, cfg, lr=lr, **kwargs)
-            except ValueError as exc:
-                if not isinstance(lr, np.ndarray):
-                    raise
-                raise _NotReplayable(f"a tensor learning rate ({exc})") from None
-            yield idx, cfg, params, grads, states, result
+    # The stage mixins (audit.lost.LowPrecisionStage) reach the module's function through the replayer.
+    _spec_steps = staticmethod(lambda o, d, step: _spec_steps(o, d, step))
 
     def _compare_param(self, o: OptimizerRef, rec: Any, cfg: Any, i: int, p: np.ndarray, g: Any, old: Any,
                        new_p: np.ndarray, new: Any, d: Any, where: str) -> None:
@@ -449,6 +422,37 @@ def _sample_mode(obj: Any) -> str:
     if entry is None or not entry.builtin:
         return "whole" if entry is None else "registered"
     return "elements" if entry.spec.elementwise else "tensors"
+
+
+def _spec_steps(o: OptimizerRef, d: Any, step: Any) -> Any:
+    """Per parameter group: its indices, the spec's configuration, its parameters, gradients and
+    states before ``step`` (the spec row's, or `reference.master_weights.float32_step` on it), and
+    the triple ``step`` returns."""
+    row = o.entry.spec
+    for gi, group in enumerate(d.groups):
+        idx = [i for i, g in enumerate(d.group_of) if g == gi and d.params_before[i] is not None]
+        if not idx:
+            continue  # a group the sample left out
+        cfg, impl = _spec_config(o, group)
+        lr = _tensor_lr(group["lr"]) if isinstance(group.get("lr"), torch.Tensor) else cfg.lr
+        params = [d.params_before[i] for i in idx]
+        grads = [d.step_grads[i] for i in idx]
+        # A 16-bit parameter's state is read against its float32 widening (the spec's rows init float32).
+        states = tuple(row.state_from(d.state_before[i], _wide(params[j]), cfg) for j, i in enumerate(idx))
+        if impl in row.kernel_scaled:
+            if d.kernel_unscale and row.kernel_skip_refused(cfg):
+                raise _NotReplayable(f"{row.name} unscaled by its own kernel: {row.kernel_skip_refused(cfg)}")
+            kwargs = {"grad_scale": d.scale if d.kernel_unscale else None,
+                      "found_inf": float(d.torch_found_inf or 0.0) if d.amp_aware else 0.0}
+        else:
+            kwargs = {"sqrt": _torch_sqrt(impl)}
+        try:
+            result = step(impl, params, grads, states, cfg, lr=lr, **kwargs)
+        except ValueError as exc:
+            if not isinstance(lr, np.ndarray):
+                raise
+            raise _NotReplayable(f"a tensor learning rate ({exc})") from None
+        yield idx, cfg, params, grads, states, result
 
 
 def _spec_config(o: OptimizerRef, group: dict[str, Any]) -> tuple[Any, str]:

@@ -111,11 +111,7 @@ class AuditReport:
                 lines.append(f"  not replayed ({count}x): {reason}")
             if r.get("fallback"):
                 lines.append(f"  {r['fallback']}")
-            if r.get("lost_updates"):
-                lines.append("  lost updates over the run (update-lost-to-rounding; bfloat16/float16 parameters): " +
-                             ", ".join(f"{name} {v['fraction']:.1%} ({v['lost']} of {v['counted']}"
-                                       f"{'; sampled ' + v['sampled'] if v['sampled'] else ''})"
-                                       for name, v in r["lost_updates"].items()))
+            lines.extend(_lost_lines(r.get("lost_updates")))
             lines.extend(_sampling_lines(r.get("sampling")))
         for rule, fs in self.by_rule().items():
             spec = RULES[rule]
@@ -225,6 +221,15 @@ def _telling(expected: Any, got: Any) -> bool:
     if isinstance(expected, float) and isinstance(got, float) and not (math.isfinite(expected) or math.isfinite(got)):
         return not (expected == got or (math.isnan(expected) and math.isnan(got)))
     return True
+
+
+def _lost_lines(lost: dict[str, Any] | None) -> list[str]:
+    """The replay summary's line of the lost updates of 16-bit parameters (none when none was measured)."""
+    if not lost:
+        return []
+    return ["  lost updates over the run (update-lost-to-rounding; bfloat16/float16 parameters): " +
+            ", ".join(f"{name} {v['fraction']:.1%} ({v['lost']} of {v['counted']}"
+                      f"{'; sampled ' + v['sampled'] if v['sampled'] else ''})" for name, v in lost.items())]
 
 
 def _sampling_lines(sm: dict[str, Any] | None) -> list[str]:
