@@ -7,8 +7,9 @@ Run from the repository root (a few minutes on 2 cores):
 
 Each mutant is one exact source edit to a check (`audit/checks_*.py`) or to the call sequence the
 checks read (`audit/sequence.py`): an inverted condition, a dropped case. For each, the script
-copies ``audit/``, ``reference/``, ``conformance/`` and ``tests/`` (with the root ``conftest.py``
-and ``pyproject.toml``) into a temporary folder, applies the edit (it must match the source
+copies ``audit/``, ``reference/``, ``conformance/``, ``torchimpl/`` (``tests/test_audit.py`` imports
+its command line) and ``tests/`` (with the root ``conftest.py`` and ``pyproject.toml``) into a
+temporary folder, applies the edit (it must match the source
 exactly once, else the script stops: a mutant that no longer applies is reported, never
 silently skipped) and runs ``pytest -x -q`` on the catalogue tests that name the rule's loops.
 The unmutated copy runs first and must pass. A mutant is killed when pytest exits non-zero.
@@ -141,7 +142,7 @@ MUTANTS = (
            (planted("scaler_loop.py", "--bug", "unscale-twice-call"),)),
 )
 
-_COPIED = ("audit", "reference", "conformance", "tests", "conftest.py", "pyproject.toml")
+_COPIED = ("audit", "reference", "conformance", "torchimpl", "tests", "conftest.py", "pyproject.toml")
 
 
 def run(names: list[str]) -> int:

@@ -215,7 +215,8 @@ def test_exact_kernels_replay_every_step_bit_for_bit():
         ("scaler_loop.py", ["--steps", "12", "--optimizer", "adam-fused", "--inf-at", "3"]),
         ("bf16_loop.py", ["--steps", "12", "--optimizer", "adam-foreach"]),
         ("accumulation_loop.py", ["--steps", "12", "--inf-at", "3"]),
-        ("zero_dim_loop.py", ["--steps", "12", "--optimizer", "adam-foreach", "--inf-at", "3"])]]
+        ("zero_dim_loop.py", ["--steps", "12", "--optimizer", "adam-foreach", "--inf-at", "3"]),
+        ("lowprec_loop.py", ["--steps", "12"])]]
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], env=env, capture_output=True, text=True,
                        timeout=300, cwd=ROOT)
