@@ -136,6 +136,7 @@ class Audit:
             "runs_in": r.mode,
             "fallback": r.fallback,
             "sampling": sampling_statement(r),
+            "lost_updates": dict(r.lost_summary),
         }
         self._report = AuditReport(findings=list(rec.findings), steps=list(rec.records), replay=replay,
                                    target=self.target, argv=list(self.argv), error=text,

@@ -26,7 +26,7 @@ import numpy as np
 from audit.compare import _compare, ulp_distance
 from reference import scaling
 
-__all__ = ["Change", "Boundary", "measure", "NUMERIC_ULP"]
+__all__ = ["Change", "Boundary", "LostUpdates", "measure", "NUMERIC_ULP"]
 
 # Far above any bound of a stage (the largest is 30 ULPs of x_abs), far below any edit a loop makes.
 NUMERIC_ULP = 256
@@ -73,6 +73,34 @@ class Boundary:
         otherwise (recorded as a divergence, ``replay-divergence``). After backward, which the
         spec does not compute, no rounding explains it: the loop's own edit."""
         return self.change.kind == "numeric" and self.prev != "backward"
+
+
+@dataclass(frozen=True)
+class LostUpdates:
+    """One parameter's lost updates over one window of replayed steps (`audit.lost`), as
+    ``update-lost-to-rounding`` reads it: ``lost`` of ``counted`` elements' updates
+    (`reference.health.applied_lost_count`, summed over the window's steps) kept the stored bits
+    unchanged. ``steps``: the window's replayed steps (the finding is made at the last, at its
+    call site ``where``); ``sampled``: how the replay's sample took the parameter ("K of M
+    elements"), None when it took every element; ``run_lost``/``run_counted``: the same over
+    every replayed step of the run."""
+
+    step: int
+    where: str
+    optimizer: str
+    parameter: str
+    dtype: str
+    shape: tuple[int, ...]
+    lost: int
+    counted: int
+    steps: tuple[int, ...]
+    sampled: str | None
+    run_lost: int
+    run_counted: int
+
+    @property
+    def fraction(self) -> float:
+        return self.lost / self.counted if self.counted else 0.0
 
 
 def measure(pairs: list[tuple[int, np.ndarray, np.ndarray]], bound: int, scale: Any) -> Change | None:

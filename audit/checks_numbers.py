@@ -2,7 +2,9 @@
 
 The boundary checks read one `audit.boundaries.Boundary` (torch's input to a stage against what
 the spec's previous stage gave, classified by `audit.boundaries.measure`); ``replay-divergence``
-reads the replay's divergences that no order finding explains. ``unscale-twice``, found from
+reads the replay's divergences that no order finding explains; ``update-lost-to-rounding`` reads
+one parameter's lost updates over a window of replayed steps (`audit.boundaries.LostUpdates`).
+``unscale-twice``, found from
 the numbers as well as from the calls, has its check with the scaler's rules
 (`audit.checks_scaler`). They yield findings and change nothing.
 """
@@ -88,6 +90,42 @@ def replay_divergence(ev: Divergences) -> Iterator[Finding]:
     yield Finding("replay-divergence", first.step, first.where,
                   f"step {first.step} of {first.optimizer}: {first.field}: {first.detail}{more}{hooks}",
                   expected=first.expected, got=first.got, level=WARNING if first.hooks else None)
+
+
+LOST_FRACTION = 0.5
+"""``update-lost-to-rounding`` warns when more than this share of a parameter's updates over a window were lost."""
+LOST_WINDOW = 10
+"""The window: this many replayed steps of the optimizer (the run's last window may be shorter)."""
+
+
+@rule("update-lost-to-rounding", WARNING,
+      "more than half of the updates of a parameter held in bfloat16 or float16 left its stored value unchanged "
+      "over a window of steps: the optimizer's update rounded back to the old weight",
+      "keep a float32 master copy of the parameters for the optimizer to step (cast the low-precision copy "
+      "from it after each step), or an optimizer that keeps the rounding error: Kahan summation, or stochastic "
+      "rounding (torchao.optim._AdamW(..., bf16_stochastic_round=True)); in ampspec's own trainer: "
+      "precision.master_weights: fp32 (or kahan, stochastic)",
+      doc=f"more than {LOST_FRACTION:.0%} of a bfloat16 or float16 parameter's updates over a window of "
+          f"{LOST_WINDOW} replayed steps were "
+          "lost: the stored bits did not change where the update computed in float32 from torch's own "
+          "parameter, gradient and state was finite and non-zero (`reference.health` rule 12); the fraction "
+          "is over the replay's sample when it samples", events=("LostUpdates",))
+def update_lost_to_rounding(ev: Any) -> Iterator[Finding]:
+    """One window of one parameter (`audit.boundaries.LostUpdates`): a finding when its lost
+    updates are more than ``LOST_FRACTION`` of its counted ones (the elements whose exact update
+    was finite and non-zero; a window with none counted is no finding)."""
+    if not ev.counted or ev.lost <= LOST_FRACTION * ev.counted:
+        return
+    shape = "[" + ", ".join(str(n) for n in ev.shape) + "]"
+    span = f"step {ev.steps[0]}" if len(ev.steps) == 1 else f"steps {ev.steps[0]}-{ev.steps[-1]}"
+    over = f" (the replay's sample: {ev.sampled})" if ev.sampled else ""
+    run = ev.run_lost / ev.run_counted if ev.run_counted else 0.0
+    yield Finding("update-lost-to-rounding", ev.step, ev.where,
+                  f"{ev.optimizer}'s parameter {ev.parameter} ({ev.dtype} {shape}): {ev.fraction:.1%} of its "
+                  f"updates over {span} ({len(ev.steps)} replayed step(s)) were lost, {ev.lost} of {ev.counted} "
+                  f"element updates{over}: the stored value did not change although the update computed in "
+                  f"float32 was non-zero; over the run {run:.1%} ({ev.run_lost} of {ev.run_counted})",
+                  expected=f"at most {LOST_FRACTION:.0%} of the updates lost", got=round(ev.fraction, 6))
 
 
 def _ranges(xs: list[int]) -> str:

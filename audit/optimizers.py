@@ -160,6 +160,20 @@ def lookup(cls: type) -> tuple[AuditOptimizer | None, str | None]:
     return None, f"{name} is not in the specification"
 
 
+STOCHASTIC = ("{name} with bf16_stochastic_round=True: its optimizer state is quantized, which the "
+              "specification does not model, and its stochastic rounding draws random bits the audit cannot "
+              "observe; update-lost-to-rounding does not apply (an update smaller than the gap changes the "
+              "weight with probability |update|/gap, and is kept in expectation)")
+"""Why an optimizer that rounds stochastically with quantized state (torchao's ``AdamW8bit``, ...) is not replayed."""
+
+STOCHASTIC_ROWS = {"torchao.optim.adam._AdamW": "AdamW"}
+"""torchao's optimizers whose state is as torch's for the spec row named (bf16 arrays and a float32
+``step``), with ``bf16_stochastic_round=True``: each step computes the row's update in float32
+and rounds the weight stochastically (torchao 0.18, ``torchao/optim/adam.py``
+``single_param_adam``). The replay checks such a step by envelope (`audit.lost.stochastic_envelope`):
+its random bits are not observable, so no stored weight can be recomputed bit for bit."""
+
+
 @dataclass(frozen=True)
 class OptimizerRef:
     """What the replay needs of a torch optimizer: its label in the report, its class's
@@ -169,6 +183,7 @@ class OptimizerRef:
     kind: str
     entry: AuditOptimizer | None = None
     refused: str | None = None
+    stochastic: bool = False  # rounds its parameters stochastically: checked by envelope (audit.lost)
 
 
 def optimizer_ref(o: Any, in_process: bool = False) -> OptimizerRef:
@@ -176,11 +191,16 @@ def optimizer_ref(o: Any, in_process: bool = False) -> OptimizerRef:
     worker, which cannot load a spec defined in the audited script)."""
     cls = type(o.obj)
     entry, refused = lookup(cls)
+    stochastic = getattr(o.obj, "bf16_stochastic_round", False) is True
+    if stochastic:
+        row = STOCHASTIC_ROWS.get(f"{cls.__module__}.{cls.__qualname__}")
+        entry, refused = (None, STOCHASTIC.format(name=f"{cls.__module__}.{cls.__qualname__}")) if row is None else \
+            (AuditOptimizer(optim.spec(row)), None)
     if entry is not None and in_process and not entry.builtin and _in_main(entry.spec):
         entry, refused = None, (f"the spec of {cls.__qualname__} is defined in the audited script, which the replay "
                                 "process (started before the script) cannot load: define it in a module of its own "
                                 "and import it, or set AMPSPEC_AUDIT_REPLAY=thread")
-    return OptimizerRef(o.label, f"{cls.__module__}.{cls.__qualname__}", entry, refused)
+    return OptimizerRef(o.label, f"{cls.__module__}.{cls.__qualname__}", entry, refused, stochastic)
 
 
 def _in_main(spec: Any) -> bool:

@@ -58,7 +58,7 @@ import torch
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
 from audit.reductions import find_reductions
 from audit.records import (Backward, OptTrack, ScalerTrack, Snapshots, StepData, StepLimitReached, StepRecord,
-                           Window, _f32, _jsonish, _num, _unwrap_optimizer, plain_tensor)
+                           Window, _f32, _jsonish, _num, _unwrap_optimizer, parameter_names, plain_tensor)
 from audit.records import _classify, _loss_factor, call_site  # noqa: F401  (the tests read these here)
 from audit.records import _signature
 from audit.events import StepClosed
@@ -161,6 +161,8 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
             # other ranks' to be replayed, and it cannot be copied to NumPy as it is.
             d.unsupported = f"{type(foreign).__name__} parameters or gradients (sharded tensors)"
             return d
+        if o.names is None and any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
+            o.names = parameter_names(o.obj, params)  # update-lost-to-rounding names them in the report
         d.unsampled, d.sample = self.replayer.sample_for(o, params)  # audit.sampling: what the replay takes
         if d.unsampled:
             return d

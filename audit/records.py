@@ -6,6 +6,7 @@ Pure bookkeeping, no rules: `audit.recorder` and its parts (`audit.track_scaler`
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import sysconfig
@@ -233,12 +234,40 @@ class OptTrack:
         self.closure: Any = None  # the step in progress that received a closure (audit.closures.ClosureStep)
         self.stepping = False  # between its step's pre- and post-hook
         self.runs: str | None = None  # the optimizer whose step its step in progress ran (a wrapper's base)
+        self.names: list[str] | None = None  # its parameters' names, found once it holds 16-bit ones (lost updates)
 
     def params(self) -> list[Any]:
         return [p for g in self.obj.param_groups for p in g["params"]]
 
     def refresh_ids(self) -> None:
         self.param_ids = frozenset(id(p) for p in self.params())
+
+
+def parameter_names(opt: Any, params: list[Any]) -> list[str]:
+    """Each of ``params``' names (``opt``'s parameters in ``param_groups`` order): the group's
+    ``param_names`` (an optimizer built from ``named_parameters()``), else the parameter's name
+    in the live ``nn.Module`` with the most parameters that holds it (the model, not a layer),
+    else "" (the report then names its index)."""
+    names: list[str] = []
+    for g in opt.param_groups:
+        given = g.get("param_names")
+        names += [str(n) for n in given] if given and len(given) == len(g["params"]) else [""] * len(g["params"])
+    wanted = {id(p): i for i, p in enumerate(params) if i < len(names) and not names[i]}
+    if not wanted:
+        return names
+    best: dict[int, int] = {}  # index -> parameters of the module its name comes from
+    for obj in gc.get_objects():  # once per optimizer that holds 16-bit parameters: the modules are live now
+        if not issubclass(type(obj), torch.nn.Module):  # type(), not isinstance: no proxy's __class__ is read
+            continue
+        try:
+            named = list(obj.named_parameters())
+        except Exception:  # a module whose parameters cannot be listed names nothing
+            continue
+        for name, p in named:
+            i = wanted.get(id(p))
+            if i is not None and len(named) > best.get(i, 0):
+                names[i], best[i] = name, len(named)
+    return names
 
 
 # ---------------------------------------------------------------------------------- snapshots

@@ -64,6 +64,7 @@ import torch
 
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
 from audit import optimizers, worker
+from audit.lost import LOW_DTYPES, LostBook, LowPrecisionStage, low_precision
 from audit.sampling import SampleBook, Sampling
 from audit.optimizers import OptimizerRef, optimizer_ref  # noqa: F401  (re-exported)
 from audit.stages import CLIP_ULP, NORM_ULP, NotReplayable, StepStages, UpdateCheck
@@ -121,7 +122,7 @@ def default_mode() -> str:
     return "process" if worker.available() else "thread"
 
 
-class Replayer(StepStages, UpdateCheck):
+class Replayer(StepStages, UpdateCheck, LowPrecisionStage):
     """Replays steps as the recorder hands them over; turns divergences into findings at the end.
 
     Where the replay runs (``mode``, `default_mode`):
@@ -160,6 +161,8 @@ class Replayer(StepStages, UpdateCheck):
         self.steps_bit_exact = 0
         self.updates_checked = 0
         self.worst: dict[str, float] = {}
+        self.lost = LostBook()  # the lost updates of bfloat16/float16 parameters (update-lost-to-rounding)
+        self.lost_summary: dict[str, dict[str, Any]] = {}  # per parameter measured, the run's totals
         self._found: dict[tuple[str, int], bool] = {}  # (optimizer, step) -> the spec's found_inf
         self._expected_after: dict[str, Any] = {}  # scaler label -> the scale its last update left
         self.process: Any = None
@@ -229,7 +232,7 @@ class Replayer(StepStages, UpdateCheck):
         """What the replay found, for the process that reports it (process mode)."""
         return {"divergences": self.divergences, "findings": self.findings, "not_replayed": self.not_replayed,
                 "steps_replayed": self.steps_replayed, "steps_bit_exact": self.steps_bit_exact,
-                "updates_checked": self.updates_checked, "worst": self.worst}
+                "updates_checked": self.updates_checked, "worst": self.worst, "lost": self.lost}
 
     def _wait(self) -> None:
         """Every job done; the replay's state here."""
@@ -283,6 +286,7 @@ class Replayer(StepStages, UpdateCheck):
         self._max_seen = 0.0
         self._edits = 0
         self._hooks = d.hooks
+        self._stochastic = False
         try:
             self._replay_step(o, d, rec)
         except _NotReplayable as exc:
@@ -292,6 +296,9 @@ class Replayer(StepStages, UpdateCheck):
             self.steps_replayed += 1
         if len(self.divergences) > before:
             rec.replay = f"diverged: {self.divergences[before].field}"
+        elif rec.replay == "off" and self._stochastic:
+            rec.replay = ("within the envelope of stochastic rounding (each bfloat16 weight one of the two "
+                          "neighbours of the float32 step's result; its random bits are not observable)")
         elif rec.replay == "off":
             exact = self._max_seen == 0.0
             self.steps_bit_exact += int(exact)
@@ -322,39 +329,29 @@ class Replayer(StepStages, UpdateCheck):
 
     def _replay_optimizer(self, o: OptimizerRef, d: Any, rec: Any, where: str) -> None:
         for p_np in d.params_before:
-            if p_np is not None and p_np.dtype not in (np.float32, np.float64):
+            if p_np is not None and p_np.dtype not in (np.float32, np.float64) and str(p_np.dtype) not in LOW_DTYPES:
                 raise _NotReplayable(f"{p_np.dtype} parameters (the specification's optimizers take float32 and float64)")
         if o.entry is None:
             raise _NotReplayable(o.refused)
         if d.sample is not None and (len(d.sample.shapes) != len(d.params_before)
                                      or all(p is None for p in d.params_before)):
             raise _NotReplayable("the optimizer's parameters changed during the step (the sample no longer fits)")
-        row = o.entry.spec
-        for gi, group in enumerate(d.groups):
-            idx = [i for i, g in enumerate(d.group_of) if g == gi and d.params_before[i] is not None]
-            if not idx:
-                continue  # a group the sample left out
-            cfg, impl = _spec_config(o, group)
-            lr = _tensor_lr(group["lr"]) if isinstance(group.get("lr"), torch.Tensor) else cfg.lr
-            params = [d.params_before[i] for i in idx]
-            grads = [d.step_grads[i] for i in idx]
-            states = tuple(row.state_from(d.state_before[i], params[j], cfg) for j, i in enumerate(idx))
-            if impl in row.kernel_scaled:
-                if d.kernel_unscale and row.kernel_skip_refused(cfg):
-                    raise _NotReplayable(f"{row.name} unscaled by its own kernel: {row.kernel_skip_refused(cfg)}")
-                kwargs = {"grad_scale": d.scale if d.kernel_unscale else None,
-                          "found_inf": float(d.torch_found_inf or 0.0) if d.amp_aware else 0.0}
-            else:
-                kwargs = {"sqrt": _torch_sqrt(impl)}
-            try:
-                new_params, _, new_states = row.step(impl, params, grads, states, cfg, lr=lr, **kwargs)
-            except ValueError as exc:
-                if not isinstance(lr, np.ndarray):
-                    raise
-                raise _NotReplayable(f"a tensor learning rate ({exc})") from None
+        if o.stochastic:
+            self._stochastic_step(o, d, rec, where)
+            return
+        low = low_precision(d.params_before)
+        if low is not None:
+            self._count_lost(o, d, rec, where)
+            raise _NotReplayable(f"{low} parameters: the optimizer stage is not compared (the specification's "
+                                 "optimizers take float32 and float64); its lost updates are counted "
+                                 "(update-lost-to-rounding)")
+        for idx, cfg, params, grads, states, (new_params, _, new_states) in self._spec_steps(o, d, o.entry.spec.step):
             for j, i in enumerate(idx):
                 self._compare_param(o, rec, cfg, i, params[j], grads[j], states[j], new_params[j], new_states[j],
                                     d, where)
+
+    # The stage mixins (audit.lost.LowPrecisionStage) reach the module's function through the replayer.
+    _spec_steps = staticmethod(lambda o, d, step: _spec_steps(o, d, step))
 
     def _compare_param(self, o: OptimizerRef, rec: Any, cfg: Any, i: int, p: np.ndarray, g: Any, old: Any,
                        new_p: np.ndarray, new: Any, d: Any, where: str) -> None:
@@ -411,7 +408,7 @@ class Replayer(StepStages, UpdateCheck):
             rest.append(dv)
         self.unexplained = rest
         recorder.findings.extend(dispatch(Divergences(rest)))
-
+        recorder.findings.extend(self._lost_findings(recorder))
 
 def _worker_replayer() -> Replayer:
     """The replayer of the forked worker (`audit.worker` runs it; it does not import this module)."""
@@ -426,6 +423,37 @@ def _sample_mode(obj: Any) -> str:
     if entry is None or not entry.builtin:
         return "whole" if entry is None else "registered"
     return "elements" if entry.spec.elementwise else "tensors"
+
+
+def _spec_steps(o: OptimizerRef, d: Any, step: Any) -> Any:
+    """Per parameter group: its indices, the spec's configuration, its parameters, gradients and
+    states before ``step`` (the spec row's, or `reference.master_weights.float32_step` on it), and
+    the triple ``step`` returns."""
+    row = o.entry.spec
+    for gi, group in enumerate(d.groups):
+        idx = [i for i, g in enumerate(d.group_of) if g == gi and d.params_before[i] is not None]
+        if not idx:
+            continue  # a group the sample left out
+        cfg, impl = _spec_config(o, group)
+        lr = _tensor_lr(group["lr"]) if isinstance(group.get("lr"), torch.Tensor) else cfg.lr
+        params = [d.params_before[i] for i in idx]
+        grads = [d.step_grads[i] for i in idx]
+        # A 16-bit parameter's state is read against its float32 widening (the spec's rows init float32).
+        states = tuple(row.state_from(d.state_before[i], _wide(params[j]), cfg) for j, i in enumerate(idx))
+        if impl in row.kernel_scaled:
+            if d.kernel_unscale and row.kernel_skip_refused(cfg):
+                raise _NotReplayable(f"{row.name} unscaled by its own kernel: {row.kernel_skip_refused(cfg)}")
+            kwargs = {"grad_scale": d.scale if d.kernel_unscale else None,
+                      "found_inf": float(d.torch_found_inf or 0.0) if d.amp_aware else 0.0}
+        else:
+            kwargs = {"sqrt": _torch_sqrt(impl)}
+        try:
+            result = step(impl, params, grads, states, cfg, lr=lr, **kwargs)
+        except ValueError as exc:
+            if not isinstance(lr, np.ndarray):
+                raise
+            raise _NotReplayable(f"a tensor learning rate ({exc})") from None
+        yield idx, cfg, params, grads, states, result
 
 
 def _spec_config(o: OptimizerRef, group: dict[str, Any]) -> tuple[Any, str]:
@@ -452,6 +480,11 @@ def _tensor_lr(lr: torch.Tensor) -> np.ndarray:
                              f"{', requiring grad' if lr.requires_grad else ''} (the specification takes a "
                              "one-element float32/float64 tensor)")
     return np.asarray(lr.detach().cpu().reshape(()).numpy())
+
+
+def _wide(p: np.ndarray) -> np.ndarray:
+    """A bfloat16/float16 array widened to float32 (exact); any other as it is."""
+    return p.astype(np.float32) if str(p.dtype) in LOW_DTYPES else p
 
 
 def _torch_sqrt(impl: str) -> Any:

@@ -113,6 +113,7 @@ class AuditReport:
                 lines.append(f"  not replayed ({count}x): {reason}")
             if r.get("fallback"):
                 lines.append(f"  {r['fallback']}")
+            lines.extend(_lost_lines(r.get("lost_updates")))
             lines.extend(_sampling_lines(r.get("sampling")))
         lines.extend(_reduction_lines(self.reductions))
         for rule, fs in self.by_rule().items():
@@ -235,6 +236,15 @@ def _reduction_lines(reductions: list[dict[str, Any]]) -> list[str]:
         out.append(f"gradient reduction, {red['wrapper']} over {red.get('world_size', '?')} rank(s){named}: "
                    f"{red['reduction']}")
     return out
+
+
+def _lost_lines(lost: dict[str, Any] | None) -> list[str]:
+    """The replay summary's line of the lost updates of 16-bit parameters (none when none was measured)."""
+    if not lost:
+        return []
+    return ["  lost updates over the run (update-lost-to-rounding; bfloat16/float16 parameters): " +
+            ", ".join(f"{name} {v['fraction']:.1%} ({v['lost']} of {v['counted']}"
+                      f"{'; sampled ' + v['sampled'] if v['sampled'] else ''})" for name, v in lost.items())]
 
 
 def _sampling_lines(sm: dict[str, Any] | None) -> list[str]:

@@ -7,8 +7,9 @@ Run from the repository root (a few minutes on 2 cores):
 
 Each mutant is one exact source edit to a check (`audit/checks_*.py`) or to the call sequence the
 checks read (`audit/sequence.py`): an inverted condition, a dropped case. For each, the script
-copies ``audit/``, ``reference/``, ``conformance/`` and ``tests/`` (with the root ``conftest.py``
-and ``pyproject.toml``) into a temporary folder, applies the edit (it must match the source
+copies ``audit/``, ``reference/``, ``conformance/``, ``torchimpl/`` (``tests/test_audit.py`` imports
+its command line) and ``tests/`` (with the root ``conftest.py`` and ``pyproject.toml``) into a
+temporary folder, applies the edit (it must match the source
 exactly once, else the script stops: a mutant that no longer applies is reported, never
 silently skipped) and runs ``pytest -x -q`` on the catalogue tests that name the rule's loops.
 The unmutated copy runs first and must pass. A mutant is killed when pytest exits non-zero.
@@ -95,6 +96,20 @@ MUTANTS = (
     Mutant("replay_divergence", "replay-divergence: divergences are dropped", NUMBERS,
            "    if not divergences:\n        return\n", "    if divergences:\n        return\n",
            (planted("bf16_loop.py", "--bug", "parameters-altered"),)),
+    Mutant("lost_counts_changed", "update-lost-to-rounding: the changed elements are counted as lost", "audit/lost.py",
+           "w.where, w.lost, w.counted = where, w.lost + lost, w.counted + counted",
+           "w.where, w.lost, w.counted = where, w.lost + (counted - lost), w.counted + counted",
+           (planted("lowprec_loop.py", "--bug", "update-lost-to-rounding"),
+            "tests/test_audit_lost.py::test_the_lost_fraction_is_the_one_torch_in_float32_gives")),
+    Mutant("lost_threshold", "update-lost-to-rounding: a window under the threshold is flagged", NUMBERS,
+           "    if not ev.counted or ev.lost <= LOST_FRACTION * ev.counted:\n",
+           "    if not ev.counted or ev.lost > LOST_FRACTION * ev.counted:\n",
+           (planted("lowprec_loop.py", "--bug", "update-lost-to-rounding"),
+            "tests/test_audit_lost.py::test_a_bf16_model_whose_updates_mostly_land_gives_no_finding")),
+    Mutant("stochastic_envelope_away", "replay-divergence: a stochastic rounding away from zero is outside the envelope",
+           "audit/lost.py", "ceil_bits = (high.view(np.uint32) & np.uint32(0xFFFF0000)) + np.uint32(0x10000)",
+           "ceil_bits = (high.view(np.uint32) & np.uint32(0xFFFF0000)) + np.uint32(0)",
+           ("tests/test_audit_lost.py::test_the_envelope_takes_both_neighbours_and_nothing_further",)),
     Mutant("zero_grad_in_window", "zero-grad-in-window: only a zero_grad with no backward is flagged", STEPS,
            "    if not backwards:\n", "    if backwards:\n", (planted("bf16_loop.py", "--bug", "zero-grad-in-window"),)),
     Mutant("loss_not_divided", "loss-not-divided: a divided window is taken for an undivided one", STEPS,
@@ -127,7 +142,7 @@ MUTANTS = (
            (planted("scaler_loop.py", "--bug", "unscale-twice-call"),)),
 )
 
-_COPIED = ("audit", "reference", "conformance", "tests", "conftest.py", "pyproject.toml")
+_COPIED = ("audit", "reference", "conformance", "torchimpl", "tests", "conftest.py", "pyproject.toml")
 
 
 def run(names: list[str]) -> int:

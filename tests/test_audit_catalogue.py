@@ -41,6 +41,8 @@ CORRECT = [
     ("zero_dim_loop.py", ["--steps", "40", "--inf-at", "3"]),
     ("zero_dim_loop.py", ["--steps", "12", "--optimizer", "adam-fused", "--inf-at", "3"]),
     ("zero_dim_loop.py", ["--steps", "12", "--optimizer", "sgd"]),
+    # A bf16 model whose optimizer steps a float32 master copy kept by hand, at a tiny learning rate.
+    ("lowprec_loop.py", ["--steps", "40"]),
 ]
 
 ALL12 = list(range(12))
@@ -82,10 +84,13 @@ PLANTED = [
     ("two_optimizers_loop.py", ["--bug", "zero-grad-in-window"], "zero-grad-in-window", [0], 2),
     ("sharded_loop.py", ["--bug", "step-without-update"], "step-without-update", [0], 2),
     ("sharded_loop.py", ["--bug", "clip-before-unscale", "--fsdp"], "clip-before-unscale", ALL12, 1),
+    # A bf16 model stepped by a plain AdamW at lr 1e-5: each of its 4 parameters, at the end of the
+    # first window of 10 steps.
+    ("lowprec_loop.py", ["--bug", "update-lost-to-rounding"], "update-lost-to-rounding", [9, 9, 9, 9], 0),
 ]
 
 NUMERIC_RULES = {"replay-divergence", "gradients-modified-after-unscale", "gradients-modified-before-unscale",
-                 "scale-twice"}
+                 "scale-twice", "update-lost-to-rounding"}
 
 # What torch itself raises after the audit named the mistake, by (loop, bug).
 TORCH_ERRORS = {("scaler_loop.py", "unscale-twice-call"): "unscale_() has already been called on this optimizer",
@@ -210,7 +215,8 @@ def test_exact_kernels_replay_every_step_bit_for_bit():
         ("scaler_loop.py", ["--steps", "12", "--optimizer", "adam-fused", "--inf-at", "3"]),
         ("bf16_loop.py", ["--steps", "12", "--optimizer", "adam-foreach"]),
         ("accumulation_loop.py", ["--steps", "12", "--inf-at", "3"]),
-        ("zero_dim_loop.py", ["--steps", "12", "--optimizer", "adam-foreach", "--inf-at", "3"])]]
+        ("zero_dim_loop.py", ["--steps", "12", "--optimizer", "adam-foreach", "--inf-at", "3"]),
+        ("lowprec_loop.py", ["--steps", "12"])]]
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], env=env, capture_output=True, text=True,
                        timeout=300, cwd=ROOT)

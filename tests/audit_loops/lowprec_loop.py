@@ -1,0 +1,52 @@
+"""A model held in bfloat16 on the CPU, fine-tuned with AdamW: three ways to keep its weights.
+
+- ``--keep master`` (the correct loop): the optimizer steps a float32 master copy of every
+  parameter; the loop hands it the bf16 gradients widened to float32 and writes the bf16 model
+  from it after each step. The optimizer holds float32 parameters: every step is replayed.
+- ``--bug update-lost-to-rounding``: ``model.to(torch.bfloat16)`` and a plain ``torch.optim.AdamW``
+  over the bf16 parameters (its state is bf16 too). With ``--lr 1e-5`` an update is about 1e-5,
+  far below half the bf16 spacing of a weight near 0.1 (2**-12, 2.4e-4): nearly every update
+  rounds back to the stored weight (the audit warns at the end of its first window, step 9).
+- ``--keep stochastic``: torchao's ``_AdamW(bf16_stochastic_round=True)`` over the bf16
+  parameters: the update is computed in float32 and rounded to bf16 stochastically, kept in
+  expectation. Its random bits are not observable: its steps are checked by envelope (each
+  weight one of the two bf16 neighbours of the float32 step's result), and no
+  update-lost-to-rounding finding is made. ``--bug parameters-altered`` adds a step hook that
+  scales the first weight by 1.05 after every step: outside the envelope (a divergence, a
+  warning as the hook is the loop's own).
+"""
+
+import torch
+
+from _common import batches, make_model, parse
+
+BUGS = ("update-lost-to-rounding", "parameters-altered")
+args = parse(BUGS, keep="master", lr=1e-5)
+
+model = make_model().to(torch.bfloat16)
+if args.bug == "update-lost-to-rounding" or args.keep == "none":
+    params = list(model.parameters())  # the optimizer steps the bf16 weights themselves
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+elif args.keep == "stochastic":
+    from torchao.optim import _AdamW
+
+    params = list(model.parameters())
+    opt = _AdamW(params, lr=args.lr, weight_decay=0.01, bf16_stochastic_round=True)
+else:
+    params = [p.detach().float() for p in model.parameters()]  # the float32 master copy
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+if args.bug == "parameters-altered":
+    opt.register_step_post_hook(lambda *_: params[0].data.mul_(1.05))
+
+for step, (x, y) in enumerate(batches(args.steps)):
+    model.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+    loss.backward()
+    if params[0] is not next(model.parameters()):
+        for master, p in zip(params, model.parameters()):
+            master.grad = p.grad.float()
+    opt.step()
+    if params[0] is not next(model.parameters()):
+        with torch.no_grad():
+            for master, p in zip(params, model.parameters()):
+                p.copy_(master)  # the bf16 model from the master copy, rounded to nearest

@@ -1,0 +1,179 @@
+"""``update-lost-to-rounding``: a model held in bfloat16, its lost updates counted by the replay.
+
+The catalogue (tests/test_audit_catalogue.py) holds the planted loop (a bf16 AdamW at lr 1e-5:
+a warning per parameter at step 9) and the correct one (a float32 master copy: no finding).
+Here: the counts against torch's own float32 step, the sampled replay, the stochastic-rounding
+optimizer's truth and its envelope, a bf16 model whose updates land, and the windows' bookkeeping.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from audit.checks_numbers import LOST_FRACTION, LOST_WINDOW, update_lost_to_rounding
+from audit.lost import LostBook, events
+from audit.runner import run_script
+
+LOOPS = Path(__file__).resolve().parent / "audit_loops"
+LOOP = LOOPS / "lowprec_loop.py"
+BUG = ["--bug", "update-lost-to-rounding"]
+COUNTED = re.compile(r"were lost, (\d+) of (\d+) element updates")
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """The loops run on one thread (tests/audit_loops/_common.py); the rest of the suite keeps its own."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _torch_counts(lr: float, steps: int) -> list[tuple[int, int]]:
+    """The planted loop's first window, counted with torch alone: at each step a float32 twin of
+    every parameter, gradient and AdamW state steps beside the bf16 optimizer; an element's
+    update is lost when its twin moved and its bf16 bits did not. (lost, counted) per parameter."""
+    sys.path.insert(0, str(LOOPS))
+    try:
+        from _common import batches, make_model
+    finally:
+        sys.path.remove(str(LOOPS))
+    model = make_model().to(torch.bfloat16)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    counts = [(0, 0)] * len(params)
+    for x, y in batches(steps):
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+        twins = [p.detach().float() for p in params]
+        twin_opt = torch.optim.AdamW(twins, lr=lr, weight_decay=0.01)
+        for t, p in zip(twins, params):
+            t.grad = p.grad.float()
+            if p in opt.state:
+                twin_opt.state[t] = {k: v.float().clone() for k, v in opt.state[p].items()}
+        twin_opt.step()
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        for i, (b, p, t) in enumerate(zip(before, params, twins)):
+            exact = t.double() - b.double()
+            moved = torch.isfinite(exact) & (exact != 0)
+            same = b.view(torch.int16) == p.detach().view(torch.int16)
+            counts[i] = (counts[i][0] + int((moved & same).sum()), counts[i][1] + int(moved.sum()))
+    return counts
+
+
+def test_the_lost_fraction_is_the_one_torch_in_float32_gives():
+    """Each parameter's finding states the first window's counts: equal to those torch's own float32
+    AdamW step gives beside the bf16 one (the spec's float32 step, from torch's widened inputs, is
+    the exact update)."""
+    report = run_script(LOOP, [*BUG, "--steps", str(LOST_WINDOW)])
+    assert report.error is None and {f.rule for f in report.findings} == {"update-lost-to-rounding"}, report.text()
+    got = [tuple(int(n) for n in COUNTED.search(f.message).groups()) for f in report.findings]
+    assert got == _torch_counts(1e-5, LOST_WINDOW)
+    assert [f.message.split(" (bfloat16")[0] for f in report.findings] == [
+        f"AdamW#0's parameter {n}" for n in ("0.weight", "0.bias", "2.weight", "2.bias")]
+    for f, (lost, counted) in zip(report.findings, got):
+        assert f.got == round(lost / counted, 6) and lost > LOST_FRACTION * counted
+        assert "precision.master_weights" in RULE_FIX and f.step == LOST_WINDOW - 1
+    # The run's totals are in the report's replay summary, one entry per parameter.
+    summary = report.replay["lost_updates"]
+    assert [(v["lost"], v["counted"]) for v in summary.values()] == got
+    assert "lost updates over the run" in report.text()
+
+
+RULE_FIX = update_lost_to_rounding.rule.fix
+
+
+def test_a_bf16_model_whose_updates_mostly_land_gives_no_finding():
+    """lr 1e-2: most updates exceed half a bf16 gap. The steps are measured (not replayed: the spec's
+    optimizers take float32) and the fraction stays under the threshold."""
+    report = run_script(LOOP, ["--keep", "none", "--lr", "1e-2", "--steps", "12"])
+    assert report.error is None and report.findings == [], report.text()
+    reason = next(iter(report.replay["not_replayed"]))
+    assert reason.startswith("bfloat16 parameters") and "lost updates are counted" in reason
+    summary = report.replay["lost_updates"]
+    assert len(summary) == 4 and all(0 < v["counted"] and v["fraction"] <= LOST_FRACTION for v in summary.values())
+
+
+def test_a_sampled_replay_counts_over_its_sample_and_says_so():
+    """--replay-sample 0.1: the two weights (512 and 128 elements) are sampled to 64 elements each, the
+    biases (under 64) taken whole; the findings of the weights state the sample, and each count is
+    over the elements taken at each of the 10 steps."""
+    report = run_script(LOOP, [*BUG, "--steps", "12"], replay_sample=0.1)
+    assert [f.rule for f in report.findings] == ["update-lost-to-rounding"] * 4, report.text()
+    said = [re.search(r"\(the replay's sample: ([^)]*)\)", f.message) for f in report.findings]
+    assert [s.group(1) if s else None for s in said] == [
+        "64 of 512 elements, seed 0", None, "64 of 128 elements, seed 0", None]
+    counted = [int(COUNTED.search(f.message).group(2)) for f in report.findings]
+    assert counted[0] <= 640 and counted[2] <= 640 and counted[1] <= 320 and counted[3] <= 40
+
+
+@pytest.mark.parametrize("lr", ["1e-5", "1e-2"])
+def test_a_stochastic_rounding_optimizer_is_checked_by_envelope_and_gives_no_finding(lr):
+    """torchao's _AdamW(bf16_stochastic_round=True): its random bits are not observable, so each step
+    is checked by envelope (every weight one of the two bf16 neighbours of the float32 step's
+    result, the state within 1 ULP), and an update below the gap is kept in expectation: no
+    lost-update finding, at a tiny and at a large learning rate."""
+    pytest.importorskip("torchao.optim", reason="torchao is an extra: pip install torchao")
+    report = run_script(LOOP, ["--keep", "stochastic", "--lr", lr, "--steps", "12"])
+    assert report.error is None and report.findings == [], report.text()
+    assert report.replay["steps_replayed"] == 12 and report.replay["not_replayed"] == {}, report.replay
+    assert all(r.replay.startswith("within the envelope of stochastic rounding") for r in report.steps)
+    assert report.replay["steps_bit_exact"] == 0 and report.replay["lost_updates"] == {}
+
+
+def test_a_weight_outside_the_stochastic_rounding_envelope_diverges():
+    """A step hook scaling the first weight by 1.05 after each torchao step: outside the envelope at
+    the first step (a warning: the hook is the loop's own)."""
+    pytest.importorskip("torchao.optim", reason="torchao is an extra: pip install torchao")
+    report = run_script(LOOP, ["--keep", "stochastic", "--bug", "parameters-altered", "--steps", "4"])
+    assert [(f.rule, f.step, f.severity) for f in report.findings] == [("replay-divergence", 0, "warning")], \
+        report.text()
+    assert "neither bfloat16 neighbour of the float32 step's result" in report.findings[0].message
+
+
+def test_the_envelope_takes_both_neighbours_and_nothing_further():
+    """Rule 7 of reference.master_weights with every bit pattern's two outcomes: inside; the stored
+    weight unchanged under an update of several gaps, two gaps off, or the wrong sign: outside."""
+    import ml_dtypes
+
+    from audit.lost import stochastic_envelope
+    from reference.master_weights import stochastic_round_bf16
+
+    rng = np.random.default_rng(0)
+    before = rng.normal(0, 0.1, 4096).astype(ml_dtypes.bfloat16)
+    u = (rng.normal(0, 1e-4, 4096)).astype(np.float32)
+    q = (before.astype(np.float32) + u).astype(np.float32)
+    for bits in (np.zeros(4096, np.int64), np.full(4096, 0xFFFF, np.int64), rng.integers(0, 1 << 16, 4096)):
+        assert stochastic_envelope(stochastic_round_bf16(q, bits), q, before, u).size == 0
+    gap = np.spacing(np.abs(q).astype(ml_dtypes.bfloat16)).astype(np.float32)
+    big = (before.astype(np.float32) + 4 * gap * np.sign(u)).astype(np.float32)  # an update of 4 gaps ...
+    assert stochastic_envelope(before, big, before, big - before.astype(np.float32)).size == 4096  # ... lost
+    shifted = (q + 2.5 * gap).astype(ml_dtypes.bfloat16)
+    assert stochastic_envelope(shifted, q, before, u).size == 4096
+    far = q[np.abs(q) > 1e-2]
+    assert stochastic_envelope((-far).astype(ml_dtypes.bfloat16), far, far.astype(ml_dtypes.bfloat16),
+                               np.zeros_like(far)).size == far.size
+
+
+def test_the_windows_close_every_few_steps_and_the_last_may_be_shorter():
+    """25 measured steps: windows of 10, 10 and 5; each event holds its steps and the run's totals."""
+    book = LostBook()
+    before = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+    after = np.array([1.0, 2.5, 3.0, 4.0], np.float32)  # the second element moved
+    exact = np.array([1e-9, 0.5, 0.0, 1e-9])  # the third had no update: not counted
+    for step in range(25):
+        book.add("AdamW#0", 0, step, "loop.py:9", before, after, exact, (4,), None)
+        book.step_done("AdamW#0")
+    evs = events(book, {"AdamW#0": ["w"]})
+    assert [(e.steps[0], e.steps[-1], e.step, e.lost, e.counted) for e in evs] == [
+        (0, 9, 9, 20, 30), (10, 19, 19, 20, 30), (20, 24, 24, 10, 15)]
+    assert {(e.run_lost, e.run_counted, e.parameter) for e in evs} == {(50, 75, "w")}
+    assert [f.step for e in evs for f in update_lost_to_rounding(e)] == [9, 19, 24]
+    # A parameter the recorder could not name is named by its index.
+    assert events(book, {})[0].parameter == "0"
