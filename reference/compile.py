@@ -20,14 +20,18 @@ Rules:
    up to the float32 implementation of that operation, which changes the rounded result only
    where it straddles a rounding boundary (at most 1 ULP of the autocast dtype).
 4. ``emulate_precision_casts``: with ``torch._inductor.config.emulate_precision_casts = True``
-   every low-precision operation rounds its output to its dtype where eager does, and the forward
-   pass is bitwise eager's. The backward pass is too, except where a compiled decomposition splits
-   an eager kernel that computes in float32 inside and rounds once: then emulation rounds after
-   every piece (``EMULATE_BACKWARD_DIVERGES``; measured: ``sigmoid``'s backward in float16).
+   every low-precision operation rounds its output to its dtype where eager does. The forward
+   pass is then bitwise eager's wherever the compiled float32 computation of each operation is
+   eager's (arithmetic, relu, sigmoid, tanh, silu measured); an operation whose float32
+   implementation differs (``gelu``'s erf) keeps rule 3's one-ULP allowance
+   (``EMULATE_FORWARD_DIFFERS``). The backward pass is bitwise too, except where a compiled
+   decomposition splits an eager kernel that computes in float32 inside and rounds once: then
+   emulation rounds after every piece (``EMULATE_BACKWARD_DIVERGES``; measured: ``sigmoid``'s
+   backward in float16, not in bfloat16).
 5. Optimizer steps: ``torch.compile(optimizer.step)`` traces the same Python update (for-loop or
    foreach), but while compiling ``torch.optim``'s ``_get_value`` returns the step count as a
    tensor, so every step-dependent scalar (Adam's bias corrections, Adamax's, Adagrad's decayed
-   lr, NAdam's momentum products, RAdam's rectification, Adafactor's decay and relative step) is
+   lr, NAdam's momentum products, RAdam's rectification) is
    computed in float32 from hyperparameters rounded to float32 (``powf``, then a cancellation in
    ``1 - beta ** t``), where eager computes it in float64 from Python floats.
 6. Per optimizer (`compiled_step_rule`): whether the compiled step equals the spec bit for bit,
@@ -36,11 +40,14 @@ Rules:
    compiled code re-associates ``(1 - beta2) * g * g`` as ``(1 - beta2) * (g * g)``, divides by a
    reciprocal step size, and rounds each lerp twice) plus the float32 scalars' relative error
    (`scalar_relative_error`).
-7. Recompiles (`RECOMPILES`): a compiled ``optimizer.step`` compiles twice (a first step that
-   creates the state, then the steady step) and never again when ``GradScaler`` changes its
-   scale (the scale reaches the step only through ``unscale_``, outside the graph) or skips a
-   step (``optimizer.step`` is not called). A compiled model compiles once for fixed shapes:
-   the loss scale multiplies its output outside the graph.
+7. Graphs and recompiles (`expected_graphs`): a compiled ``optimizer.step`` captures one graph
+   (SGD with momentum two: its first step, without a buffer, is a graph of its own) and no
+   other, however ``GradScaler`` changes its scale (the scale reaches the step only through
+   ``unscale_``, outside the graph) and whatever steps it skips (``optimizer.step`` is not
+   called). Adafactor captures none: its step calls ``Tensor.item()``, a graph break while
+   ``torch._dynamo.config.capture_scalar_outputs`` is False, so it runs eagerly and equals the
+   eager step bit for bit. A compiled model compiles once for fixed shapes and dtypes: the loss
+   scale multiplies its output outside the graph.
 
 Every rule is keyed by torch's "major.minor" (`compile_rules`); a version nobody measured is a
 ValueError naming the measured ones.
@@ -55,9 +62,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CompileRules", "CompiledStepRule", "EMULATE_BACKWARD_DIVERGES", "MEASURED", "RECOMPILES",
-           "compile_rules", "compiled_step_rule", "compiled_step_ulp", "dropped_rounding_envelope",
-           "scalar_relative_error"]
+__all__ = ["CompileRules", "CompiledStepRule", "EMULATE_BACKWARD_DIVERGES", "EMULATE_FORWARD_DIFFERS", "MEASURED",
+           "RECOMPILES", "compile_rules", "compiled_step_rule", "compiled_step_ulp", "dropped_rounding_envelope",
+           "expected_graphs", "matmul_envelope", "scalar_relative_error"]
 
 U32 = 2.0**-24  # unit roundoff of float32: a rounding moves a value by at most U32 of its magnitude
 
@@ -66,12 +73,16 @@ U32 = 2.0**-24  # unit roundoff of float32: a rounding moves a value by at most 
 class CompiledStepRule:
     """Rule 6 for one registry optimizer: ``bitwise``: the implementations whose compiled step
     equals the spec's (``sqrt=None``) bit for bit in every field; ``why``: what differs where it
-    is not bitwise; ``scalar_fields``: the fields the float32 scalars of rule 5 reach."""
+    is not bitwise; ``scalar_fields``: the fields the float32 scalars of rule 5 reach;
+    ``graphs``: the graphs a run captures (rule 7; `expected_graphs`); ``eager``: no graph is
+    captured and the step is eager's own."""
 
     name: str
     bitwise: frozenset[str]
     why: str
     scalar_fields: frozenset[str] = frozenset()
+    graphs: int = 1
+    eager: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,12 +94,13 @@ class CompileRules:
     steps: Mapping[str, CompiledStepRule] = field(default_factory=dict)
     recompiles: Mapping[str, int] = field(default_factory=dict)
     emulate_backward_diverges: frozenset[tuple[str, str]] = frozenset()
+    emulate_forward_differs: frozenset[str] = frozenset()
 
 
 _SCALARS = "rule 5: step-dependent scalars in float32"
 _STEPS_2_13 = {
     "SGD": CompiledStepRule("SGD", frozenset({"for-loop", "foreach"}),
-                            "none: no step-dependent scalar, every operation rounded once (rule 1)"),
+                            "none: no step-dependent scalar, every operation rounded once (rule 1)", graphs=2),
     "Adagrad": CompiledStepRule("Adagrad", frozenset(),
                                 "the for-loop's tensor clr divides the gradient by std/clr; " + _SCALARS,
                                 frozenset({"param"})),
@@ -105,16 +117,17 @@ _STEPS_2_13 = {
                               + " (mu, mu_product, 1 - beta2^t)", frozenset({"param", "mu_product"})),
     "RAdam": CompiledStepRule("RAdam", frozenset(), "exp_avg_sq re-associated; " + _SCALARS
                               + " (rho_t = rho_inf - 2t beta2^t/(1 - beta2^t) cancels)", frozenset({"param"})),
-    "Adafactor": CompiledStepRule("Adafactor", frozenset(), "the row/column means and the RMS reduce in "
-                                  "another order; " + _SCALARS + " (t^beta2_decay, 1/sqrt(t))",
-                                  frozenset({"param", "row_var", "col_var", "variance"})),
+    "Adafactor": CompiledStepRule("Adafactor", frozenset(), "not compiled: Tensor.item() breaks the graph "
+                                  "and the step runs eagerly (rule 7): eager's bits, eager's native bound",
+                                  graphs=0, eager=True),
 }
 
-RECOMPILES = {"optimizer.step": 2, "model": 1}
+RECOMPILES = {"model": 1}
+EMULATE_FORWARD_DIFFERS = frozenset({"gelu"})
 EMULATE_BACKWARD_DIVERGES = frozenset({("sigmoid", "float16")})
 
 MEASURED: dict[str, CompileRules] = {
-    "2.13": CompileRules("2.13", "off", _STEPS_2_13, RECOMPILES, EMULATE_BACKWARD_DIVERGES),
+    "2.13": CompileRules("2.13", "off", _STEPS_2_13, RECOMPILES, EMULATE_BACKWARD_DIVERGES, EMULATE_FORWARD_DIFFERS),
 }
 
 
@@ -135,6 +148,17 @@ def compiled_step_rule(name: str, torch_version: str) -> CompiledStepRule:
     if name not in steps:
         raise KeyError(f"no compile rule for optimizer {name!r}; known: {', '.join(steps)}")
     return steps[name]
+
+
+def expected_graphs(name: str, config: Any, steps_taken: int, torch_version: str) -> int:
+    """Rule 7: the graphs a compiled ``optimizer.step`` has captured after ``steps_taken`` steps
+    that ran (GradScaler's skipped steps do not count; nor do scale changes): the rule's
+    ``graphs``, reached one per step (SGD without momentum keeps no buffer: one graph)."""
+    rule = compiled_step_rule(name, torch_version)
+    graphs = rule.graphs
+    if name == "SGD" and not getattr(config, "momentum", 0.0):
+        graphs = 1
+    return min(steps_taken, graphs)
 
 
 # --- rule 5: a running error bound of the float32 scalar chain ----------------------------------
@@ -250,18 +274,9 @@ def _radam_scalars(cfg: Any, t: float) -> dict[str, float]:
     return {"param": _relative(step) + _relative(rect) + _relative(bc2.sqrt())}
 
 
-def _adafactor_scalars(cfg: Any, t: float) -> dict[str, float]:
-    decay = _pow(t, cfg.beta2_decay) if t > 1 else _R(1.0, 0.0)  # t^beta2_decay (t = 1: exactly 1)
-    # The exponent rounds to float32 too: t^(d + dd) = t^d * t^dd, relative ln(t) |dd|.
-    decay = _R(decay.v, decay.e + math.log(t) * abs(float(np.float32(cfg.beta2_decay)) - cfg.beta2_decay) * 2 * decay.v)
-    rho = min(_const(cfg.lr), 1 / _R(t, 0.0).sqrt(), key=lambda r: r.v)
-    var = 2 * _relative(decay)  # lerp weight w: |dw| |g^2 - v| <= 2 rel(w) x_abs for w <= 1/2 (and w = 1 at t = 1)
-    return {"param": _relative(rho) + var, "row_var": var, "col_var": var, "variance": var}
-
-
 _SCALAR_CHAINS: dict[str, Callable[..., dict[str, float]]] = {
     "Adam": _adam_scalars, "AdamW": _adam_scalars, "Adamax": _adamax_scalars, "Adagrad": _adagrad_scalars,
-    "NAdam": _nadam_scalars, "RAdam": _radam_scalars, "Adafactor": _adafactor_scalars,
+    "NAdam": _nadam_scalars, "RAdam": _radam_scalars,
 }
 
 
@@ -351,3 +366,19 @@ def dropped_rounding_envelope(out: np.ndarray, dropped: list[tuple[np.ndarray, n
     for z, dy_dz in dropped:
         bound = bound + np.abs(np.asarray(dy_dz, np.float64)) * _ulp(z, dtype) / 2
     return bound
+
+
+def matmul_envelope(a_abs: np.ndarray, delta_b: np.ndarray, b_abs: np.ndarray, out: np.ndarray,
+                    dtype: str) -> np.ndarray:
+    """Rule 3 through a matrix product ``a @ b`` that both compute with the same kernel (rule 3:
+    ATen's own), rounded to ``dtype``: elementwise bound on |compiled - eager| of the product when
+    ``b`` differs by at most ``delta_b`` elementwise and ``a`` is the same.
+
+    Derivation: the exact products differ by at most ``|a| @ delta_b``; each side accumulates k
+    float32 products in the same order, each partial sum rounding within ``U32`` of it, so within
+    ``k U32 (|a| @ |b|)`` of its exact sum; both round to ``dtype`` once: 2 ULPs of the output
+    (a straddled power of two included, as in `dropped_rounding_envelope`).
+    """
+    a_abs, delta_b, b_abs = (np.abs(np.asarray(x, np.float64)) for x in (a_abs, delta_b, b_abs))
+    k = a_abs.shape[-1]
+    return a_abs @ delta_b + 2 * k * U32 * (a_abs @ b_abs) + 2 * _ulp(out, dtype)

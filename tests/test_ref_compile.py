@@ -87,3 +87,23 @@ def test_compiled_step_ulp_adds_the_ceiling_of_the_scalar_term():
     r = rc.scalar_relative_error("Adamax", cfg, 4)["param"]
     assert rc.compiled_step_ulp("Adamax", "param", 22, cfg, 4) == 22 + math.ceil(r / rc.U32)
     assert rc.compiled_step_ulp("Adamax", "exp_avg", 10, cfg, 4) == 10
+
+
+def test_graph_counts_follow_the_rule():
+    sgd = optim.spec("SGD")
+    assert rc.expected_graphs("SGD", sgd.make_config(lr=0.1, momentum=0.9), 5, "2.13") == 2
+    assert rc.expected_graphs("SGD", sgd.make_config(lr=0.1, momentum=0.9), 1, "2.13") == 1
+    assert rc.expected_graphs("SGD", sgd.make_config(lr=0.1), 5, "2.13") == 1
+    assert rc.expected_graphs("Adam", optim.spec("Adam").make_config(), 0, "2.13") == 0
+    assert rc.expected_graphs("Adam", optim.spec("Adam").make_config(), 9, "2.13") == 1
+    assert rc.expected_graphs("Adafactor", optim.spec("Adafactor").make_config(), 9, "2.13") == 0
+    assert rc.compiled_step_rule("Adafactor", "2.13").eager
+
+
+def test_matmul_envelope_adds_the_propagated_difference_and_the_roundings():
+    a = np.array([[1.0, -2.0]])
+    db = np.array([[0.5], [0.25]])
+    b = np.array([[1.0], [1.0]])
+    out = np.array([[3.0]])
+    env = rc.matmul_envelope(a, db, b, out, "bfloat16")
+    assert env[0, 0] == 1.0 + 2 * 2 * rc.U32 * 3.0 + 2 * 2.0**-6
