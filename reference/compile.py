@@ -33,14 +33,14 @@ Rules:
 5. Optimizer steps: ``torch.compile(optimizer.step)`` traces the same Python update (for-loop or
    foreach), but while compiling ``torch.optim``'s ``_get_value`` returns the step count as a
    tensor, so every step-dependent scalar (Adam's bias corrections, Adamax's, Adagrad's decayed
-   lr, NAdam's momentum products, RAdam's rectification) is
-   computed in float32 from hyperparameters rounded to float32 (``powf``, then a cancellation in
-   ``1 - beta ** t``), where eager computes it in float64 from Python floats.
+   lr, NAdam's momentum products, RAdam's rectification) is computed in float32 from
+   hyperparameters rounded to float32 (``powf``, then a cancellation in ``1 - beta ** t``),
+   where eager computes it in float64 from Python floats.
 6. Per optimizer (`compiled_step_rule`): whether the compiled step equals the spec bit for bit,
    and if not, why. Where it does not, `compiled_step_ulp` bounds each field in ULPs of ``x_abs``
    (the row's ``magnitudes``): the row's native bound (any rounding order of the same formula:
    compiled code re-associates ``(1 - beta2) * g * g`` as ``(1 - beta2) * (g * g)``, divides by a
-   reciprocal step size, and rounds each lerp twice) plus the float32 scalars' relative error
+   reciprocal step size, and computes each lerp as a separate multiply and add) plus the float32 scalars' relative error
    (`scalar_relative_error`).
 7. Graphs and recompiles (`expected_graphs`): a compiled ``optimizer.step`` captures one graph
    (SGD with momentum two: its first step, without a buffer, is a graph of its own) and no
