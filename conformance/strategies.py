@@ -248,15 +248,16 @@ def adafactor_config(draw) -> dict:
 @st.composite
 def optimizer_trajectory(draw, plant_nonfinite: bool = False, zero_d: bool = False,
                          dtypes: tuple[np.dtype, ...] = (np.dtype(np.float32),), min_ndim: int = 0,
-                         steps: tuple[int, int] = (1, 6), zero_d_first: bool = False) -> dict:
+                         steps: tuple[int, int] = (1, 6), zero_d_first: bool = False, min_dim_size: int = 0) -> dict:
     """Initial parameters of one of ``dtypes`` and the gradients recorded for each step (None: no
     gradient that step). With ``plant_nonfinite`` some steps carry inf/NaN, as loss-scaled
     gradients do; with ``zero_d`` parameters may be 0-d (where 0-d tensor hyperparameters
     promote), with ``zero_d_first`` the first one is, beside up to two others; ``min_ndim`` is
     the fewest dimensions a parameter has (Adafactor factors matrices); ``steps``: the range of
-    the number of steps."""
+    the number of steps; ``min_dim_size``: the smallest size of a dimension (the compiled
+    properties, whose every example compiles, draw no empty tensors)."""
     dtype = np.dtype(draw(st.sampled_from(dtypes)))
-    dims = st.lists(st.integers(0, 33), min_size=max(min_ndim, 0 if zero_d else 1), max_size=max(2, min_ndim)).map(tuple)
+    dims = st.lists(st.integers(min_dim_size, 33), min_size=max(min_ndim, 0 if zero_d else 1), max_size=max(2, min_ndim)).map(tuple)
     shapes = draw(st.lists(st.one_of(st.just(()), dims) if zero_d else dims, min_size=1, max_size=3))
     if zero_d_first:
         shapes = [()] + shapes[:2]
