@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from audit.compiled import compile_line
 from audit.report_file import write_report_file
 from audit.rules import ERROR, RULES, SEVERITIES, Finding
 
@@ -44,6 +45,7 @@ class AuditReport:
     script_status: int | None = None
     ended: str | None = None
     interrupted: str | None = None
+    compiled: dict[str, Any] | None = None  # `audit.compiled`: what torch.compile did meanwhile
 
     def counts(self) -> dict[str, int]:
         """How many findings of each severity (every severity present, in the contract's order)."""
@@ -112,6 +114,8 @@ class AuditReport:
             if r.get("fallback"):
                 lines.append(f"  {r['fallback']}")
             lines.extend(_sampling_lines(r.get("sampling")))
+        if self.compiled is not None:
+            lines.append(compile_line(self.compiled))
         for rule, fs in self.by_rule().items():
             spec = RULES[rule]
             levels = "/".join(dict.fromkeys(f.severity for f in fs))
@@ -199,6 +203,7 @@ class AuditReport:
             "exit_status": self.exit_status,
             "stopped": self.stopped,
             "replay": self.replay,
+            "compiled": self.compiled,
             "findings": [f.to_dict() for f in self.findings],
             "steps": [s.to_dict() for s in self.steps],
             "error": self.error,
