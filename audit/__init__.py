@@ -76,6 +76,7 @@ class Audit:
     def start(self) -> "Audit":
         global _CURRENT
         # Here, not at the top: ``import audit`` (the pytest plugin's entry point) stays torch-free.
+        from audit.compiled import CompileCounts
         from audit.instrument import Instrumentation
         from audit.recorder import Recorder
 
@@ -88,6 +89,7 @@ class Audit:
             replayer = Replayer(sampling=self.sampling)
         self._recorder = Recorder(replay=replayer, steps=self.steps)
         self._instr = Instrumentation(self._recorder)
+        self._compiles = CompileCounts.now()
         self._instr.install()
         _CURRENT = self  # after the replay worker's fork: that child is no child of the audited program
         return self
@@ -141,7 +143,8 @@ class Audit:
         self._report = AuditReport(findings=list(rec.findings), steps=list(rec.records), replay=replay,
                                    target=self.target, argv=list(self.argv), error=text,
                                    stopped=f"stopped after {self.steps} steps as asked" if limited else None,
-                                   strict=self.strict, interrupted=interrupted, reductions=list(rec.reductions))
+                                   strict=self.strict, interrupted=interrupted, reductions=list(rec.reductions),
+                                   compiled=self._compiles.since())
         return self._report
 
     @property

@@ -14,7 +14,8 @@ What is wrapped (each wrapper calls the original unchanged and reports to a `Rec
   otherwise, the module attributes are replaced instead;
 - optimizer steps through torch's global step hooks (``register_optimizer_step_pre_hook`` and
   ``..._post_hook``; the pre-hook returns the step's arguments with a given closure wrapped, so
-  that the recorder knows when it has run, `audit.closures`), ``Optimizer.zero_grad``,
+  that the recorder knows when it has run, `audit.closures`; both return at once while
+  ``torch.compile`` traces a step, which the recorder then sees by its effects), ``Optimizer.zero_grad``,
   ``Optimizer.add_param_group`` (where an optimizer is built, and what device and dtype its
   parameters had), ``nn.Module.zero_grad``;
 - ``LRScheduler.step`` and every torch scheduler that overrides it;
@@ -183,10 +184,21 @@ class Instrumentation:
 
     def _install_optimizers(self) -> None:
         rec = self.rec
-        self._handles.append(_optim_mod.register_optimizer_step_pre_hook(
-            lambda opt, args, kwargs: rec.on_optimizer_step_begin(opt, args, kwargs)))
-        self._handles.append(_optim_mod.register_optimizer_step_post_hook(
-            lambda opt, args, kwargs: rec.on_optimizer_step_end(opt)))
+        # A step traced by torch.compile (``torch.compile(opt.step)``, a compiled train step) runs
+        # these hooks while Dynamo traces it: there they return at once, so the audit adds no graph
+        # break and no recompile, and the compiled step is seen afterwards (`audit.track_optimizer`).
+        def pre_hook(opt, args, kwargs):
+            if torch.compiler.is_compiling():
+                return None
+            return rec.on_optimizer_step_begin(opt, args, kwargs)
+
+        def post_hook(opt, args, kwargs):
+            if torch.compiler.is_compiling():
+                return None
+            return rec.on_optimizer_step_end(opt)
+
+        self._handles.append(_optim_mod.register_optimizer_step_pre_hook(pre_hook))
+        self._handles.append(_optim_mod.register_optimizer_step_post_hook(post_hook))
 
         def zero_grad(orig):
             def wrapper(self, *args, **kwargs):

@@ -249,6 +249,8 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
 
     def finish(self, completed: bool) -> None:
         """End of the audited program: flush what waits, and the end-of-run rules when it completed."""
+        for o in list(self.optimizers.values()):
+            self.unseen_step(o)
         for s in self.scalers.values():
             if completed and s.enabled:
                 self._end_of_run(s)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from audit.compiled import compile_line
 from audit.report_file import write_report_file
 from audit.rules import ERROR, RULES, SEVERITIES, Finding
 
@@ -46,6 +47,7 @@ class AuditReport:
     interrupted: str | None = None
     reductions: list[dict[str, Any]] = field(default_factory=list)
     """The loop's DDP and FSDP2 gradient reductions (`audit.reductions`), as the report states them."""
+    compiled: dict[str, Any] | None = None  # `audit.compiled`: what torch.compile did meanwhile
 
     def counts(self) -> dict[str, int]:
         """How many findings of each severity (every severity present, in the contract's order)."""
@@ -116,6 +118,8 @@ class AuditReport:
             lines.extend(_lost_lines(r.get("lost_updates")))
             lines.extend(_sampling_lines(r.get("sampling")))
         lines.extend(_reduction_lines(self.reductions))
+        if self.compiled is not None:
+            lines.append(compile_line(self.compiled))
         for rule, fs in self.by_rule().items():
             spec = RULES[rule]
             levels = "/".join(dict.fromkeys(f.severity for f in fs))
@@ -204,6 +208,7 @@ class AuditReport:
             "stopped": self.stopped,
             "replay": self.replay,
             "reductions": self.reductions,
+            "compiled": self.compiled,
             "findings": [f.to_dict() for f in self.findings],
             "steps": [s.to_dict() for s in self.steps],
             "error": self.error,

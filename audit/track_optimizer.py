@@ -3,6 +3,13 @@ zero_grad, clip_grad_norm_, clip_grad_value_, clip_grads_with_norm_.
 
 Runs the checks of optimizer-before-to and zero-grad-in-window (`audit.checks_steps`), and of
 clip-before-unscale and clip-threshold-scaled (`audit.checks_clipping`), at the calls they read.
+
+A step that ``torch.compile`` traced (``torch.compile(opt.step)``, a compiled train step) runs
+inside a compiled graph: torch's step hooks are traced, not called, so the audit sees it by its
+effects at the next call it sees (a backward, a zero_grad, the end of the program): since the
+window's last backward the optimizer's parameters moved and its state changed (a loop's own
+edit of the parameters, a two-pass step's ascent, leaves the state alone). It is recorded as an
+applied step, not replayed (`COMPILED_STEP`).
 """
 
 from __future__ import annotations
@@ -117,6 +124,19 @@ class OptimizerCalls:
             bypassing = s is not None and s.enabled and id(o.obj) in s.bypass
             self._close_step(o, applied=True, scaler=s if bypassing else None, found_inf=None)
 
+    def unseen_step(self, o: OptTrack) -> None:
+        """A compiled step of ``o`` since its window's last backward (see the module docstring),
+        recorded as an applied step whose numbers are not replayed."""
+        w = o.window
+        if not w.backwards or o.stepping or w.versions is None or w.versions == _versions(o) \
+                or w.state == state_signature(o):
+            return
+        w.calls.append(f"{o.label}.step (compiled)")
+        self._start_data(o, "optimizer.step", None)
+        if w.data is not None:
+            w.data.unsupported = COMPILED_STEP
+        self._close_step(o, applied=True, scaler=None, found_inf=None)
+
     def on_zero_grad(self, target: Any) -> None:
         if isinstance(target, torch.nn.Module):
             ids = {id(p) for p in target.parameters()}
@@ -130,6 +150,7 @@ class OptimizerCalls:
             name = f"{first.label}.zero_grad"
         where = call_site()
         for o in owners:
+            self.unseen_step(o)
             w = o.window
             w.calls.append(f"{name}@{where}")
             if w.backwards and w.versions is not None and w.versions != _versions(o):
@@ -205,6 +226,18 @@ class OptimizerCalls:
             for o in self.optimizers.values():
                 if o.window.clip_norms and math.isnan(o.window.clip_norms[-1][0]):
                     o.window.clip_norms[-1] = (float(value), o.window.clip_norms[-1][1])
+
+
+COMPILED_STEP = ("compiled optimizer step: it ran inside a torch.compile graph, which the audit cannot copy "
+                 "from (and whose update Inductor need not compute as eager does: fused, reordered arithmetic)")
+
+
+def state_signature(o: OptTrack) -> list[Any]:
+    """The optimizer state's tensors by (parameter index, key, version counter): a step that
+    creates or updates state changes it."""
+    state = o.obj.state
+    return [(i, k, v._version) for i, p in enumerate(o.params()) for k, v in state.get(p, {}).items()
+            if isinstance(v, torch.Tensor)]
 
 
 def _versions(o: OptTrack) -> list[int]:

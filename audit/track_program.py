@@ -18,6 +18,7 @@ from audit.records import (Backward, StepLimitReached, Window, OptTrack, _jsonis
                            call_site)
 from audit.rules import dispatch
 from audit.saved import classify
+from audit.track_optimizer import state_signature
 from audit.schedules import SCHEDULED
 
 
@@ -94,6 +95,8 @@ class ProgramCalls:
             self._bw_depth -= 1
             self.stopped_at_limit = True
             raise StepLimitReached(f"{self.steps_limit} steps audited")
+        for o in list(self.optimizers.values()):
+            self.unseen_step(o)
         where = call_site()
         root = tensors if isinstance(tensors, torch.Tensor) else (
             tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 and
@@ -135,6 +138,7 @@ class ProgramCalls:
             w.backwards.append(b)
             if o is not None:  # where the parameters were, for a zero_grad after they move (track_optimizer)
                 w.versions = [p._version for p in o.params()]
+                w.state = state_signature(o)
             w.calls.append(f"backward@{b.where}")
             if b.scaler is not None:
                 w.scaler = b.scaler

@@ -34,6 +34,8 @@ SCALER = "torchimpl/train/scaler.py"
 OPTIM = "torchimpl/train/optim.py"
 SCHEDULE = "torchimpl/train/schedule.py"
 TRAINER_TESTS = ("conformance/test_trainer.py",)
+TRAINER = "torchimpl/train/trainer.py"
+COMPILE_TESTS = ("conformance/test_compile_trainer.py",)
 SCALER_TESTS = ("conformance/test_scaler.py", "conformance/test_trainer.py")
 DISTRIBUTED = "torchimpl/distributed/context.py"
 DISTRIBUTED_TESTS = ("conformance/test_distributed.py",)
@@ -124,6 +126,11 @@ MUTANTS = (
            MASTER_TESTS),
     Mutant("stochastic_rounds_away_on_equal_bits", "stochastic rounding rounds away when the bits equal the low half",
            MASTER, "torch.where(bits < (pattern & 0xFFFF)", "torch.where(bits <= (pattern & 0xFFFF)", MASTER_TESTS),
+    # train.compile: the switch must compile the module the microbatches call, once per graph.
+    Mutant("compile_ignored", "train.compile reports a compiled run but trains the eager module", TRAINER,
+           "            forward_model = torch.compile(forward_model)\n", "            pass\n", COMPILE_TESTS),
+    Mutant("compile_scaler_not_restored", "a compiled run ignores the scaler state of a checkpoint on resume",
+           STEP, "        self.scaler.load_state_dict(state)\n", "        pass\n", COMPILE_TESTS),
 )
 
 

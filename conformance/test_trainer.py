@@ -177,6 +177,9 @@ class Lockstep(Callback):
     def on_fit_start(self, trainer):
         cfg = trainer.config
         o = cfg.optimizer
+        if self.case.get("compile"):  # train.compile: the microbatches go through torch.compile's module
+            compiled = isinstance(trainer.engine.model, torch._dynamo.eval_frame.OptimizedModule)
+            assert_equal(compiled, True, Where("trainer", None, "the module the microbatches call is compiled", REPRO))
         user = self.case.get("user")
         step_lr = user["scheduler"] if user is not None else None
         kind = "fused" if o.fused else "for-loop"  # fused=None is the for-loop on the CPU
@@ -237,8 +240,12 @@ class Lockstep(Callback):
         torch.set_rng_state(rng_state)
         self.current = index
         try:
+            # A compiled run's microbatches went through its compiled module (``train.compile``):
+            # the spec's expression is differentiated through that same module, whose numbers
+            # the spec's compile rules bound against eager (conformance/test_compile_trainer.py).
+            module = trainer.engine.model if self.case.get("compile") else trainer.model
             with autocast_context(trainer.plan, trainer.device):
-                loss = self._planted(index, default_loss_fn(trainer.model, batch))
+                loss = self._planted(index, default_loss_fn(module, batch))
             target = loss / k
             if scale is not None:
                 target = target * scale
@@ -323,7 +330,7 @@ def _config(case: dict, device: str, tmp: str) -> Config:
         train=dict(steps=case["steps"], microbatches=case["microbatches"], batch_size=4, clip_norm=case["clip_norm"],
                    trace_file=str(Path(tmp) / "trace.jsonl"),
                    log_interval=case.get("log_interval", 1), seed=case["seed"], force_scaler=case["force_scaler"],
-                   on_nonfinite="skip", sync_free=case.get("sync_free", False)),
+                   on_nonfinite="skip", sync_free=case.get("sync_free", False), compile=case.get("compile", False)),
     ))
 
 
@@ -373,6 +380,8 @@ def run_case(case: dict, device: str) -> None:
             trainer = _fit(cfg, case, lock, None)
             if lock.saved:
                 lock.resumed = True
+                if case.get("compile"):
+                    torch._dynamo.reset()  # a resumed process compiles afresh
                 trainer = _fit(cfg, case, lock, lock.ckpt)
         except ScaleAtMinimumError:
             assert lock.expect_raise_at is not None, "torchimpl raised ScaleAtMinimumError, the spec did not"

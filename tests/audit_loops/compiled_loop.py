@@ -1,0 +1,46 @@
+"""A compiled loop on the CPU: ``torch.compile(model)`` under bf16 autocast and the optimizer's
+step compiled too, as PyTorch's "Compiling the optimizer" recipe writes it (a function that calls
+``opt.step()`` under ``@torch.compile``; foreach AdamW at a constant rate).
+
+``--scaler 1``: the model compiled, a GradScaler("cpu"), ``scaler.step(opt)`` eager (a compiled
+step has no place between ``unscale_`` and ``update``: the scaler decides on the host whether to
+call it). ``--step eager``: the optimizer step uncompiled. ``--backend``: Inductor (default) or
+``aot_eager`` (the graphs traced and run eagerly, no code generated). Planted mistake (``--bug``):
+``backward-in-autocast``. The truth: no finding; every eager step replayed bit for bit, and a
+compiled optimizer step (Inductor) reported not replayed with its reason.
+"""
+
+import torch
+
+from _common import batches, make_model, parse
+
+args = parse(("backward-in-autocast",), scaler=0, step="compiled", backend="inductor")
+
+model = make_model()
+cmodel = torch.compile(model, backend=args.backend)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05, foreach=True)
+scaler = torch.amp.GradScaler("cpu", growth_interval=3) if args.scaler else None
+
+
+@torch.compile(backend=args.backend)
+def compiled_step():
+    opt.step()
+
+
+for step, (x, y) in enumerate(batches(args.steps)):
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = torch.nn.functional.mse_loss(cmodel(x), y)
+        if step in args.inf_at:
+            loss = loss * float("inf")
+        if args.bug == "backward-in-autocast":
+            (scaler.scale(loss) if scaler else loss).backward()
+    if args.bug != "backward-in-autocast":
+        (scaler.scale(loss) if scaler else loss).backward()
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    elif args.step == "compiled":
+        compiled_step()
+    else:
+        opt.step()
