@@ -182,6 +182,7 @@ class Window:
     clip_norms: list[tuple[float, float | None]] = field(default_factory=list)  # (total_norm, max_norm)
     versions: list[int] | None = None  # the parameters' version counters after the last backward
     state: list[Any] | None = None  # the optimizer state's signature after the last backward (`audit.track_optimizer`)
+    hooked: bool = False  # a step hook fired, of an optimizer sharing these parameters, since the last backward
 
 
 class ScalerTrack:

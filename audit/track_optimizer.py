@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from audit import closures
+from audit import closures, optimizers
 from audit.events import ClipCall, ClipThreshold, OptimizerStepBegin, ZeroGradCall
 from audit.records import ClipStage, OptTrack, ScalerTrack, call_site, plain_tensor, to_numpy
 from audit.restep import check_restep
@@ -52,6 +52,11 @@ class OptimizerCalls:
             if outer.stepping and outer is not o and outer.param_ids & o.param_ids:
                 outer.runs = o.label  # a wrapper's step (SAM's, Lookahead's) running this one's
         o.stepping, o.runs = True, None
+        for q in self.optimizers.values():
+            if q is o or q.param_ids & o.param_ids:
+                # An eager step of these parameters (a wrapper's base, SAM's two passes): what moved
+                # them was seen, so no step of theirs since the last backward went unseen.
+                q.window.hooked = True
         inside = self._in_scaler_step is not None and self._in_scaler_step[1] is o
         if not o.moved_flagged and o.meta and self._report(dispatch(OptimizerStepBegin(o, o.where or call_site()))):
             o.moved_flagged = True
@@ -128,8 +133,12 @@ class OptimizerCalls:
         """A compiled step of ``o`` since its window's last backward (see the module docstring),
         recorded as an applied step whose numbers are not replayed."""
         w = o.window
-        if not w.backwards or o.stepping or w.versions is None or w.versions == _versions(o) \
+        if not w.backwards or o.stepping or w.hooked or w.versions is None or w.versions == _versions(o) \
                 or w.state == state_signature(o):
+            return
+        if optimizers.lookup(type(o.obj))[0] is None:
+            # Not an optimizer of the specification (a wrapper such as SAM keeps its ascent's
+            # state and moves the parameters by hand, with no step): no compiled step of its own.
             return
         w.calls.append(f"{o.label}.step (compiled)")
         self._start_data(o, "optimizer.step", None)

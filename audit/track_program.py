@@ -136,6 +136,7 @@ class ProgramCalls:
             targets = [o.window for o in self.optimizers.values() if touched[id(o)]]
         for w, o in ((w, self._owner_of(w)) for w in targets):
             w.backwards.append(b)
+            w.hooked = False
             if o is not None:  # where the parameters were, for a zero_grad after they move (track_optimizer)
                 w.versions = [p._version for p in o.params()]
                 w.state = state_signature(o)
