@@ -5,7 +5,7 @@ each of which conformance/test_health.py must catch against reference/health.py.
     PYTHONPATH=. python -m conformance.health_mutations overflow_tie_ignored
 
 One plausible misreading per statistic (amax, headroom, overflow twice, underflow, flushed and
-subnormal fractions, SQNR, lost updates twice, the scale range twice): all 12 killed. Same machinery as ``conformance.mutations`` (an
+subnormal fractions, SQNR, lost updates twice, the scale range twice, the two masses): all 14 killed. Same machinery as ``conformance.mutations`` (an
 unmutated baseline first; an edit that no longer applies stops the run).
 """
 
@@ -49,6 +49,12 @@ MUTANTS = (
            "    low = p - e + (2 if f == 0.5 else 1)\n", "    low = p - e + 1\n", TESTS),
     Mutant("scale_keep_floor", "keep rounded down: one gradient fewer must survive", HEALTH,
            "    needed = math.ceil(keep * g.numel())\n", "    needed = max(math.floor(keep * g.numel()), 1)\n", TESTS),
+    Mutant("underflow_mass_unscaled", "the mass lost weighed without the scale (the cast of x itself)", HEALTH,
+           "    lost = finite & (xd != 0) & (_scaled(xd, scale).to(dtype) == 0)\n",
+           "    lost = finite & (xd != 0) & (xd.to(dtype) == 0)\n", TESTS),
+    Mutant("flushed_mass_subnormals", "a subnormal in the mixed run weighed as flushed", HEALTH,
+           "    lost = finite & (r != 0) & (o == 0)\n",
+           "    lost = finite & (r != 0) & (o.abs() < torch.finfo(o.dtype).tiny)\n", TESTS),
 )
 
 

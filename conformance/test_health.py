@@ -96,3 +96,25 @@ def test_scale_range(case):
     want = spec.scale_range(case["grad"], case["fmt"], case["keep"])
     assert (got.low, got.high, got.works) == (want.low, want.high, want.works), \
         _msg("scale_range", "low, high", (got.low, got.high), (want.low, want.high), case)
+
+
+def _mass_close(got: tuple[float, float], want: tuple[float, float], n: int) -> bool:
+    """Rule 15 of the spec: each sum within (n - 1) 2^-53 relative; zero exactly when nothing counts."""
+    rel = max(n - 1, 1) * 2.0**-53
+    return all((g == w) if w == 0 else abs(g - w) <= w * rel for g, w in zip(got, want))
+
+
+@given(S.health_values())
+def test_underflow_mass(case):
+    x = case["x"]
+    got = ti.underflow_mass(to_torch(x), torch_dtype(case["fmt"]), case["scale"])
+    want = spec.underflow_mass(x, case["fmt"], case["scale"])
+    assert _mass_close(got, want, x.size), _msg("underflow_mass", "(lost, total)", got, want, case)
+
+
+@given(S.shadow_pair())
+def test_flushed_mass(case):
+    r, o = case["reference"], case["observed"]
+    got = ti.flushed_mass(to_torch(r), to_torch(o))
+    want = spec.flushed_mass(r, o)
+    assert _mass_close(got, want, r.size), _msg("flushed_mass", "(lost, total)", got, want, case)
