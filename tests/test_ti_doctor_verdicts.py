@@ -163,3 +163,18 @@ def test_the_healthy_catalogue_gets_no_error_and_no_warning(name, precision, req
     report = inspect_precision(model, train, precision=precision, steps=3)
     assert report.verdicts == [], report.text()
     assert report.healthy and "no verdict: healthy" in report.text()
+
+
+def test_precision_all_reports_fp8_that_does_not_apply_as_a_note(monkeypatch, capsys):
+    if not torchao_available():
+        pytest.skip("fp8 needs torchao: pip install 'ampspec[fp8]'")
+    from torchimpl.cli.app import main
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))
+    code = main(["doctor", "--task", "doctor_models.models:readme_model", "--precision", "all", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "note: fp8 does not apply to this model, left out: precision.mode 'fp8' found no linear layer" in out
+    assert "precision bf16" in out and "precision fp16" in out and "precision fp8" not in out
+    code = main(["doctor", "--task", "doctor_models.models:readme_model", "--precision", "fp8", "--steps", "1"])
+    assert code == 2 and "found no linear layer" in capsys.readouterr().err  # asked for by name: an error
