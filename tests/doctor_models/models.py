@@ -221,6 +221,25 @@ def nan_in_fp32() -> tuple:
     return NanNet(), _batches(4, 8), None
 
 
+class WeightedSum(nn.Module):
+    """A loss weighting samples from 1e3 down to 1e-10: its gradients span more binades than fp16
+    holds, so no loss scale keeps 99.9 % of them; but the ones lost carry ~1e-13 of the mass, and
+    the model trains in fp16 as in fp32 (the scaler backs off; the tiny samples never mattered)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+        self.register_buffer("w", torch.tensor([1e3] * 8 + [1e-10] * 8))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (self.fc(x).float().squeeze(-1) * self.w).sum()
+
+
+def spread_gradients() -> tuple:
+    torch.manual_seed(0)
+    return WeightedSum(), _batches(6, 8), None
+
+
 class HandRMSNorm(nn.Module):
     """RMSNorm written as a new user would: under fp16 autocast every op stays in float16, and
     on activations of std ~100 ``x * x`` passes 65504, so ``rsqrt(inf)`` is 0."""
@@ -435,6 +454,7 @@ CATALOGUE: dict[str, Case] = {
     "rmsnorm_overflow": Case(rmsnorm_overflow, "fp16", (("inner-overflow", "norm"),), steps=4),
     "layernorm_tiny_variance": Case(layernorm_tiny_variance, "fp16", (("fp16-normalization", "norm"),), steps=4),
     "readme_model": Case(readme_model, "fp16", (), steps=8),
+    "spread_gradients": Case(spread_gradients, "fp16", (), steps=12),
     "small_mlp": Case(small_mlp, "fp16", (), steps=8),
     "aux_head": Case(aux_head, "fp16", (("gradient-underflow", "aux"),), steps=3),
     "residual_growth": Case(residual_growth, "fp16", (("forward-overflow", "blocks.5.fc"),), steps=3),
