@@ -314,6 +314,28 @@ def gradient_overflow() -> tuple:
     return LengthNet(), _batches(4, 8), None
 
 
+class PaddedLength(nn.Module):
+    """``sqrt(sum(h * h))`` over padded rows that are exactly zero: the derivative there is
+    0 * inf = NaN in every precision, fp32 included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4, bias=False)
+        self.length = Length()
+        self.head = nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.head(self.length(self.fc(x))).float(), y)
+
+
+def nan_gradient_in_fp32() -> tuple:
+    torch.manual_seed(0)
+    batches = _batches(3, 8)
+    for x, _ in batches:
+        x[-4:] = 0.0  # padding rows
+    return PaddedLength(), batches, None
+
+
 def readme_model() -> tuple:
     """The README's example (one linear layer, MSE under autocast): it trains in fp16 as in fp32;
     a dynamic scaler backs off once or twice on the first steps."""
@@ -460,5 +482,6 @@ CATALOGUE: dict[str, Case] = {
     "residual_growth": Case(residual_growth, "fp16", (("forward-overflow", "blocks.5.fc"),), steps=3),
     "fp8_negligible_flush": Case(fp8_negligible_flush, "fp8", (), steps=3, needs_torchao=True),
     "nan_in_fp32": Case(nan_in_fp32, "fp16", (("not-precision", "bad"),), steps=3),
+    "nan_gradient_in_fp32": Case(nan_gradient_in_fp32, "fp16", (("not-precision", "length"),), steps=3),
     "fp8_healthy": Case(fp8_healthy, "fp8", (), steps=3, needs_torchao=True),
 }

@@ -16,7 +16,9 @@
    GEMMs run in 16 bits) and the module in whose backward the gradient first became non-finite
    (among the leaf modules in forward order: the one after the last whose output gradient is
    non-finite, where its own is finite; else that last one; else the owner of the last
-   non-finite parameter gradient) are recorded.
+   non-finite parameter gradient) are recorded. A skipped step whose fp32 shadow has
+   non-finite parameter gradients too is not precision's doing (``shadow_failed``, at the module
+   found the same way in the shadow).
 3. The update each parameter should get is the shadow optimizer's (in fp32, from the shadow's
    gradients); it is judged against the mixed model's stored weight (the half-ULP rule).
 4. The first step, and the first two steps whose mixed loss is non-finite, run under an op scan
@@ -359,7 +361,10 @@ class _Runner:
             return
         self.obs.skipped_steps += 1
         self.obs.skipped.append(i)
-        self.obs.overflow_module[i] = self._first_overflow(rec)
+        self.obs.overflow_module[i] = self._first_overflow(rec, self.mixed)
+        if self.obs.shadow_failed is None and any(p.grad is not None and not bool(torch.isfinite(p.grad).all())
+                                                  for p in self.shadow.parameters()):
+            self.obs.shadow_failed, self.obs.shadow_failed_step = self._first_overflow(shadow_rec, self.shadow), i
         with health.one_thread(self.device):
             self.obs.step_high[i] = self._step_high(shadow_rec)
         if self.obs.use_scaler:
@@ -386,7 +391,7 @@ class _Runner:
             high -= 1
         return high
 
-    def _first_overflow(self, rec: Recorder) -> str:
+    def _first_overflow(self, rec: Recorder, model: nn.Module) -> str:
         """The module in whose backward the gradient first became non-finite (rule 2)."""
         leaves = [n for n in rec.order if not any(o.startswith(n + ".") for o in rec.order)]
         bad = [any(c.grad is not None and not bool(torch.isfinite(c.grad).all()) for c in rec.calls[n])
@@ -394,7 +399,7 @@ class _Runner:
         if any(bad):
             j = max(k for k, b in enumerate(bad) if b)
             return leaves[j + 1] if j + 1 < len(leaves) else leaves[j]
-        for name, p in reversed(list(self.mixed.named_parameters())):
+        for name, p in reversed(list(model.named_parameters())):
             if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
                 return self.obs.param_module[name]
         return ""

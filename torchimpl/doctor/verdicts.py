@@ -4,8 +4,9 @@ numbers and a fix, and "healthy" only where nothing measured contradicts it.
 ``KINDS`` is the contract of the JSON report, ranked by harm (the report lists verdicts in
 this order). The rules, on the numbers of ``torchimpl.doctor.stats`` (thresholds: ``kinds``):
 
-1. ``not-precision``: the fp32 shadow's loss or a layer's shadow output is non-finite on some
-   step; the module is the first layer (in hook order) whose shadow output was. Reduced
+1. ``not-precision``: the fp32 shadow's loss, a layer's shadow output or (on a skipped step)
+   its gradients are non-finite on some step; the module is the first layer (in hook order)
+   whose shadow output was, or the one in whose backward the shadow's gradient first was. Reduced
    precision is not the cause, so no other verdict is given.
 2. ``forward-overflow``: a layer whose output is 16-bit in the mixed run and whose shadow
    values overflow that format on some step, and is the first such layer of that step (the
