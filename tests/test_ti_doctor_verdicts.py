@@ -178,3 +178,27 @@ def test_precision_all_reports_fp8_that_does_not_apply_as_a_note(monkeypatch, ca
     assert "precision bf16" in out and "precision fp16" in out and "precision fp8" not in out
     code = main(["doctor", "--task", "doctor_models.models:readme_model", "--precision", "fp8", "--steps", "1"])
     assert code == 2 and "found no linear layer" in capsys.readouterr().err  # asked for by name: an error
+
+
+def test_the_scan_inside_a_module_sees_only_its_ops_and_leaves_the_buffers():
+    from doctor_models.models import HandRMSNorm
+
+    from torchimpl.doctor.inner import scan_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(8), nn.Linear(8, 8), HandRMSNorm())
+    with torch.no_grad():
+        model[1].weight.mul_(1000.0)  # a float16 output of std ~300 under autocast
+    x = torch.randn(16, 8) + 3
+    before = model[0].running_mean.clone()
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(x)
+
+    found = scan_module(model, "2", forward)
+    assert found.overflow is not None and "aten.mul" in found.overflow[0]
+    assert found.absorbed is not None and "aten.rsqrt" in found.absorbed[0]
+    assert torch.equal(model[0].running_mean, before)  # the rerun's batch statistics are undone
+    clean = scan_module(model, "0", forward)  # the BatchNorm alone did nothing wrong
+    assert not clean.found

@@ -10,7 +10,7 @@
    same batch. fp16 runs scale the loss as the user's run would: torch's dynamic policy
    (``torch.amp.GradScaler``'s), from ``init_scale``, halving the scale and skipping the step on
    non-finite gradients, doubling it after ``growth_interval`` clean steps. Each step's scale,
-   the skipped steps, the steps that follow a growth, and on a skipped step the largest scale
+   the skipped steps, and on a skipped step the largest scale
    exponent at which the shadow's gradients would have fit in the 16-bit format (``step_high``:
    the output gradients of the 16-bit layers and the parameter gradients of those layers, whose
    GEMMs run in 16 bits) and the module in whose backward the gradient first became non-finite
@@ -88,8 +88,6 @@ class Observations:
     scales: list[float] = field(default_factory=list)
     """The loss scale of each step."""
     skipped: list[int] = field(default_factory=list)
-    after_growth: set[int] = field(default_factory=set)
-    """Steps run at a scale that had just grown (the scaler probing upward)."""
     overflow_module: dict[int, str] = field(default_factory=dict)
     """Skipped step -> the module whose gradient first overflowed ("" when none is known)."""
     step_high: dict[int, int | None] = field(default_factory=dict)
@@ -357,7 +355,6 @@ class _Runner:
                 self._tracker = 0
                 if math.isfinite(self.scale * _GROWTH):
                     self.scale *= _GROWTH
-                    self.obs.after_growth.add(i + 1)
             return
         self.obs.skipped_steps += 1
         self.obs.skipped.append(i)

@@ -34,7 +34,7 @@ from typing import Any
 
 from torchimpl.doctor.kinds import MASS_NEGLIGIBLE, SCALE_USEFUL_LOG2, Verdict, island
 
-__all__ = ["FORWARD_CAUSES", "Skips", "classify_skips", "gradient_verdicts"]
+__all__ = ["FORWARD_CAUSES", "Skips", "classify_skips", "gradient_verdicts", "overflow_verdict", "skip_notes"]
 
 FORWARD_CAUSES = ("forward-overflow", "inner-overflow", "unsafe-math", "fp16-normalization")
 """Verdicts that explain non-finite gradients by what the forward did."""
