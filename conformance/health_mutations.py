@@ -1,11 +1,14 @@
-"""Mutation check of the doctor's statistics: deliberate bugs in a copy of torchimpl/precision/health.py,
-each of which conformance/test_health.py must catch against reference/health.py.
+"""Mutation check of the doctor's statistics and verdicts: deliberate bugs in a copy of
+torchimpl/precision/health.py (each caught against reference/health.py) and of the doctor's
+verdict rules (each caught by the property that the doctor never says healthy against its numbers),
+all run against conformance/test_health.py.
 
     PYTHONPATH=. python -m conformance.health_mutations            # every mutant (about 2 minutes)
     PYTHONPATH=. python -m conformance.health_mutations overflow_tie_ignored
 
 One plausible misreading per statistic (amax, headroom, overflow twice, underflow, flushed and
-subnormal fractions, SQNR, lost updates twice, the scale range twice): all 12 killed. Same machinery as ``conformance.mutations`` (an
+subnormal fractions, SQNR, lost updates twice, the scale range twice, the two masses) and two of the doctor's old verdict logic (no
+``degraded``, every skipped step the scaler's): all 16 killed. Same machinery as ``conformance.mutations`` (an
 unmutated baseline first; an edit that no longer applies stops the run).
 """
 
@@ -17,6 +20,8 @@ from conformance import mutations
 from conformance.mutations import Mutant
 
 HEALTH = "torchimpl/precision/health.py"
+VERDICTS = "torchimpl/doctor/verdicts.py"
+SCALING = "torchimpl/doctor/scaling.py"
 TESTS = ("conformance/test_health.py",)
 
 MUTANTS = (
@@ -49,6 +54,17 @@ MUTANTS = (
            "    low = p - e + (2 if f == 0.5 else 1)\n", "    low = p - e + 1\n", TESTS),
     Mutant("scale_keep_floor", "keep rounded down: one gradient fewer must survive", HEALTH,
            "    needed = math.ceil(keep * g.numel())\n", "    needed = max(math.floor(keep * g.numel()), 1)\n", TESTS),
+    Mutant("underflow_mass_unscaled", "the mass lost weighed without the scale (the cast of x itself)", HEALTH,
+           "    lost = finite & (xd != 0) & (_scaled(xd, scale).to(dtype) == 0)\n",
+           "    lost = finite & (xd != 0) & (xd.to(dtype) == 0)\n", TESTS),
+    Mutant("flushed_mass_subnormals", "a subnormal in the mixed run weighed as flushed", HEALTH,
+           "    lost = finite & (r != 0) & (o == 0)\n",
+           "    lost = finite & (r != 0) & (o.abs() < torch.finfo(o.dtype).tiny)\n", TESTS),
+    Mutant("doctor_no_degraded", "the doctor's old verdicts: a collapsed SQNR with no cause found says healthy",
+           VERDICTS, "        out += _degraded(obs)\n", "        out += []\n", TESTS),
+    Mutant("doctor_skips_are_the_scalers", "the doctor's old verdicts: every skipped step is the scaler's business",
+           SCALING, "    scaled = [k for k in skipped if obs.step_high.get(k) is not None and obs.scales[k] > "
+           "2.0 ** obs.step_high[k]]\n", "    scaled = list(skipped)\n", TESTS),
 )
 
 

@@ -64,6 +64,22 @@ Rules:
     predicts this count from the weight and the update alone; rule 12 observes it, and the two
     agree wherever the store is one rounding of ``weight + update`` (``none``) away from the
     tie of exactly half a gap.
+13. ``underflow_mass(x, fmt, scale=1)``: what rule 5's flushed elements weigh. ``(lost,
+    total)``: ``total`` the sum of |x| over the finite elements of ``x``, ``lost`` the sum of
+    |x| over the elements rule 5 counts (finite, non-zero, scaled value rounding to ±0); every
+    term exact in float64, each sum correctly rounded (``math.fsum``).
+    ``underflow_mass_fraction`` is lost / total (0.0 when total is 0): the share of the
+    tensor's L1 mass the cast loses. A count says how many values flush; this says whether they
+    mattered (a million gradients of 1e-20 beside one of 1 carry 1e-14 of the mass).
+14. ``flushed_mass(reference, observed)``: rule 6's flushed elements weighed the same way:
+    ``total`` the sum of |reference| over its finite elements, ``lost`` the sum over the
+    elements rule 6 counts; ``flushed_mass_fraction`` lost / total (0.0 when total is 0).
+15. ``mass_fraction_bound(n, value)``: how far another float64 implementation of a rule 13 or
+    14 fraction over ``n`` elements may be from this one's: each of the two sums is within a
+    relative (n - 1) 2^-53 of the correctly rounded one (non-negative terms), so the ratio is
+    within value * (2 (n - 1) 2^-53 + 2^-52) (the division's rounding and the product of the
+    two errors). A fraction is 0.0 exactly when nothing flushed, in every implementation
+    (a sum of positive terms is positive).
 """
 
 from __future__ import annotations
@@ -82,6 +98,11 @@ __all__ = [
     "amax",
     "applied_lost_count",
     "applied_lost_fraction",
+    "flushed_mass",
+    "flushed_mass_fraction",
+    "mass_fraction_bound",
+    "underflow_mass",
+    "underflow_mass_fraction",
     "combine_scale_ranges",
     "flushed_count",
     "flushed_fraction",
@@ -332,3 +353,45 @@ def combine_scale_ranges(ranges: Iterable[ScaleRange]) -> ScaleRange:
     lows = [r.low for r in ranges if r.low is not None]
     highs = [r.high for r in ranges if r.high is not None]
     return ScaleRange(max(lows) if lows else None, min(highs) if highs else None)
+
+
+def _abs_sum(values: np.ndarray) -> float:
+    """Rules 13 and 14: the correctly rounded float64 sum of |values| (each term exact)."""
+    return math.fsum(np.abs(values).tolist())
+
+
+def underflow_mass(x, fmt: str | Format, scale: float = 1.0) -> tuple[float, float]:
+    """Rule 13: (sum of |x| over rule 5's flushed elements, sum of |x| over the finite elements)."""
+    x32 = np.asarray(x).astype(np.float32)
+    finite = np.isfinite(x32)
+    live = finite & (x32 != 0)
+    cast = formats.cast(_scaled(x, scale), fmt).astype(np.float32)
+    x64 = x32.astype(np.float64)
+    return _abs_sum(x64[live & (cast == 0)]), _abs_sum(x64[finite])
+
+
+def underflow_mass_fraction(x, fmt: str | Format, scale: float = 1.0) -> float:
+    """Rule 13: the share of the finite L1 mass that the scaled cast flushes to ±0."""
+    lost, total = underflow_mass(x, fmt, scale)
+    return lost / total if total else 0.0
+
+
+def flushed_mass(reference, observed) -> tuple[float, float]:
+    """Rule 14: (sum of |reference| over rule 6's flushed elements, sum over its finite elements)."""
+    r, o = _f64(reference), _f64(observed)
+    if r.shape != o.shape:
+        raise ValueError(f"reference has shape {r.shape} but observed has {o.shape}; pass the same tensor of both runs")
+    finite = np.isfinite(r)
+    live = finite & (r != 0)
+    return _abs_sum(r[live & (o == 0)]), _abs_sum(r[finite])
+
+
+def flushed_mass_fraction(reference, observed) -> float:
+    """Rule 14: the share of the reference's finite L1 mass that is ±0 in the observed run."""
+    lost, total = flushed_mass(reference, observed)
+    return lost / total if total else 0.0
+
+
+def mass_fraction_bound(n: int, value: float) -> float:
+    """Rule 15: the distance another float64 implementation's rule 13/14 fraction may have."""
+    return value * (2.0 * max(n - 1, 1) * 2.0**-53 + 2.0**-52)

@@ -146,3 +146,34 @@ def test_applied_lost_sees_sign_of_zero_and_refuses_mismatched_arrays():
         health.applied_lost_count(before, after.astype(np.float64), np.array([1.0]))
     with pytest.raises(ValueError, match="exact update shape"):
         health.applied_lost_count(before, after, np.zeros(2))
+
+
+def test_underflow_mass_weighs_what_flushes():
+    # float16's smallest subnormal is 2^-24: 2^-26 flushes (below half of it), 2^-24 and 1 stay
+    x = f32(1.0, -(2.0**-26), 2.0**-24, 0.0, np.inf, np.nan)
+    lost, total = health.underflow_mass(x, "fp16")
+    assert (lost, total) == (2.0**-26, 1.0 + 2.0**-26 + 2.0**-24)
+    assert health.underflow_mass_fraction(x, "fp16") == 2.0**-26 / (1.0 + 2.0**-26 + 2.0**-24)
+    # the scale rescues it: at 2^4 nothing flushes
+    assert health.underflow_mass(x, "fp16", 16.0) == (0.0, total)
+    # a million tiny values beside one of 1: most elements flush, almost no mass does
+    many = np.concatenate([f32(1.0), np.full(10**6, 1e-20, dtype=np.float32)])
+    assert health.underflow_fraction(many, "fp16") > 0.99
+    assert health.underflow_mass_fraction(many, "fp16") == pytest.approx(1e-14, rel=1e-6)
+    assert health.underflow_mass_fraction(f32(), "fp16") == 0.0
+    assert health.underflow_mass_fraction(f32(0.0, np.inf), "fp16") == 0.0
+
+
+def test_flushed_mass_is_rule_6_weighed_by_the_reference():
+    ref = f32(3.0, -1.0, 2.0**-30, 0.0, np.inf)
+    obs = f32(3.0, 0.0, 0.0, 0.0, np.inf)
+    assert health.flushed_mass(ref, obs) == (1.0 + 2.0**-30, 4.0 + 2.0**-30)
+    assert health.flushed_mass_fraction(ref, obs) == (1.0 + 2.0**-30) / (4.0 + 2.0**-30)
+    assert health.flushed_mass_fraction(f32(0.0), f32(0.0)) == 0.0
+    with pytest.raises(ValueError, match="same tensor of both runs"):
+        health.flushed_mass(f32(1.0), f32(1.0, 2.0))
+
+
+def test_mass_fraction_bound_scales_with_the_value_and_the_length():
+    assert health.mass_fraction_bound(1, 0.0) == 0.0
+    assert health.mass_fraction_bound(2**20, 0.5) == 0.5 * (2.0 * (2**20 - 1) * 2.0**-53 + 2.0**-52)

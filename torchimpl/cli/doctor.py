@@ -4,7 +4,9 @@
    (seeded from ``--seed``); its training batches feed the doctor, its loss function (the
    task's fourth element, or the model's own loss) is the loss.
 2. ``--precision all`` runs bf16, fp16 and (with torchao) fp8, one report each; without torchao
-   fp8 is left out with a note, and an explicit ``--precision fp8`` fails naming the extra.
+   fp8 is left out with a note, and an explicit ``--precision fp8`` fails naming the extra. A
+   model with no linear layer float8 can run gets a note for fp8 under ``all`` (the exit status
+   is the other modes'), an error under ``--precision fp8``.
 3. ``--report FILE.json`` writes ``{"reports": [...]}``, each report's ``to_dict()``, whole
    (``torchimpl.safe_files``); ``--plot FILE.png`` needs matplotlib (``pip install
    'ampspec[plot]'``). Both are checked before any work, with the numbers: an existing file
@@ -89,6 +91,7 @@ def run_doctor(args: Any) -> int:
     from torchimpl.precision.device import resolve_device
     from torchimpl.doctor.inspect import inspect_precision
     from torchimpl.doctor.report import save_plot
+    from torchimpl.precision.fp8 import Fp8NotApplicable
     from torchimpl.safe_files import replace_text
     from torchimpl.task.builtin import build_task
 
@@ -99,10 +102,17 @@ def run_doctor(args: Any) -> int:
     reports = []
     start = time.perf_counter()
     for precision in precisions:
-        report = inspect_precision(task.model, task.train_data, task.loss_fn, precision=precision, steps=args.steps,
-                                   device=device, init_scale=args.init_scale, fp32_modules=args.fp32_module,
-                                   optimizer=lambda p: torch.optim.AdamW(p, lr=args.lr),
-                                   master_weights=args.master_weights)
+        try:
+            report = inspect_precision(task.model, task.train_data, task.loss_fn, precision=precision,
+                                       steps=args.steps, device=device, init_scale=args.init_scale,
+                                       fp32_modules=args.fp32_module,
+                                       optimizer=lambda p: torch.optim.AdamW(p, lr=args.lr),
+                                       master_weights=args.master_weights)
+        except Fp8NotApplicable as exc:
+            if args.precision != "all":
+                raise
+            notes.append(f"fp8 does not apply to this model, left out: {exc}")
+            continue
         reports.append(report)
         print(report.text())
         print()

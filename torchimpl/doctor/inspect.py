@@ -7,8 +7,18 @@
    emulation with the rest under bf16 autocast.
 2. Each step the shadow starts from the mixed model's weights and optimizer state (one step's
    error, never drift) and from the same random state; both run forward and backward on the
-   same batch. fp16 runs scale the loss by ``init_scale`` (held constant: the doctor measures at
-   that scale) and skip the optimizer step on non-finite gradients, as the scaler does.
+   same batch. fp16 runs scale the loss as the user's run would: torch's dynamic policy
+   (``torch.amp.GradScaler``'s), from ``init_scale``, halving the scale and skipping the step on
+   non-finite gradients, doubling it after ``growth_interval`` clean steps. Each step's scale,
+   the skipped steps, and on a skipped step the largest scale
+   exponent at which the shadow's gradients would have fit in the 16-bit format (``step_high``:
+   the output gradients of the 16-bit layers and the parameter gradients of those layers, whose
+   GEMMs run in 16 bits) and the module in whose backward the gradient first became non-finite
+   (among the leaf modules in forward order: the one after the last whose output gradient is
+   non-finite, where its own is finite; else that last one; else the owner of the last
+   non-finite parameter gradient) are recorded. A skipped step whose fp32 shadow has
+   non-finite parameter gradients too is not precision's doing (``shadow_failed``, at the module
+   found the same way in the shadow).
 3. The update each parameter should get is the shadow optimizer's (in fp32, from the shadow's
    gradients): the exact update of ``reference.health`` rule 12, against which the mixed step's
    stored weights before and after it are judged (lost: unchanged where the exact update is
@@ -18,7 +28,13 @@
 4. The first step, and the first two steps whose mixed loss is non-finite, run under an op scan
    (``torchimpl.precision.diagnostics``' scanner): unsafe math and fp16 normalisation, and which
    operations ran in a 16-bit dtype, for the CPU/CUDA autocast note.
-5. The numbers are ``torchimpl.doctor.stats``'; the verdicts ``torchimpl.doctor.verdicts``'.
+5. On the first step on which a 16-bit layer's SQNR falls below its format's floor
+   (``kinds.sqnr_floor_db``) with both outputs finite, the first such layer (in hook order) is
+   scanned inside (``torchimpl.doctor.inner``); at most ``_INNER_SCANS`` layers a run.
+6. The numbers are ``torchimpl.doctor.stats``'; the verdicts ``torchimpl.doctor.verdicts``'.
+7. Where ``verify_fix`` is on, the first verdicts whose fix is a setting the doctor takes
+   (``fp32_modules``, ``init_scale``) are rerun with that setting for a few steps; the verdict
+   then says whether the fix cured it (``numbers["fix_cures"]``).
 """
 
 from __future__ import annotations
@@ -40,7 +56,8 @@ from torchimpl.precision.diagnostics import Finding, _fp16_norm_problem, _OpScan
 from torchimpl.precision.probe import Fp8Probe, Recorder, is_float8_layer
 from torchimpl.doctor.report import PrecisionReport
 from torchimpl.doctor.stats import Fp8Stats, LayerStats, ParamStats, dtype_name
-from torchimpl.doctor.verdicts import judge
+from torchimpl.doctor.inner import InnerFindings, scan_module
+from torchimpl.doctor.verdicts import judge, judge_notes, sqnr_floor_db, verify_fixes
 from torchimpl.precision.fp32_modules import apply_fp32_modules
 from torchimpl.train.loss_protocol import default_loss_fn
 from torchimpl.precision.plan import fp32_island
@@ -54,6 +71,9 @@ __all__ = ["DOCTOR_PRECISIONS", "Observations", "inspect_precision"]
 DOCTOR_PRECISIONS = ("bf16", "fp16", "fp8", "bf16-true")
 _DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16, "bf16-true": torch.bfloat16}
 _SCANS = 3
+_VERIFY_STEPS = 4
+_INNER_SCANS = 2
+_BACKOFF, _GROWTH = 0.5, 2.0
 _FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                               "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n))
 
@@ -66,9 +86,19 @@ class Observations:
     device: str
     use_scaler: bool
     scale: float
+    """The initial loss scale (``init_scale``; 1.0 without a scaler)."""
     keep: float
+    growth_interval: int = 2000
     steps: int = 0
     skipped_steps: int = 0
+    scales: list[float] = field(default_factory=list)
+    """The loss scale of each step."""
+    skipped: list[int] = field(default_factory=list)
+    overflow_module: dict[int, str] = field(default_factory=dict)
+    """Skipped step -> the module whose gradient first overflowed ("" when none is known)."""
+    step_high: dict[int, int | None] = field(default_factory=dict)
+    """Skipped step -> the largest k with the shadow's gradients times 2^k representable."""
+    inner: list[InnerFindings] = field(default_factory=list)
     layers: dict[str, LayerStats] = field(default_factory=dict)
     params: dict[str, ParamStats] = field(default_factory=dict)
     param_module: dict[str, str] = field(default_factory=dict)
@@ -150,18 +180,25 @@ def inspect_precision(
     keep: float = 0.999,
     sqnr_threshold_db: float = 20.0,
     master_weights: str = "none",
+    growth_interval: int = 2000,
+    verify_fix: bool = True,
 ) -> PrecisionReport:
     """Diagnose ``model``'s precision on ``steps`` batches of ``batches`` (reused from the start
     when there are fewer); see the module docstring. ``loss_fn(model, batch)`` (default: the
     model returns the loss of ``model(*batch)``) is called under autocast, as in training.
     ``optimizer`` builds the optimizer from parameters (default AdamW, lr 1e-3); ``init_scale``
-    is the fp16 loss scale; ``fp32_modules`` are patterns of modules to run in an fp32 island
+    is the fp16 initial loss scale and ``growth_interval`` the clean steps before it doubles
+    (torch's dynamic policy); ``fp32_modules`` are patterns of modules to run in an fp32 island
     (``precision.fp32_modules``); ``keep`` is the share of non-zero gradients a scale must keep
     representable; ``sqnr_threshold_db`` the SQNR below which a layer is reported;
-    ``master_weights`` the option of ``precision: bf16-true`` (none, fp32, kahan, stochastic)."""
+    ``master_weights`` the option of ``precision: bf16-true`` (none, fp32, kahan, stochastic);
+    ``verify_fix`` reruns the doctor with its own fix (rule 7)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
     _check_args(precision, steps, init_scale, keep)
+    if not isinstance(growth_interval, int) or growth_interval < 1:
+        raise ValueError(f"growth_interval must be a positive integer, got {growth_interval!r}")
+    batches = batches if isinstance(batches, (list, tuple)) else list(itertools.islice(_cycle(batches), steps))
     if master_weights != "none" and precision != "bf16-true":
         raise ValueError(f"master_weights={master_weights!r} applies to precision 'bf16-true' (parameters held in "
                          f"bf16), got precision {precision!r}")
@@ -169,7 +206,7 @@ def inspect_precision(
         (p.device for p in model.parameters()), torch.device("cpu"))
     runner = _Runner(model, precision, dev, loss_fn or _default_loss, optimizer or _default_optimizer,
                      init_scale if precision == "fp16" else 1.0, tuple(fp32_modules), fp8_recipe, keep,
-                     master_weights)
+                     growth_interval, master_weights)
     rng = capture_rng_state()
     try:
         for i, batch in enumerate(itertools.islice(_cycle(batches), steps)):
@@ -177,7 +214,17 @@ def inspect_precision(
     finally:
         restore_rng_state(rng)
     obs = runner.obs
-    return PrecisionReport(obs, judge(obs), runner.notes(), sqnr_threshold_db)
+    verdicts = judge(obs)
+    if verify_fix and verdicts:
+        def rerun(**fix: Any) -> list[Any]:
+            options = {"device": device, "optimizer": optimizer, "init_scale": init_scale,
+                       "fp32_modules": tuple(fp32_modules), "fp8_recipe": fp8_recipe, "keep": keep,
+                       "growth_interval": growth_interval, "master_weights": master_weights, **fix}
+            return inspect_precision(model, batches, loss_fn, precision, min(steps, _VERIFY_STEPS),
+                                     verify_fix=False, **options).verdicts
+
+        verdicts = verify_fixes(verdicts, obs, rerun, tuple(fp32_modules))
+    return PrecisionReport(obs, verdicts, judge_notes(obs) + runner.notes(), sqnr_threshold_db)
 
 
 def _cycle(batches: Iterable[Any]) -> Iterable[Any]:
@@ -205,7 +252,7 @@ class _Runner:
 
     def __init__(self, model: nn.Module, precision: str, device: torch.device, loss_fn: Callable, make_opt: Callable,
                  scale: float, fp32_modules: tuple[str, ...], fp8_recipe: str, keep: float,
-                 master_weights: str = "none") -> None:
+                 growth_interval: int = 2000, master_weights: str = "none") -> None:
         self.device, self.loss_fn, self.scale = device, loss_fn, scale
         self.dtype = _DTYPE[precision]
         self.shadow = copy.deepcopy(model).to(device).float().train()
@@ -219,7 +266,9 @@ class _Runner:
         self.opt, self.shadow_opt = make_opt(self.mixed.parameters()), make_opt(self.shadow.parameters())
         self.master = MasterWeights(self.opt, master_weights) if self.true else None
         mixed = self.mixed
-        self.obs = Observations(precision, str(device), precision == "fp16", scale, keep)
+        self.obs = Observations(precision, str(device), precision == "fp16", scale, keep, growth_interval)
+        self._tracker = 0
+        self._inner_scans = 0
         names = dict(mixed.named_parameters())
         for name, p in names.items():
             self.obs.params[name] = ParamStats(name, dtype_name(p.dtype))
@@ -282,13 +331,91 @@ class _Runner:
                 self.obs.low_ops.setdefault(op, set()).update(where)
         shadow_loss, shadow_rec, _ = self._run(self.shadow, batch, False, rng, None)
         self.obs.steps += 1
+        self.obs.scales.append(self.scale)
         self.obs.loss_dtypes.add(dtype_name(loss.dtype))
         with health.one_thread(self.device):
             self._layers(i, rec, shadow_rec, shadow_loss)
             if probe is not None:
                 self._fp8_layers(probe)
-        self._params_and_update()
+        self._inner_scan(rec, batch, rng)
+        self._update_scale(i, self._params_and_update(), rec, shadow_rec)
         restore_rng_state(rng)
+
+    def _inner_scan(self, rec: Recorder, batch: Any, rng: dict) -> None:
+        """Rule 5: the first layer whose SQNR collapsed this step, with finite outputs, scanned inside."""
+        if self._inner_scans >= _INNER_SCANS or self.obs.shadow_failed is not None:
+            return
+        scanned = {f.module for f in self.obs.inner}
+        for name in rec.order:
+            s = self.obs.layers.get(name)
+            if s is None or not s.low_precision or s.same_as is not None or name in scanned:
+                continue
+            floor = sqnr_floor_db(s.dtype, self.obs.precision)
+            if floor is not None and s.last_sqnr_db < floor:
+                def forward() -> None:
+                    restore_rng_state(rng)
+                    with torch.autocast(self.device.type, dtype=self.dtype):
+                        self.loss_fn(self.mixed, batch)
+
+                self._inner_scans += 1
+                self.obs.inner.append(scan_module(self.mixed, name, forward))
+                return
+
+    def _update_scale(self, i: int, finite: bool, rec: Recorder, shadow_rec: Recorder) -> None:
+        """Rule 2: torch's dynamic policy (backoff on non-finite gradients, growth after the interval)."""
+        if finite:
+            if not self.obs.use_scaler:
+                return
+            self._tracker += 1
+            if self._tracker >= self.obs.growth_interval:
+                self._tracker = 0
+                if math.isfinite(self.scale * _GROWTH):
+                    self.scale *= _GROWTH
+            return
+        self.obs.skipped_steps += 1
+        self.obs.skipped.append(i)
+        self.obs.overflow_module[i] = self._first_overflow(rec, self.mixed)
+        if self.obs.shadow_failed is None and any(p.grad is not None and not bool(torch.isfinite(p.grad).all())
+                                                  for p in self.shadow.parameters()):
+            self.obs.shadow_failed, self.obs.shadow_failed_step = self._first_overflow(shadow_rec, self.shadow), i
+        with health.one_thread(self.device):
+            self.obs.step_high[i] = self._step_high(shadow_rec)
+        if self.obs.use_scaler:
+            self.scale *= _BACKOFF
+            self._tracker = 0
+
+    def _step_high(self, shadow_rec: Recorder) -> int | None:
+        """Rule 2: the largest k at which this step's shadow gradients times 2^k fit the 16-bit format."""
+        top = float(torch.finfo(self.dtype).max)
+        amaxes = []
+        for name in shadow_rec.order:
+            if name in self.obs.layers and self.obs.layers[name].low_precision:
+                amaxes += [health.amax(c.grad) for c in shadow_rec.calls[name] if c.grad is not None]
+        for name, p in self.shadow.named_parameters():
+            layer = self.obs.layers.get(self.obs.param_module[name])
+            if p.grad is not None and layer is not None and layer.low_precision:
+                amaxes.append(health.amax(p.grad))
+        amaxes = [a for a in amaxes if 0 < a < math.inf]
+        if not amaxes:
+            return None
+        f, e = math.frexp(max(amaxes))
+        high = math.frexp(top)[1] - e
+        while math.ldexp(f, e + high) > top:
+            high -= 1
+        return high
+
+    def _first_overflow(self, rec: Recorder, model: nn.Module) -> str:
+        """The module in whose backward the gradient first became non-finite (rule 2)."""
+        leaves = [n for n in rec.order if not any(o.startswith(n + ".") for o in rec.order)]
+        bad = [any(c.grad is not None and not bool(torch.isfinite(c.grad).all()) for c in rec.calls[n])
+               for n in leaves]
+        if any(bad):
+            j = max(k for k, b in enumerate(bad) if b)
+            return leaves[j + 1] if j + 1 < len(leaves) else leaves[j]
+        for name, p in reversed(list(model.named_parameters())):
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                return self.obs.param_module[name]
+        return ""
 
     def _layers(self, i: int, rec: Recorder, shadow_rec: Recorder, shadow_loss: torch.Tensor) -> None:
         first, outputs = None, {}
@@ -300,7 +427,7 @@ class _Runner:
                     stats.same_as = outputs[key]
                     continue
                 outputs[key] = name
-                if stats.add_forward(call.output, twin.output) and first is None:
+                if stats.add_forward(call.output, twin.output, i) and first is None:
                     first = name
                 if call.grad is not None and twin.grad is not None:
                     stats.add_backward(call.grad, twin.grad, self.scale, self.obs.keep)
@@ -320,9 +447,9 @@ class _Runner:
                 stats.add("weight", ops.weight)
                 stats.add("grad_output", ops.grad_output)
 
-    def _params_and_update(self) -> None:
+    def _params_and_update(self) -> bool:
         """Rules 2-3: the mixed step (unscaled, skipped on non-finite gradients) and the shadow's
-        update judged against the mixed model's stored weights."""
+        update judged against the mixed model's stored weights; whether the gradients were finite."""
         mixed = dict(self.mixed.named_parameters())
         shadow = dict(self.shadow.named_parameters())
         before = {n: p.detach().clone() for n, p in shadow.items()}
@@ -335,7 +462,7 @@ class _Runner:
                     p.grad.div_(self.scale)
                     finite &= bool(torch.isfinite(p.grad).all())
         if all(p.grad is None for p in shadow.values()):
-            return
+            return True
         self.shadow_opt.step()
         grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in mixed.items()}
         if finite:
@@ -343,14 +470,13 @@ class _Runner:
                 self.opt.step()
             else:
                 self.master.step()  # its own counts are unused: rule 3 counts against the shadow
-        else:
-            self.obs.skipped_steps += 1
         after = self._stored() if finite else {}
         with health.one_thread(self.device):
             for n, p in mixed.items():
                 sp = shadow.get(n)
                 update = (sp.detach() - before[n]) if sp is not None and sp.grad is not None else None
                 self.obs.params[n].add(stored[n], after.get(n), update, grads[n], sp.grad if sp is not None else None)
+        return finite
 
     def _stored(self) -> dict[str, torch.Tensor]:
         """Where each weight is stored (rule 3): the parameter, or under ``fp32`` its master copy."""
@@ -367,9 +493,6 @@ class _Runner:
             note = autocast_device_note(self.obs.low_ops, dtype_name(self.dtype))
             if note:
                 out.append(note)
-        if self.obs.skipped_steps:
-            out.append(f"{self.obs.skipped_steps} of {self.obs.steps} steps had non-finite gradients at scale "
-                       f"{self.scale:g} and were skipped, as the loss scaler does")
         if self.fp32_modules:
             out.append(f"fp32 islands: {', '.join(self.fp32_modules)}")
         if self.fp8_report is not None:

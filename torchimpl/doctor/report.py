@@ -4,7 +4,9 @@
 ``healthy``, ``verdicts`` (each ``kind`` from ``torchimpl.doctor.verdicts.KINDS``, ``module``,
 ``severity``, ``message``, ``fix``, ``numbers``), ``layers``, ``parameters``, ``fp8_layers``,
 ``first_low_sqnr`` (the first layer, in hook order, whose SQNR against the fp32 shadow fell
-below ``sqnr_threshold_db``, or null) and ``notes``.
+below ``sqnr_threshold_db``, or null), ``loss_scales`` (each step's loss scale),
+``skipped_steps`` (the steps skipped on non-finite gradients), ``sqnr_floor_db`` (the floor a
+16-bit layer is held to, by dtype) and ``notes``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from torchimpl.doctor.verdicts import Verdict
+from torchimpl.doctor.kinds import FLUSH_FRACTION, SQNR_FLOOR_DB, Verdict, sqnr_floor_db
 
 __all__ = ["PrecisionReport", "save_plot"]
 
@@ -40,6 +42,8 @@ class PrecisionReport:
         self.notes = notes
         self.sqnr_threshold_db = sqnr_threshold_db
         self.first_low_sqnr = next((s.name for s in self.layers if s.sqnr_db < sqnr_threshold_db), None)
+        self.loss_scales, self.skipped_steps = list(obs.scales), list(obs.skipped)
+        self.sqnr_floor_db = {d: sqnr_floor_db(d, obs.precision) for d in SQNR_FLOOR_DB}
 
     @property
     def healthy(self) -> bool:
@@ -51,13 +55,17 @@ class PrecisionReport:
                 "parameters": [p.to_dict() for p in self.parameters],
                 "fp8_layers": [f.to_dict() for f in self.fp8_layers],
                 "sqnr_threshold_db": self.sqnr_threshold_db, "first_low_sqnr": self.first_low_sqnr,
-                "notes": self.notes}
+                "loss_scales": self.loss_scales, "skipped_steps": self.skipped_steps,
+                "sqnr_floor_db": self.sqnr_floor_db, "notes": self.notes}
 
     def text(self) -> str:
         head = f"precision {self.precision} on {self.device}, {self.steps} steps beside an fp32 shadow"
         lines = [head, ""]
         if self.healthy:
-            lines.append("no verdict: healthy in this precision")
+            floors = ", ".join(f"{d} {f:g} dB" for d, f in self.sqnr_floor_db.items())
+            lines.append("no verdict: healthy in this precision (every step applied or skipped by the loss "
+                         f"scaler's backoff, see the notes; every 16-bit layer's SQNR at or above its floor: {floors}; "
+                         f"no layer flushing more than {FLUSH_FRACTION:.0%} of its outputs beyond that floor's noise)")
         for v in self.verdicts:
             where = v.module if v.module is not None else "<model>"
             lines += [f"[{v.severity}] {v.kind} in {where}: {v.message}", f"    fix: {v.fix}"]

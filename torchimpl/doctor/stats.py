@@ -7,12 +7,15 @@ Every number comes from ``torchimpl.precision.health`` (the spec's rules, comput
    values do not fit), the overflow count of the shadow's values in that format (what the
    mixed run cannot hold) and the steps on which it was non-zero, the flushed fraction of the
    shadow's non-zero outputs (zero in the mixed run), the lowest SQNR of the mixed output
-   against the shadow's, and whether the shadow's output was ever non-finite.
+   against the shadow's (and the step it was seen on), the L1 mass share of the shadow's output
+   that is flushed (the spec's rule 14), and whether the shadow's output was ever non-finite.
 2. The gradient reaching a layer's output: amax in the mixed run at the loss scale and
    unscaled (divided by the scale), the flushed fraction of the shadow's non-zero entries
    (zero in the mixed run, for any reason), the underflow fraction of the shadow's gradient at
    the loss scale in the output's format (rule 5: lost to the scale itself), and the
-   power-of-two scale range (rule 10) of the shadow's gradient in that format.
+   power-of-two scale range (rule 10) of the shadow's gradient in that format, and the L1 mass
+   share of the shadow's gradient that the loss scale flushes (the spec's rule 13). The loss
+   scale is the step's own (the doctor's dynamic scale changes between steps).
 3. A parameter (``ParamStats``): its dtype, the lost-update fraction (rule 12): of the
    entries whose update by the fp32 shadow's optimizer (the exact update) is finite and
    non-zero, those whose stored weight the mixed step left unchanged; and the flushed
@@ -20,7 +23,8 @@ Every number comes from ``torchimpl.precision.health`` (the spec's rules, comput
 4. A float8 layer (``Fp8Stats``): for the input and weight (float8_e4m3fn) and grad_output
    (float8_e5m2), the amax, and the saturated and underflowed fractions under the recipe's
    scale (tensorwise: one f32(max / max(amax, 1e-12)) per tensor; the row-wise recipes: one per
-   row of the last dimension), and whether amax was ever 0.
+   row of the last dimension), the L1 mass share of each operand that flushes (rule 13), and
+   whether amax was ever 0.
 5. Counts are summed over steps and calls before dividing (so fractions are over everything
    seen); maxima are maxima over steps; SQNR is the minimum.
 """
@@ -44,7 +48,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _ratio(pair: list[int]) -> float:
+def _ratio(pair: list[int] | list[float]) -> float:
     return pair[0] / pair[1] if pair[1] else 0.0
 
 
@@ -68,12 +72,17 @@ class LayerStats:
     overflow_steps: int = 0
     flushed: list[int] = field(default_factory=lambda: [0, 0])
     sqnr_db: float = math.inf
+    sqnr_step: int | None = None
+    last_sqnr_db: float = math.inf
+    """The SQNR of the latest call (NaN where either output was non-finite)."""
+    flushed_mass: list[float] = field(default_factory=lambda: [0.0, 0.0])
     shadow_nonfinite: bool = False
     mixed_nonfinite: bool = False
     grad_amax_scaled: float = 0.0
     grad_amax: float = 0.0
     grad_flushed: list[int] = field(default_factory=lambda: [0, 0])
     grad_lost_at_scale: list[int] = field(default_factory=lambda: [0, 0])
+    grad_mass_lost_at_scale: list[float] = field(default_factory=lambda: [0.0, 0.0])
     scale_low: int | None = None
     scale_high: int | None = None
     same_as: str | None = None
@@ -100,23 +109,34 @@ class LayerStats:
     def grad_underflow_at_scale(self) -> float:
         return _ratio(self.grad_lost_at_scale)
 
-    def add_forward(self, mixed: torch.Tensor, shadow: torch.Tensor) -> bool:
+    @property
+    def underflow_mass(self) -> float:
+        return _ratio(self.flushed_mass)
+
+    @property
+    def grad_underflow_mass_at_scale(self) -> float:
+        return _ratio(self.grad_mass_lost_at_scale)
+
+    def add_forward(self, mixed: torch.Tensor, shadow: torch.Tensor, step: int | None = None) -> bool:
         """One call's outputs; True when the shadow's values overflow the mixed output's format."""
         self._dtype, self.dtype = mixed.dtype, dtype_name(mixed.dtype)
         self.amax = max(self.amax, health.amax(mixed))
         self.shadow_amax = max(self.shadow_amax, health.amax(shadow))
         sqnr = health.sqnr_db(shadow, mixed) if mixed.shape == shadow.shape else math.nan
+        self.last_sqnr_db = sqnr
         if math.isnan(sqnr):  # a non-finite value in either (or shapes that differ): which one
             self.shadow_nonfinite |= health.nonfinite_fraction(shadow) > 0
             self.mixed_nonfinite |= health.nonfinite_fraction(mixed) > 0
-        else:
-            self.sqnr_db = min(self.sqnr_db, sqnr)
+        elif sqnr < self.sqnr_db:
+            self.sqnr_db, self.sqnr_step = sqnr, step
         if mixed.shape != shadow.shape:
             return False
         over = health.overflow_count(shadow, mixed.dtype) if self.low_precision else 0
         self.overflow += over
         for i, n in enumerate(health.flushed_count(shadow, mixed)):
             self.flushed[i] += n
+        for i, m in enumerate(health.flushed_mass(shadow, mixed)):
+            self.flushed_mass[i] += m
         return over > 0
 
     def add_backward(self, mixed: torch.Tensor, shadow: torch.Tensor, scale: float, keep: float) -> None:
@@ -130,6 +150,8 @@ class LayerStats:
         if mixed.dtype in _LOW:
             for i, n in enumerate(health.underflow_count(shadow, mixed.dtype, scale)):
                 self.grad_lost_at_scale[i] += n
+            for i, m in enumerate(health.underflow_mass(shadow, mixed.dtype, scale)):
+                self.grad_mass_lost_at_scale[i] += m
             r = health.scale_range(shadow, mixed.dtype, keep)
             if r.low is not None:
                 self.scale_low = r.low if self.scale_low is None else max(self.scale_low, r.low)
@@ -140,11 +162,13 @@ class LayerStats:
         return {"layer": self.name, "same_as": self.same_as, "dtype": self.dtype, "amax": _finite_or_none(self.amax),
                 "shadow_amax": _finite_or_none(self.shadow_amax), "headroom_bits": _finite_or_none(self.headroom_bits),
                 "overflow_count": self.overflow, "overflow_steps": self.overflow_steps,
-                "underflow_fraction": self.underflow, "sqnr_db": _finite_or_none(self.sqnr_db),
+                "underflow_fraction": self.underflow, "underflow_mass_fraction": self.underflow_mass,
+                "sqnr_db": _finite_or_none(self.sqnr_db),
                 "shadow_nonfinite": self.shadow_nonfinite, "mixed_nonfinite": self.mixed_nonfinite,
                 "grad_amax_scaled": _finite_or_none(self.grad_amax_scaled), "grad_amax": _finite_or_none(self.grad_amax),
                 "grad_underflow_fraction": self.grad_underflow,
                 "grad_underflow_at_scale_fraction": self.grad_underflow_at_scale,
+                "grad_underflow_mass_at_scale_fraction": self.grad_underflow_mass_at_scale,
                 "scale_range_log2": [self.scale_low, self.scale_high]}
 
 
@@ -201,6 +225,7 @@ class Fp8Stats:
     amax: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_FP8_FORMATS, 0.0))
     saturated: dict[str, list[int]] = field(default_factory=lambda: {k: [0, 0] for k in _FP8_FORMATS})
     underflow: dict[str, list[int]] = field(default_factory=lambda: {k: [0, 0] for k in _FP8_FORMATS})
+    underflow_mass: dict[str, list[float]] = field(default_factory=lambda: {k: [0.0, 0.0] for k in _FP8_FORMATS})
     amax_zero: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(_FP8_FORMATS, False))
 
     def add(self, operand: str, x: torch.Tensor | None) -> None:
@@ -214,13 +239,18 @@ class Fp8Stats:
         self.saturated[operand][1] += x.numel()
         for i, n in enumerate(health.underflow_count(x, dtype, scale)):
             self.underflow[operand][i] += n
+        for i, m in enumerate(health.underflow_mass(x, dtype, scale)):
+            self.underflow_mass[operand][i] += m
 
     def fraction(self, which: str, operand: str) -> float:
-        return _ratio((self.saturated if which == "saturated" else self.underflow)[operand])
+        """``saturated`` or ``underflow`` (counts), or ``underflow_mass`` (the L1 share) of ``operand``."""
+        table = {"saturated": self.saturated, "underflow": self.underflow, "underflow_mass": self.underflow_mass}
+        return _ratio(table[which][operand])
 
     def to_dict(self) -> dict[str, Any]:
         return {"layer": self.name, "scaling": "rowwise" if self.rowwise else "tensorwise",
                 **{f"{k}_amax": self.amax[k] for k in _FP8_FORMATS},
                 **{f"{k}_saturated_fraction": self.fraction("saturated", k) for k in _FP8_FORMATS},
                 **{f"{k}_underflow_fraction": self.fraction("underflow", k) for k in _FP8_FORMATS},
+                **{f"{k}_underflow_mass_fraction": self.fraction("underflow_mass", k) for k in _FP8_FORMATS},
                 **{f"{k}_amax_zero": self.amax_zero[k] for k in _FP8_FORMATS}}

@@ -69,6 +69,7 @@ __all__ = [
     "FP8_RECIPES",
     "ROWWISE_RECIPES",
     "TORCHAO_VERSION",
+    "Fp8NotApplicable",
     "Fp8Report",
     "check_mx_batch",
     "check_mx_rows",
@@ -239,12 +240,17 @@ def _weight_dtype(module: nn.Module, x: torch.Tensor) -> torch.dtype | None:
     return module.weight.dtype
 
 
+class Fp8NotApplicable(ValueError):
+    """The model has no linear layer float8 can run (``convert_to_fp8`` found none eligible)."""
+
+
 def convert_to_fp8(model: nn.Module, recipe: str, device: torch.device | str, *,
                    skip_first_last: bool = True) -> tuple[nn.Module, Fp8Report]:
     """Rules 1-4: the model with its eligible linear layers in float8, and the report.
 
     Returns the module torchao returns (a root ``nn.Linear`` is replaced, not changed in place).
-    Raises ``ValueError`` when no layer is eligible or the recipe cannot run here (rule 5) and
+    Raises ``Fp8NotApplicable`` (a ``ValueError``) when no layer is eligible, ``ValueError`` when
+    the recipe cannot run here (rule 5) and
     ``RuntimeError`` when torchao is missing
     or float8 cannot run on ``device``.
     """
@@ -260,7 +266,7 @@ def convert_to_fp8(model: nn.Module, recipe: str, device: torch.device | str, *,
     kept = tuple((name, why) for name, why in decisions.items() if why is not None)
     if not converted:
         found = "; ".join(f"{n}: {w}" for n, w in kept) or "the model has no nn.Linear layer"
-        raise ValueError(
+        raise Fp8NotApplicable(
             f"precision.mode 'fp8' found no linear layer to run in float8 ({found}). Fix: give the model "
             "nn.Linear layers whose in/out features are multiples of 16 (32 for mxfp8), set "
             "precision.fp8_skip_first_last=false to convert the first and last layers too, or choose "

@@ -24,6 +24,9 @@ Python numbers (one host sync each).
     change and an unchanged NaN is not).
 10. ``scale_range``: exponents from ``frexp`` (exact): ``high`` largest k with amax 2^k <= max,
     ``low`` smallest k with the needed-th largest |g| times 2^k above half the smallest subnormal.
+11. ``underflow_mass``: (sum of |x| over rule 5's elements, sum of |x| over the finite ones),
+    float64 sums (the spec's rule 13; torch's reduction order, within its rule 15 bound).
+12. ``flushed_mass``: rule 6's elements weighed by |reference| the same way (the spec's rule 14).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ __all__ = [
     "amax",
     "applied_lost_count",
     "flushed_count",
+    "flushed_mass",
     "headroom_bits",
     "lost_update_count",
     "nonfinite_fraction",
@@ -49,6 +53,7 @@ __all__ = [
     "sqnr_db",
     "subnormal_fraction",
     "underflow_count",
+    "underflow_mass",
 ]
 
 
@@ -111,6 +116,28 @@ def underflow_count(x: torch.Tensor, dtype: torch.dtype, scale: float | torch.Te
     live = torch.isfinite(xd) & (xd != 0)
     zero = _scaled(xd, scale).to(dtype) == 0
     return int((live & zero).sum()), int(live.sum())
+
+
+def underflow_mass(x: torch.Tensor, dtype: torch.dtype, scale: float | torch.Tensor = 1.0) -> tuple[float, float]:
+    """Rule 11."""
+    xd = x.detach()
+    finite = torch.isfinite(xd)
+    lost = finite & (xd != 0) & (_scaled(xd, scale).to(dtype) == 0)
+    a = xd.double().abs()
+    zero = torch.zeros((), dtype=torch.float64, device=a.device)
+    return float(torch.where(lost, a, zero).sum()), float(torch.where(finite, a, zero).sum())
+
+
+def flushed_mass(reference: torch.Tensor, observed: torch.Tensor) -> tuple[float, float]:
+    """Rule 12."""
+    if reference.shape != observed.shape:
+        raise ValueError(f"reference has shape {tuple(reference.shape)} but observed has {tuple(observed.shape)}")
+    r, o = reference.detach(), observed.detach()
+    finite = torch.isfinite(r)
+    lost = finite & (r != 0) & (o == 0)
+    a = r.double().abs()
+    zero = torch.zeros((), dtype=torch.float64, device=a.device)
+    return float(torch.where(lost, a, zero).sum()), float(torch.where(finite, a, zero).sum())
 
 
 def flushed_count(reference: torch.Tensor, observed: torch.Tensor) -> tuple[int, int]:
