@@ -9,17 +9,29 @@
    is the other modes'), an error under ``--precision fp8``.
 3. ``--report FILE.json`` writes ``{"reports": [...]}``, each report's ``to_dict()``, whole
    (``torchimpl.safe_files``); ``--plot FILE.png`` needs matplotlib (``pip install
-   'ampspec[plot]'``). Both are checked before any work, with the numbers: an existing file
-   that is not an earlier report (or PNG), a link or a folder is refused, never overwritten.
-4. Exit status: 0 when no verdict is an error (healthy, or warnings only), 1 when one is.
+   'ampspec[plot]'``), written to a temporary file and renamed into place. Both are checked
+   before any work, with the numbers: a folder that does not exist or cannot be written in, a
+   link, a folder, the task's own module file, the two options naming one file, and an
+   existing file that is not an earlier report (or PNG) are refused, never overwritten.
+4. The user's task is the user's code: an exception it raises, or a ``sys.exit`` it calls
+   (with any status, 0 included), while it is built or while the doctor runs it, ends the
+   command with an error naming the task and exit 2; there is then no diagnosis. SIGINT and
+   SIGTERM end it with 130 and 143 and one line (``torchimpl.cli.errors``).
+5. Exit status: 0 when no verdict is an error (healthy, or warnings only), 1 when one is, 2
+   for bad input (rules 3-4).
 """
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import json
 import math
+import os
+import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,17 +80,74 @@ def _check_inputs(args: Any) -> None:
     # imported when the doctor runs: the parser is built without torch
     from torchimpl.safe_files import refuse_link
 
-    for option, path in (("--report", args.report), ("--plot", args.plot)):
-        if not path:
-            continue
-        if not Path(path).resolve().parent.is_dir():
-            raise ValueError(f"{option} {path}: the folder {Path(path).resolve().parent} does not exist")
+    outputs = [(option, path) for option, path in (("--report", args.report), ("--plot", args.plot)) if path]
+    task_file = _task_file(args.task)
+    for option, path in outputs:
+        folder = Path(path).resolve().parent
+        if not folder.is_dir():
+            raise ValueError(f"{option} {path}: the folder {folder} does not exist")
         refuse_link(path, option)
         if Path(path).is_dir():
             raise ValueError(f"{option} {path} is a folder; give a file path")
+        if task_file is not None and Path(path).resolve() == task_file:
+            raise ValueError(f"{option} {path} is the module of --task {args.task}; choose another path")
         if Path(path).is_file() and Path(path).stat().st_size and not _is_own(Path(path), option):
             raise ValueError(f"{option} {path} exists and is not a doctor {'plot' if option == '--plot' else 'report'}; "
                              "ampspec overwrites only its own files: choose another path")
+        _check_writable(option, path, folder)
+    if len(outputs) == 2 and Path(outputs[0][1]).resolve() == Path(outputs[1][1]).resolve():
+        raise ValueError(f"--report {args.report} and --plot {args.plot} name the same file; give each its own path")
+
+
+def _check_writable(option: str, path: str, folder: Path) -> None:
+    """A file can be made in ``folder`` (made and removed at once: nothing of it is left)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".ampspec-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"{option} {path}: cannot write in the folder {folder}: {exc.strerror or exc}; "
+                         "choose a writable folder") from None
+
+
+def _task_file(task: str) -> Path | None:
+    """The file of a ``module:function`` task's module, found as the import will find it (the
+    working directory first) without importing it; None for an embedded task or a module that
+    is not found (building the task names that)."""
+    module, sep, _ = task.partition(":")
+    if not sep:
+        return None
+    path: list[str] | None = [os.getcwd(), *sys.path]
+    spec = None
+    for part in module.split("."):
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(part, path)
+        except (ImportError, ValueError):
+            return None
+        if spec is None:
+            return None
+        path = list(spec.submodule_search_locations or [])
+    origin = getattr(spec, "origin", None)
+    return Path(origin).resolve() if origin and origin not in ("built-in", "frozen") else None
+
+
+def _task_call(task: str, what: str, call: Callable[[], Any]) -> Any:
+    """Rule 4: ``call()``, the user's task failing or exiting in it named with exit 2."""
+    # imported when the doctor runs: the parser is built without torch
+    from torchimpl.cli.errors import where
+    from torchimpl.task.checks import task_failure
+
+    try:
+        return call()
+    except SystemExit as exc:
+        raise ValueError(f"--task {task} called sys.exit({exc.code!r}) {what}; a task returns (model, "
+                         "train_data, val_data) and its model and loss return values: no diagnosis was made") from None
+    except Exception as exc:  # noqa: BLE001 - the user's code: named, never a traceback
+        if task in ("lm", "mlp") or task_failure(task, exc) is None:
+            raise  # ampspec's own refusal, which names its field
+        text = " ".join(str(exc).split())[:500]
+        raise ValueError(f"--task {task} raised {type(exc).__name__}: {text} (at {where(exc)}) {what}; "
+                         "no diagnosis was made") from None
 
 
 def run_doctor(args: Any) -> int:
@@ -90,24 +159,24 @@ def run_doctor(args: Any) -> int:
     from torchimpl.config.schema import TaskConfig
     from torchimpl.precision.device import resolve_device
     from torchimpl.doctor.inspect import inspect_precision
-    from torchimpl.doctor.report import save_plot
+    from torchimpl.doctor.plot import save_plot
     from torchimpl.precision.fp8 import Fp8NotApplicable
     from torchimpl.safe_files import replace_text
     from torchimpl.task.builtin import build_task
 
     _check_inputs(args)
     precisions, notes = _precisions(args.precision)
-    task = build_task(TaskConfig(name=args.task, size=args.size), seed=args.seed, batch_size=args.batch_size)
+    task = _task_call(args.task, "while it was built", lambda: build_task(
+        TaskConfig(name=args.task, size=args.size), seed=args.seed, batch_size=args.batch_size))
     device = resolve_device(args.device)
     reports = []
     start = time.perf_counter()
     for precision in precisions:
         try:
-            report = inspect_precision(task.model, task.train_data, task.loss_fn, precision=precision,
-                                       steps=args.steps, device=device, init_scale=args.init_scale,
-                                       fp32_modules=args.fp32_module,
-                                       optimizer=lambda p: torch.optim.AdamW(p, lr=args.lr),
-                                       master_weights=args.master_weights)
+            report = _task_call(args.task, f"during the {precision} diagnosis", lambda: inspect_precision(
+                task.model, task.train_data, task.loss_fn, precision=precision, steps=args.steps, device=device,
+                init_scale=args.init_scale, fp32_modules=args.fp32_module,
+                optimizer=lambda p: torch.optim.AdamW(p, lr=args.lr), master_weights=args.master_weights))
         except Fp8NotApplicable as exc:
             if args.precision != "all":
                 raise

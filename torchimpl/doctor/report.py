@@ -1,4 +1,5 @@
-"""The doctor's result: verdicts first, then the per-layer table, as text, JSON or a picture.
+"""The doctor's result: verdicts first, then the per-layer table, as text or JSON (the picture:
+``torchimpl.doctor.plot``).
 
 ``to_dict()`` is the JSON report's contract: ``precision``, ``device``, ``steps``,
 ``healthy``, ``verdicts`` (each ``kind`` from ``torchimpl.doctor.verdicts.KINDS``, ``module``,
@@ -16,10 +17,7 @@ from typing import Any
 
 from torchimpl.doctor.kinds import FLUSH_FRACTION, SQNR_FLOOR_DB, Verdict, sqnr_floor_db
 
-__all__ = ["PrecisionReport", "save_plot"]
-
-_PLOT_EXTRA = "pip install 'ampspec[plot]'"
-
+__all__ = ["PrecisionReport"]
 
 def _num(x: float, fmt: str = ".3g") -> str:
     if math.isinf(x):
@@ -101,41 +99,3 @@ def _table(layers: list[Any]) -> str:
         if k == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
-
-
-def save_plot(reports: list[PrecisionReport], path: str) -> str:
-    """Per-layer bars of headroom (bits) and underflow (%) for each report, the formats' limits
-    drawn (headroom 0: the largest finite value) and the verdicts' layers marked; needs
-    matplotlib (the ``plot`` extra)."""
-    try:
-        # optional dependency: the picture is drawn only where matplotlib is installed
-        import matplotlib
-
-        matplotlib.use("Agg")
-        # optional dependency: the picture is drawn only where matplotlib is installed
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ImportError(f"--plot needs matplotlib: {_PLOT_EXTRA}") from None
-    fig, axes = plt.subplots(2, len(reports), figsize=(4.5 * len(reports) + 1, 5.5), squeeze=False)
-    for col, rep in enumerate(reports):
-        names = [s.name for s in rep.layers]
-        marked = {v.module for v in rep.verdicts}
-        head = [max(min(s.headroom_bits, 130.0), -20.0) for s in rep.layers]
-        under = [100 * s.underflow for s in rep.layers]
-        colors = ["tab:red" if n in marked else "tab:blue" for n in names]
-        ax = axes[0][col]
-        ax.barh(names, head, color=colors)
-        ax.axvline(0, color="black", lw=1)
-        ax.set_title(f"{rep.precision}: headroom (bits to max)", fontsize=9)
-        ax = axes[1][col]
-        ax.barh(names, under, color=colors)
-        ax.axvline(100 * (1 - 0.999), color="grey", lw=1, ls="--")
-        ax.set_title(f"{rep.precision}: underflow (% flushed)", fontsize=9)
-        for a in axes[:, col]:
-            a.tick_params(labelsize=6)
-            a.invert_yaxis()
-    fig.suptitle("ampspec doctor: red = a verdict's layer; 0 bits = the format's largest value", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=72)
-    plt.close(fig)
-    return path
