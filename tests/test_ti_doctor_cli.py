@@ -255,3 +255,17 @@ def test_a_signal_during_the_diagnosis_exits_with_its_code_and_one_line(user, si
     assert "Traceback" not in proc.stderr and f"interrupted by {sig}" in proc.stderr, proc.stderr[-3000:]
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (user / "d.json").exists() and "no verdict" not in proc.stdout
+
+
+def test_a_write_that_fails_after_the_diagnosis_names_the_file_without_training_advice(user, capsys, monkeypatch):
+    import torchimpl.safe_files
+
+    def fails(path, text, *, what="run file"):
+        with torchimpl.safe_files.writing(path, what):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torchimpl.safe_files, "replace_text", fails)
+    code, out, err = _doctor(capsys, "--report", "d.json")
+    assert code == 1 and "precision bf16" in out, (code, err)
+    assert "--report d.json: cannot write: No space left on device" in err, err
+    assert not any(word in err for word in ("resume", "checkpoint", "train ")), err

@@ -189,12 +189,30 @@ def run_doctor(args: Any) -> int:
         print(f"note: {n}")
     if args.report:
         data = {"task": args.task, "steps": args.steps, "reports": [r.to_dict() for r in reports], "notes": notes}
-        replace_text(args.report, json.dumps(data, indent=2, allow_nan=False), what="--report")
+        _write("--report", args.report, lambda: replace_text(args.report, json.dumps(data, indent=2, allow_nan=False),
+                                                             what="--report"))
         print(f"report: {args.report}")
     if args.plot:
-        print(f"plot: {save_plot(reports, args.plot)}")
+        _write("--plot", args.plot, lambda: save_plot(reports, args.plot))
+        print(f"plot: {args.plot}")
     print(f"took {time.perf_counter() - start:.1f} s")
     return 1 if any(v.severity == "error" for r in reports for v in r.verdicts) else 0
+
+
+def _write(option: str, path: str, write: Callable[[], Any]) -> None:
+    """An output that fails after the diagnosis (the folder changed under it, a full disk): the
+    file and the reason, as a failed run (exit 1); the diagnosis is printed above."""
+    # imported when the doctor runs: the parser is built without torch
+    from torchimpl.safe_files import RunFileWriteError
+
+    try:
+        write()
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        if isinstance(exc, RunFileWriteError) and exc.__cause__ is not None:
+            reason = getattr(exc.__cause__, "strerror", None) or str(exc.__cause__)
+        raise RunFileWriteError(f"{option} {path}: cannot write: {reason}; the diagnosis is printed above: rerun "
+                                "with a path in a writable folder", exc.errno, path) from None
 
 
 def add_options(d: Any, task_type: Any) -> None:
