@@ -36,10 +36,8 @@ from typing import Any
 import numpy as np
 
 from audit.boundaries import LostUpdates
-from audit.checks_numbers import LOST_WINDOW
-from audit.rules import dispatch
+from audit.rules import LOST_WINDOW, dispatch
 from audit.stages import NotReplayable
-from reference import health, master_weights
 
 __all__ = ["LOW_DTYPES", "LostBook", "LowPrecisionStage", "Window", "events", "low_precision", "stochastic_envelope"]
 
@@ -77,6 +75,8 @@ class LostBook:
     def add(self, optimizer: str, index: int, step: int, where: str, before: np.ndarray, after: np.ndarray,
             exact: np.ndarray, shape: tuple[int, ...], sampled: str | None) -> None:
         """One parameter's step (definition 3), into its open window."""
+        from reference import health  # the replay's: the order rules load no arithmetic of the spec
+
         lost, counted = health.applied_lost_count(before, after, exact)
         w = self.open.get((optimizer, index))
         if w is None:
@@ -176,6 +176,8 @@ class LowPrecisionStage:
             if grad_scale is not None or found_inf:
                 raise NotReplayable(f"{row.name} unscaled by its own kernel on 16-bit parameters (the exact "
                                      "update is not specified there)")
+            from reference import master_weights  # the replay's: the order rules load no arithmetic of the spec
+
             return master_weights.float32_step(row, impl, params, grads, states, cfg, lr=lr, sqrt=sqrt)
 
         return float32

@@ -104,19 +104,7 @@ class AuditReport:
                  f"{c['info']} info)")
         if self.strict:
             head += " [strict: warnings and info fail too]"
-        lines = [head]
-        if self.replay is None:
-            lines.append("numeric replay: off (order rules only)")
-        else:
-            r = self.replay
-            lines.append(f"numeric replay: {r['steps_replayed']} of {n_steps} steps and {r['updates_checked']} scaler "
-                         f"updates replayed; {self._matched()}; compared at: {r['exactness']}")
-            for reason, count in r["not_replayed"].items():
-                lines.append(f"  not replayed ({count}x): {reason}")
-            if r.get("fallback"):
-                lines.append(f"  {r['fallback']}")
-            lines.extend(_lost_lines(r.get("lost_updates")))
-            lines.extend(_sampling_lines(r.get("sampling")))
+        lines = [head, *self._replay_lines()]
         lines.extend(_reduction_lines(self.reductions))
         if self.compiled is not None:
             lines.append(compile_line(self.compiled))
@@ -154,6 +142,19 @@ class AuditReport:
             lines.append("the audited program failed:")
             lines.append(self.error.rstrip())
         return "\n".join(lines)
+
+    def _replay_lines(self) -> list[str]:
+        """The numeric replay's summary: what was replayed, what was not and why, the lost updates
+        of 16-bit parameters and what a sampled replay took."""
+        r = self.replay
+        if r is None:
+            return ["numeric replay: off (order rules only)"]
+        lines = [f"numeric replay: {r['steps_replayed']} of {len(self.steps)} steps and {r['updates_checked']} scaler "
+                 f"updates replayed; {self._matched()}; compared at: {r['exactness']}"]
+        lines += [f"  not replayed ({count}x): {reason}" for reason, count in r["not_replayed"].items()]
+        if r.get("fallback"):
+            lines.append(f"  {r['fallback']}")
+        return lines + _lost_lines(r.get("lost_updates")) + _sampling_lines(r.get("sampling"))
 
     def _how_it_ended(self) -> list[str]:
         """The lines on a run that did not end by returning: a signal, ``sys.exit``, ``os._exit``."""

@@ -34,9 +34,10 @@ from types import ModuleType
 from typing import Any
 
 from audit import checks_clipping, checks_numbers, checks_program, checks_scaler, checks_steps
+from audit.checks_numbers import LOST_WINDOW  # the window update-lost-to-rounding counts over (the replay keeps it)
 from audit.findings import CATALOGUE, ERROR, INFO, SEVERITIES, WARNING, Finding, Rule, rule
 
-__all__ = ["RULES", "FAMILIES", "dispatch", "markdown_table", "Rule", "rule", "Finding", "ERROR", "WARNING", "INFO", "SEVERITIES"]
+__all__ = ["LOST_WINDOW", "RULES", "FAMILIES", "dispatch", "markdown_table", "Rule", "rule", "Finding", "ERROR", "WARNING", "INFO", "SEVERITIES"]
 
 FAMILIES: tuple[ModuleType, ...] = (checks_clipping, checks_scaler, checks_numbers, checks_steps, checks_program)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from audit import closures, optimizers
+from audit import closures
 from audit.events import ClipCall, ClipThreshold, OptimizerStepBegin, ZeroGradCall
 from audit.records import ClipStage, OptTrack, ScalerTrack, call_site, plain_tensor, to_numpy
 from audit.restep import check_restep
@@ -136,9 +136,11 @@ class OptimizerCalls:
         if not w.backwards or o.stepping or w.hooked or w.versions is None or w.versions == _versions(o) \
                 or w.state == state_signature(o):
             return
-        if optimizers.lookup(type(o.obj))[0] is None:
-            # Not an optimizer of the specification (a wrapper such as SAM keeps its ascent's
-            # state and moves the parameters by hand, with no step): no compiled step of its own.
+        if not any(c.__module__.startswith("torch.optim.") for c in type(o.obj).__mro__[:-2]):
+            # Not one of torch's optimizers (or a subclass): a wrapper such as SAM, deriving from
+            # Optimizer itself, keeps its ascent's state and moves the parameters by hand, with no
+            # step, and has no compiled step of its own. (By class, not by the spec's rows: the
+            # order rules load nothing of the spec's arithmetic.)
             return
         w.calls.append(f"{o.label}.step (compiled)")
         self._start_data(o, "optimizer.step", None)
