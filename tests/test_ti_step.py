@@ -257,3 +257,41 @@ def test_scale_collapse_is_the_float32_inverse_overflowing():
     scales = torch.tensor([0.0, 2.0**-149, 2.0**-128, 2.0**-127.5, 2.0**-127, 1.0, 2.0**127, math.nan])
     torch_says = ~torch.isfinite(scales.double().reciprocal().float())  # what unscale_ would multiply by
     assert [scale_collapsed(float(s)) for s in scales] == torch_says.tolist()
+
+
+def test_pending_records_of_one_flush_may_hold_their_fields_in_any_order():
+    """Rows with the same fields in another keyword order are read by name, not by position."""
+    pending = PendingRecords()
+    row = dict(step=0, microbatches=1, scale_before=1.0, found_inf=0.0, applied=True, grad_norm=torch.tensor(0.5),
+               clip_coef=None, scale_after=2.0, growth_tracker=0, lr=0.01)
+    pending.add(1.0, **row)
+    pending.add(3.0, **dict(reversed(list(dict(row, step=1, grad_norm=torch.tensor(0.25)).items()))))
+    records, losses = pending.read()
+    assert losses == [1.0, 3.0]
+    assert records == [StepRecord(0, 1, 1.0, False, True, 0.5, None, 2.0, 0, 0.01),
+                       StepRecord(1, 1, 1.0, False, True, 0.25, None, 2.0, 0, 0.01)]
+
+
+def test_the_engine_holds_each_parameters_gradient_accumulator_across_steps():
+    """The step engine keeps autograd's AccumulateGrad node of every trainable parameter alive
+    for the run: after the last step each parameter's node is one the engine held from the
+    start (without a holder each step's graph frees it and the next forward builds another)."""
+    from torchimpl import Trainer
+
+    class Regression(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+
+        def forward(self, x, y):
+            return nn.functional.mse_loss(self.net(x), y)
+
+    model = Regression()
+    model.net[0].bias.requires_grad_(False)
+    batches = [(torch.randn(2, 3), torch.randn(2, 1)) for _ in range(3)]
+    trainer = Trainer(load_config(overrides=["device=cpu", "train.steps=3", "logging.dir=null", "logging.progress=off"]))
+    trainer.fit(model, batches)
+    held = trainer.engine._accumulators
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(held) == 3 and all(type(n).__name__ == "AccumulateGrad" for n in held)
+    assert all(p.view_as(p).grad_fn.next_functions[0][0] is node for p, node in zip(trainable, held))

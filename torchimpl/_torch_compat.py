@@ -22,6 +22,7 @@ __all__ = [
     "TorchDispatchMode",
     "_amp_foreach_non_finite_check_and_unscale_",
     "_amp_update_scale_",
+    "_set_grad_enabled",
     "_foreach_mul_",
     "_get_foreach_kernels_supported_devices",
     "_get_fused_kernels_supported_devices",
@@ -84,6 +85,13 @@ _get_fused_kernels_supported_devices = _private(
     "torch.utils._foreach_utils", "_get_fused_kernels_supported_devices",
     "the device types where torch has fused Adam, AdamW and SGD kernels (optim.py's registry rows); "
     "optim.py falls back to ('cpu', 'cuda', 'mps', 'xpu') when it is gone", required=False)
+
+# --- autograd ---------------------------------------------------------------------------------------
+
+_set_grad_enabled = _private(
+    "torch._C", "_set_grad_enabled",
+    "the step engine adds each microbatch's loss into the window's sum with grad mode off for one "
+    "call: the public torch.no_grad or loss.detach() would cost a Python object or a tensor per microbatch")
 
 # --- float8 (torchimpl.precision.fp8) --------------------------------------------------------------------
 

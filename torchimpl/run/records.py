@@ -167,9 +167,11 @@ _HOST_TYPES = frozenset({float, int, bool, type(None)})
 
 def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
     """``rows`` (each with the same keys) as one list of values per key, in the rows' order."""
-    keys = list(rows[0])
+    keys = tuple(rows[0])
+    if all(map(keys.__eq__, map(tuple, rows))):  # one call site's keywords: one order, read in C
+        return dict(zip(keys, map(list, zip(*[row.values() for row in rows]))))
     try:
-        # Equal lengths and every key found: the same keys (a length compare is cheaper than a keys compare).
+        # Equal lengths and every key found: the same keys in other orders, read by name.
         if all(len(row) == len(keys) for row in rows):
             return {key: [row[key] for row in rows] for key in keys}
     except KeyError:
@@ -190,8 +192,12 @@ def _read_all(columns: dict[str, list[Any]]) -> dict[str, list[Any]]:
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     at: dict[str, list[int]] = {}
     for key, column in columns.items():
-        # A host number is told by its exact type first: isinstance(x, torch.Tensor) is slow for
-        # anything that is not a tensor (its metaclass's instance check).
+        # Most columns hold host numbers only, told by their types' set (built in C); a column
+        # with another type is scanned value by value. A host number is told by its exact type
+        # first: isinstance(x, torch.Tensor) is slow for anything that is not a tensor (its
+        # metaclass's instance check).
+        if host.issuperset(map(type, column)):
+            continue
         where = [i for i, v in enumerate(column) if type(v) not in host and isinstance(v, tensor)]
         if where:
             at[key] = where
@@ -199,8 +205,17 @@ def _read_all(columns: dict[str, list[Any]]) -> dict[str, list[Any]]:
                 by_dtype.setdefault(column[i].dtype, []).append(column[i])
     if not by_dtype:
         return columns
+    if len(by_dtype) == 1:  # the common case: one dtype, read in the order collected
+        (tensors,) = by_dtype.values()
+        values = iter(torch.stack(tensors).tolist())
+        out = dict(columns)
+        for key, where in at.items():
+            column = out[key] = list(columns[key])
+            for i in where:
+                column[i] = next(values)
+        return out
     stacks = [torch.stack(ts) for ts in by_dtype.values()]
-    flat = (stacks[0] if len(stacks) == 1 else torch.cat([t.to(torch.float64) for t in stacks])).tolist()
+    flat = torch.cat([t.to(torch.float64) for t in stacks]).tolist()
     read, start = {}, 0
     for dtype, ts in by_dtype.items():
         read[dtype] = iter(flat[start:start + len(ts)])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Callable
-from operator import is_
+from operator import attrgetter, is_
 from typing import Any
 
 __all__ = ["CallbackStateError", "check_state", "checked_hook", "checked_step_hook", "hook_name"]
@@ -24,6 +24,8 @@ __all__ = ["CallbackStateError", "check_state", "checked_hook", "checked_step_ho
 COUNTERS = ("step", "applied_steps", "skipped_steps", "epoch", "batch_index", "samples", "window_size",
             "window_done")
 LOSSES = ("best_val_loss", "last_val_loss", "last_train_loss")
+_FIELDS = COUNTERS + LOSSES
+_fields_of = attrgetter(*_FIELDS)  # the fields rule 1 covers, as one tuple, read in C
 
 
 class CallbackStateError(TypeError):
@@ -91,8 +93,10 @@ def checked_step_hook(hook: Callable[[Any, Any], None], owner: Any, who: str) ->
     once, with no lookup of the state and no argument packing per call."""
 
     def run(state: Any) -> None:
-        before = vars(state).copy()
+        before = _fields_of(state)
         hook(owner, state)
-        check_state(state, before, who)
+        # The common case, a hook that changed nothing: every field is still the very object it was.
+        if not all(map(is_, _fields_of(state), before)):
+            check_state(state, dict(zip(_FIELDS, before)), who)
 
     return run

@@ -44,6 +44,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 from torch import nn
 
+from torchimpl._torch_compat import _set_grad_enabled as set_grad_enabled
 from torchimpl.precision.batches import batch_size, to_device
 from torchimpl.train.callback_checks import checked_hook, checked_step_hook, hook_name
 from torchimpl.train.clipping import check_nonfinite_, clip_grad_norm_, group_by_device_and_dtype
@@ -395,6 +396,7 @@ class StepEngine:
         self.loss_fn, self.autocast, self.device, self.state = loss_fn, autocast, device, state
         self.hooks, self._stop_requested = hooks, stop_requested
         self._clip = clip
+        self._accumulators = grad_accumulators(params)
         # Rules 2-3, chosen once: without a scaler the check runs at a scale of 1 and changes no
         # gradient, so the clip's multiply can carry it (one pass, the same found_inf and bits).
         if clip is None:
@@ -442,8 +444,10 @@ class StepEngine:
             if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
                 raise ValueError(_bad_loss(loss))
             # Outside autocast from here: the accumulation, the division, the scaling and backward.
-            value = loss.detach()
-            loss_acc.add_(value if value.dtype is _FLOAT32 else value.float())  # float(): a no-op call on float32
+            # The sum with grad mode off, so that it records no graph and needs no detached copy.
+            set_grad_enabled(False)
+            loss_acc.add_(loss if loss.dtype is _FLOAT32 else loss.float())  # float(): a no-op call on float32
+            set_grad_enabled(True)
             scaled = loss / k
             scaled = scaling.scale(scaled)
             scaled.backward()
@@ -529,6 +533,27 @@ class StepEngine:
         for hook in hooks.step_end:
             hook(st)
         return None
+
+
+def grad_accumulators(params: list[nn.Parameter]) -> list[Any]:
+    """Each plain parameter's gradient accumulator (autograd's ``AccumulateGrad`` node), to be
+    held for the run, as DDP holds them.
+
+    Autograd keeps a parameter's accumulator only while a graph refers to it: without a holder
+    it is freed with each step's last graph and built again by the next forward, and the
+    parameter is then referenced from C++ by its Python object alone, so that every kernel call
+    that takes a reference to it (each optimizer op) pays a round trip through the interpreter
+    (torch >= 2.10 keeps a tensor's Python object alive from C++ while C++ holds a second
+    reference). A hand-written loop avoids both by accident: its ``loss`` variable keeps the
+    last graph alive into the next step. Sharded (DTensor) and other subclass parameters are
+    left out; holding the node changes no number.
+    """
+    held = []
+    with torch.enable_grad():
+        for p in params:
+            if type(p) is nn.Parameter and p.requires_grad and p.grad_fn is None:
+                held.append(p.view_as(p).grad_fn.next_functions[0][0])
+    return held
 
 
 def _bad_loss(loss: Any) -> str:
