@@ -23,6 +23,11 @@ What is wrapped (each wrapper calls the original unchanged and reports to a `Rec
 - ``Tensor.backward`` and ``torch.autograd.backward``;
 - ``torch.save``.
 
+Inside a compiled function (a whole compiled train step) the wrappers of calls Dynamo does not
+trace (``Tensor.backward``, ``torch.autograd.backward``, ``Optimizer.zero_grad``) are functions
+Dynamo skips, run eagerly at torch's own graph break; the others run their original alone while
+traced (`_eager_when_traced`): the audit adds no graph break and no recompile.
+
 Nothing else of the user's program is touched. ``uninstall`` restores every original object.
 """
 

@@ -371,7 +371,7 @@ class Replayer(StepStages, UpdateCheck, LowPrecisionStage):
                         at=None if d.sample is None or d.sample.whole(i) else (d.sample.indices(i), d.sample.shapes[i]))
             return
         entry, torch_state = o.entry, d.state_after[i]
-        exact, bound = self._field_bounds(o, d, cfg, i, old, new)
+        exact, bound = _field_bounds(self.exact, o, d, cfg, i, old, new)
         x_abs = _magnitudes(entry, cfg, (p, g, old, new), exact)
         at = None if d.sample is None or d.sample.whole(i) else (d.sample.indices(i), d.sample.shapes[i])
         for fld in dataclasses.fields(new):
@@ -389,27 +389,6 @@ class Replayer(StepStages, UpdateCheck, LowPrecisionStage):
                             x_abs(fld.name), at if np.shape(value) == np.shape(p) else None)
         if np.isfinite(bound("param")):  # inf: reference.compile leaves the bound undetermined (RAdam's branch)
             self._check(o, rec, name, d.params_after[i], new_p, bound("param"), where, x_abs("param"), at)
-
-    def _field_bounds(self, o: OptimizerRef, d: Any, cfg: Any, i: int, old: Any, new: Any) -> tuple[bool, Any]:
-        """(bit for bit, the bound of a field in ULPs of ``x_abs``) for parameter ``i``. An eager
-        step: 0 on scalar CPU kernels, else the row's native bound. A compiled step
-        (`reference.compile`, whatever the CPU kernels): 0 where rule 6 says its implementation is
-        bitwise; the row's native bound where the step runs mostly eagerly; else
-        `compiled_step_ulp` (the native bound plus the float32 scalars' error at this step)."""
-        entry = o.entry
-        if not getattr(d, "compiled", False):
-            return self.exact, lambda fld: 0 if self.exact else entry.bound(fld)
-        rule = compiled_rule(o)
-        impl = "foreach" if d.groups[d.group_of[i]].get("foreach") else "for-loop"
-        if impl in rule.bitwise:
-            return True, lambda fld: 0
-        native = entry.spec.native_ulp
-        if rule.eager:
-            return False, lambda fld: native.get(fld, 0)
-        step = float(new.step) if getattr(new, "step", None) is not None else 1.0
-        mu = float(getattr(old, "mu_product", None) or 1.0)
-        return False, lambda fld: compile_rules.compiled_step_ulp(entry.spec.name, fld, native.get(fld, 0), cfg,
-                                                                   step, mu)
 
     # ------------------------------------------------------------------ the end
 
@@ -453,6 +432,27 @@ def compiled_rule(o: OptimizerRef) -> Any:
         return compile_rules.compiled_step_rule(o.entry.spec.name, torch.__version__)
     except (KeyError, ValueError) as exc:
         raise _NotReplayable(f"a compiled step ({exc.args[0]})") from None
+
+
+def _field_bounds(eager_exact: bool, o: OptimizerRef, d: Any, cfg: Any, i: int, old: Any, new: Any) -> tuple[bool, Any]:
+    """(bit for bit, the bound of a field in ULPs of ``x_abs``) for parameter ``i``. An eager
+    step: 0 on scalar CPU kernels (``eager_exact``), else the row's native bound. A compiled step
+    (`reference.compile`, whatever the CPU kernels): 0 where rule 6 says its implementation is
+    bitwise; the row's native bound where the step runs mostly eagerly; else
+    `compiled_step_ulp` (the native bound plus the float32 scalars' error at this step)."""
+    entry = o.entry
+    if not getattr(d, "compiled", False):
+        return eager_exact, lambda fld: 0 if eager_exact else entry.bound(fld)
+    rule = compiled_rule(o)
+    impl = "foreach" if d.groups[d.group_of[i]].get("foreach") else "for-loop"
+    if impl in rule.bitwise:
+        return True, lambda fld: 0
+    native = entry.spec.native_ulp
+    if rule.eager:
+        return False, lambda fld: native.get(fld, 0)
+    step = float(new.step) if getattr(new, "step", None) is not None else 1.0
+    mu = float(getattr(old, "mu_product", None) or 1.0)
+    return False, lambda fld: compile_rules.compiled_step_ulp(entry.spec.name, fld, native.get(fld, 0), cfg, step, mu)
 
 
 def _worker_replayer() -> Replayer:
