@@ -146,6 +146,25 @@ class OptimizerCalls:
             # step, and has no compiled step of its own. (By class, not by the spec's rows: the
             # order rules load nothing of the spec's arithmetic.)
             return
+        self._copy_compiled(o)
+        self._close_step(o, applied=True, scaler=None, found_inf=None)
+
+    def compiled_in_scaler_step(self, o: OptTrack) -> bool:
+        """At the end of ``scaler.step(opt)`` whose optimizer step fired no hook: whether it ran
+        compiled (``opt.step = torch.compile(opt.step)``): its parameters moved and its state
+        changed since the window's last backward. If so its numbers are copied (`_copy_compiled`)."""
+        w = o.window
+        if w.versions is None or w.versions == _versions(o) or w.state == state_signature(o) or \
+                not any(c.__module__.startswith("torch.optim.") for c in type(o.obj).__mro__[:-2]):
+            return False
+        self._copy_compiled(o)
+        return True
+
+    def _copy_compiled(self, o: OptTrack) -> None:
+        """A compiled step of ``o`` just seen: its gradients, parameters and state copied (the
+        parameters and state before it were copied at the backward before, `before_compiled_step`);
+        with no copy before it, the reason it is not replayed."""
+        w = o.window
         o.compiled_steps += 1
         w.calls.append(f"optimizer.step (compiled)@{call_site()}")
         before = w.data.params_before if w.data is not None else None
@@ -162,7 +181,6 @@ class OptimizerCalls:
             d.state_after = self.snap.state(o.obj, params, d, d.sample)
         elif d is not None and d.copying:
             d.unsupported = COMPILED_STEP
-        self._close_step(o, applied=True, scaler=None, found_inf=None)
 
     def before_compiled_step(self, o: OptTrack) -> None:
         """After a backward of ``o``'s gradients: where its step may run compiled (no eager step

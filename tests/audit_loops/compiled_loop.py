@@ -2,9 +2,10 @@
 step compiled too, as PyTorch's "Compiling the optimizer" recipe writes it (a function that calls
 ``opt.step()`` under ``@torch.compile``; foreach AdamW at a constant rate).
 
-``--scaler 1``: the model compiled, a GradScaler("cpu"), ``scaler.step(opt)`` eager (a compiled
-step has no place between ``unscale_`` and ``update``: the scaler decides on the host whether to
-call it). ``--step eager``: the optimizer step uncompiled. ``--backend``: Inductor (default) or
+``--scaler 1``: the model compiled, a GradScaler("cpu"), ``scaler.step(opt)`` eager (the scaler
+decides on the host whether to call the step); with ``--step attribute`` the optimizer's step
+compiled in place (``opt.step = torch.compile(opt.step)``), which ``scaler.step`` calls.
+``--step eager``: the optimizer step uncompiled. ``--backend``: Inductor (default) or
 ``aot_eager`` (the graphs traced and run eagerly, no code generated). Planted mistakes
 (``--bug``): ``backward-in-autocast``; ``replay-divergence``, a hand-written compiled step that
 skips the weight decay (the group's ``weight_decay`` set to 0 around the call of the compiled
@@ -24,6 +25,8 @@ model = make_model()
 cmodel = torch.compile(model, backend=args.backend)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05, foreach=True)
 scaler = torch.amp.GradScaler("cpu", growth_interval=3) if args.scaler else None
+if args.step == "attribute":
+    opt.step = torch.compile(opt.step, backend=args.backend)
 
 
 @torch.compile(backend=args.backend)
