@@ -170,8 +170,10 @@ class OptimizerCalls:
         before = w.data.params_before if w.data is not None else None
         self._start_data(o, "optimizer.step", None)
         d = w.data
-        if d is not None and d.copying and d.on_cpu and before is not None:
-            params = o.params()
+        params = o.params()
+        if d is not None and d.copying and all(p.grad is None for p in params):
+            d.unsupported = GRADIENTS_GONE
+        elif d is not None and d.copying and d.on_cpu and before is not None:
             d.compiled = True
             d.step_grads = self.snap.grads(params, d, d.sample)  # a step leaves its gradients as they were
             d.groups = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in g.items()
@@ -292,6 +294,10 @@ class OptimizerCalls:
 
 COMPILED_STEP = ("compiled optimizer step with no copy before it: it ran inside a torch.compile graph, which the "
                  "audit cannot copy from, and no backward the audit saw preceded it")
+
+
+GRADIENTS_GONE = ("compiled optimizer step whose gradients were gone when the audit saw it (set to None inside "
+                  "the compiled function, by a zero_grad the audit does not see there: Module.zero_grad)")
 
 
 def state_signature(o: OptTrack) -> list[Any]:

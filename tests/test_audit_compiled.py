@@ -29,6 +29,7 @@ import torch
 import reference.compile as rc
 from audit.compiled import COMPILED_REPLAY
 from audit.runner import run_script
+from audit.track_optimizer import GRADIENTS_GONE
 
 LOOP = Path(__file__).resolve().parent / "audit_loops" / "compiled_loop.py"
 TRAIN_STEP = Path(__file__).resolve().parent / "audit_loops" / "real" / "compile_tutorial_train.py"
@@ -121,6 +122,19 @@ def test_a_whole_compiled_train_step_is_seen_and_replayed_with_no_graph_break_of
     _same_counts(plain, audited, report)
     _replayed_compiled(report, 6)
     assert all(any(c.startswith("backward@") for c in r.calls) for r in report.steps), report.steps[0].calls
+
+
+def test_a_compiled_step_whose_gradients_were_zeroed_inside_the_graph_is_not_replayed(tmp_path: Path):
+    """``model.zero_grad()`` inside the compiled train step is traced (the audit's wrapper runs
+    the original alone there): the step is seen at the next backward with its gradients gone,
+    and said not replayed with that reason, never compared against gradients it did not read."""
+    args = ["--steps", "4", "--inf-at", "", "--out", str(tmp_path), "--zero", "module"]
+    plain = _plain(args, TRAIN_STEP)
+    report, audited = _audited(args, TRAIN_STEP)
+    _same_counts(plain, audited, report)
+    assert report.findings == [] and all(r.applied for r in report.steps), report.text()
+    assert report.replay["not_replayed"] == {GRADIENTS_GONE: 3}, report.replay
+    assert report.steps[-1].replay.startswith(COMPILED_REPLAY)  # seen at the end, its gradients still there
 
 
 def _divergence_steps(report) -> list[int]:

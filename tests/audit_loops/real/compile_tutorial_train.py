@@ -19,6 +19,10 @@ is a function torch keeps Dynamo out of, another break.
 The truth: no finding (the order is the step contract's, float32 has no scaler to use); 12 steps,
 all applied, each replayed through the spec's compile rules (``reference.compile``). ``--inf-at``
 is accepted and ignored (no scaler: nothing skips). ``--mode``: the ``torch.compile`` mode.
+``--zero module``: ``mod.zero_grad(True)`` in place of ``opt.zero_grad(True)``, a call Dynamo
+traces: the gradients are set to None inside the graph, where the audit does not see it, so a
+compiled step is seen at the next backward with its gradients gone: not replayed, with that
+reason (the last step, seen at the program's end, is replayed).
 """
 
 import torch
@@ -26,7 +30,7 @@ from torch import nn
 
 from _real import parse
 
-args = parse(mode="reduce-overhead")
+args = parse(mode="reduce-overhead", zero="optimizer")
 
 
 def init_model() -> nn.Module:
@@ -43,7 +47,7 @@ opt = torch.optim.Adam(model.parameters())
 
 
 def train(mod, data):
-    opt.zero_grad(True)
+    (mod if args.zero == "module" else opt).zero_grad(True)
     pred = mod(data[0])
     loss = torch.nn.CrossEntropyLoss()(pred, data[1])
     loss.backward()
