@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CompileCounts", "compile_line"]
+__all__ = ["COMPILED_REPLAY", "CompileCounts", "compile_line"]
+
+COMPILED_REPLAY = "compiled step, by reference.compile's rules"  # how a compiled step's replay verdict begins
 
 _AUDIT = str(Path(__file__).resolve().parent)
 

@@ -23,6 +23,11 @@ What is wrapped (each wrapper calls the original unchanged and reports to a `Rec
 - ``Tensor.backward`` and ``torch.autograd.backward``;
 - ``torch.save``.
 
+Inside a compiled function (a whole compiled train step) the wrappers of calls Dynamo does not
+trace (``Tensor.backward``, ``torch.autograd.backward``, ``Optimizer.zero_grad``) are functions
+Dynamo skips, run eagerly at torch's own graph break; the others run their original alone while
+traced (`_eager_when_traced`): the audit adds no graph break and no recompile.
+
 Nothing else of the user's program is touched. ``uninstall`` restores every original object.
 """
 
@@ -149,8 +154,8 @@ class Instrumentation:
 
             def make(impl, kind=kind, bind=bind):
                 def wrapper(*args, **kwargs):
-                    if rec.in_clip:
-                        return impl(*args, **kwargs)
+                    if rec.in_clip or torch.compiler.is_compiling():
+                        return impl(*args, **kwargs)  # traced: the original alone (`_eager_when_traced`)
                     arguments = bind(args, kwargs)
                     parameters = arguments["parameters"]
                     if isinstance(parameters, torch.Tensor):
@@ -206,6 +211,15 @@ class Instrumentation:
                 return orig(self, *args, **kwargs)
             return wrapper
 
+        def module_zero_grad(orig):
+            made = zero_grad(orig)
+
+            def wrapper(self, *args, **kwargs):
+                if torch.compiler.is_compiling():  # Dynamo traces Module.zero_grad: the original alone
+                    return orig(self, *args, **kwargs)
+                return made(self, *args, **kwargs)
+            return wrapper
+
         def add_param_group(orig):
             def wrapper(self, param_group):
                 out = orig(self, param_group)
@@ -213,9 +227,9 @@ class Instrumentation:
                 return out
             return wrapper
 
-        self._patch(torch.optim.Optimizer, "zero_grad", zero_grad)
+        self._patch(torch.optim.Optimizer, "zero_grad", _eager_when_traced(zero_grad))
         self._patch(torch.optim.Optimizer, "add_param_group", add_param_group)
-        self._patch(torch.nn.Module, "zero_grad", zero_grad)
+        self._patch(torch.nn.Module, "zero_grad", module_zero_grad)
 
     def _install_schedulers(self) -> None:
         rec = self.rec
@@ -243,13 +257,15 @@ class Instrumentation:
         def enter(orig):
             def wrapper(self):
                 out = orig(self)
-                rec.on_autocast_enter(self)
+                if not torch.compiler.is_compiling():  # traced: the original alone (`_eager_when_traced`)
+                    rec.on_autocast_enter(self)
                 return out
             return wrapper
 
         def exit_(orig):
             def wrapper(self, *exc):
-                rec.on_autocast_exit(self)
+                if not torch.compiler.is_compiling():
+                    rec.on_autocast_exit(self)
                 return orig(self, *exc)
             return wrapper
 
@@ -287,8 +303,8 @@ class Instrumentation:
                     rec.on_backward_end(ok)
             return wrapper
 
-        self._patch(torch.Tensor, "backward", tensor_backward)
-        self._patch(torch.autograd, "backward", autograd_backward)
+        self._patch(torch.Tensor, "backward", _eager_when_traced(tensor_backward))
+        self._patch(torch.autograd, "backward", _eager_when_traced(autograd_backward))
 
     def _install_save(self) -> None:
         rec = self.rec
@@ -306,6 +322,23 @@ class Instrumentation:
             if getattr(owner, "save", None) is original:
                 setattr(owner, "save", wrapped)
                 self._patches.append((owner, "save", original))
+
+
+def _eager_when_traced(make: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A wrapper maker for a call Dynamo does not trace (``Tensor.backward``,
+    ``torch.autograd.backward``, ``Optimizer.zero_grad``: torch breaks the graph at it). The
+    wrapper is made a function Dynamo skips (``torch._disable_dynamo``, as torch itself makes
+    ``Optimizer.zero_grad``): inside a compiled function (a whole compiled train step) the graph
+    breaks at the same call as without the audit, and the call, with its report, runs eagerly;
+    Dynamo never traces the audit's bookkeeping. (``torch._dynamo`` is imported at the wrapper's
+    first call, as torch's own ``zero_grad`` imports it.) A call Dynamo does trace
+    (``Module.zero_grad``, the clipping functions, autocast's entry and exit) runs its original
+    alone while traced: the audit's bookkeeping would break the graph, so that call is not seen."""
+
+    def made(orig):
+        return torch._disable_dynamo(make(orig))
+
+    return made
 
 
 def _bracketed(begin: Callable[..., None], end: Callable[..., None]) -> Callable[[Any], Any]:

@@ -164,6 +164,7 @@ class StepData:
     unsupported: str | None = None  # why nothing of this step is copied (the replay names it)
     unsampled: bool = False  # a step the replay's sampling leaves out (audit.sampling): nothing copied
     sample: Any = None  # the optimizer stage's sample (an audit.sampling.StepSample), None: whole
+    compiled: bool = False  # a compiled step: replayed through reference.compile's rules
 
     @property
     def copying(self) -> bool:
@@ -230,6 +231,8 @@ class OptTrack:
         self.threshold_flagged = False
         self.threshold_finding: Finding | None = None
         self.hook_fired = False
+        self.eager_seen = False  # a step hook of its ran outside torch.compile
+        self.compiled_steps = 0  # its steps seen by their effects only (compiled: audit.track_optimizer)
         self.scaler_step_where: str | None = None
         self.schedule = ScheduleWatch()
         self.skipped = 0

@@ -24,7 +24,11 @@ so that a difference stays what one stage makes instead of compounding:
 4. The optimizer step, through the row `audit.optimizers` finds for the optimizer's class (its
    spec row in `reference.optim`: for-loop, foreach and fused), from torch's parameters,
    gradients and state: the parameters and state after it. The for-loop and foreach paths take
-   torch's own square root (``reference.optim`` rule 9).
+   torch's own square root (``reference.optim`` rule 9). A compiled step (``torch.compile(opt.step)``,
+   a compiled train step: copied around it, `audit.track_optimizer`) is recomputed as
+   ``reference.compile`` states it: a correctly rounded square root (rule 2), each field bit for
+   bit where the rule says so, else within `reference.compile.compiled_step_ulp` ULPs of ``x_abs``
+   (rule 6: the row's native bound plus the float32 step scalars' error), on any CPU kernels.
 5. ``update`` (`reference.scaling.update_scale_multi`) from the scale and tracker before it and
    the spec's found_inf of every step it closes: the scale and tracker after it; and the scale
    the next update starts from must be the one this update left.
@@ -64,10 +68,12 @@ import torch
 
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
 from audit import optimizers, worker
+from audit.compiled import COMPILED_REPLAY
 from audit.lost import LOW_DTYPES, LostBook, LowPrecisionStage, low_precision
 from audit.sampling import SampleBook, Sampling
 from audit.optimizers import OptimizerRef, optimizer_ref  # noqa: F401  (re-exported)
 from audit.stages import CLIP_ULP, NORM_ULP, NotReplayable, StepStages, UpdateCheck
+from reference import compile as compile_rules
 from reference import optim
 
 __all__ = ["Replayer", "Divergence", "NORM_ULP", "CLIP_ULP"]
@@ -303,6 +309,8 @@ class Replayer(StepStages, UpdateCheck, LowPrecisionStage):
             exact = self._max_seen == 0.0
             self.steps_bit_exact += int(exact)
             rec.replay = "bit for bit" if exact else f"within the bounds (largest {self._max_seen:.1f} ULP)"
+            if getattr(d, "compiled", False):
+                rec.replay = f"{COMPILED_REPLAY}: {rec.replay}"
             if self._edits:
                 rec.replay += ", from gradients the loop changed between stages"
         if d.sample is not None and not rec.replay.startswith(("not replayed", "partly replayed")):
@@ -362,7 +370,8 @@ class Replayer(StepStages, UpdateCheck, LowPrecisionStage):
             self._check(o, rec, f"{name} (no gradient) after the step", d.params_after[i], new_p, 0, where,
                         at=None if d.sample is None or d.sample.whole(i) else (d.sample.indices(i), d.sample.shapes[i]))
             return
-        entry, torch_state, exact = o.entry, d.state_after[i], self.exact
+        entry, torch_state = o.entry, d.state_after[i]
+        exact, bound = _field_bounds(self.exact, o, d, cfg, i, old, new)
         x_abs = _magnitudes(entry, cfg, (p, g, old, new), exact)
         at = None if d.sample is None or d.sample.whole(i) else (d.sample.indices(i), d.sample.shapes[i])
         for fld in dataclasses.fields(new):
@@ -371,13 +380,15 @@ class Replayer(StepStages, UpdateCheck, LowPrecisionStage):
                 continue
             if isinstance(value, np.floating):
                 label = "step counter" if fld.name == "step" else fld.name
-                self._check(o, rec, f"{label} of {name}", value.dtype.type(np.asarray(got).reshape(())), value, 0,
-                            where)
-            else:
-                self._check(o, rec, f"{fld.name} of {name}", got, value, 0 if exact else entry.bound(fld.name), where,
+                # A compiled step's float32 scalar state (NAdam's mu_product) within its rule-5 error.
+                scalar = 0 if fld.name == "step" or exact or not getattr(d, "compiled", False) else bound(fld.name)
+                self._check(o, rec, f"{label} of {name}", value.dtype.type(np.asarray(got).reshape(())), value,
+                            scalar, where, None if scalar == 0 else lambda ix, v=value: np.abs(np.float64(v)))
+            elif np.isfinite(bound(fld.name)):
+                self._check(o, rec, f"{fld.name} of {name}", got, value, bound(fld.name), where,
                             x_abs(fld.name), at if np.shape(value) == np.shape(p) else None)
-        self._check(o, rec, name, d.params_after[i], new_p, 0 if exact else entry.bound("param"), where,
-                    x_abs("param"), at)
+        if np.isfinite(bound("param")):  # inf: reference.compile leaves the bound undetermined (RAdam's branch)
+            self._check(o, rec, name, d.params_after[i], new_p, bound("param"), where, x_abs("param"), at)
 
     # ------------------------------------------------------------------ the end
 
@@ -409,6 +420,40 @@ class Replayer(StepStages, UpdateCheck, LowPrecisionStage):
         self.unexplained = rest
         recorder.findings.extend(dispatch(Divergences(rest)))
         recorder.findings.extend(self._lost_findings(recorder))
+
+
+def compiled_rule(o: OptimizerRef) -> Any:
+    """`reference.compile`'s rule 6 for the optimizer of a compiled step, or NotReplayable naming
+    why there is none (a registered optimizer, a torch version the rules were not measured on)."""
+    if not o.entry.builtin:
+        raise _NotReplayable(f"a compiled step of {o.kind}, a registered optimizer (the compile rules cover "
+                             "the specification's rows only)")
+    try:
+        return compile_rules.compiled_step_rule(o.entry.spec.name, torch.__version__)
+    except (KeyError, ValueError) as exc:
+        raise _NotReplayable(f"a compiled step ({exc.args[0]})") from None
+
+
+def _field_bounds(eager_exact: bool, o: OptimizerRef, d: Any, cfg: Any, i: int, old: Any, new: Any) -> tuple[bool, Any]:
+    """(bit for bit, the bound of a field in ULPs of ``x_abs``) for parameter ``i``. An eager
+    step: 0 on scalar CPU kernels (``eager_exact``), else the row's native bound. A compiled step
+    (`reference.compile`, whatever the CPU kernels): 0 where rule 6 says its implementation is
+    bitwise; the row's native bound where the step runs mostly eagerly; else
+    `compiled_step_ulp` (the native bound plus the float32 scalars' error at this step)."""
+    entry = o.entry
+    if not getattr(d, "compiled", False):
+        return eager_exact, lambda fld: 0 if eager_exact else entry.bound(fld)
+    rule = compiled_rule(o)
+    impl = "foreach" if d.groups[d.group_of[i]].get("foreach") else "for-loop"
+    if impl in rule.bitwise:
+        return True, lambda fld: 0
+    native = entry.spec.native_ulp
+    if rule.eager:
+        return False, lambda fld: native.get(fld, 0)
+    step = float(new.step) if getattr(new, "step", None) is not None else 1.0
+    mu = float(getattr(old, "mu_product", None) or 1.0)
+    return False, lambda fld: compile_rules.compiled_step_ulp(entry.spec.name, fld, native.get(fld, 0), cfg, step, mu)
+
 
 def _worker_replayer() -> Replayer:
     """The replayer of the forked worker (`audit.worker` runs it; it does not import this module)."""
@@ -445,6 +490,8 @@ def _spec_steps(o: OptimizerRef, d: Any, step: Any) -> Any:
                 raise _NotReplayable(f"{row.name} unscaled by its own kernel: {row.kernel_skip_refused(cfg)}")
             kwargs = {"grad_scale": d.scale if d.kernel_unscale else None,
                       "found_inf": float(d.torch_found_inf or 0.0) if d.amp_aware else 0.0}
+        elif getattr(d, "compiled", False) and not compiled_rule(o).eager:
+            kwargs = {"sqrt": None}  # reference.compile rule 2: a compiled square root is correctly rounded
         else:
             kwargs = {"sqrt": _torch_sqrt(impl)}
         try:

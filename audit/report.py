@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from audit.compiled import compile_line
+from audit.compiled import COMPILED_REPLAY, compile_line
 from audit.report_file import write_report_file
 from audit.rules import ERROR, RULES, SEVERITIES, Finding
 
@@ -152,6 +152,13 @@ class AuditReport:
         lines = [f"numeric replay: {r['steps_replayed']} of {len(self.steps)} steps and {r['updates_checked']} scaler "
                  f"updates replayed; {self._matched()}; compared at: {r['exactness']}"]
         lines += [f"  not replayed ({count}x): {reason}" for reason, count in r["not_replayed"].items()]
+        compiled = sum(1 for s in self.steps if s.replay.startswith(COMPILED_REPLAY))
+        if compiled:
+            lines.append(f"  compiled optimizer steps ({compiled}x): copied around the compiled graph (parameters "
+                         "and state at the backward before, gradients, parameters and state at the call after) and "
+                         "replayed by reference.compile's rules (correctly rounded square root; each field within "
+                         "compiled_step_ulp ULPs of x_abs: the row's native bound plus the float32 step scalars' "
+                         "error), whatever the CPU kernels")
         if r.get("fallback"):
             lines.append(f"  {r['fallback']}")
         return lines + _lost_lines(r.get("lost_updates")) + _sampling_lines(r.get("sampling"))

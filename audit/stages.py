@@ -40,7 +40,7 @@ class StepStages:
 
     def _replay_step(self, o: Any, d: Any, rec: Any) -> None:
         """The stages in the contract's order; each takes torch's own input at its boundary."""
-        step_where = _call_where(rec, ("scaler.step@", "optimizer.step@"))
+        step_where = _call_where(rec, ("scaler.step@", "optimizer.step@", "optimizer.step (compiled)@"))
         present = [i for i, g in enumerate(d.scaled) if g is not None]
         for i in present:
             if d.scaled[i].dtype not in (np.float16, np.float32, np.float64, np.dtype(ml_dtypes.bfloat16)):

@@ -9,7 +9,11 @@ inside a compiled graph: torch's step hooks are traced, not called, so the audit
 effects at the next call it sees (a backward, a zero_grad, the end of the program): since the
 window's last backward the optimizer's parameters moved and its state changed (a loop's own
 edit of the parameters, a two-pass step's ascent, leaves the state alone). It is recorded as an
-applied step, not replayed (`COMPILED_STEP`).
+applied step. Its numbers are copied around it: the parameters and state at the end of each
+backward of an optimizer whose steps may run compiled (`before_compiled_step`: no eager step of
+it seen yet, or a compiled one seen), the gradients, parameters and state when the step is
+seen; the replay recomputes it through the spec's compile rules (`reference.compile`). A
+compiled step with nothing copied before it is not replayed (`COMPILED_STEP`).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ class OptimizerCalls:
         """torch's step pre-hook. A step given a closure gets it wrapped (the returned arguments,
         `audit.closures`): its step phase begins when the closure has returned."""
         o = self._opt(opt)
-        o.hook_fired = True
+        o.hook_fired = o.eager_seen = True
         for outer in self.optimizers.values():
             if outer.stepping and outer is not o and outer.param_ids & o.param_ids:
                 outer.runs = o.label  # a wrapper's step (SAM's, Lookahead's) running this one's
@@ -131,7 +135,7 @@ class OptimizerCalls:
 
     def unseen_step(self, o: OptTrack) -> None:
         """A compiled step of ``o`` since its window's last backward (see the module docstring),
-        recorded as an applied step whose numbers are not replayed."""
+        recorded as an applied step; replayed from the copies around it."""
         w = o.window
         if not w.backwards or o.stepping or w.hooked or w.versions is None or w.versions == _versions(o) \
                 or w.state == state_signature(o):
@@ -142,11 +146,60 @@ class OptimizerCalls:
             # step, and has no compiled step of its own. (By class, not by the spec's rows: the
             # order rules load nothing of the spec's arithmetic.)
             return
-        w.calls.append(f"{o.label}.step (compiled)")
-        self._start_data(o, "optimizer.step", None)
-        if w.data is not None:
-            w.data.unsupported = COMPILED_STEP
+        self._copy_compiled(o)
         self._close_step(o, applied=True, scaler=None, found_inf=None)
+
+    def compiled_in_scaler_step(self, o: OptTrack) -> bool:
+        """At the end of ``scaler.step(opt)`` whose optimizer step fired no hook: whether it ran
+        compiled (``opt.step = torch.compile(opt.step)``): its parameters moved and its state
+        changed since the window's last backward. If so its numbers are copied (`_copy_compiled`)."""
+        w = o.window
+        if w.versions is None or w.versions == _versions(o) or w.state == state_signature(o) or \
+                not any(c.__module__.startswith("torch.optim.") for c in type(o.obj).__mro__[:-2]):
+            return False
+        self._copy_compiled(o)
+        return True
+
+    def _copy_compiled(self, o: OptTrack) -> None:
+        """A compiled step of ``o`` just seen: its gradients, parameters and state copied (the
+        parameters and state before it were copied at the backward before, `before_compiled_step`);
+        with no copy before it, the reason it is not replayed."""
+        w = o.window
+        o.compiled_steps += 1
+        w.calls.append(f"optimizer.step (compiled)@{call_site()}")
+        before = w.data.params_before if w.data is not None else None
+        self._start_data(o, "optimizer.step", None)
+        d = w.data
+        params = o.params()
+        if d is not None and d.copying and all(p.grad is None for p in params):
+            d.unsupported = GRADIENTS_GONE
+        elif d is not None and d.copying and d.on_cpu and before is not None:
+            d.compiled = True
+            d.step_grads = self.snap.grads(params, d, d.sample)  # a step leaves its gradients as they were
+            d.groups = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in g.items()
+                         if k != "params"} for g in o.obj.param_groups]
+            d.group_of = [gi for gi, g in enumerate(o.obj.param_groups) for _ in g["params"]]
+            d.params_after = self.snap.many(params, d, d.sample)
+            d.state_after = self.snap.state(o.obj, params, d, d.sample)
+        elif d is not None and d.copying:
+            d.unsupported = COMPILED_STEP
+
+    def before_compiled_step(self, o: OptTrack) -> None:
+        """After a backward of ``o``'s gradients: where its step may run compiled (no eager step
+        of it seen yet, or a compiled one seen since), its parameters and state as the step will
+        find them, once a window (an accumulation's later backwards leave them as they were). A
+        compiled step runs no hook to copy them at; an eager one copies them again at its own."""
+        w = o.window
+        if self.replayer is None or (o.eager_seen and not o.compiled_steps) or o.stepping:
+            return
+        if w.data is not None and (w.data.first_stage != "backward" or w.data.params_before is not None):
+            return
+        d = w.data if w.data is not None else self._new_data(o, "backward")
+        w.data = d
+        if d.copying and d.on_cpu:
+            params = o.params()
+            d.params_before = self.snap.many(params, d, d.sample)
+            d.state_before = self.snap.state(o.obj, params, d, d.sample)
 
     def on_zero_grad(self, target: Any) -> None:
         if isinstance(target, torch.nn.Module):
@@ -239,8 +292,12 @@ class OptimizerCalls:
                     o.window.clip_norms[-1] = (float(value), o.window.clip_norms[-1][1])
 
 
-COMPILED_STEP = ("compiled optimizer step: it ran inside a torch.compile graph, which the audit cannot copy "
-                 "from (and whose update Inductor need not compute as eager does: fused, reordered arithmetic)")
+COMPILED_STEP = ("compiled optimizer step with no copy before it: it ran inside a torch.compile graph, which the "
+                 "audit cannot copy from, and no backward the audit saw preceded it")
+
+
+GRADIENTS_GONE = ("compiled optimizer step whose gradients were gone when the audit saw it (set to None inside "
+                  "the compiled function, by a zero_grad the audit does not see there: Module.zero_grad)")
 
 
 def state_signature(o: OptTrack) -> list[Any]:

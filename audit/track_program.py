@@ -145,6 +145,8 @@ class ProgramCalls:
                 w.scaler = b.scaler
                 if self.replayer is not None and o is not None and b.scaler.enabled:
                     self._backward_copy(o)
+            if o is not None:
+                self.before_compiled_step(o)
             step = o.steps if o is not None else self._current_step()
             if not w.autocast_flagged and self._report(dispatch(BackwardCall(step, b.where, self._bw_autocast))):
                 w.autocast_flagged = True

@@ -145,12 +145,14 @@ class ScalerCalls:
             s.stage[id(o.obj)] = sequence.stage_after(ev, ok)
         if not ok:
             return
+        # A step that fired no hook may have run compiled (``opt.step = torch.compile(opt.step)``).
+        ran = o.hook_fired or self.compiled_in_scaler_step(o)
         if not s.enabled:
-            self._close_step(o, applied=o.hook_fired, scaler=None, found_inf=None)
+            self._close_step(o, applied=ran, scaler=None, found_inf=None)
             return
         found = _found_inf(scaler, o.obj)
         amp_aware = bool(getattr(o.obj, "_step_supports_amp_scaling", False))
-        applied = o.hook_fired and not (amp_aware and found == 1.0)
+        applied = ran and not (amp_aware and found == 1.0)
         d = o.window.data
         if d is not None:
             d.torch_found_inf = found

@@ -148,6 +148,9 @@ DIST_CASES = [
     ("yolov5_train.py", ["--inf-at", "", "--bug", "update-without-step"],
      {("update-without-step", "error"): list(range(9)), ("checkpoint-without-scaler", "error"): [5, 8],
       ("zero-grad-in-window", "error"): [6]}, 9, set(), False),
+    # A whole compiled train step (forward, backward, opt.step() in one torch.compile): every step
+    # seen and replayed through the compile rules (reference.compile).
+    ("compile_tutorial_train.py", ["--inf-at", ""], {}, 12, set(), True),
     ("timm_ddp_compile.py", ["--inf-at", "4,7", "--torchcompile", "aot_eager"], {}, 12, {4, 7}, False),
     ("timm_ddp_compile.py", ["--inf-at", "4,7"], {}, 12, {4, 7}, False),
     ("timm_ddp_compile.py", ["--inf-at", "4,7", "--torchcompile", "aot_eager", "--clip-grad", "1.0"], {}, 12, {4, 7},
