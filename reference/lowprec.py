@@ -18,8 +18,9 @@ Rules:
 3. ``x.addcmul(a, b, value=v)``: ``S(x + (f32(v) * a) * b)``; ``x.addcdiv(a, b, value=v)``:
    ``S(x + (f32(v) * a) / b)``: float32 throughout, one rounding to S.
 4. ``x.lerp(y, w)``: ``S(x + f32(w) * (y - x))`` when ``|w| < 0.5``, else
-   ``S(y - (y - x) * (1 - f32(w)))``, float32 inside (the sign of a zero at ``w = 1`` is the
-   vectorized kernel's, see ``conformance/test_master_weights.py``).
+   ``S(y - (y - x) * (1 - f32(w)))``, float32 inside; at ``w = 1`` exactly the first
+   ``n - n % 32`` elements take the vectorized kernel's ``S(y + (w - 1) * (y - x))``, which
+   differs in the sign of a zero (rule 4 of ``reference.optim._common``, 64-byte blocks).
 5. ``x.sqrt()``: ``S(sqrt(x))`` with float32's correctly rounded root (no MKL for S).
 6. SGD (``reference.optim.sgd`` rule 2) and Adam/AdamW (``reference.optim`` rules 3-6), for-loop
    path: these operations in torch's order (measured bit for bit in the exact mode, bfloat16 and
@@ -41,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from reference.optim import AdamParamState, SGDParamState
+from reference.optim._common import vector_head
 from reference.optim._registry import OptimizerSpec
 
 __all__ = ["COVERED", "step"]
@@ -96,7 +98,12 @@ def lerp(x: np.ndarray, y: np.ndarray, w: float) -> np.ndarray:
     w32, x32, y32 = _F32(w), _f(x), _f(y)
     if abs(w32) < 0.5:
         return _r(x32 + w32 * (y32 - x32), x.dtype)
-    return _r(y32 - (y32 - x32) * (_F32(1) - w32), x.dtype)
+    out = np.asarray(y32 - (y32 - x32) * (_F32(1) - w32))
+    head = vector_head(out.size, x.dtype.itemsize) if w32 == 1 and out.ndim else 0
+    if head:
+        ys, xs = y32.ravel()[:head], x32.ravel()[:head]
+        out.flat[:head] = ys + (w32 - _F32(1)) * (ys - xs)
+    return _r(out, x.dtype)
 
 
 def sqrt(x: np.ndarray) -> np.ndarray:
