@@ -23,7 +23,11 @@ step changes nothing, and the bits replay the generator. The exact-mode rerun
 (``conformance/test_exact_mode.py``) runs the whole comparison.
 
 The ``none`` option (torch's kernels on the low-precision tensors themselves) is compared where
-``reference.lowprec`` models it (``lowprec.COVERED``).
+``reference.lowprec`` models it (``lowprec.COVERED``: SGD's for-loop and foreach paths, Adam's and
+AdamW's for-loop, foreach and fused paths), bit for bit in the exact mode. Mutants killed there
+(measured): the in-place foreach multiply without its scalar rounded to S (3 of the 8 pairs
+fail), the fused path computed op by op (2 fail), a fused result rounded through float16 first
+(1 fails); the foreach SGD fallback while a buffer is missing has its own explicit case below.
 """
 
 from __future__ import annotations
@@ -227,3 +231,19 @@ def test_master_weight_steps_match_the_spec_for_each_optimizer(option, name, imp
     """The whole sweep: one property per option, optimizer and implementation (--runslow)."""
     case = data.draw(mw_strategies.master_case(name, option), label="case")
     run_case(option, name, impl, case, device)
+
+
+def test_foreach_sgd_multiplies_as_the_per_tensor_kernel_while_a_buffer_is_missing(device):
+    """``reference.lowprec`` rule 7, the case a drawn trajectory rarely reaches: a parameter
+    without a gradient at the first step has no momentum buffer at the second, so torch's
+    foreach SGD falls back to ``buf.mul_(momentum)`` (float32 scalar) for the others; from the
+    third step on every buffer exists and ``_foreach_mul_`` rounds the momentum to S. Mutant
+    killed: the foreach rounding at every step (the fallback ignored)."""
+    rng = np.random.default_rng(3)
+    for storage in mw_strategies.storage_formats("none"):
+        params = [rng.standard_normal(40).astype(storage) for _ in range(2)]
+        grads = [[rng.standard_normal(40).astype(storage), None]]
+        grads += [[rng.standard_normal(40).astype(storage) for _ in range(2)] for _ in range(2)]
+        case = dict(config=dict(lr=0.1, momentum=0.7), storage=storage, params=params, grads=grads, seed=0,
+                    boundary=None)
+        run_case("none", "SGD", "foreach", case, device)

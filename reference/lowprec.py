@@ -25,18 +25,32 @@ Rules:
 6. SGD (``reference.optim.sgd`` rule 2) and Adam/AdamW (``reference.optim`` rules 3-6), for-loop
    path: these operations in torch's order (measured bit for bit in the exact mode, bfloat16 and
    float16). The step counter is float32.
-7. Coverage: ``COVERED``. Any other optimizer or implementation raises ``NotImplementedError``
-   naming it: the specification does not claim torch's bits there. Not modelled: the foreach
-   paths (on S tensors torch's ``_foreach_*`` kernels round differently from the per-tensor ones:
-   measured differences with SGD's Nesterov momentum and weight decay, with AdamW's maximize, and
-   in float16 with Adam(W) too), the fused kernels (a whole update in float32, one rounding per
-   stored tensor), and the other optimizers of the registry (not measured yet). The native
-   (AVX2/AVX512) kernels differ as rule 2 says and by fused multiply-adds.
+7. foreach path (torch's ``_multi_tensor_*`` functions; on the CPU every ``_foreach_*`` kernel
+   rounds as the per-tensor one, rules 1-5) but the in-place ``_foreach_mul_`` with a scalar or
+   a list of scalars, which rounds the scalar to S first: ``S(x * f32(S(s)))`` (measured on
+   torch 2.13, default and AVX512 kernels alike; the out-of-place ``_foreach_mul`` and
+   ``_foreach_div_`` keep ``f32(s)``, ``_foreach_add_``/``_foreach_sub_`` round it to S as rule 1
+   does, ``_foreach_addcdiv_``/``_foreach_addcmul_`` take a float32 value, as rule 3). So SGD's ``buf * momentum`` takes
+   ``S(momentum)`` when every parameter with a gradient has a buffer (else torch falls back to the
+   per-tensor ``buf.mul_``, rule 1), and Adam(W)'s ``exp_avg_sq * beta2`` and AdamW's
+   ``p * (1 - lr * wd)`` take ``S(beta2)`` and ``S(1 - lr * wd)``; everything else is rule 6.
+8. fused path, Adam and AdamW (``fused=True``): the kernel loads each S operand into float32,
+   computes the whole update as the float32 fused kernel does (``reference.optim`` rule 8) and
+   stores each result rounded once to S: the weight and each state array are ``S(x)`` of the
+   float32 fused step from ``f32(p)``, ``f32(g)``, ``f32(state)``; the step counter is float32.
+9. Coverage: ``COVERED``. Any other optimizer or implementation raises ``NotImplementedError``
+   naming it: the specification does not claim torch's bits there. Measured and not modelled:
+   fused SGD and fused Adagrad (their vectorized kernels differ from the float32 kernel's
+   rounding to S: 252 of 256 bfloat16 weights after 4 SGD steps of 64 elements; the scalar tail,
+   under 64 elements, agrees); the other optimizers of the registry (not modelled on S yet).
+   The native (AVX2/AVX512) kernels differ as rule 2 says and by fused multiply-adds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -47,7 +61,8 @@ from reference.optim._registry import OptimizerSpec
 
 __all__ = ["COVERED", "step"]
 
-COVERED: dict[str, tuple[str, ...]] = {"SGD": ("for-loop",), "Adam": ("for-loop",), "AdamW": ("for-loop",)}
+COVERED: dict[str, tuple[str, ...]] = {"SGD": ("for-loop", "foreach"), "Adam": ("for-loop", "foreach", "fused"),
+                                       "AdamW": ("for-loop", "foreach", "fused")}
 _F32 = np.float32
 
 
@@ -111,28 +126,49 @@ def sqrt(x: np.ndarray) -> np.ndarray:
     return _r(np.sqrt(_f(x)), x.dtype)
 
 
-def _sgd(p: np.ndarray, g: np.ndarray, s: SGDParamState, c: Any, lr: float) -> tuple[np.ndarray, SGDParamState]:
+def mul_scalar_foreach(x: np.ndarray, s: float) -> np.ndarray:
+    """Rule 7: the in-place ``_foreach_mul_`` by a scalar rounds the scalar to S first."""
+    return _r(_f(x) * _f(np.asarray(_F32(s)).astype(x.dtype)), x.dtype)
+
+
+@dataclass(frozen=True)
+class _Path:
+    """How one implementation multiplies by a Python scalar (rules 1 and 7)."""
+
+    mul_buffer: Callable[[np.ndarray, float], np.ndarray]
+    mul_state: Callable[[np.ndarray, float], np.ndarray]
+
+
+_FOR_LOOP = _Path(mul_scalar, mul_scalar)
+_FOREACH = _Path(mul_scalar_foreach, mul_scalar_foreach)
+# foreach SGD when some parameter has no momentum buffer yet: torch's per-tensor fallback (rule 7)
+_FOREACH_FIRST = _Path(mul_scalar, mul_scalar_foreach)
+
+
+def _sgd(p: np.ndarray, g: np.ndarray, s: SGDParamState, c: Any, lr: float,
+         path: _Path = _FOR_LOOP) -> tuple[np.ndarray, SGDParamState]:
     d = -g if c.maximize else g
     if c.weight_decay != 0:
         d = add(d, p, c.weight_decay)
     buf = s.momentum_buffer
     if c.momentum != 0:
-        buf = np.array(d, copy=True) if buf is None else add(mul_scalar(buf, c.momentum), d, 1 - c.dampening)
+        buf = np.array(d, copy=True) if buf is None else add(path.mul_buffer(buf, c.momentum), d, 1 - c.dampening)
         d = add(d, buf, c.momentum) if c.nesterov else buf
     return add(p, d, -lr), SGDParamState(momentum_buffer=buf)
 
 
-def _adam(p: np.ndarray, g: np.ndarray, s: AdamParamState, c: Any, lr: float) -> tuple[np.ndarray, AdamParamState]:
+def _adam(p: np.ndarray, g: np.ndarray, s: AdamParamState, c: Any, lr: float,
+          path: _Path = _FOR_LOOP) -> tuple[np.ndarray, AdamParamState]:
     beta1, beta2 = c.betas
     counter = _F32(s.step + _F32(1.0))
     d = -g if c.maximize else g
     if c.weight_decay != 0:
         if c.decoupled_weight_decay:
-            p = mul_scalar(p, 1 - lr * c.weight_decay)
+            p = path.mul_state(p, 1 - lr * c.weight_decay)
         else:
             d = add(d, p, c.weight_decay)
     m = lerp(s.exp_avg, d, 1 - beta1)
-    v = addcmul(mul_scalar(s.exp_avg_sq, beta2), d, d, 1 - beta2)
+    v = addcmul(path.mul_state(s.exp_avg_sq, beta2), d, d, 1 - beta2)
     t = float(counter)
     step_size = lr / (1 - beta1**t)
     bias_correction2_sqrt = (1 - beta2**t) ** 0.5
@@ -143,7 +179,34 @@ def _adam(p: np.ndarray, g: np.ndarray, s: AdamParamState, c: Any, lr: float) ->
     return addcdiv(p, m, denom, -step_size), AdamParamState(counter, m, v, vmax)
 
 
+def _state_to(opt: Any, dtype: np.dtype | None) -> Any:
+    """Every array field of ``opt`` in ``dtype`` (float32 when None, exact from S; RNE to S)."""
+    changes = {f.name: np.asarray(getattr(opt, f.name)).astype(dtype or _F32)
+               for f in dataclasses.fields(opt) if isinstance(getattr(opt, f.name), np.ndarray)}
+    return dataclasses.replace(opt, **changes)
+
+
+def _fused(row: OptimizerSpec, weights: list[np.ndarray], grads: list[np.ndarray | None], opts: list[Any],
+           config: Any, rate: float) -> tuple[list[np.ndarray], tuple[Any, ...]]:
+    """Rule 8: the float32 fused step on upcast operands, each stored result rounded once to S."""
+    storage = np.asarray(weights[0]).dtype
+    q, _, new = row.step("fused", [_f(w) for w in weights], [None if g is None else _f(g) for g in grads],
+                         tuple(_state_to(o, None) for o in opts), config, lr=rate)
+    out_w = [w if g is None else _r(a, storage) for w, a, g in zip(weights, q, grads)]
+    out_s = tuple(o if g is None else _state_to(n, storage) for o, n, g in zip(opts, new, grads))
+    return out_w, out_s
+
+
 _STEPS = {"SGD": _sgd, "Adam": _adam, "AdamW": _adam}
+
+
+def _path(row: OptimizerSpec, implementation: str, grads: Sequence[np.ndarray | None], opts: Sequence[Any]) -> _Path:
+    """Rules 6-7: the scalar-multiply rounding of the implementation at hand."""
+    if implementation == "for-loop":
+        return _FOR_LOOP
+    if row.name == "SGD" and any(o.momentum_buffer is None for o, g in zip(opts, grads) if g is not None):
+        return _FOREACH_FIRST
+    return _FOREACH
 
 
 def _covered() -> str:
@@ -152,7 +215,7 @@ def _covered() -> str:
 
 def step(row: OptimizerSpec, implementation: str, weights: Sequence[np.ndarray], grads: Sequence[np.ndarray | None],
          opts: Sequence[Any], config: Any, *, lr: float | None = None) -> tuple[list[np.ndarray], tuple[Any, ...]]:
-    """One step of ``row``'s ``implementation`` on S arrays (rule 6): the new weights and states;
+    """One step of ``row``'s ``implementation`` on S arrays (rules 6-8): the new weights and states;
     a parameter without a gradient keeps both."""
     if implementation not in COVERED.get(row.name, ()):
         raise NotImplementedError(
@@ -161,7 +224,9 @@ def step(row: OptimizerSpec, implementation: str, weights: Sequence[np.ndarray],
     if lr is not None and not isinstance(lr, (int, float)):
         raise NotImplementedError("a tensor lr on low-precision parameters is not modelled")
     rate = float(config.lr if lr is None else lr)
-    update = _STEPS[row.name]
+    if implementation == "fused":
+        return _fused(row, list(weights), list(grads), list(opts), config, rate) if weights else ([], ())
+    update, path = _STEPS[row.name], _path(row, implementation, grads, opts)
     new_w, new_s = [], []
     with np.errstate(all="ignore"):
         for w, g, s in zip(weights, grads, opts):
@@ -169,7 +234,7 @@ def step(row: OptimizerSpec, implementation: str, weights: Sequence[np.ndarray],
                 new_w.append(w)
                 new_s.append(s)
                 continue
-            a, b = update(np.asarray(w), np.asarray(g), s, config, rate)
+            a, b = update(np.asarray(w), np.asarray(g), s, config, rate, path)
             new_w.append(a)
             new_s.append(b)
     return new_w, tuple(new_s)

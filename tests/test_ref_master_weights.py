@@ -139,9 +139,23 @@ def test_none_is_modelled_where_covered_and_refused_naming_the_pair_elsewhere():
     s = mw.init_master_state("none", np.array([1.0], BF16), row, cfg)
     (t,), (e,) = mw.master_step("none", row, "for-loop", [s], [np.array([1.0], BF16)], cfg)
     assert float(t.weight[0]) == 1.0 and e.tolist() == [-(2**-10)]  # lost: 1 - 2^-10 rounds back to 1
-    assert lowprec.COVERED["AdamW"] == ("for-loop",)
-    with pytest.raises(NotImplementedError, match=r"SGD \(foreach\) on low-precision parameters"):
-        mw.master_step("none", row, "foreach", [s], [np.array([1.0], BF16)], cfg)
+    assert lowprec.COVERED["AdamW"] == ("for-loop", "foreach", "fused")
+    with pytest.raises(NotImplementedError, match=r"SGD \(fused\) on low-precision parameters"):
+        mw.master_step("none", row, "fused", [s], [np.array([1.0], BF16)], cfg)
+    ada = spec("Adagrad")
+    with pytest.raises(NotImplementedError, match=r"Adagrad \(for-loop\) on low-precision parameters"):
+        mw.master_step("none", ada, "for-loop", [mw.init_master_state("none", np.array([1.0], BF16), ada,
+                                                                      ada.make_config())], [np.array([1.0], BF16)],
+                       ada.make_config())
+
+
+def test_foreach_multiplies_by_a_scalar_rounded_to_the_storage_format():
+    from reference import lowprec
+
+    # lowprec rule 7: the in-place _foreach_mul_ by 0.9 multiplies by bf16(0.9) = 0.8984375: 3 * that is
+    # 2.6953125, a tie between 2.6875 (even) and 2.703125; Tensor.mul by float32 0.9 gives 2.7 -> 2.703125
+    assert float(lowprec.mul_scalar_foreach(np.array(3.0, BF16), 0.9)) == 2.6875
+    assert float(lowprec.mul_scalar(np.array(3.0, BF16), 0.9)) == 2.703125
 
 
 def test_low_precision_add_of_a_python_scalar_rounds_the_scalar_to_the_storage_format_first():
