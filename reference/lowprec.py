@@ -59,7 +59,7 @@ from reference.optim import AdamParamState, SGDParamState
 from reference.optim._common import vector_head
 from reference.optim._registry import OptimizerSpec
 
-__all__ = ["COVERED", "step"]
+__all__ = ["COVERED", "covered", "state_to", "step"]
 
 COVERED: dict[str, tuple[str, ...]] = {"SGD": ("for-loop", "foreach"), "Adam": ("for-loop", "foreach", "fused"),
                                        "AdamW": ("for-loop", "foreach", "fused")}
@@ -179,7 +179,7 @@ def _adam(p: np.ndarray, g: np.ndarray, s: AdamParamState, c: Any, lr: float,
     return addcdiv(p, m, denom, -step_size), AdamParamState(counter, m, v, vmax)
 
 
-def _state_to(opt: Any, dtype: np.dtype | None) -> Any:
+def state_to(opt: Any, dtype: np.dtype | None) -> Any:
     """Every array field of ``opt`` in ``dtype`` (float32 when None, exact from S; RNE to S)."""
     changes = {f.name: np.asarray(getattr(opt, f.name)).astype(dtype or _F32)
                for f in dataclasses.fields(opt) if isinstance(getattr(opt, f.name), np.ndarray)}
@@ -191,9 +191,9 @@ def _fused(row: OptimizerSpec, weights: list[np.ndarray], grads: list[np.ndarray
     """Rule 8: the float32 fused step on upcast operands, each stored result rounded once to S."""
     storage = np.asarray(weights[0]).dtype
     q, _, new = row.step("fused", [_f(w) for w in weights], [None if g is None else _f(g) for g in grads],
-                         tuple(_state_to(o, None) for o in opts), config, lr=rate)
+                         tuple(state_to(o, None) for o in opts), config, lr=rate)
     out_w = [w if g is None else _r(a, storage) for w, a, g in zip(weights, q, grads)]
-    out_s = tuple(o if g is None else _state_to(n, storage) for o, n, g in zip(opts, new, grads))
+    out_s = tuple(o if g is None else state_to(n, storage) for o, n, g in zip(opts, new, grads))
     return out_w, out_s
 
 
@@ -209,6 +209,11 @@ def _path(row: OptimizerSpec, implementation: str, grads: Sequence[np.ndarray | 
     return _FOREACH
 
 
+def covered(name: str, implementation: str) -> bool:
+    """Rule 9: does the specification model torch's ``name`` (``implementation``) on S tensors?"""
+    return implementation in COVERED.get(name, ())
+
+
 def _covered() -> str:
     return "; ".join(name + " (" + ", ".join(impls) + ")" for name, impls in COVERED.items())
 
@@ -217,7 +222,7 @@ def step(row: OptimizerSpec, implementation: str, weights: Sequence[np.ndarray],
          opts: Sequence[Any], config: Any, *, lr: float | None = None) -> tuple[list[np.ndarray], tuple[Any, ...]]:
     """One step of ``row``'s ``implementation`` on S arrays (rules 6-8): the new weights and states;
     a parameter without a gradient keeps both."""
-    if implementation not in COVERED.get(row.name, ()):
+    if not covered(row.name, implementation):
         raise NotImplementedError(
             f"the specification does not model torch's {row.name} ({implementation}) on low-precision parameters; "
             f"covered: {_covered()}")
