@@ -38,12 +38,18 @@ Rules:
    computes the whole update as the float32 fused kernel does (``reference.optim`` rule 8) and
    stores each result rounded once to S: the weight and each state array are ``S(x)`` of the
    float32 fused step from ``f32(p)``, ``f32(g)``, ``f32(state)``; the step counter is float32.
-9. Coverage: ``COVERED``. Any other optimizer or implementation raises ``NotImplementedError``
-   naming it: the specification does not claim torch's bits there. Measured and not modelled:
-   fused SGD and fused Adagrad (their vectorized kernels differ from the float32 kernel's
-   rounding to S: 252 of 256 bfloat16 weights after 4 SGD steps of 64 elements; the scalar tail,
-   under 64 elements, agrees); the other optimizers of the registry (not modelled on S yet).
-   The native (AVX2/AVX512) kernels differ as rule 2 says and by fused multiply-adds.
+9. RMSprop (``reference.optim.rmsprop`` rules 2-4) and Adagrad (``reference.optim.adagrad``),
+   for-loop and foreach paths, with rules 1-7: ``square_avg * alpha`` and the momentum buffer's
+   ``* momentum`` are rule 1 (for-loop) or rule 7 (foreach); Adagrad's foreach path scales the
+   gradient by ``-clr`` before ``addcdiv`` with value 1, in place (rule 7) when it holds a copy of
+   the gradient (weight decay or maximize), else out of place (rule 1).
+10. Coverage: ``COVERED``. Any other optimizer or implementation raises ``NotImplementedError``
+    naming it: the specification does not claim torch's bits there. Measured and not modelled:
+    fused SGD and fused Adagrad (their vectorized kernels differ from the float32 kernel's
+    rounding to S: 252 of 256 bfloat16 weights after 4 SGD steps of 64 elements; the scalar tail,
+    under 64 elements, agrees); Adamax, NAdam, RAdam, Adadelta and Adafactor (not modelled on S
+    yet).
+    The native (AVX2/AVX512) kernels differ as rule 2 says and by fused multiply-adds.
 """
 
 from __future__ import annotations
@@ -56,13 +62,16 @@ from typing import Any
 import numpy as np
 
 from reference.optim import AdamParamState, SGDParamState
+from reference.optim.adagrad import AdagradState
+from reference.optim.rmsprop import RMSpropState
 from reference.optim._common import vector_head
 from reference.optim._registry import OptimizerSpec
 
 __all__ = ["COVERED", "covered", "state_to", "step"]
 
 COVERED: dict[str, tuple[str, ...]] = {"SGD": ("for-loop", "foreach"), "Adam": ("for-loop", "foreach", "fused"),
-                                       "AdamW": ("for-loop", "foreach", "fused")}
+                                       "AdamW": ("for-loop", "foreach", "fused"), "RMSprop": ("for-loop", "foreach"),
+                                       "Adagrad": ("for-loop", "foreach")}
 _F32 = np.float32
 
 
@@ -179,6 +188,47 @@ def _adam(p: np.ndarray, g: np.ndarray, s: AdamParamState, c: Any, lr: float,
     return addcdiv(p, m, denom, -step_size), AdamParamState(counter, m, v, vmax)
 
 
+def _rmsprop(p: np.ndarray, g: np.ndarray, s: RMSpropState, c: Any, lr: float,
+             path: _Path = _FOR_LOOP) -> tuple[np.ndarray, RMSpropState]:
+    """Rule 9: ``reference.optim.rmsprop`` rules 2-4 with these operations."""
+    d = -g if c.maximize else g
+    if c.weight_decay != 0:
+        d = add(d, p, c.weight_decay)
+    square_avg = addcmul(path.mul_state(s.square_avg, c.alpha), d, d, 1 - c.alpha)
+    grad_avg = None
+    if c.centered:
+        grad_avg = lerp(s.grad_avg, d, 1 - c.alpha)
+        avg = sqrt(addcmul(square_avg, grad_avg, grad_avg, -1))
+    else:
+        avg = sqrt(square_avg)
+    avg = add_scalar(avg, c.eps)
+    buf = None
+    if c.momentum > 0:
+        buf = addcdiv(path.mul_state(s.momentum_buffer, c.momentum), d, avg, 1)
+        p = add(p, buf, -lr)
+    else:
+        p = addcdiv(p, d, avg, -lr)
+    return p, RMSpropState(_F32(s.step + _F32(1.0)), square_avg, buf, grad_avg)
+
+
+def _adagrad(p: np.ndarray, g: np.ndarray, s: AdagradState, c: Any, lr: float,
+             path: _Path = _FOR_LOOP) -> tuple[np.ndarray, AdagradState]:
+    """Rule 9: ``reference.optim.adagrad``'s step with these operations; the foreach path
+    multiplies the gradient by ``-clr`` first (in place, rule 7, when it holds a copy: with
+    weight decay or maximize) and adds the quotient with value 1."""
+    counter = _F32(s.step + _F32(1.0))
+    d = -g if c.maximize else g
+    if c.weight_decay != 0:
+        d = add(d, p, c.weight_decay)
+    clr = lr / (1 + (float(counter) - 1) * c.lr_decay)
+    total = addcmul(s.sum, d, d, 1.0)
+    std = add_scalar(sqrt(total), c.eps)
+    if path is _FOR_LOOP:
+        return addcdiv(p, d, std, -clr), AdagradState(counter, total)
+    scale = mul_scalar_foreach if (c.weight_decay != 0 or c.maximize) else mul_scalar
+    return addcdiv(p, scale(d, -clr), std, 1.0), AdagradState(counter, total)
+
+
 def state_to(opt: Any, dtype: np.dtype | None) -> Any:
     """Every array field of ``opt`` in ``dtype`` (float32 when None, exact from S; RNE to S)."""
     changes = {f.name: np.asarray(getattr(opt, f.name)).astype(dtype or _F32)
@@ -197,7 +247,7 @@ def _fused(row: OptimizerSpec, weights: list[np.ndarray], grads: list[np.ndarray
     return out_w, out_s
 
 
-_STEPS = {"SGD": _sgd, "Adam": _adam, "AdamW": _adam}
+_STEPS = {"SGD": _sgd, "Adam": _adam, "AdamW": _adam, "RMSprop": _rmsprop, "Adagrad": _adagrad}
 
 
 def _path(row: OptimizerSpec, implementation: str, grads: Sequence[np.ndarray | None], opts: Sequence[Any]) -> _Path:
@@ -210,7 +260,7 @@ def _path(row: OptimizerSpec, implementation: str, grads: Sequence[np.ndarray | 
 
 
 def covered(name: str, implementation: str) -> bool:
-    """Rule 9: does the specification model torch's ``name`` (``implementation``) on S tensors?"""
+    """Rule 10: does the specification model torch's ``name`` (``implementation``) on S tensors?"""
     return implementation in COVERED.get(name, ())
 
 
