@@ -24,13 +24,14 @@ step changes nothing, and the bits replay the generator. The exact-mode rerun
 
 The ``none`` option (torch's kernels on the low-precision tensors themselves) is compared where
 ``reference.lowprec`` models it (``lowprec.COVERED``: the for-loop and foreach paths of SGD,
-Adam, AdamW, RMSprop and Adagrad, the fused paths of Adam and AdamW), bit for bit in the exact
-mode. Mutants killed there (measured): the in-place foreach multiply without its scalar rounded
+Adam, AdamW, RMSprop and Adagrad, the fused paths of Adam and AdamW, the for-loop paths of Adamax
+and Adadelta), bit for bit in the exact mode. Mutants killed there (measured): the in-place foreach multiply without its scalar rounded
 to S (3 of the 8 SGD/Adam/AdamW pairs fail), the fused path computed op by op (2 fail), a fused
 result rounded through float16 first (1 fails), Adagrad's foreach in-place scaling of the
 gradient by a float32 ``-clr`` (1 fails), RMSprop's foreach momentum multiply by a float32
-scalar (1 fails), RMSprop's ``eps`` added in float32 instead of rounded to S (2 fail); the
-foreach SGD fallback while a buffer is missing has its own explicit case below.
+scalar (1 fails), RMSprop's ``eps`` added in float32 instead of rounded to S (2 fail), Adadelta's
+``delta / std * d`` rounded once instead of twice (1 fails); the foreach SGD fallback while a
+buffer is missing and Adamax's ``eps`` rounded to S have explicit cases below.
 """
 
 from __future__ import annotations
@@ -250,3 +251,15 @@ def test_foreach_sgd_multiplies_as_the_per_tensor_kernel_while_a_buffer_is_missi
         case = dict(config=dict(lr=0.1, momentum=0.7), storage=storage, params=params, grads=grads, seed=0,
                     boundary=None)
         run_case("none", "SGD", "foreach", case, device)
+
+
+def test_adamax_adds_eps_rounded_to_the_storage_format(device):
+    """``reference.lowprec`` rules 1 and 11: Adamax's ``|d| + eps`` rounds ``eps`` to bfloat16 first.
+    With eps = 0.001 (bf16 0.00099945...) and |d| = 0.000881195068359375 the sum is a tie that RNE
+    takes down, where a float32 eps would round it up: a drawn eps is rarely comparable to |d|.
+    Mutant killed: eps added in float32."""
+    bf16 = mw_strategies.BF16
+    g = np.array([0.000881195068359375, -0.000881195068359375, 0.5, 0.0], np.float32).astype(bf16)
+    case = dict(config=dict(lr=0.01, eps=0.001), storage=bf16, params=[np.ones(4, bf16)], grads=[[g], [g]], seed=0,
+                boundary=None)
+    run_case("none", "Adamax", "for-loop", case, device)

@@ -47,9 +47,12 @@ Rules:
     naming it: the specification does not claim torch's bits there. Measured and not modelled:
     fused SGD and fused Adagrad (their vectorized kernels differ from the float32 kernel's
     rounding to S: 252 of 256 bfloat16 weights after 4 SGD steps of 64 elements; the scalar tail,
-    under 64 elements, agrees); Adamax, NAdam, RAdam, Adadelta and Adafactor (not modelled on S
-    yet).
+    under 64 elements, agrees); the foreach paths of Adamax and Adadelta, and NAdam, RAdam and
+    Adafactor (not modelled on S yet).
     The native (AVX2/AVX512) kernels differ as rule 2 says and by fused multiply-adds.
+11. Adamax and Adadelta (``reference.optim.adamax``, ``reference.optim.adadelta``), for-loop path:
+    their rules with rules 1-5 (``|d| + eps`` and ``v + eps`` are ``add_scalar``); an elementwise
+    product or quotient of two S tensors (Adadelta's ``delta / std * d``) rounds once per operation.
 """
 
 from __future__ import annotations
@@ -62,7 +65,9 @@ from typing import Any
 import numpy as np
 
 from reference.optim import AdamParamState, SGDParamState
+from reference.optim.adadelta import AdadeltaState
 from reference.optim.adagrad import AdagradState
+from reference.optim.adamax import AdamaxState
 from reference.optim.rmsprop import RMSpropState
 from reference.optim._common import vector_head
 from reference.optim._registry import OptimizerSpec
@@ -71,7 +76,8 @@ __all__ = ["COVERED", "covered", "state_to", "step"]
 
 COVERED: dict[str, tuple[str, ...]] = {"SGD": ("for-loop", "foreach"), "Adam": ("for-loop", "foreach", "fused"),
                                        "AdamW": ("for-loop", "foreach", "fused"), "RMSprop": ("for-loop", "foreach"),
-                                       "Adagrad": ("for-loop", "foreach")}
+                                       "Adagrad": ("for-loop", "foreach"), "Adamax": ("for-loop",),
+                                       "Adadelta": ("for-loop",)}
 _F32 = np.float32
 
 
@@ -229,6 +235,43 @@ def _adagrad(p: np.ndarray, g: np.ndarray, s: AdagradState, c: Any, lr: float,
     return addcdiv(p, scale(d, -clr), std, 1.0), AdagradState(counter, total)
 
 
+def mul(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Rule 11: elementwise ``x * y`` of two S tensors, one rounding."""
+    return _r(_f(x) * _f(y), x.dtype)
+
+
+def div(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Rule 11: elementwise ``x / y`` of two S tensors, one rounding."""
+    return _r(_f(x) / _f(y), x.dtype)
+
+
+def _adamax(p: np.ndarray, g: np.ndarray, s: AdamaxState, c: Any, lr: float,
+            path: _Path = _FOR_LOOP) -> tuple[np.ndarray, AdamaxState]:
+    """Rule 11: ``reference.optim.adamax``'s for-loop step with these operations."""
+    beta1, beta2 = c.betas
+    counter = _F32(s.step + _F32(1.0))
+    d = -g if c.maximize else g
+    if c.weight_decay != 0:
+        d = add(d, p, c.weight_decay)
+    exp_avg = lerp(s.exp_avg, d, 1 - beta1)
+    exp_inf = np.maximum(mul_scalar(s.exp_inf, beta2), add_scalar(np.abs(d), c.eps))
+    clr = lr / (1 - beta1 ** float(counter))
+    return addcdiv(p, exp_avg, exp_inf, -clr), AdamaxState(counter, exp_avg, exp_inf)
+
+
+def _adadelta(p: np.ndarray, g: np.ndarray, s: AdadeltaState, c: Any, lr: float,
+              path: _Path = _FOR_LOOP) -> tuple[np.ndarray, AdadeltaState]:
+    """Rule 11: ``reference.optim.adadelta``'s for-loop step with these operations."""
+    d = -g if c.maximize else g
+    if c.weight_decay != 0:
+        d = add(d, p, c.weight_decay)
+    square_avg = addcmul(mul_scalar(s.square_avg, c.rho), d, d, 1 - c.rho)
+    std = sqrt(add_scalar(square_avg, c.eps))
+    delta = mul(div(sqrt(add_scalar(s.acc_delta, c.eps)), std), d)
+    acc_delta = addcmul(mul_scalar(s.acc_delta, c.rho), delta, delta, 1 - c.rho)
+    return add(p, delta, -lr), AdadeltaState(_F32(s.step + _F32(1.0)), square_avg, acc_delta)
+
+
 def state_to(opt: Any, dtype: np.dtype | None) -> Any:
     """Every array field of ``opt`` in ``dtype`` (float32 when None, exact from S; RNE to S)."""
     changes = {f.name: np.asarray(getattr(opt, f.name)).astype(dtype or _F32)
@@ -247,7 +290,8 @@ def _fused(row: OptimizerSpec, weights: list[np.ndarray], grads: list[np.ndarray
     return out_w, out_s
 
 
-_STEPS = {"SGD": _sgd, "Adam": _adam, "AdamW": _adam, "RMSprop": _rmsprop, "Adagrad": _adagrad}
+_STEPS = {"SGD": _sgd, "Adam": _adam, "AdamW": _adam, "RMSprop": _rmsprop, "Adagrad": _adagrad,
+          "Adamax": _adamax, "Adadelta": _adadelta}
 
 
 def _path(row: OptimizerSpec, implementation: str, grads: Sequence[np.ndarray | None], opts: Sequence[Any]) -> _Path:
