@@ -132,7 +132,8 @@ def lerp(x: np.ndarray, y: np.ndarray, w: float) -> np.ndarray:
     head = vector_head(out.size, x.dtype.itemsize) if w32 == 1 and out.ndim else 0
     if head:
         ys, xs = y32.ravel()[:head], x32.ravel()[:head]
-        out.flat[:head] = ys + (w32 - _F32(1)) * (ys - xs)
+        with np.errstate(invalid="ignore", over="ignore"):  # IEEE results, as the rest of the step
+            out.flat[:head] = ys + (w32 - _F32(1)) * (ys - xs)
     return _r(out, x.dtype)
 
 

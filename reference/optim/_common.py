@@ -196,7 +196,8 @@ def _vector_head_at_one(result: np.ndarray, x: np.ndarray, y: np.ndarray, w: np.
     if head == 0 or np.ndim(result) == 0:
         return result
     xs, ys = np.ravel(x)[:head], np.ravel(y)[:head]
-    result.flat[:head] = ys + (w - w.dtype.type(1)) * (ys - xs)  # C order: torch's, for contiguous tensors
+    with np.errstate(invalid="ignore", over="ignore"):  # IEEE results, as for_each_param's
+        result.flat[:head] = ys + (w - w.dtype.type(1)) * (ys - xs)  # C order: torch's, for contiguous tensors
     return result
 
 
