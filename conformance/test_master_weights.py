@@ -24,14 +24,15 @@ step changes nothing, and the bits replay the generator. The exact-mode rerun
 
 The ``none`` option (torch's kernels on the low-precision tensors themselves) is compared where
 ``reference.lowprec`` models it (``lowprec.COVERED``: the for-loop and foreach paths of SGD,
-Adam, AdamW, RMSprop and Adagrad, the fused paths of Adam and AdamW, the for-loop paths of Adamax
-and Adadelta), bit for bit in the exact mode. Mutants killed there (measured): the in-place foreach multiply without its scalar rounded
+Adam, AdamW, RMSprop and Adagrad, the fused paths of Adam and AdamW, the for-loop paths of Adamax,
+Adadelta, NAdam and RAdam), bit for bit in the exact mode. Mutants killed there (measured): the in-place foreach multiply without its scalar rounded
 to S (3 of the 8 SGD/Adam/AdamW pairs fail), the fused path computed op by op (2 fail), a fused
 result rounded through float16 first (1 fails), Adagrad's foreach in-place scaling of the
 gradient by a float32 ``-clr`` (1 fails), RMSprop's foreach momentum multiply by a float32
 scalar (1 fails), RMSprop's ``eps`` added in float32 instead of rounded to S (2 fail), Adadelta's
-``delta / std * d`` rounded once instead of twice (1 fails); the foreach SGD fallback while a
-buffer is missing and Adamax's ``eps`` rounded to S have explicit cases below.
+``delta / std * d`` rounded once instead of twice (1 fails), NAdam's denominator in the foreach
+order (1 fails); the foreach SGD fallback while a buffer is missing, Adamax's ``eps`` rounded to
+S and RAdam's reciprocal have explicit cases below.
 """
 
 from __future__ import annotations
@@ -263,3 +264,16 @@ def test_adamax_adds_eps_rounded_to_the_storage_format(device):
     case = dict(config=dict(lr=0.01, eps=0.001), storage=bf16, params=[np.ones(4, bf16)], grads=[[g], [g]], seed=0,
                 boundary=None)
     run_case("none", "Adamax", "for-loop", case, device)
+
+
+def test_radam_divides_a_scalar_by_a_tensor_as_reciprocal_then_product(device):
+    """``reference.lowprec`` rule 12: RAdam's rectified ``bc2**0.5 / (sqrt(v) + eps)`` is torch's
+    ``x.reciprocal() * scalar``, two roundings to S. Visible only where the update is not small
+    beside the weight, so the weights start at zero with lr 1, and betas (0.9, 0.9) rectify from
+    step 6 on (a drawn trajectory rarely gets there). Mutant killed: one rounded division."""
+    rng = np.random.default_rng(1)
+    for storage in mw_strategies.storage_formats("none"):
+        grads = [[rng.standard_normal(100).astype(storage)] for _ in range(8)]
+        case = dict(config=dict(lr=1.0, betas=(0.9, 0.9)), storage=storage, params=[np.zeros(100, storage)],
+                    grads=grads, seed=0, boundary=None)
+        run_case("none", "RAdam", "for-loop", case, device)

@@ -47,12 +47,18 @@ Rules:
     naming it: the specification does not claim torch's bits there. Measured and not modelled:
     fused SGD and fused Adagrad (their vectorized kernels differ from the float32 kernel's
     rounding to S: 252 of 256 bfloat16 weights after 4 SGD steps of 64 elements; the scalar tail,
-    under 64 elements, agrees); the foreach paths of Adamax and Adadelta, and NAdam, RAdam and
+    under 64 elements, agrees); the foreach paths of Adamax, Adadelta, NAdam and RAdam, and
     Adafactor (not modelled on S yet).
     The native (AVX2/AVX512) kernels differ as rule 2 says and by fused multiply-adds.
 11. Adamax and Adadelta (``reference.optim.adamax``, ``reference.optim.adadelta``), for-loop path:
     their rules with rules 1-5 (``|d| + eps`` and ``v + eps`` are ``add_scalar``); an elementwise
     product or quotient of two S tensors (Adadelta's ``delta / std * d``) rounds once per operation.
+12. NAdam and RAdam (``reference.optim.nadam``, ``reference.optim.radam``), for-loop path: their
+    rules with rules 1-5 and 11 and the weight decay of ``reference.optim._common`` rule 6
+    (``p * (1 - lr * wd)`` is rule 1); NAdam's ``mu_product`` is a float32 counter and its
+    denominator ``sqrt(v / bc2) + eps``; RAdam's ``m / bc1 * lr``, then (rectified)
+    ``* (bc2**0.5 / (sqrt(v) + eps)) * rect``, where ``scalar / x`` is torch's
+    ``x.reciprocal() * scalar`` (two roundings), and ``p - product``.
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ from reference.optim import AdamParamState, SGDParamState
 from reference.optim.adadelta import AdadeltaState
 from reference.optim.adagrad import AdagradState
 from reference.optim.adamax import AdamaxState
+from reference.optim.nadam import NAdamState
+from reference.optim.radam import RAdamState, rectification
 from reference.optim.rmsprop import RMSpropState
 from reference.optim._common import vector_head
 from reference.optim._registry import OptimizerSpec
@@ -77,7 +85,7 @@ __all__ = ["COVERED", "covered", "state_to", "step"]
 COVERED: dict[str, tuple[str, ...]] = {"SGD": ("for-loop", "foreach"), "Adam": ("for-loop", "foreach", "fused"),
                                        "AdamW": ("for-loop", "foreach", "fused"), "RMSprop": ("for-loop", "foreach"),
                                        "Adagrad": ("for-loop", "foreach"), "Adamax": ("for-loop",),
-                                       "Adadelta": ("for-loop",)}
+                                       "Adadelta": ("for-loop",), "NAdam": ("for-loop",), "RAdam": ("for-loop",)}
 _F32 = np.float32
 
 
@@ -273,6 +281,56 @@ def _adadelta(p: np.ndarray, g: np.ndarray, s: AdadeltaState, c: Any, lr: float,
     return add(p, delta, -lr), AdadeltaState(_F32(s.step + _F32(1.0)), square_avg, acc_delta)
 
 
+def _decayed(p: np.ndarray, d: np.ndarray, c: Any, lr: float) -> tuple[np.ndarray, np.ndarray]:
+    """``reference.optim._common`` rule 6 with rules 1-2: decoupled ``p * (1 - lr * wd)``, else
+    ``d + wd * p``."""
+    if c.weight_decay == 0:
+        return p, d
+    if c.decoupled_weight_decay:
+        return mul_scalar(p, 1 - lr * c.weight_decay), d
+    return p, add(d, p, c.weight_decay)
+
+
+def _nadam(p: np.ndarray, g: np.ndarray, s: NAdamState, c: Any, lr: float,
+           path: _Path = _FOR_LOOP) -> tuple[np.ndarray, NAdamState]:
+    """Rule 12: ``reference.optim.nadam``'s for-loop step with these operations; ``mu_product`` is
+    a float32 counter, ``exp_avg_sq / bc2`` a division by a float32 scalar (rule 1)."""
+    beta1, beta2 = c.betas
+    counter = _F32(s.step + _F32(1.0))
+    t = float(counter)
+    d = -g if c.maximize else g
+    p, d = _decayed(p, d, c, lr)
+    mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * c.momentum_decay)))
+    mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1) * c.momentum_decay)))
+    mu_product = _F32(s.mu_product * _F32(mu))
+    m = lerp(s.exp_avg, d, 1 - beta1)
+    v = addcmul(mul_scalar(s.exp_avg_sq, beta2), d, d, 1 - beta2)
+    denom = add_scalar(sqrt(div_scalar(v, 1 - beta2**t)), c.eps)
+    mp = float(mu_product)
+    p = addcdiv(p, d, denom, -lr * (1.0 - mu) / (1.0 - mp))
+    p = addcdiv(p, m, denom, (-lr * mu_next) / (1.0 - mp * mu_next))
+    return p, NAdamState(counter, mu_product, m, v)
+
+
+def _radam(p: np.ndarray, g: np.ndarray, s: RAdamState, c: Any, lr: float,
+           path: _Path = _FOR_LOOP) -> tuple[np.ndarray, RAdamState]:
+    """Rule 12: ``reference.optim.radam``'s for-loop step with these operations; ``scalar / x``
+    is torch's ``x.reciprocal() * scalar`` (two roundings)."""
+    beta1, beta2 = c.betas
+    counter = _F32(s.step + _F32(1.0))
+    t = float(counter)
+    d = -g if c.maximize else g
+    p, d = _decayed(p, d, c, lr)
+    m = lerp(s.exp_avg, d, 1 - beta1)
+    v = addcmul(mul_scalar(s.exp_avg_sq, beta2), d, d, 1 - beta2)
+    product = mul_scalar(div_scalar(m, 1 - beta1**t), lr)
+    rect = rectification(beta2, t)
+    if rect > 0:
+        adaptive = mul_scalar(div(np.ones_like(v), add_scalar(sqrt(v), c.eps)), (1 - beta2**t) ** 0.5)
+        product = mul_scalar(mul(product, adaptive), rect)
+    return add(p, product, -1.0), RAdamState(counter, m, v)
+
+
 def state_to(opt: Any, dtype: np.dtype | None) -> Any:
     """Every array field of ``opt`` in ``dtype`` (float32 when None, exact from S; RNE to S)."""
     changes = {f.name: np.asarray(getattr(opt, f.name)).astype(dtype or _F32)
@@ -292,7 +350,7 @@ def _fused(row: OptimizerSpec, weights: list[np.ndarray], grads: list[np.ndarray
 
 
 _STEPS = {"SGD": _sgd, "Adam": _adam, "AdamW": _adam, "RMSprop": _rmsprop, "Adagrad": _adagrad,
-          "Adamax": _adamax, "Adadelta": _adadelta}
+          "Adamax": _adamax, "Adadelta": _adadelta, "NAdam": _nadam, "RAdam": _radam}
 
 
 def _path(row: OptimizerSpec, implementation: str, grads: Sequence[np.ndarray | None], opts: Sequence[Any]) -> _Path:

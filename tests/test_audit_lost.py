@@ -187,7 +187,7 @@ def test_exact_kernels_replay_a_pure_bf16_adamw_loop_bit_for_bit_and_a_skipped_r
     compared through `reference.lowprec`: every step of the plain bf16 AdamW loop (for-loop,
     foreach, fused) is bit for bit; the loop whose step is computed in float32 and rounded once
     (``--skip-rounding``, the op-by-op roundings skipped) diverges at its first step. An optimizer
-    the specification does not model on bf16 tensors (NAdam) stays partly replayed, naming it."""
+    the specification does not model on bf16 tensors (foreach NAdam) stays partly replayed, naming it."""
     code = (
         "import json, sys\nfrom audit.runner import run_script\nout = []\n"
         "for args in json.loads(sys.argv[2]):\n"
@@ -197,7 +197,7 @@ def test_exact_kernels_replay_a_pure_bf16_adamw_loop_bit_for_bit_and_a_skipped_r
         "print(json.dumps(out))\n")
     plain = ["--keep", "none", "--steps", "6", "--lr", "1e-2"]
     cases = [[*plain, "--impl", impl] for impl in ("for-loop", "foreach", "fused")]
-    cases += [[*plain, "--skip-rounding"], [*plain, "--optimizer", "nadam"]]
+    cases += [[*plain, "--skip-rounding"], [*plain, "--optimizer", "nadam", "--impl", "foreach"]]
     root = LOOPS.parent.parent
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "PYTHONPATH": str(root)}
     r = subprocess.run([sys.executable, "-c", code, str(LOOP), json.dumps(cases)], env=env, capture_output=True,
@@ -212,7 +212,7 @@ def test_exact_kernels_replay_a_pure_bf16_adamw_loop_bit_for_bit_and_a_skipped_r
     assert "replay-divergence" in rules
     _, exact, per_step, rules = out[4]
     assert exact == 0 and rules == [] and set(per_step) == {
-        "partly replayed: bfloat16 parameters: the optimizer stage is not compared (torch's NAdam (for-loop) on "
+        "partly replayed: bfloat16 parameters: the optimizer stage is not compared (torch's NAdam (foreach) on "
         "bfloat16 tensors is not modelled); its lost updates are counted (update-lost-to-rounding)"}
 
 
