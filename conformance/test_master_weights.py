@@ -24,15 +24,16 @@ step changes nothing, and the bits replay the generator. The exact-mode rerun
 
 The ``none`` option (torch's kernels on the low-precision tensors themselves) is compared where
 ``reference.lowprec`` models it (``lowprec.COVERED``: the for-loop and foreach paths of SGD,
-Adam, AdamW, RMSprop and Adagrad, the fused paths of Adam and AdamW, the for-loop paths of Adamax,
-Adadelta, NAdam and RAdam), bit for bit in the exact mode. Mutants killed there (measured): the in-place foreach multiply without its scalar rounded
-to S (3 of the 8 SGD/Adam/AdamW pairs fail), the fused path computed op by op (2 fail), a fused
-result rounded through float16 first (1 fails), Adagrad's foreach in-place scaling of the
-gradient by a float32 ``-clr`` (1 fails), RMSprop's foreach momentum multiply by a float32
-scalar (1 fails), RMSprop's ``eps`` added in float32 instead of rounded to S (2 fail), Adadelta's
-``delta / std * d`` rounded once instead of twice (1 fails), NAdam's denominator in the foreach
-order (1 fails); the foreach SGD fallback while a buffer is missing, Adamax's ``eps`` rounded to
-S and RAdam's reciprocal have explicit cases below.
+Adam, AdamW, RMSprop and Adagrad, the fused paths of Adam and AdamW, the for-loop paths of
+Adamax, Adadelta, NAdam and RAdam), bit for bit in the exact mode. Mutants killed there
+(measured): the in-place foreach multiply without its scalar rounded to S (3 of the 8
+SGD/Adam/AdamW pairs fail), the fused path computed op by op (2 fail), a fused result rounded
+through float16 first (1 fails), Adagrad's foreach in-place scaling of the gradient by a float32
+``-clr`` (1 fails), RMSprop's foreach momentum multiply by a float32 scalar (1 fails), RMSprop's
+``eps`` added in float32 instead of rounded to S (2 fail), Adadelta's ``delta / std * d``
+rounded once instead of twice (1 fails), NAdam's denominator in the foreach order (1 fails); the
+foreach SGD fallback while a buffer is missing, Adamax's ``eps`` rounded to S and RAdam's
+reciprocal have explicit cases below.
 """
 
 from __future__ import annotations
