@@ -182,6 +182,42 @@ class LowPrecisionStage:
 
         return float32
 
+    def _low_precision_step(self, o: Any, d: Any, low: str) -> Any:
+        """The step function that replays the optimizer stage of 16-bit parameters stepped by torch
+        itself (`reference.lowprec`, the ``none`` option of `reference.master_weights`), with
+        `_spec_steps`' arguments; NotReplayable naming the reason where the specification does not
+        claim torch's bits: a pair it does not model, a mix of dtypes, an unscaling kernel, a tensor
+        learning rate, or native kernels (exact with ``ATEN_CPU_CAPABILITY=default`` only)."""
+        from reference import lowprec  # the replay's: the order rules load no arithmetic of the spec
+
+        row, why = o.entry.spec, None
+        impls = {"fused" if g.get("fused") else "foreach" if g.get("foreach") else "for-loop" for g in d.groups}
+        missing = sorted(i for i in impls if not lowprec.covered(row.name, i))
+        if {str(p.dtype) for p in d.params_before if p is not None} != {low}:
+            why = f"a mix of {low} and other parameters in one optimizer"
+        elif missing or not o.entry.builtin:
+            why = f"torch's {row.name} ({', '.join(missing) or 'a user row'}) on {low} tensors is not modelled"
+        elif not self.exact:
+            why = (f"{self.capability} kernels: the specification states torch's scalar kernels on {low} "
+                   "tensors, ATEN_CPU_CAPABILITY=default")
+        if why is not None:
+            raise NotReplayable(f"{low} parameters: the optimizer stage is not compared ({why}); its lost "
+                                "updates are counted (update-lost-to-rounding)")
+        storage = np.dtype(next(p for p in d.params_before if p is not None).dtype)
+
+        def stepped(impl: str, params: Any, grads: Any, states: Any, cfg: Any, *, lr: Any = None, sqrt: Any = None,
+                    grad_scale: Any = None, found_inf: float = 0.0) -> Any:
+            if grad_scale is not None or found_inf:
+                raise NotReplayable(f"{row.name} unscaled by its own kernel on {low} parameters (not modelled)")
+            try:
+                new_p, new_s = lowprec.step(row, impl, params, grads, [lowprec.state_to(s, storage) for s in states],
+                                            cfg, lr=lr)
+            except NotImplementedError as exc:
+                raise NotReplayable(f"{low} parameters: {exc}") from None
+            return new_p, list(grads), new_s
+
+        return stepped
+
     def _stochastic_step(self, o: Any, d: Any, rec: Any, where: str) -> None:
         """An optimizer that rounds its bfloat16 weights stochastically (`audit.optimizers.STOCHASTIC_ROWS`),
         by envelope: each weight one of the two bfloat16 neighbours of the spec row's float32 result

@@ -350,10 +350,8 @@ class Replayer(StepStages, UpdateCheck, LowPrecisionStage):
         low = low_precision(d.params_before)
         if low is not None:
             self._count_lost(o, d, rec, where)
-            raise _NotReplayable(f"{low} parameters: the optimizer stage is not compared (the specification's "
-                                 "optimizers take float32 and float64); its lost updates are counted "
-                                 "(update-lost-to-rounding)")
-        for idx, cfg, params, grads, states, (new_params, _, new_states) in self._spec_steps(o, d, o.entry.spec.step):
+        step = o.entry.spec.step if low is None else self._low_precision_step(o, d, low)
+        for idx, cfg, params, grads, states, (new_params, _, new_states) in self._spec_steps(o, d, step):
             for j, i in enumerate(idx):
                 self._compare_param(o, rec, cfg, i, params[j], grads[j], states[j], new_params[j], new_states[j],
                                     d, where)

@@ -44,3 +44,23 @@ def master_case(draw, name: str, option: str) -> dict:
     boundary = draw(st.sampled_from([0, None, -1, 1]), label="boundary bits") if option == "stochastic" else None
     return dict(config=draw(case.config(), label="config"), storage=storage, params=params, grads=grads,
                 seed=draw(st.integers(0, 2**31 - 1), label="seed"), boundary=boundary)
+
+
+LERP_VALUES = (0.0, -0.0, 1.0, -1.0, 2.0**-120, -3.0, float("inf"))
+
+
+@st.composite
+def lerp_at_one_case(draw) -> dict:
+    """``x.lerp(y, 1.0)`` operands: a dtype (float32, float64, bfloat16, float16), a shape (0-d,
+    empty, or up to 70 elements: around the 64-byte blocks of the vectorized kernel, in one or two
+    dimensions) and values with zeros of both signs, so that ``y = -0.0`` meets ``y - x`` of
+    either sign in the vectorized head and in the scalar tail."""
+    dtype = draw(st.sampled_from([np.dtype(np.float32), np.dtype(np.float64), BF16, F16]), label="dtype")
+    n = draw(st.integers(0, 70), label="n")
+    shape = draw(st.sampled_from([(), (n,), (1, n)] if n == 1 else [(n,), (1, n)]), label="shape")
+    size = int(np.prod(shape))
+    x = draw(st.lists(st.sampled_from(LERP_VALUES), min_size=size, max_size=size), label="x")
+    y = draw(st.lists(st.sampled_from(LERP_VALUES[:2]) | st.sampled_from(LERP_VALUES), min_size=size,
+                      max_size=size), label="y")
+    return dict(x=np.array(x, np.float64).reshape(shape).astype(dtype),
+                y=np.array(y, np.float64).reshape(shape).astype(dtype))

@@ -18,34 +18,74 @@ Rules:
 3. ``x.addcmul(a, b, value=v)``: ``S(x + (f32(v) * a) * b)``; ``x.addcdiv(a, b, value=v)``:
    ``S(x + (f32(v) * a) / b)``: float32 throughout, one rounding to S.
 4. ``x.lerp(y, w)``: ``S(x + f32(w) * (y - x))`` when ``|w| < 0.5``, else
-   ``S(y - (y - x) * (1 - f32(w)))``, float32 inside (the sign of a zero at ``w = 1`` is the
-   vectorized kernel's, see ``conformance/test_master_weights.py``).
+   ``S(y - (y - x) * (1 - f32(w)))``, float32 inside; at ``w = 1`` exactly the first
+   ``n - n % 32`` elements take the vectorized kernel's ``S(y + (w - 1) * (y - x))``, which
+   differs in the sign of a zero (rule 4 of ``reference.optim._common``, 64-byte blocks).
 5. ``x.sqrt()``: ``S(sqrt(x))`` with float32's correctly rounded root (no MKL for S).
 6. SGD (``reference.optim.sgd`` rule 2) and Adam/AdamW (``reference.optim`` rules 3-6), for-loop
    path: these operations in torch's order (measured bit for bit in the exact mode, bfloat16 and
    float16). The step counter is float32.
-7. Coverage: ``COVERED``. Any other optimizer or implementation raises ``NotImplementedError``
-   naming it: the specification does not claim torch's bits there. Not modelled: the foreach
-   paths (on S tensors torch's ``_foreach_*`` kernels round differently from the per-tensor ones:
-   measured differences with SGD's Nesterov momentum and weight decay, with AdamW's maximize, and
-   in float16 with Adam(W) too), the fused kernels (a whole update in float32, one rounding per
-   stored tensor), and the other optimizers of the registry (not measured yet). The native
-   (AVX2/AVX512) kernels differ as rule 2 says and by fused multiply-adds.
+7. foreach path (torch's ``_multi_tensor_*`` functions; on the CPU every ``_foreach_*`` kernel
+   rounds as the per-tensor one, rules 1-5) but the in-place ``_foreach_mul_`` with a scalar or
+   a list of scalars, which rounds the scalar to S first: ``S(x * f32(S(s)))`` (measured on
+   torch 2.13, default and AVX512 kernels alike; the out-of-place ``_foreach_mul`` and
+   ``_foreach_div_`` keep ``f32(s)``, ``_foreach_add_``/``_foreach_sub_`` round it to S as rule 1
+   does, ``_foreach_addcdiv_``/``_foreach_addcmul_`` take a float32 value, as rule 3). So SGD's ``buf * momentum`` takes
+   ``S(momentum)`` when every parameter with a gradient has a buffer (else torch falls back to the
+   per-tensor ``buf.mul_``, rule 1), and Adam(W)'s ``exp_avg_sq * beta2`` and AdamW's
+   ``p * (1 - lr * wd)`` take ``S(beta2)`` and ``S(1 - lr * wd)``; everything else is rule 6.
+8. fused path, Adam and AdamW (``fused=True``): the kernel loads each S operand into float32,
+   computes the whole update as the float32 fused kernel does (``reference.optim`` rule 8) and
+   stores each result rounded once to S: the weight and each state array are ``S(x)`` of the
+   float32 fused step from ``f32(p)``, ``f32(g)``, ``f32(state)``; the step counter is float32.
+9. RMSprop (``reference.optim.rmsprop`` rules 2-4) and Adagrad (``reference.optim.adagrad``),
+   for-loop and foreach paths, with rules 1-7: ``square_avg * alpha`` and the momentum buffer's
+   ``* momentum`` are rule 1 (for-loop) or rule 7 (foreach); Adagrad's foreach path scales the
+   gradient by ``-clr`` before ``addcdiv`` with value 1, in place (rule 7) when it holds a copy of
+   the gradient (weight decay or maximize), else out of place (rule 1).
+10. Coverage: ``COVERED``. Any other optimizer or implementation raises ``NotImplementedError``
+    naming it: the specification does not claim torch's bits there. Measured and not modelled:
+    fused SGD and fused Adagrad (their vectorized kernels differ from the float32 kernel's
+    rounding to S: 252 of 256 bfloat16 weights after 4 SGD steps of 64 elements; the scalar tail,
+    under 64 elements, agrees); the foreach paths of Adamax, Adadelta, NAdam and RAdam, and
+    Adafactor (not modelled on S yet).
+    The native (AVX2/AVX512) kernels differ as rule 2 says and by fused multiply-adds.
+11. Adamax and Adadelta (``reference.optim.adamax``, ``reference.optim.adadelta``), for-loop path:
+    their rules with rules 1-5 (``|d| + eps`` and ``v + eps`` are ``add_scalar``); an elementwise
+    product or quotient of two S tensors (Adadelta's ``delta / std * d``) rounds once per operation.
+12. NAdam and RAdam (``reference.optim.nadam``, ``reference.optim.radam``), for-loop path: their
+    rules with rules 1-5 and 11 and the weight decay of ``reference.optim._common`` rule 6
+    (``p * (1 - lr * wd)`` is rule 1); NAdam's ``mu_product`` is a float32 counter and its
+    denominator ``sqrt(v / bc2) + eps``; RAdam's ``m / bc1 * lr``, then (rectified)
+    ``* (bc2**0.5 / (sqrt(v) + eps)) * rect``, where ``scalar / x`` is torch's
+    ``x.reciprocal() * scalar`` (two roundings), and ``p - product``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from reference.optim import AdamParamState, SGDParamState
+from reference.optim.adadelta import AdadeltaState
+from reference.optim.adagrad import AdagradState
+from reference.optim.adamax import AdamaxState
+from reference.optim.nadam import NAdamState
+from reference.optim.radam import RAdamState, rectification
+from reference.optim.rmsprop import RMSpropState
+from reference.optim._common import vector_head
 from reference.optim._registry import OptimizerSpec
 
-__all__ = ["COVERED", "step"]
+__all__ = ["COVERED", "covered", "state_to", "step"]
 
-COVERED: dict[str, tuple[str, ...]] = {"SGD": ("for-loop",), "Adam": ("for-loop",), "AdamW": ("for-loop",)}
+COVERED: dict[str, tuple[str, ...]] = {"SGD": ("for-loop", "foreach"), "Adam": ("for-loop", "foreach", "fused"),
+                                       "AdamW": ("for-loop", "foreach", "fused"), "RMSprop": ("for-loop", "foreach"),
+                                       "Adagrad": ("for-loop", "foreach"), "Adamax": ("for-loop",),
+                                       "Adadelta": ("for-loop",), "NAdam": ("for-loop",), "RAdam": ("for-loop",)}
 _F32 = np.float32
 
 
@@ -96,7 +136,13 @@ def lerp(x: np.ndarray, y: np.ndarray, w: float) -> np.ndarray:
     w32, x32, y32 = _F32(w), _f(x), _f(y)
     if abs(w32) < 0.5:
         return _r(x32 + w32 * (y32 - x32), x.dtype)
-    return _r(y32 - (y32 - x32) * (_F32(1) - w32), x.dtype)
+    out = np.asarray(y32 - (y32 - x32) * (_F32(1) - w32))
+    head = vector_head(out.size, x.dtype.itemsize) if w32 == 1 and out.ndim else 0
+    if head:
+        ys, xs = y32.ravel()[:head], x32.ravel()[:head]
+        with np.errstate(invalid="ignore", over="ignore"):  # IEEE results, as the rest of the step
+            out.flat[:head] = ys + (w32 - _F32(1)) * (ys - xs)
+    return _r(out, x.dtype)
 
 
 def sqrt(x: np.ndarray) -> np.ndarray:
@@ -104,28 +150,49 @@ def sqrt(x: np.ndarray) -> np.ndarray:
     return _r(np.sqrt(_f(x)), x.dtype)
 
 
-def _sgd(p: np.ndarray, g: np.ndarray, s: SGDParamState, c: Any, lr: float) -> tuple[np.ndarray, SGDParamState]:
+def mul_scalar_foreach(x: np.ndarray, s: float) -> np.ndarray:
+    """Rule 7: the in-place ``_foreach_mul_`` by a scalar rounds the scalar to S first."""
+    return _r(_f(x) * _f(np.asarray(_F32(s)).astype(x.dtype)), x.dtype)
+
+
+@dataclass(frozen=True)
+class _Path:
+    """How one implementation multiplies by a Python scalar (rules 1 and 7)."""
+
+    mul_buffer: Callable[[np.ndarray, float], np.ndarray]
+    mul_state: Callable[[np.ndarray, float], np.ndarray]
+
+
+_FOR_LOOP = _Path(mul_scalar, mul_scalar)
+_FOREACH = _Path(mul_scalar_foreach, mul_scalar_foreach)
+# foreach SGD when some parameter has no momentum buffer yet: torch's per-tensor fallback (rule 7)
+_FOREACH_FIRST = _Path(mul_scalar, mul_scalar_foreach)
+
+
+def _sgd(p: np.ndarray, g: np.ndarray, s: SGDParamState, c: Any, lr: float,
+         path: _Path = _FOR_LOOP) -> tuple[np.ndarray, SGDParamState]:
     d = -g if c.maximize else g
     if c.weight_decay != 0:
         d = add(d, p, c.weight_decay)
     buf = s.momentum_buffer
     if c.momentum != 0:
-        buf = np.array(d, copy=True) if buf is None else add(mul_scalar(buf, c.momentum), d, 1 - c.dampening)
+        buf = np.array(d, copy=True) if buf is None else add(path.mul_buffer(buf, c.momentum), d, 1 - c.dampening)
         d = add(d, buf, c.momentum) if c.nesterov else buf
     return add(p, d, -lr), SGDParamState(momentum_buffer=buf)
 
 
-def _adam(p: np.ndarray, g: np.ndarray, s: AdamParamState, c: Any, lr: float) -> tuple[np.ndarray, AdamParamState]:
+def _adam(p: np.ndarray, g: np.ndarray, s: AdamParamState, c: Any, lr: float,
+          path: _Path = _FOR_LOOP) -> tuple[np.ndarray, AdamParamState]:
     beta1, beta2 = c.betas
     counter = _F32(s.step + _F32(1.0))
     d = -g if c.maximize else g
     if c.weight_decay != 0:
         if c.decoupled_weight_decay:
-            p = mul_scalar(p, 1 - lr * c.weight_decay)
+            p = path.mul_state(p, 1 - lr * c.weight_decay)
         else:
             d = add(d, p, c.weight_decay)
     m = lerp(s.exp_avg, d, 1 - beta1)
-    v = addcmul(mul_scalar(s.exp_avg_sq, beta2), d, d, 1 - beta2)
+    v = addcmul(path.mul_state(s.exp_avg_sq, beta2), d, d, 1 - beta2)
     t = float(counter)
     step_size = lr / (1 - beta1**t)
     bias_correction2_sqrt = (1 - beta2**t) ** 0.5
@@ -136,7 +203,168 @@ def _adam(p: np.ndarray, g: np.ndarray, s: AdamParamState, c: Any, lr: float) ->
     return addcdiv(p, m, denom, -step_size), AdamParamState(counter, m, v, vmax)
 
 
-_STEPS = {"SGD": _sgd, "Adam": _adam, "AdamW": _adam}
+def _rmsprop(p: np.ndarray, g: np.ndarray, s: RMSpropState, c: Any, lr: float,
+             path: _Path = _FOR_LOOP) -> tuple[np.ndarray, RMSpropState]:
+    """Rule 9: ``reference.optim.rmsprop`` rules 2-4 with these operations."""
+    d = -g if c.maximize else g
+    if c.weight_decay != 0:
+        d = add(d, p, c.weight_decay)
+    square_avg = addcmul(path.mul_state(s.square_avg, c.alpha), d, d, 1 - c.alpha)
+    grad_avg = None
+    if c.centered:
+        grad_avg = lerp(s.grad_avg, d, 1 - c.alpha)
+        avg = sqrt(addcmul(square_avg, grad_avg, grad_avg, -1))
+    else:
+        avg = sqrt(square_avg)
+    avg = add_scalar(avg, c.eps)
+    buf = None
+    if c.momentum > 0:
+        buf = addcdiv(path.mul_state(s.momentum_buffer, c.momentum), d, avg, 1)
+        p = add(p, buf, -lr)
+    else:
+        p = addcdiv(p, d, avg, -lr)
+    return p, RMSpropState(_F32(s.step + _F32(1.0)), square_avg, buf, grad_avg)
+
+
+def _adagrad(p: np.ndarray, g: np.ndarray, s: AdagradState, c: Any, lr: float,
+             path: _Path = _FOR_LOOP) -> tuple[np.ndarray, AdagradState]:
+    """Rule 9: ``reference.optim.adagrad``'s step with these operations; the foreach path
+    multiplies the gradient by ``-clr`` first (in place, rule 7, when it holds a copy: with
+    weight decay or maximize) and adds the quotient with value 1."""
+    counter = _F32(s.step + _F32(1.0))
+    d = -g if c.maximize else g
+    if c.weight_decay != 0:
+        d = add(d, p, c.weight_decay)
+    clr = lr / (1 + (float(counter) - 1) * c.lr_decay)
+    total = addcmul(s.sum, d, d, 1.0)
+    std = add_scalar(sqrt(total), c.eps)
+    if path is _FOR_LOOP:
+        return addcdiv(p, d, std, -clr), AdagradState(counter, total)
+    scale = mul_scalar_foreach if (c.weight_decay != 0 or c.maximize) else mul_scalar
+    return addcdiv(p, scale(d, -clr), std, 1.0), AdagradState(counter, total)
+
+
+def mul(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Rule 11: elementwise ``x * y`` of two S tensors, one rounding."""
+    return _r(_f(x) * _f(y), x.dtype)
+
+
+def div(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Rule 11: elementwise ``x / y`` of two S tensors, one rounding."""
+    return _r(_f(x) / _f(y), x.dtype)
+
+
+def _adamax(p: np.ndarray, g: np.ndarray, s: AdamaxState, c: Any, lr: float,
+            path: _Path = _FOR_LOOP) -> tuple[np.ndarray, AdamaxState]:
+    """Rule 11: ``reference.optim.adamax``'s for-loop step with these operations."""
+    beta1, beta2 = c.betas
+    counter = _F32(s.step + _F32(1.0))
+    d = -g if c.maximize else g
+    if c.weight_decay != 0:
+        d = add(d, p, c.weight_decay)
+    exp_avg = lerp(s.exp_avg, d, 1 - beta1)
+    exp_inf = np.maximum(mul_scalar(s.exp_inf, beta2), add_scalar(np.abs(d), c.eps))
+    clr = lr / (1 - beta1 ** float(counter))
+    return addcdiv(p, exp_avg, exp_inf, -clr), AdamaxState(counter, exp_avg, exp_inf)
+
+
+def _adadelta(p: np.ndarray, g: np.ndarray, s: AdadeltaState, c: Any, lr: float,
+              path: _Path = _FOR_LOOP) -> tuple[np.ndarray, AdadeltaState]:
+    """Rule 11: ``reference.optim.adadelta``'s for-loop step with these operations."""
+    d = -g if c.maximize else g
+    if c.weight_decay != 0:
+        d = add(d, p, c.weight_decay)
+    square_avg = addcmul(mul_scalar(s.square_avg, c.rho), d, d, 1 - c.rho)
+    std = sqrt(add_scalar(square_avg, c.eps))
+    delta = mul(div(sqrt(add_scalar(s.acc_delta, c.eps)), std), d)
+    acc_delta = addcmul(mul_scalar(s.acc_delta, c.rho), delta, delta, 1 - c.rho)
+    return add(p, delta, -lr), AdadeltaState(_F32(s.step + _F32(1.0)), square_avg, acc_delta)
+
+
+def _decayed(p: np.ndarray, d: np.ndarray, c: Any, lr: float) -> tuple[np.ndarray, np.ndarray]:
+    """``reference.optim._common`` rule 6 with rules 1-2: decoupled ``p * (1 - lr * wd)``, else
+    ``d + wd * p``."""
+    if c.weight_decay == 0:
+        return p, d
+    if c.decoupled_weight_decay:
+        return mul_scalar(p, 1 - lr * c.weight_decay), d
+    return p, add(d, p, c.weight_decay)
+
+
+def _nadam(p: np.ndarray, g: np.ndarray, s: NAdamState, c: Any, lr: float,
+           path: _Path = _FOR_LOOP) -> tuple[np.ndarray, NAdamState]:
+    """Rule 12: ``reference.optim.nadam``'s for-loop step with these operations; ``mu_product`` is
+    a float32 counter, ``exp_avg_sq / bc2`` a division by a float32 scalar (rule 1)."""
+    beta1, beta2 = c.betas
+    counter = _F32(s.step + _F32(1.0))
+    t = float(counter)
+    d = -g if c.maximize else g
+    p, d = _decayed(p, d, c, lr)
+    mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * c.momentum_decay)))
+    mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1) * c.momentum_decay)))
+    mu_product = _F32(s.mu_product * _F32(mu))
+    m = lerp(s.exp_avg, d, 1 - beta1)
+    v = addcmul(mul_scalar(s.exp_avg_sq, beta2), d, d, 1 - beta2)
+    denom = add_scalar(sqrt(div_scalar(v, 1 - beta2**t)), c.eps)
+    mp = float(mu_product)
+    p = addcdiv(p, d, denom, -lr * (1.0 - mu) / (1.0 - mp))
+    p = addcdiv(p, m, denom, (-lr * mu_next) / (1.0 - mp * mu_next))
+    return p, NAdamState(counter, mu_product, m, v)
+
+
+def _radam(p: np.ndarray, g: np.ndarray, s: RAdamState, c: Any, lr: float,
+           path: _Path = _FOR_LOOP) -> tuple[np.ndarray, RAdamState]:
+    """Rule 12: ``reference.optim.radam``'s for-loop step with these operations; ``scalar / x``
+    is torch's ``x.reciprocal() * scalar`` (two roundings)."""
+    beta1, beta2 = c.betas
+    counter = _F32(s.step + _F32(1.0))
+    t = float(counter)
+    d = -g if c.maximize else g
+    p, d = _decayed(p, d, c, lr)
+    m = lerp(s.exp_avg, d, 1 - beta1)
+    v = addcmul(mul_scalar(s.exp_avg_sq, beta2), d, d, 1 - beta2)
+    product = mul_scalar(div_scalar(m, 1 - beta1**t), lr)
+    rect = rectification(beta2, t)
+    if rect > 0:
+        adaptive = mul_scalar(div(np.ones_like(v), add_scalar(sqrt(v), c.eps)), (1 - beta2**t) ** 0.5)
+        product = mul_scalar(mul(product, adaptive), rect)
+    return add(p, product, -1.0), RAdamState(counter, m, v)
+
+
+def state_to(opt: Any, dtype: np.dtype | None) -> Any:
+    """Every array field of ``opt`` in ``dtype`` (float32 when None, exact from S; RNE to S)."""
+    changes = {f.name: np.asarray(getattr(opt, f.name)).astype(dtype or _F32)
+               for f in dataclasses.fields(opt) if isinstance(getattr(opt, f.name), np.ndarray)}
+    return dataclasses.replace(opt, **changes)
+
+
+def _fused(row: OptimizerSpec, weights: list[np.ndarray], grads: list[np.ndarray | None], opts: list[Any],
+           config: Any, rate: float) -> tuple[list[np.ndarray], tuple[Any, ...]]:
+    """Rule 8: the float32 fused step on upcast operands, each stored result rounded once to S."""
+    storage = np.asarray(weights[0]).dtype
+    q, _, new = row.step("fused", [_f(w) for w in weights], [None if g is None else _f(g) for g in grads],
+                         tuple(state_to(o, None) for o in opts), config, lr=rate)
+    out_w = [w if g is None else _r(a, storage) for w, a, g in zip(weights, q, grads)]
+    out_s = tuple(o if g is None else state_to(n, storage) for o, n, g in zip(opts, new, grads))
+    return out_w, out_s
+
+
+_STEPS = {"SGD": _sgd, "Adam": _adam, "AdamW": _adam, "RMSprop": _rmsprop, "Adagrad": _adagrad,
+          "Adamax": _adamax, "Adadelta": _adadelta, "NAdam": _nadam, "RAdam": _radam}
+
+
+def _path(row: OptimizerSpec, implementation: str, grads: Sequence[np.ndarray | None], opts: Sequence[Any]) -> _Path:
+    """Rules 6-7: the scalar-multiply rounding of the implementation at hand."""
+    if implementation == "for-loop":
+        return _FOR_LOOP
+    if row.name == "SGD" and any(o.momentum_buffer is None for o, g in zip(opts, grads) if g is not None):
+        return _FOREACH_FIRST
+    return _FOREACH
+
+
+def covered(name: str, implementation: str) -> bool:
+    """Rule 10: does the specification model torch's ``name`` (``implementation``) on S tensors?"""
+    return implementation in COVERED.get(name, ())
 
 
 def _covered() -> str:
@@ -145,16 +373,18 @@ def _covered() -> str:
 
 def step(row: OptimizerSpec, implementation: str, weights: Sequence[np.ndarray], grads: Sequence[np.ndarray | None],
          opts: Sequence[Any], config: Any, *, lr: float | None = None) -> tuple[list[np.ndarray], tuple[Any, ...]]:
-    """One step of ``row``'s ``implementation`` on S arrays (rule 6): the new weights and states;
+    """One step of ``row``'s ``implementation`` on S arrays (rules 6-8): the new weights and states;
     a parameter without a gradient keeps both."""
-    if implementation not in COVERED.get(row.name, ()):
+    if not covered(row.name, implementation):
         raise NotImplementedError(
             f"the specification does not model torch's {row.name} ({implementation}) on low-precision parameters; "
             f"covered: {_covered()}")
     if lr is not None and not isinstance(lr, (int, float)):
         raise NotImplementedError("a tensor lr on low-precision parameters is not modelled")
     rate = float(config.lr if lr is None else lr)
-    update = _STEPS[row.name]
+    if implementation == "fused":
+        return _fused(row, list(weights), list(grads), list(opts), config, rate) if weights else ([], ())
+    update, path = _STEPS[row.name], _path(row, implementation, grads, opts)
     new_w, new_s = [], []
     with np.errstate(all="ignore"):
         for w, g, s in zip(weights, grads, opts):
@@ -162,7 +392,7 @@ def step(row: OptimizerSpec, implementation: str, weights: Sequence[np.ndarray],
                 new_w.append(w)
                 new_s.append(s)
                 continue
-            a, b = update(np.asarray(w), np.asarray(g), s, config, rate)
+            a, b = update(np.asarray(w), np.asarray(g), s, config, rate, path)
             new_w.append(a)
             new_s.append(b)
     return new_w, tuple(new_s)

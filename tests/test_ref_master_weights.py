@@ -139,9 +139,23 @@ def test_none_is_modelled_where_covered_and_refused_naming_the_pair_elsewhere():
     s = mw.init_master_state("none", np.array([1.0], BF16), row, cfg)
     (t,), (e,) = mw.master_step("none", row, "for-loop", [s], [np.array([1.0], BF16)], cfg)
     assert float(t.weight[0]) == 1.0 and e.tolist() == [-(2**-10)]  # lost: 1 - 2^-10 rounds back to 1
-    assert lowprec.COVERED["AdamW"] == ("for-loop",)
-    with pytest.raises(NotImplementedError, match=r"SGD \(foreach\) on low-precision parameters"):
-        mw.master_step("none", row, "foreach", [s], [np.array([1.0], BF16)], cfg)
+    assert lowprec.COVERED["AdamW"] == ("for-loop", "foreach", "fused")
+    with pytest.raises(NotImplementedError, match=r"SGD \(fused\) on low-precision parameters"):
+        mw.master_step("none", row, "fused", [s], [np.array([1.0], BF16)], cfg)
+    ada = spec("NAdam")
+    with pytest.raises(NotImplementedError, match=r"NAdam \(foreach\) on low-precision parameters"):
+        mw.master_step("none", ada, "foreach", [mw.init_master_state("none", np.array([1.0], BF16), ada,
+                                                                      ada.make_config())], [np.array([1.0], BF16)],
+                       ada.make_config())
+
+
+def test_foreach_multiplies_by_a_scalar_rounded_to_the_storage_format():
+    from reference import lowprec
+
+    # lowprec rule 7: the in-place _foreach_mul_ by 0.9 multiplies by bf16(0.9) = 0.8984375: 3 * that is
+    # 2.6953125, a tie between 2.6875 (even) and 2.703125; Tensor.mul by float32 0.9 gives 2.7 -> 2.703125
+    assert float(lowprec.mul_scalar_foreach(np.array(3.0, BF16), 0.9)) == 2.6875
+    assert float(lowprec.mul_scalar(np.array(3.0, BF16), 0.9)) == 2.703125
 
 
 def test_low_precision_add_of_a_python_scalar_rounds_the_scalar_to_the_storage_format_first():
@@ -151,3 +165,33 @@ def test_low_precision_add_of_a_python_scalar_rounds_the_scalar_to_the_storage_f
     # (even) and 0.00188446044921875, so RNE keeps 0.0018768...; with 0.001 in float32 it rounds up
     x = np.array(0.000881195068359375, BF16)
     assert float(lowprec.add_scalar(x, 0.001)) == 0.0018768310546875
+
+
+def test_every_registry_pair_is_modelled_on_16_bit_tensors_or_refused_naming_it():
+    """``reference.lowprec`` rule 10: each (optimizer, implementation) of the registry either steps
+    bf16 parameters (conformance/test_master_weights.py compares it with torch) or raises
+    NotImplementedError naming the pair; docs/training.md's table says the same of each pair."""
+    from pathlib import Path
+
+    from reference import lowprec, optim
+
+    table = Path(__file__).resolve().parent.parent.joinpath("docs", "training.md").read_text()
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 4 and cells[1:] != ["for-loop", "foreach", "fused"]:
+            for name in cells[0].split(", "):
+                rows[name] = dict(zip(("for-loop", "foreach", "fused"), cells[1:]))
+    for name, row in optim.SPECS.items():
+        cfg = row.make_config()
+        w = np.array([1.0, -2.0], BF16)
+        state = mw.init_master_state("none", w, row, cfg)
+        for impl in row.steps:
+            documented = rows[name][impl]
+            if lowprec.covered(name, impl):
+                (s,), _ = mw.master_step("none", row, impl, [state], [np.array([0.5, 0.25], BF16)], cfg)
+                assert s.weight.dtype == BF16 and documented.startswith("bit for bit"), (name, impl, documented)
+            else:
+                with pytest.raises(NotImplementedError, match=rf"{name} \({impl}\) on low-precision parameters"):
+                    mw.master_step("none", row, impl, [state], [np.array([0.5, 0.25], BF16)], cfg)
+                assert documented.startswith("not modelled"), (name, impl, documented)

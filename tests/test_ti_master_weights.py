@@ -147,6 +147,22 @@ def test_none_measures_lost_updates_only_when_asked_and_leaves_the_step_unchange
     assert counted == 256 and lost > 200  # lr 1e-5 against weights of order 1: nearly all lost
 
 
+@pytest.mark.parametrize("option", ["fp32", "kahan", "stochastic"])
+def test_an_unmeasured_step_of_any_option_steps_as_a_measured_one_and_counts_nothing(option):
+    torch.manual_seed(1)
+    w, g = torch.randn(64, dtype=BF16), torch.randn(64, dtype=BF16)
+    bits = [torch.randint(0, 1 << 16, (64,), dtype=torch.int32)]
+    out = []
+    for measure in (False, True):
+        p = torch.nn.Parameter(w.clone())
+        mw = MasterWeights(torch.optim.AdamW([p], lr=1e-3), option)
+        p.grad = g.clone()
+        mw.step(bits=bits if option == "stochastic" else None, measure_lost=measure)
+        out.append((bits16(p), mw.lost_counts()))
+    assert out[0][0] == out[1][0]
+    assert out[0][1] == [None] and out[1][1][0] is not None
+
+
 def test_bad_parameters_and_options_are_refused():
     p = torch.nn.Parameter(torch.ones(2))
     with pytest.raises(ValueError, match="parameter 0 .* is torch.float32"):

@@ -9,7 +9,13 @@ tensor is first rounded to that dtype):
    first factor first, ``f(x + f(f(f(value) * a) * b))``.
 3. ``addcdiv(x, a, b, value)`` is ``x.addcdiv(a, b, value=value)``: ``f(x + f(f(f(value) * a) / b))``.
 4. ``lerp(x, y, w)`` is ``x.lerp(y, w)`` with a scalar weight ``w = f(w)``: when ``|w| < 0.5``
-   ``f(x + f(w * f(y - x)))``, otherwise ``f(y - f(f(y - x) * f(1 - w)))``.
+   ``f(x + f(w * f(y - x)))``, otherwise ``f(y - f(f(y - x) * f(1 - w)))``. At ``w = 1`` exactly
+   the vectorized kernel's ``f(y + f((w - 1) * f(y - x)))`` differs from that in the sign of a
+   zero (``1 - w`` and ``w - 1`` are both +0, so ``y = -0.0`` over ``y - x < 0`` stays -0.0 there,
+   +0.0 in the scalar kernel): it computes the first ``n - n % B`` elements in memory order, ``B``
+   the elements of 64 bytes (16 float32, 8 float64, 32 bfloat16/float16: two 32-byte vectors), and
+   the scalar kernel the rest; a 0-d array is scalar. Measured on torch 2.13, sizes 0-69, 100,
+   1000, 4099, under ``ATEN_CPU_CAPABILITY=default`` and on an AVX512 build alike.
 5. A value of 1 in rules 1-3 multiplies exactly, so ``x.add(y)`` is ``f(x + y)``.
 6. Weight decay as NAdam and RAdam take it (``decoupled_weight_decay``): decoupled, the parameter
    shrinks first, ``p = f(p * f(1 - lr * weight_decay))``, and the gradient is unchanged; coupled,
@@ -160,6 +166,13 @@ def addcdiv(x: np.ndarray, a: np.ndarray, b: np.ndarray, value: float = 1.0) -> 
     return x + (f(value) * a) / b
 
 
+def vector_head(n: int, itemsize: int) -> int:
+    """Rule 4: how many leading elements of ``n`` torch's vectorized elementwise loop computes
+    (whole 64-byte blocks); the scalar loop computes the rest."""
+    block = 64 // itemsize
+    return n - n % block
+
+
 def lerp(x: np.ndarray, y: np.ndarray, weight: float, *, out: np.ndarray | None = None) -> np.ndarray:
     """Rule 4: ``x.lerp(y, weight)`` with a Python-float weight. ``out``: a fresh array to write
     the result to (neither ``x`` nor ``y``)."""
@@ -168,11 +181,24 @@ def lerp(x: np.ndarray, y: np.ndarray, weight: float, *, out: np.ndarray | None 
     if out is None:
         if abs(w) < 0.5:
             return x + w * (y - x)
-        return y - (y - x) * (f(1) - w)
-    diff = np.subtract(y, x, out=out)
-    if abs(w) < 0.5:
-        return np.add(x, np.multiply(diff, w, out=out), out=out)
-    return np.subtract(y, np.multiply(diff, f(1) - w, out=out), out=out)
+        result = y - (y - x) * (f(1) - w)
+    else:
+        diff = np.subtract(y, x, out=out)
+        if abs(w) < 0.5:
+            return np.add(x, np.multiply(diff, w, out=out), out=out)
+        result = np.subtract(y, np.multiply(diff, f(1) - w, out=out), out=out)
+    return _vector_head_at_one(result, x, y, w)
+
+
+def _vector_head_at_one(result: np.ndarray, x: np.ndarray, y: np.ndarray, w: np.floating) -> np.ndarray:
+    """Rule 4 at ``w = 1``: the vectorized elements are ``y + (w - 1) * (y - x)`` (signs of zero)."""
+    head = vector_head(np.size(result), np.asarray(result).dtype.itemsize) if w == 1 else 0
+    if head == 0 or np.ndim(result) == 0:
+        return result
+    xs, ys = np.ravel(x)[:head], np.ravel(y)[:head]
+    with np.errstate(invalid="ignore", over="ignore"):  # IEEE results, as for_each_param's
+        result.flat[:head] = ys + (w - w.dtype.type(1)) * (ys - xs)  # C order: torch's, for contiguous tensors
+    return result
 
 
 def weight_decayed(p: np.ndarray, d: np.ndarray, weight_decay: float, decoupled: bool,

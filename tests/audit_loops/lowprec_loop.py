@@ -14,6 +14,13 @@
   update-lost-to-rounding finding is made. ``--bug parameters-altered`` adds a step hook that
   scales the first weight by 1.05 after every step: outside the envelope (a divergence, a
   warning as the hook is the loop's own).
+- ``--keep none``: the plain bf16 optimizer without the bug's learning rate; ``--impl`` chooses
+  torch's for-loop, foreach or fused AdamW, ``--optimizer nadam`` an NAdam instead (with
+  ``--impl foreach`` a pair the specification does not model on bf16 tensors: its optimizer
+  stage is not compared).
+  ``--skip-rounding`` mutates the step: after each AdamW step a hook overwrites the bf16 weights
+  with the update computed in float32 from the same weights, gradients and state and rounded
+  once (the op-by-op roundings skipped): with torch's scalar kernels the replay diverges.
 """
 
 import torch
@@ -21,12 +28,16 @@ import torch
 from _common import batches, make_model, parse
 
 BUGS = ("update-lost-to-rounding", "parameters-altered")
-args = parse(BUGS, keep="master", lr=1e-5)
+args = parse(BUGS, keep="master", lr=1e-5, impl="for-loop", optimizer="adamw", skip_rounding=False)
+IMPL = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[args.impl]
 
 model = make_model().to(torch.bfloat16)
 if args.bug == "update-lost-to-rounding" or args.keep == "none":
     params = list(model.parameters())  # the optimizer steps the bf16 weights themselves
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+    if args.optimizer == "nadam":
+        opt = torch.optim.NAdam(params, lr=args.lr, weight_decay=0.01, **IMPL)
+    else:
+        opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, **IMPL)
 elif args.keep == "stochastic":
     from torchao.optim import _AdamW
 
@@ -35,6 +46,24 @@ elif args.keep == "stochastic":
 else:
     params = [p.detach().float() for p in model.parameters()]  # the float32 master copy
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+if args.skip_rounding:  # the step's update in float32, rounded once into the bf16 weights
+    twins = [p.detach().float() for p in params]
+    twin_opt = torch.optim.AdamW(twins, lr=args.lr, weight_decay=0.01)
+
+    def widen(*_):
+        for t, p in zip(twins, params):
+            t.data.copy_(p.detach())
+            t.grad = p.grad.float()
+            twin_opt.state[t] = {k: v.float().clone() for k, v in opt.state[p].items()}
+
+    def round_once(*_):
+        twin_opt.step()
+        with torch.no_grad():
+            for t, p in zip(twins, params):
+                p.copy_(t)
+
+    opt.register_step_pre_hook(widen)
+    opt.register_step_post_hook(round_once)
 if args.bug == "parameters-altered":
     opt.register_step_post_hook(lambda *_: params[0].data.mul_(1.05))
 

@@ -114,7 +114,8 @@ class MasterWeights:
             exact = self._fp32_step(live, measure)
         else:
             exact = self._float32_step(live, bits)
-        self._lost = [self._count(self.params[i], before[i], exact[i]) if i in exact else None
+        # kahan and stochastic compute the exact update anyway; it is counted only when measured
+        self._lost = [self._count(self.params[i], before[i], exact[i]) if i in exact and i in before else None
                       for i in range(len(self.params))]
 
     def _swap_in(self, live: list[int], values: dict[int, torch.Tensor]) -> dict[int, tuple[torch.Tensor, Any]]:
