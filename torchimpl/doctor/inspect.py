@@ -56,6 +56,7 @@ from torchimpl.precision.diagnostics import Finding, _fp16_norm_problem, _OpScan
 from torchimpl.precision.probe import Fp8Probe, Recorder, is_float8_layer
 from torchimpl.doctor.report import PrecisionReport
 from torchimpl.doctor.stats import Fp8Stats, LayerStats, ParamStats, dtype_name
+from torchimpl.doctor.batch import backward_batch, flushed_batch, forward_batch, param_batch
 from torchimpl.doctor.inner import InnerFindings, scan_module
 from torchimpl.doctor.verdicts import judge, judge_notes, sqnr_floor_db, verify_fixes
 from torchimpl.precision.fp32_modules import apply_fp32_modules
@@ -288,7 +289,7 @@ class _Runner:
             theirs = self.mixed.state_dict()
             for k, v in self.shadow.state_dict().items():
                 v.copy_(theirs[k])
-        self.shadow_opt.load_state_dict(copy.deepcopy(self.opt.state_dict()))
+        _copy_optimizer(self.opt, self.shadow_opt)
 
     def _run(self, model: nn.Module, batch: Any, mixed: bool, rng: dict, scanner: _Scanner | None) -> tuple:
         restore_rng_state(rng)
@@ -418,19 +419,32 @@ class _Runner:
         return ""
 
     def _layers(self, i: int, rec: Recorder, shadow_rec: Recorder, shadow_loss: torch.Tensor) -> None:
-        first, outputs = None, {}
+        """Rule 6: every call's numbers in one pass (``doctor.batch``), then taken in hook order."""
+        outputs: dict[tuple, str] = {}
+        work: list[tuple[str, Any, Any, str | None]] = []  # (module, call, twin, the module it repeats)
         for name in rec.order:
-            stats = self.obs.layers.setdefault(name, LayerStats(name))
             for call, twin in zip(rec.calls[name], shadow_rec.calls.get(name, [])):
                 key = _identity(call.output)
-                if key in outputs:  # the same tensor as an inner module's (a container, a no-op dropout)
-                    stats.same_as = outputs[key]
+                work.append((name, call, twin, outputs.get(key)))
+                outputs.setdefault(key, name)  # the same tensor as an inner module's: a container, a no-op dropout
+        calls = [(c, t) for _, c, t, same in work if same is None]
+        forward = iter(forward_batch([(c.output, t.output) for c, t in calls]))
+        backward = iter(backward_batch([(c.grad, t.grad) for c, t in calls if c.grad is not None and t.grad is not None],
+                                       self.scale, self.obs.keep))
+        first, todo = None, iter(work)
+        pending = next(todo, None)
+        for name in rec.order:
+            stats = self.obs.layers.setdefault(name, LayerStats(name))
+            while pending is not None and pending[0] == name:
+                _, call, twin, same = pending
+                pending = next(todo, None)
+                if same is not None:
+                    stats.same_as = same
                     continue
-                outputs[key] = name
-                if stats.add_forward(call.output, twin.output, i) and first is None:
+                if stats.take_forward(call.output.dtype, next(forward), i) and first is None:
                     first = name
                 if call.grad is not None and twin.grad is not None:
-                    stats.add_backward(call.grad, twin.grad, self.scale, self.obs.keep)
+                    stats.take_backward(next(backward), self.scale)
             if stats.shadow_nonfinite and self.obs.shadow_failed is None:
                 self.obs.shadow_failed, self.obs.shadow_failed_step = name, i
         if self.obs.shadow_failed is None and not bool(torch.isfinite(shadow_loss).all()):
@@ -455,27 +469,30 @@ class _Runner:
         before = {n: p.detach().clone() for n, p in shadow.items()}
         stored = self._stored()
         stored = {n: t.detach().clone() for n, t in stored.items()}
-        finite = True
         with torch.no_grad():
-            for p in mixed.values():
-                if p.grad is not None:
-                    p.grad.div_(self.scale)
-                    finite &= bool(torch.isfinite(p.grad).all())
+            grads = [p.grad for p in mixed.values() if p.grad is not None]
+            for g in grads:
+                g.div_(self.scale)
+            finite = not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
         if all(p.grad is None for p in shadow.values()):
             return True
+        both = [n for n, p in mixed.items() if p.grad is not None and n in shadow and shadow[n].grad is not None]
+        with health.one_thread(self.device):  # rule 3's gradient counts, before a step could touch a gradient
+            flushed = dict(zip(both, flushed_batch([shadow[n].grad for n in both], [mixed[n].grad for n in both])))
         self.shadow_opt.step()
-        grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in mixed.items()}
         if finite:
             if self.master is None:
                 self.opt.step()
             else:
                 self.master.step()  # its own counts are unused: rule 3 counts against the shadow
         after = self._stored() if finite else {}
-        with health.one_thread(self.device):
-            for n, p in mixed.items():
-                sp = shadow.get(n)
-                update = (sp.detach() - before[n]) if sp is not None and sp.grad is not None else None
-                self.obs.params[n].add(stored[n], after.get(n), update, grads[n], sp.grad if sp is not None else None)
+        judged = [n for n in mixed if n in after and n in shadow and shadow[n].grad is not None]
+        with health.one_thread(self.device), torch.no_grad():
+            updates = torch._foreach_sub([shadow[n].detach() for n in judged], [before[n] for n in judged]) \
+                if judged else []
+            lost = dict(zip(judged, param_batch([stored[n] for n in judged], [after[n] for n in judged], updates)))
+        for n in mixed:
+            self.obs.params[n].take(lost.get(n), flushed.get(n))
         return finite
 
     def _stored(self) -> dict[str, torch.Tensor]:
@@ -498,6 +515,47 @@ class _Runner:
         if self.fp8_report is not None:
             out += self.fp8_report.lines()
         return out
+
+
+def _copy_optimizer(src: torch.optim.Optimizer, dst: torch.optim.Optimizer) -> None:
+    """Rule 2: what ``dst.load_state_dict(copy.deepcopy(src.state_dict()))`` does, without a deep
+    copy of every tensor each step: the groups' settings copied; each parameter's state (matched
+    by position, as ``load_state_dict`` matches them) copied into ``dst``'s own tensors, cast as
+    ``load_state_dict`` casts (to the parameter's dtype; ``step`` as it is, or float32 on the
+    parameter's device for a fused or capturable group); a parameter without state left without.
+    A state holding anything but tensors and plain numbers takes ``load_state_dict``'s path."""
+    src_params = [p for g in src.param_groups for p in g["params"]]
+    dst_params = [(p, g) for g in dst.param_groups for p in g["params"]]
+    plain = (int, float, bool, str, type(None))
+    if len(src_params) != len(dst_params) or any(not isinstance(v, (torch.Tensor, *plain))
+                                                 for st in src.state.values() for v in st.values()):
+        dst.load_state_dict(copy.deepcopy(src.state_dict()))
+        return
+    for sg, dg in zip(src.param_groups, dst.param_groups):
+        dg.update({k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", "param_names")})
+    with torch.no_grad():
+        for sp, (dp, group) in zip(src_params, dst_params):
+            state = src.state.get(sp)
+            if not state:
+                dst.state.pop(dp, None)
+                continue
+            mine, new = dst.state.get(dp, {}), {}
+            for k, v in state.items():
+                new[k] = _state_copy(v, dp, k, group, mine.get(k)) if isinstance(v, torch.Tensor) else v
+            dst.state[dp] = new
+
+
+def _state_copy(v: torch.Tensor, param: torch.Tensor, key: str, group: dict, old: Any) -> torch.Tensor:
+    """One state tensor as ``load_state_dict`` casts it, into ``old`` where it has that form."""
+    if key == "step":
+        special = group.get("fused") or group.get("capturable")
+        dtype, device = (torch.float32, param.device) if special else (v.dtype, v.device)
+    else:
+        dtype, device = (param.dtype if param.is_floating_point() else v.dtype), param.device
+    if isinstance(old, torch.Tensor) and old is not v and old.shape == v.shape and old.dtype == dtype \
+            and old.device == device:
+        return old.copy_(v)
+    return v.detach().to(dtype=dtype, device=device, copy=True)
 
 
 def _identity(t: torch.Tensor) -> tuple:

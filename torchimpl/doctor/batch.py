@@ -1,0 +1,220 @@
+"""One step's statistics with few passes over each tensor and one host read for them all.
+
+The numbers are those of ``stats.forward_numbers``, ``stats.backward_numbers`` and
+``ParamStats.add`` (``torchimpl.precision.health``'s rules, tensor by tensor), bit for bit: the
+same counts and maxima, and every float64 sum over the same values in the same order. What
+changes is the work. Rule by rule, a module's output cost some forty passes (each rule its own
+``isfinite``, masks, ``where`` and casts) and a host read per number; here each tensor is read in
+about a dozen passes of arithmetic (signs, products, sums: the vectorised ops), every number of
+the step is stacked and read once, and the rare extras are a second read (``bench/doctor_cost.py``).
+Rules:
+
+1. Finite tensors. Every rule simplifies where both tensors of a pair are finite: ``amax`` is
+   max |x| (``aminmax``, one read), a "finite" mask is all true and ``where(finite, a, 0)`` is
+   ``a``. A pair is known finite from numbers computed anyway: forward, both SQNR sums finite (a
+   non-finite value in either tensor makes one inf or NaN; float32 squares cannot overflow a
+   float64 sum); backward, both maxima finite (``aminmax`` propagates NaN). A pair that is not,
+   is empty or differs in shape is computed by the per-tensor functions (the steps that overflow).
+2. Counts from signs. Of finite x, ``|sign(x)|`` is 1 where x is non-zero: the non-zero count is
+   its sum, and the entries non-zero in x but zero in y number ``nnz(x) - sum |sign(x) sign(y)|``
+   (rules 5 and 6), in float64 (exact for any count below 2^53). Rule 5's cast is the cast itself:
+   ``sign`` of f32(f32(x) * f32(scale)) cast to the format.
+3. Order. Each float64 sum runs over the tensor torch's per-tensor function sums, in its order:
+   the SQNR's over ``.double().reshape(-1)`` (logical order), the masses over ``.double().abs()``
+   (the tensor's own layout).
+4. Extras only where they can be non-zero: rule 4's overflow count where the shadow's amax
+   reaches the threshold, the flushed masses where an entry flushed; both then by the per-tensor
+   functions.
+5. Scale range (rule 10) of a finite float32 gradient: ``low`` depends on the needed-th largest
+   |g| only through its ``frexp`` exponent and whether it is a power of two, which its float32
+   bits give (biased exponent E, mantissa zero or not: ``low = p - E + 126 + (2 if the mantissa
+   is 0 else 1)``). The values ordered by (E, mantissa non-zero) are in the order of |g|, so one
+   histogram of that key, summed from the top, finds the needed-th largest's key. A key of a
+   subnormal (E = 0), or a gradient wider than float32, takes ``health.scale_range``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from torchimpl.doctor.stats import BackwardNumbers, ForwardNumbers, backward_numbers, forward_numbers
+from torchimpl.precision import health
+
+__all__ = ["backward_batch", "flushed_batch", "forward_batch", "param_batch"]
+
+_LOW = (torch.float16, torch.bfloat16)
+_F64 = torch.float64
+
+
+def _read(rows: Sequence[Sequence[torch.Tensor]]) -> list[list[float]]:
+    """The host read: every row's 0-dim tensors in one ``tolist`` (float64 holds each count exactly)."""
+    flat = [x for row in rows for x in row]
+    values = torch.stack([x.to(_F64) for x in flat]).tolist() if flat else []
+    out, k = [], 0
+    for row in rows:
+        out.append(values[k:k + len(row)])
+        k += len(row)
+    return out
+
+
+def _usable(m: torch.Tensor, s: torch.Tensor) -> bool:
+    """Rule 1: the pairs the fast path may take (then known finite after the read)."""
+    return m.shape == s.shape and m.numel() > 0 and s.dtype in (torch.float32, torch.float64)
+
+
+def _nonzero_and_both(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rule 2: (entries non-zero in x, entries non-zero in both), float64 0-dim, for finite x and y."""
+    sx = x.float().sign() if x.dtype != _F64 else x.sign()
+    sy = y.float().sign() if y.dtype != _F64 else y.sign()
+    return sx.abs().sum(dtype=_F64), (sx * sy).abs().sum(dtype=_F64)
+
+
+def _amax_pair(x: torch.Tensor) -> list[torch.Tensor]:
+    lo, hi = torch.aminmax(x.detach())
+    return [lo, hi]
+
+
+def _amax(lo: float, hi: float) -> float:
+    """Rule 1 (``amax``) from ``aminmax`` of a finite tensor (+0.0 for a tensor of zeros, as ``amax``)."""
+    return max(abs(lo), abs(hi))
+
+
+def _sqnr(signal: float, noise: float) -> float:
+    """Rule 8 from its two sums (both finite: rule 1)."""
+    if noise == 0:
+        return math.inf
+    if signal == 0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def forward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[ForwardNumbers]:
+    """``stats.forward_numbers`` for every (mixed, shadow) output pair of a step."""
+    fast = [j for j, (m, s) in enumerate(pairs) if _usable(m, s)]
+    rows = []
+    for j in fast:
+        m, s = (t.detach() for t in pairs[j])
+        r, o = s.double().reshape(-1), m.double().reshape(-1)  # rule 3: health.sqnr_db's tensors
+        d = r - o
+        nonzero, both = _nonzero_and_both(s, m)
+        rows.append([*_amax_pair(m), *_amax_pair(s), (r * r).sum(), (d * d).sum(), nonzero, both,
+                     s.double().abs().sum()])
+    out: dict[int, ForwardNumbers] = {}
+    for j, (lo_m, hi_m, lo_s, hi_s, signal, noise, nonzero, both, total) in zip(fast, _read(rows)):
+        if not (math.isfinite(signal) and math.isfinite(noise)):
+            continue  # rule 1: tensor by tensor
+        m, s = pairs[j]
+        amax_s = _amax(lo_s, hi_s)
+        over = 0
+        if m.dtype in _LOW and amax_s >= health._overflow_threshold(m.dtype)[0]:  # rule 4
+            over = health.overflow_count(s, m.dtype)
+        lost = int(nonzero - both)
+        mass = health.flushed_mass(s, m) if lost else (0.0, total)  # rule 4: nothing flushed weighs 0.0
+        out[j] = ForwardNumbers(_amax(lo_m, hi_m), amax_s, _sqnr(signal, noise), False, False, over,
+                                (lost, int(nonzero)), mass)
+    return [out[j] if j in out else forward_numbers(*pairs[j]) for j in range(len(pairs))]
+
+
+def _exponent_keys(g: torch.Tensor) -> torch.Tensor:
+    """Rule 5: 2 E + (mantissa non-zero) of each |g| (float32), in [0, 512)."""
+    bits = g.abs().contiguous().view(torch.int32).reshape(-1)
+    mantissa_nonzero = ((bits & 0x7FFFFF) + 0x7FFFFF) >> 23
+    return ((bits >> 23) << 1) + mantissa_nonzero
+
+
+def _needed_key(g: torch.Tensor, nonzero: torch.Tensor, keep: float) -> torch.Tensor:
+    """Rule 5: the key of the needed-th largest |g| (needed = ceil(keep n), n the non-zero count)."""
+    hist = torch.bincount(_exponent_keys(g), minlength=512)
+    from_top = hist.flip(0).cumsum(0)
+    needed = torch.ceil(nonzero * keep).to(torch.int64).clamp_min(1)
+    return 511 - torch.searchsorted(from_top, needed)
+
+
+def _low_from_key(key: int, dtype: torch.dtype) -> int:
+    p = round(math.log2(health._facts(dtype)[2])) - 1
+    return p - (key >> 1) + 126 + (1 if key & 1 else 2)
+
+
+def _high(top: float, dtype: torch.dtype) -> int:
+    """Rule 10's ``high`` from the largest |g| (``health.scale_range``'s formula)."""
+    top_value = health._facts(dtype)[0]
+    f, e = math.frexp(top)
+    high = math.frexp(top_value)[1] - e
+    while math.ldexp(f, e + high) > top_value:
+        high -= 1
+    return high
+
+
+def backward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: float,
+                   keep: float) -> list[BackwardNumbers]:
+    """``stats.backward_numbers`` for every (mixed at the loss scale, shadow) gradient pair of a step."""
+    if not 0.0 < keep <= 1.0:
+        raise ValueError(f"keep must be in (0, 1], got {keep!r}")
+    fast = [j for j, (m, s) in enumerate(pairs) if _usable(m, s)]
+    rows = []
+    for j in fast:
+        m, g = (t.detach() for t in pairs[j])
+        nonzero, both = _nonzero_and_both(g, m)
+        row = [*_amax_pair(m), *_amax_pair(g), nonzero, both]
+        if m.dtype in _LOW:  # rules 5, 13 and 10 at the step's scale
+            cast = (g.float() * torch.tensor(scale, dtype=torch.float32, device=g.device)).to(m.dtype)
+            _, kept = _nonzero_and_both(g, cast)
+            key = _needed_key(g, nonzero, keep) if g.dtype == torch.float32 else torch.zeros((), device=g.device)
+            row += [kept, g.double().abs().sum(), key]
+        rows.append(row)
+    out: dict[int, BackwardNumbers] = {}
+    for j, values in zip(fast, _read(rows)):
+        lo_m, hi_m, lo_g, hi_g, nonzero, both = values[:6]
+        if not all(math.isfinite(v) for v in (lo_m, hi_m, lo_g, hi_g)):
+            continue  # rule 1: tensor by tensor
+        m, g = pairs[j]
+        n, flushed = int(nonzero), (int(nonzero - both), int(nonzero))
+        if m.dtype not in _LOW:
+            out[j] = BackwardNumbers(_amax(lo_m, hi_m), flushed, None, None, None)
+            continue
+        kept, total, key = values[6:]
+        lost = n - int(kept)
+        mass = health.underflow_mass(g, m.dtype, scale) if lost else (0.0, total)
+        out[j] = BackwardNumbers(_amax(lo_m, hi_m), flushed, (lost, n), mass,
+                                 _scale_range(g, m.dtype, keep, n, _amax(lo_g, hi_g), int(key)))
+    return [out[j] if j in out else backward_numbers(*pairs[j], scale, keep) for j in range(len(pairs))]
+
+
+def _scale_range(g: torch.Tensor, dtype: torch.dtype, keep: float, n: int, top: float,
+                 key: int) -> health.ScaleRange:
+    """Rule 5 (``health.scale_range`` where the key cannot say)."""
+    if n == 0:
+        return health.ScaleRange(None, None)
+    if g.dtype != torch.float32 or key >> 1 == 0:
+        return health.scale_range(g, dtype, keep)
+    return health.ScaleRange(_low_from_key(key, dtype), _high(top, dtype))
+
+
+def param_batch(stored: Sequence[torch.Tensor], after: Sequence[torch.Tensor],
+                update: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """``health.applied_lost_count`` for each (stored, after, exact update) triple (rule 12), one read."""
+    rows = []
+    for b, a, e in zip(stored, after, update):
+        if b.shape != a.shape or b.dtype != a.dtype or e.shape != b.shape:
+            raise ValueError(f"before {b.dtype}{list(b.shape)}, after {a.dtype}{list(a.shape)} and exact "
+                             f"{list(e.shape)} must be one parameter's: same dtype and shape")
+        width = health._BITS[b.element_size()]
+        ed = e.detach()
+        counted = torch.isfinite(ed) & (ed != 0)
+        same = b.detach().reshape(-1).view(width) == a.detach().reshape(-1).view(width)
+        rows.append([(counted.reshape(-1) & same).sum(), counted.sum()])
+    return [(int(x), int(y)) for x, y in _read(rows)]
+
+
+def flushed_batch(shadow: Sequence[torch.Tensor], mixed: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """``health.flushed_count`` for each (shadow, mixed) pair (rule 6), one read."""
+    rows = []
+    for r, o in zip(shadow, mixed):
+        if r.shape != o.shape:
+            raise ValueError(f"reference has shape {tuple(r.shape)} but observed has {tuple(o.shape)}")
+        live = torch.isfinite(r.detach()) & (r.detach() != 0)
+        rows.append([(live & (o.detach() == 0)).sum(), live.sum()])
+    return [(int(x), int(y)) for x, y in _read(rows)]
