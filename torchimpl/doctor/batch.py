@@ -43,7 +43,7 @@ import torch
 from torchimpl.doctor.stats import BackwardNumbers, ForwardNumbers, backward_numbers, forward_numbers
 from torchimpl.precision import health
 
-__all__ = ["backward_batch", "flushed_batch", "forward_batch", "param_batch"]
+__all__ = ["backward_batch", "forward_batch", "grad_batch", "param_batch"]
 
 _LOW = (torch.float16, torch.bfloat16)
 _F64 = torch.float64
@@ -52,7 +52,7 @@ _F64 = torch.float64
 def _read(rows: Sequence[Sequence[torch.Tensor]]) -> list[list[float]]:
     """The host read: every row's 0-dim tensors in one ``tolist`` (float64 holds each count exactly)."""
     flat = [x for row in rows for x in row]
-    values = torch.stack([x.to(_F64) for x in flat]).tolist() if flat else []
+    values = torch.stack(flat).tolist() if flat else []  # stack promotes every entry to float64
     out, k = [], 0
     for row in rows:
         out.append(values[k:k + len(row)])
@@ -65,14 +65,47 @@ def _usable(m: torch.Tensor, s: torch.Tensor) -> bool:
     return m.shape == s.shape and m.numel() > 0 and s.dtype in (torch.float32, torch.float64)
 
 
+def _sign(x: torch.Tensor) -> torch.Tensor:
+    """Rule 2: sign(x), computed in float32 for 16-bit x (its vectorised kernels)."""
+    x = x.detach()
+    return x.sign() if x.dtype in (torch.float32, _F64) else x.float().sign()
+
+
+def _nonzero(sx: torch.Tensor) -> torch.Tensor:
+    """Rule 2: how many entries of sign(x) are non-zero (float64 0-dim)."""
+    return sx.abs().sum(dtype=_F64)
+
+
+def _both(sx: torch.Tensor, sy: torch.Tensor) -> torch.Tensor:
+    """Rule 2: how many entries are non-zero in both (float64 0-dim)."""
+    return (sx * sy).abs().sum(dtype=_F64)
+
+
 def _nonzero_and_both(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rule 2: (entries non-zero in x, entries non-zero in both), float64 0-dim, for finite x and y."""
-    sx = x.float().sign() if x.dtype != _F64 else x.sign()
-    sy = y.float().sign() if y.dtype != _F64 else y.sign()
-    return sx.abs().sum(dtype=_F64), (sx * sy).abs().sum(dtype=_F64)
+    sx = _sign(x)
+    return _nonzero(sx), _both(sx, _sign(y))
+
+
+def _cast(g: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Rule 5's cast: f32(f32(g) * f32(scale)) into ``dtype``."""
+    return (g.float() * torch.tensor(scale, dtype=torch.float32, device=g.device)).to(dtype)
+
+
+def _lost_mass(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Rules 13-14 for finite x: the float64 sum of |x| where x is non-zero and y is zero, over
+    ``x.double().abs()`` in its own layout (the per-tensor ``where(lost, |x|, 0)``'s values: |x|
+    times a 0/1 indicator is |x| or +0.0)."""
+    sx = _sign(x)
+    lost = sx.abs() - (sx * _sign(y)).abs()
+    return float((x.detach().double().abs() * lost).sum())
 
 
 def _amax_pair(x: torch.Tensor) -> list[torch.Tensor]:
+    """``aminmax`` (an empty tensor: zeros, as ``amax`` gives 0.0 and nothing is non-finite)."""
+    if x.numel() == 0:
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        return [zero, zero]
     lo, hi = torch.aminmax(x.detach())
     return [lo, hi]
 
@@ -97,11 +130,12 @@ def forward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Fo
     rows = []
     for j in fast:
         m, s = (t.detach() for t in pairs[j])
-        r, o = s.double().reshape(-1), m.double().reshape(-1)  # rule 3: health.sqnr_db's tensors
+        s64 = s.double()  # rule 3: the masses' tensor, in s's layout
+        r, o = s64.reshape(-1), m.double().reshape(-1)  # and health.sqnr_db's, in logical order
         d = r - o
         nonzero, both = _nonzero_and_both(s, m)
         rows.append([*_amax_pair(m), *_amax_pair(s), (r * r).sum(), (d * d).sum(), nonzero, both,
-                     s.double().abs().sum()])
+                     s64.abs().sum()])
     out: dict[int, ForwardNumbers] = {}
     for j, (lo_m, hi_m, lo_s, hi_s, signal, noise, nonzero, both, total) in zip(fast, _read(rows)):
         if not (math.isfinite(signal) and math.isfinite(noise)):
@@ -112,30 +146,32 @@ def forward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Fo
         if m.dtype in _LOW and amax_s >= health._overflow_threshold(m.dtype)[0]:  # rule 4
             over = health.overflow_count(s, m.dtype)
         lost = int(nonzero - both)
-        mass = health.flushed_mass(s, m) if lost else (0.0, total)  # rule 4: nothing flushed weighs 0.0
+        mass = (_lost_mass(s, m), total) if lost else (0.0, total)  # rule 4: nothing flushed weighs 0.0
         out[j] = ForwardNumbers(_amax(lo_m, hi_m), amax_s, _sqnr(signal, noise), False, False, over,
                                 (lost, int(nonzero)), mass)
     return [out[j] if j in out else forward_numbers(*pairs[j]) for j in range(len(pairs))]
 
 
 def _exponent_keys(g: torch.Tensor) -> torch.Tensor:
-    """Rule 5: 2 E + (mantissa non-zero) of each |g| (float32), in [0, 512)."""
-    bits = g.abs().contiguous().view(torch.int32).reshape(-1)
-    mantissa_nonzero = ((bits & 0x7FFFFF) + 0x7FFFFF) >> 23
-    return ((bits >> 23) << 1) + mantissa_nonzero
+    """Rule 5: E + (mantissa non-zero) of each |g| (float32 bits; in [0, 256) for finite g). Two
+    values with equal keys have equal ``low``: (E, mantissa non-zero) and (E + 1, mantissa zero)
+    share ``p - E + 127``."""
+    bits = g.detach().contiguous().view(torch.int32).reshape(-1) & 0x7FFFFFFF
+    bits.clamp_max_(0x7F800000)  # ±inf and NaN (taken tensor by tensor) must not overflow the sum below
+    return (bits + 0x7FFFFF) >> 23
 
 
 def _needed_key(g: torch.Tensor, nonzero: torch.Tensor, keep: float) -> torch.Tensor:
     """Rule 5: the key of the needed-th largest |g| (needed = ceil(keep n), n the non-zero count)."""
-    hist = torch.bincount(_exponent_keys(g), minlength=512)
-    from_top = hist.flip(0).cumsum(0)
+    from_top = torch.bincount(_exponent_keys(g), minlength=256).flip(0).cumsum(0)
     needed = torch.ceil(nonzero * keep).to(torch.int64).clamp_min(1)
-    return 511 - torch.searchsorted(from_top, needed)
+    return 255 - torch.searchsorted(from_top, needed)
 
 
 def _low_from_key(key: int, dtype: torch.dtype) -> int:
+    """Rule 5: ``p - E + 126 + (2 if the mantissa is 0 else 1)`` = ``p + 128 - key``."""
     p = round(math.log2(health._facts(dtype)[2])) - 1
-    return p - (key >> 1) + 126 + (1 if key & 1 else 2)
+    return p + 128 - key
 
 
 def _high(top: float, dtype: torch.dtype) -> int:
@@ -157,11 +193,11 @@ def backward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: fl
     rows = []
     for j in fast:
         m, g = (t.detach() for t in pairs[j])
-        nonzero, both = _nonzero_and_both(g, m)
-        row = [*_amax_pair(m), *_amax_pair(g), nonzero, both]
+        sg = _sign(g)
+        nonzero = _nonzero(sg)
+        row = [*_amax_pair(m), *_amax_pair(g), nonzero, _both(sg, _sign(m))]
         if m.dtype in _LOW:  # rules 5, 13 and 10 at the step's scale
-            cast = (g.float() * torch.tensor(scale, dtype=torch.float32, device=g.device)).to(m.dtype)
-            _, kept = _nonzero_and_both(g, cast)
+            kept = _both(sg, _sign(_cast(g, m.dtype, scale)))
             key = _needed_key(g, nonzero, keep) if g.dtype == torch.float32 else torch.zeros((), device=g.device)
             row += [kept, g.double().abs().sum(), key]
         rows.append(row)
@@ -177,7 +213,7 @@ def backward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: fl
             continue
         kept, total, key = values[6:]
         lost = n - int(kept)
-        mass = health.underflow_mass(g, m.dtype, scale) if lost else (0.0, total)
+        mass = (_lost_mass(g, _cast(g, m.dtype, scale)), total) if lost else (0.0, total)
         out[j] = BackwardNumbers(_amax(lo_m, hi_m), flushed, (lost, n), mass,
                                  _scale_range(g, m.dtype, keep, n, _amax(lo_g, hi_g), int(key)))
     return [out[j] if j in out else backward_numbers(*pairs[j], scale, keep) for j in range(len(pairs))]
@@ -188,33 +224,55 @@ def _scale_range(g: torch.Tensor, dtype: torch.dtype, keep: float, n: int, top: 
     """Rule 5 (``health.scale_range`` where the key cannot say)."""
     if n == 0:
         return health.ScaleRange(None, None)
-    if g.dtype != torch.float32 or key >> 1 == 0:
+    if g.dtype != torch.float32 or key <= 1:  # a subnormal (or the smallest normal, which shares its key)
         return health.scale_range(g, dtype, keep)
     return health.ScaleRange(_low_from_key(key, dtype), _high(top, dtype))
 
 
 def param_batch(stored: Sequence[torch.Tensor], after: Sequence[torch.Tensor],
                 update: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-    """``health.applied_lost_count`` for each (stored, after, exact update) triple (rule 12), one read."""
+    """``health.applied_lost_count`` for each (stored, after, exact update) triple (rule 12), one
+    read: of a finite update, the counted entries are its non-zero ones and the lost ones those
+    whose stored bits did not change (rule 2: the sign of the bits' difference, as integers of the
+    dtype's width, is 0 exactly where they are equal)."""
     rows = []
     for b, a, e in zip(stored, after, update):
         if b.shape != a.shape or b.dtype != a.dtype or e.shape != b.shape:
             raise ValueError(f"before {b.dtype}{list(b.shape)}, after {a.dtype}{list(a.shape)} and exact "
                              f"{list(e.shape)} must be one parameter's: same dtype and shape")
         width = health._BITS[b.element_size()]
-        ed = e.detach()
-        counted = torch.isfinite(ed) & (ed != 0)
-        same = b.detach().reshape(-1).view(width) == a.detach().reshape(-1).view(width)
-        rows.append([(counted.reshape(-1) & same).sum(), counted.sum()])
-    return [(int(x), int(y)) for x, y in _read(rows)]
+        changed = (a.detach().reshape(-1).view(width) - b.detach().reshape(-1).view(width)).sign()
+        counted, changed_counted = _nonzero_and_both(e.detach().reshape(-1), changed)
+        rows.append([*_amax_pair(e), counted, changed_counted])
+    out = []
+    for (b, a, e), (lo, hi, counted, changed_counted) in zip(zip(stored, after, update), _read(rows)):
+        if math.isfinite(lo) and math.isfinite(hi):
+            out.append((int(counted - changed_counted), int(counted)))
+        else:  # rule 1: tensor by tensor
+            out.append(health.applied_lost_count(b, a, e))
+    return out
 
 
-def flushed_batch(shadow: Sequence[torch.Tensor], mixed: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-    """``health.flushed_count`` for each (shadow, mixed) pair (rule 6), one read."""
+def grad_batch(mixed: Sequence[torch.Tensor], shadow: Sequence[torch.Tensor | None]
+               ) -> tuple[bool, list[tuple[int, int] | None]]:
+    """Whether every mixed gradient is finite, and ``health.flushed_count(shadow, mixed)`` of each
+    pair with a shadow gradient (rule 6), in one read."""
     rows = []
-    for r, o in zip(shadow, mixed):
-        if r.shape != o.shape:
-            raise ValueError(f"reference has shape {tuple(r.shape)} but observed has {tuple(o.shape)}")
-        live = torch.isfinite(r.detach()) & (r.detach() != 0)
-        rows.append([(live & (o.detach() == 0)).sum(), live.sum()])
-    return [(int(x), int(y)) for x, y in _read(rows)]
+    for o, r in zip(mixed, shadow):
+        row = _amax_pair(o)
+        if r is not None:
+            if r.shape != o.shape:
+                raise ValueError(f"reference has shape {tuple(r.shape)} but observed has {tuple(o.shape)}")
+            row += [*_amax_pair(r), *_nonzero_and_both(r.detach(), o.detach())]
+        rows.append(row)
+    read = _read(rows)
+    finite = all(math.isfinite(v[0]) and math.isfinite(v[1]) for v in read)
+    counts: list[tuple[int, int] | None] = []
+    for o, r, v in zip(mixed, shadow, read):
+        if r is None:
+            counts.append(None)
+        elif all(math.isfinite(x) for x in v):
+            counts.append((int(v[4] - v[5]), int(v[4])))
+        else:  # rule 1: tensor by tensor
+            counts.append(health.flushed_count(r, o))
+    return finite, counts

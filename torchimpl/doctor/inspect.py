@@ -56,7 +56,7 @@ from torchimpl.precision.diagnostics import Finding, _fp16_norm_problem, _OpScan
 from torchimpl.precision.probe import Fp8Probe, Recorder, is_float8_layer
 from torchimpl.doctor.report import PrecisionReport
 from torchimpl.doctor.stats import Fp8Stats, LayerStats, ParamStats, dtype_name
-from torchimpl.doctor.batch import backward_batch, flushed_batch, forward_batch, param_batch
+from torchimpl.doctor.batch import backward_batch, forward_batch, grad_batch, param_batch
 from torchimpl.doctor.inner import InnerFindings, scan_module
 from torchimpl.doctor.verdicts import judge, judge_notes, sqnr_floor_db, verify_fixes
 from torchimpl.precision.fp32_modules import apply_fp32_modules
@@ -470,15 +470,16 @@ class _Runner:
         stored = self._stored()
         stored = {n: t.detach().clone() for n, t in stored.items()}
         with torch.no_grad():
-            grads = [p.grad for p in mixed.values() if p.grad is not None]
-            for g in grads:
-                g.div_(self.scale)
-            finite = not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+            for p in mixed.values():
+                if p.grad is not None:
+                    p.grad.div_(self.scale)
         if all(p.grad is None for p in shadow.values()):
             return True
-        both = [n for n, p in mixed.items() if p.grad is not None and n in shadow and shadow[n].grad is not None]
+        named = [(n, p.grad) for n, p in mixed.items() if p.grad is not None]
         with health.one_thread(self.device):  # rule 3's gradient counts, before a step could touch a gradient
-            flushed = dict(zip(both, flushed_batch([shadow[n].grad for n in both], [mixed[n].grad for n in both])))
+            finite, counts = grad_batch([g for _, g in named], [shadow[n].grad if n in shadow else None
+                                                                for n, _ in named])
+        flushed = {n: c for (n, _), c in zip(named, counts) if c is not None}
         self.shadow_opt.step()
         if finite:
             if self.master is None:
