@@ -35,6 +35,7 @@ Rules:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -229,50 +230,82 @@ def _scale_range(g: torch.Tensor, dtype: torch.dtype, keep: float, n: int, top: 
     return health.ScaleRange(_low_from_key(key, dtype), _high(top, dtype))
 
 
+def _segment_counts(values: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Tensor:
+    """Each flat 0/1 value's sum over consecutive segments of ``sizes``: (values, segments) float64,
+    exact (one running sum each; its partial sums are integers below 2^53)."""
+    device = values[0].device
+    edges = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64, device=device)
+    rows = []
+    for v in values:
+        c = torch.cat([torch.zeros(1, dtype=_F64, device=device), v.reshape(-1).cumsum(0, dtype=_F64)])
+        rows.append(c[edges[1:]] - c[edges[:-1]])
+    return torch.stack(rows)
+
+
+def _flat_cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
 def param_batch(stored: Sequence[torch.Tensor], after: Sequence[torch.Tensor],
                 update: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-    """``health.applied_lost_count`` for each (stored, after, exact update) triple (rule 12), one
-    read: of a finite update, the counted entries are its non-zero ones and the lost ones those
-    whose stored bits did not change (rule 2: the sign of the bits' difference, as integers of the
-    dtype's width, is 0 exactly where they are equal)."""
-    rows = []
+    """``health.applied_lost_count`` for each (stored, after, exact update) triple (rule 12): the
+    parameters of one dtype joined, one read. Of a finite update, the counted entries are its
+    non-zero ones and the lost ones those whose stored bits did not change (rule 2: the sign of
+    the bits' difference, as integers of the dtype's width, is 0 exactly where they are equal)."""
     for b, a, e in zip(stored, after, update):
         if b.shape != a.shape or b.dtype != a.dtype or e.shape != b.shape:
             raise ValueError(f"before {b.dtype}{list(b.shape)}, after {a.dtype}{list(a.shape)} and exact "
                              f"{list(e.shape)} must be one parameter's: same dtype and shape")
-        width = health._BITS[b.element_size()]
-        changed = (a.detach().reshape(-1).view(width) - b.detach().reshape(-1).view(width)).sign()
-        counted, changed_counted = _nonzero_and_both(e.detach().reshape(-1), changed)
-        rows.append([*_amax_pair(e), counted, changed_counted])
-    out = []
-    for (b, a, e), (lo, hi, counted, changed_counted) in zip(zip(stored, after, update), _read(rows)):
-        if math.isfinite(lo) and math.isfinite(hi):
-            out.append((int(counted - changed_counted), int(counted)))
-        else:  # rule 1: tensor by tensor
-            out.append(health.applied_lost_count(b, a, e))
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, b in enumerate(stored):
+        groups.setdefault(b.dtype, []).append(i)
+    pending = []
+    for group in groups.values():
+        width = health._BITS[stored[group[0]].element_size()]
+        changed = (_flat_cat([after[i] for i in group]).view(width)
+                   - _flat_cat([stored[i] for i in group]).view(width)).sign()
+        e = _flat_cat([update[i] for i in group])
+        se = _sign(e)
+        counts = _segment_counts([se.abs(), (se * changed).abs()], [stored[i].numel() for i in group])
+        pending.append((group, torch.cat([torch.stack(_amax_pair(e)).to(_F64), counts.reshape(-1)])))
+    read = torch.cat([v for _, v in pending]).tolist() if pending else []
+    out: list[tuple[int, int]] = [(0, 0)] * len(stored)
+    k = 0
+    for group, v in pending:
+        lo, hi = read[k], read[k + 1]
+        counted, changed = read[k + 2:k + 2 + len(group)], read[k + 2 + len(group):k + 2 + 2 * len(group)]
+        k += 2 + 2 * len(group)
+        for i, c, ch in zip(group, counted, changed):
+            finite = math.isfinite(lo) and math.isfinite(hi)  # rule 1, else tensor by tensor
+            out[i] = (int(c - ch), int(c)) if finite else health.applied_lost_count(stored[i], after[i], update[i])
     return out
 
 
 def grad_batch(mixed: Sequence[torch.Tensor], shadow: Sequence[torch.Tensor | None]
                ) -> tuple[bool, list[tuple[int, int] | None]]:
     """Whether every mixed gradient is finite, and ``health.flushed_count(shadow, mixed)`` of each
-    pair with a shadow gradient (rule 6), in one read."""
-    rows = []
-    for o, r in zip(mixed, shadow):
-        row = _amax_pair(o)
-        if r is not None:
-            if r.shape != o.shape:
-                raise ValueError(f"reference has shape {tuple(r.shape)} but observed has {tuple(o.shape)}")
-            row += [*_amax_pair(r), *_nonzero_and_both(r.detach(), o.detach())]
-        rows.append(row)
-    read = _read(rows)
-    finite = all(math.isfinite(v[0]) and math.isfinite(v[1]) for v in read)
-    counts: list[tuple[int, int] | None] = []
-    for o, r, v in zip(mixed, shadow, read):
-        if r is None:
-            counts.append(None)
-        elif all(math.isfinite(x) for x in v):
-            counts.append((int(v[4] - v[5]), int(v[4])))
-        else:  # rule 1: tensor by tensor
-            counts.append(health.flushed_count(r, o))
+    pair with a shadow gradient (rule 6): the gradients joined, one read."""
+    if not mixed:
+        return True, []
+    pairs = [j for j, r in enumerate(shadow) if r is not None]
+    for j in pairs:
+        if shadow[j].shape != mixed[j].shape:  # type: ignore[union-attr]
+            raise ValueError(f"reference has shape {tuple(shadow[j].shape)} but observed has {tuple(mixed[j].shape)}")
+    o_all = _flat_cat(mixed)
+    parts = [torch.stack(_amax_pair(o_all)).to(_F64)]
+    if pairs:
+        o = o_all if len(pairs) == len(mixed) else _flat_cat([mixed[j] for j in pairs])
+        r = _flat_cat([shadow[j] for j in pairs])  # type: ignore[misc]
+        sr = _sign(r)
+        parts += [torch.stack(_amax_pair(r)).to(_F64),
+                  _segment_counts([sr.abs(), (sr * _sign(o)).abs()], [mixed[j].numel() for j in pairs]).reshape(-1)]
+    read = torch.cat(parts).tolist()
+    finite = math.isfinite(read[0]) and math.isfinite(read[1])
+    counts: list[tuple[int, int] | None] = [None] * len(mixed)
+    if pairs:
+        fast = finite and math.isfinite(read[2]) and math.isfinite(read[3])  # rule 1
+        nonzero, both = read[4:4 + len(pairs)], read[4 + len(pairs):]
+        for k, j in enumerate(pairs):
+            counts[j] = (int(nonzero[k] - both[k]), int(nonzero[k])) if fast else \
+                health.flushed_count(shadow[j], mixed[j])  # type: ignore[arg-type]
     return finite, counts

@@ -57,6 +57,7 @@ from torchimpl.precision.probe import Fp8Probe, Recorder, is_float8_layer
 from torchimpl.doctor.report import PrecisionReport
 from torchimpl.doctor.stats import Fp8Stats, LayerStats, ParamStats, dtype_name
 from torchimpl.doctor.batch import backward_batch, forward_batch, grad_batch, param_batch
+from torchimpl.doctor.shadow import copy_optimizer
 from torchimpl.doctor.inner import InnerFindings, scan_module
 from torchimpl.doctor.verdicts import judge, judge_notes, sqnr_floor_db, verify_fixes
 from torchimpl.precision.fp32_modules import apply_fp32_modules
@@ -289,7 +290,7 @@ class _Runner:
             theirs = self.mixed.state_dict()
             for k, v in self.shadow.state_dict().items():
                 v.copy_(theirs[k])
-        _copy_optimizer(self.opt, self.shadow_opt)
+        copy_optimizer(self.opt, self.shadow_opt)
 
     def _run(self, model: nn.Module, batch: Any, mixed: bool, rng: dict, scanner: _Scanner | None) -> tuple:
         restore_rng_state(rng)
@@ -516,47 +517,6 @@ class _Runner:
         if self.fp8_report is not None:
             out += self.fp8_report.lines()
         return out
-
-
-def _copy_optimizer(src: torch.optim.Optimizer, dst: torch.optim.Optimizer) -> None:
-    """Rule 2: what ``dst.load_state_dict(copy.deepcopy(src.state_dict()))`` does, without a deep
-    copy of every tensor each step: the groups' settings copied; each parameter's state (matched
-    by position, as ``load_state_dict`` matches them) copied into ``dst``'s own tensors, cast as
-    ``load_state_dict`` casts (to the parameter's dtype; ``step`` as it is, or float32 on the
-    parameter's device for a fused or capturable group); a parameter without state left without.
-    A state holding anything but tensors and plain numbers takes ``load_state_dict``'s path."""
-    src_params = [p for g in src.param_groups for p in g["params"]]
-    dst_params = [(p, g) for g in dst.param_groups for p in g["params"]]
-    plain = (int, float, bool, str, type(None))
-    if len(src_params) != len(dst_params) or any(not isinstance(v, (torch.Tensor, *plain))
-                                                 for st in src.state.values() for v in st.values()):
-        dst.load_state_dict(copy.deepcopy(src.state_dict()))
-        return
-    for sg, dg in zip(src.param_groups, dst.param_groups):
-        dg.update({k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", "param_names")})
-    with torch.no_grad():
-        for sp, (dp, group) in zip(src_params, dst_params):
-            state = src.state.get(sp)
-            if not state:
-                dst.state.pop(dp, None)
-                continue
-            mine, new = dst.state.get(dp, {}), {}
-            for k, v in state.items():
-                new[k] = _state_copy(v, dp, k, group, mine.get(k)) if isinstance(v, torch.Tensor) else v
-            dst.state[dp] = new
-
-
-def _state_copy(v: torch.Tensor, param: torch.Tensor, key: str, group: dict, old: Any) -> torch.Tensor:
-    """One state tensor as ``load_state_dict`` casts it, into ``old`` where it has that form."""
-    if key == "step":
-        special = group.get("fused") or group.get("capturable")
-        dtype, device = (torch.float32, param.device) if special else (v.dtype, v.device)
-    else:
-        dtype, device = (param.dtype if param.is_floating_point() else v.dtype), param.device
-    if isinstance(old, torch.Tensor) and old is not v and old.shape == v.shape and old.dtype == dtype \
-            and old.device == device:
-        return old.copy_(v)
-    return v.detach().to(dtype=dtype, device=device, copy=True)
 
 
 def _identity(t: torch.Tensor) -> tuple:
