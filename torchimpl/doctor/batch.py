@@ -50,10 +50,20 @@ _LOW = (torch.float16, torch.bfloat16)
 _F64 = torch.float64
 
 
+def _values(flat: Sequence[torch.Tensor]) -> list[float]:
+    """``_read``'s one read of a flat list of 0-dim tensors."""
+    if not flat:
+        return []
+    if flat[0].device.type == "cpu":
+        return [float(x) for x in flat]
+    return torch.stack(list(flat)).tolist()  # stack promotes every entry to float64
+
+
 def _read(rows: Sequence[Sequence[torch.Tensor]]) -> list[list[float]]:
-    """The host read: every row's 0-dim tensors in one ``tolist`` (float64 holds each count exactly)."""
-    flat = [x for row in rows for x in row]
-    values = torch.stack(flat).tolist() if flat else []  # stack promotes every entry to float64
+    """The host read of every row's 0-dim tensors: one ``tolist`` of them stacked (float64 holds
+    each count exactly) on an accelerator, where each read is a sync; on a CPU, where a read is a
+    load and stacking a few hundred scalars of mixed dtypes costs more, each value read as it is."""
+    values = _values([x for row in rows for x in row])
     out, k = [], 0
     for row in rows:
         out.append(values[k:k + len(row)])
@@ -240,16 +250,11 @@ def _scale_range(g: torch.Tensor, dtype: torch.dtype, keep: float, n: int, top: 
     return health.ScaleRange(_low_from_key(key, dtype), _high(top, dtype))
 
 
-def _segment_counts(values: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Tensor:
-    """Each flat 0/1 value's sum over consecutive segments of ``sizes``: (values, segments) float64,
-    exact (one running sum each; its partial sums are integers below 2^53)."""
-    device = values[0].device
-    edges = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64, device=device)
-    rows = []
-    for v in values:
-        c = torch.cat([torch.zeros(1, dtype=_F64, device=device), v.reshape(-1).cumsum(0, dtype=_F64)])
-        rows.append(c[edges[1:]] - c[edges[:-1]])
-    return torch.stack(rows)
+def _segment_counts(values: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Each flat -1/0/1 value's non-zero count over consecutive segments of ``sizes``, value by
+    value: one ``_count`` per slice (a running sum over all of them costs more)."""
+    edges = list(itertools.accumulate(sizes, initial=0))
+    return [_count(v[a:b]) for v in values for a, b in zip(edges, edges[1:])]
 
 
 def _flat_cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -276,9 +281,9 @@ def param_batch(stored: Sequence[torch.Tensor], after: Sequence[torch.Tensor],
                    - _flat_cat([stored[i] for i in group]).view(width)).sign()
         e = _flat_cat([update[i] for i in group])
         se = _sign(e)
-        counts = _segment_counts([se.abs(), (se * changed).abs()], [stored[i].numel() for i in group])
-        pending.append((group, torch.cat([torch.stack(_amax_pair(e)).to(_F64), counts.reshape(-1)])))
-    read = torch.cat([v for _, v in pending]).tolist() if pending else []
+        counts = _segment_counts([se, se * changed], [stored[i].numel() for i in group])
+        pending.append((group, [*_amax_pair(e), *counts]))
+    read = _values([x for _, v in pending for x in v])
     out: list[tuple[int, int]] = [(0, 0)] * len(stored)
     k = 0
     for group, v in pending:
@@ -302,14 +307,13 @@ def grad_batch(mixed: Sequence[torch.Tensor], shadow: Sequence[torch.Tensor | No
         if shadow[j].shape != mixed[j].shape:  # type: ignore[union-attr]
             raise ValueError(f"reference has shape {tuple(shadow[j].shape)} but observed has {tuple(mixed[j].shape)}")
     o_all = _flat_cat(mixed)
-    parts = [torch.stack(_amax_pair(o_all)).to(_F64)]
+    parts = _amax_pair(o_all)
     if pairs:
         o = o_all if len(pairs) == len(mixed) else _flat_cat([mixed[j] for j in pairs])
         r = _flat_cat([shadow[j] for j in pairs])  # type: ignore[misc]
         sr = _sign(r)
-        parts += [torch.stack(_amax_pair(r)).to(_F64),
-                  _segment_counts([sr.abs(), (sr * _sign(o)).abs()], [mixed[j].numel() for j in pairs]).reshape(-1)]
-    read = torch.cat(parts).tolist()
+        parts += [*_amax_pair(r), *_segment_counts([sr, sr * _sign(o)], [mixed[j].numel() for j in pairs])]
+    read = _values(parts)
     finite = math.isfinite(read[0]) and math.isfinite(read[1])
     counts: list[tuple[int, int] | None] = [None] * len(mixed)
     if pairs:
