@@ -113,13 +113,11 @@ def _cast(g: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     return (g.float() * torch.tensor(scale, dtype=torch.float32, device=g.device)).to(dtype)
 
 
-def _lost_mass(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Rules 13-14 for finite x: the float64 sum of |x| where x is non-zero and y is zero, over
-    ``x.double().abs()`` in its own layout (the per-tensor ``where(lost, |x|, 0)``'s values: |x|
-    times a 0/1 indicator is |x| or +0.0)."""
-    sx = _sign(x)
-    lost = sx.abs() - (sx * _sign(y)).abs()
-    return float((x.detach().double().abs() * lost).sum())
+def _lost_mass(a: torch.Tensor, sy: torch.Tensor) -> float:
+    """Rules 13-14: the float64 sum of |x| where x is non-zero and y is zero, from ``a =
+    x.double().abs()`` (finite, in x's own layout) and sign(y): ``a (1 - |sign y|)`` is |x| there
+    and +0.0 elsewhere (where x is 0, a is), the values of the per-tensor ``where(lost, |x|, 0)``."""
+    return float((a * (1 - sy.abs())).sum())
 
 
 def _amax_pair(x: torch.Tensor) -> list[torch.Tensor]:
@@ -148,17 +146,19 @@ def _sqnr(signal: float, noise: float) -> float:
 def forward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[ForwardNumbers]:
     """``stats.forward_numbers`` for every (mixed, shadow) output pair of a step."""
     fast = [j for j, (m, s) in enumerate(pairs) if _usable(m, s)]
-    rows = []
+    rows, kept = [], []
     for j in fast:
         m, s = (t.detach() for t in pairs[j])
         s64 = s.double()  # rule 3: the masses' tensor, in s's layout
         r = s64.reshape(-1)  # and health.sqnr_db's, in logical order
         d = r - m.reshape(-1)  # float64 arithmetic on m's exact values, without a float64 copy of m
-        nonzero, both = _nonzero_and_both(s, m)
-        rows.append([*_amax_pair(m), *_amax_pair(s), (r * r).sum(), (d * d).sum(), nonzero, both,
-                     s64.abs().sum()])
+        ss, sm = _sign(s), _sign(m)
+        a = s64.abs()
+        kept.append((a, sm))
+        rows.append([*_amax_pair(m), *_amax_pair(s), (r * r).sum(), (d * d).sum(), _nonzero(ss), _both(ss, sm),
+                     a.sum()])
     out: dict[int, ForwardNumbers] = {}
-    for j, (lo_m, hi_m, lo_s, hi_s, signal, noise, nonzero, both, total) in zip(fast, _read(rows)):
+    for j, (a, sm), (lo_m, hi_m, lo_s, hi_s, signal, noise, nonzero, both, total) in zip(fast, kept, _read(rows)):
         if not (math.isfinite(signal) and math.isfinite(noise)):
             continue  # rule 1: tensor by tensor
         m, s = pairs[j]
@@ -167,7 +167,7 @@ def forward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Fo
         if m.dtype in _LOW and amax_s >= health._overflow_threshold(m.dtype)[0]:  # rule 4
             over = health.overflow_count(s, m.dtype)
         lost = int(nonzero - both)
-        mass = (_lost_mass(s, m), total) if lost else (0.0, total)  # rule 4: nothing flushed weighs 0.0
+        mass = (_lost_mass(a, sm), total) if lost else (0.0, total)  # rule 4: nothing flushed weighs 0.0
         out[j] = ForwardNumbers(_amax(lo_m, hi_m), amax_s, _sqnr(signal, noise), False, False, over,
                                 (lost, int(nonzero)), mass)
     return [out[j] if j in out else forward_numbers(*pairs[j]) for j in range(len(pairs))]
@@ -220,7 +220,7 @@ def backward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: fl
         if m.dtype in _LOW:  # rules 5, 13 and 10 at the step's scale
             kept = _both(sg, _sign(_cast(g, m.dtype, scale)))
             key = _needed_key(g, nonzero, keep) if g.dtype == torch.float32 else torch.zeros((), device=g.device)
-            row += [kept, g.double().abs().sum(), key]
+            row += [kept, g.abs().sum(dtype=_F64), key]
         rows.append(row)
     out: dict[int, BackwardNumbers] = {}
     for j, values in zip(fast, _read(rows)):
@@ -234,7 +234,8 @@ def backward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: fl
             continue
         kept, total, key = values[6:]
         lost = n - int(kept)
-        mass = (_lost_mass(g, _cast(g, m.dtype, scale)), total) if lost else (0.0, total)
+        mass = (_lost_mass(g.detach().double().abs(), _sign(_cast(g, m.dtype, scale))), total) if lost \
+            else (0.0, total)
         out[j] = BackwardNumbers(_amax(lo_m, hi_m), flushed, (lost, n), mass,
                                  _scale_range(g, m.dtype, keep, n, _amax(lo_g, hi_g), int(key)))
     return [out[j] if j in out else backward_numbers(*pairs[j], scale, keep) for j in range(len(pairs))]
