@@ -44,8 +44,9 @@ def _shadow(g: torch.Generator, shape: tuple[int, ...], kind: str) -> torch.Tens
         x = x.clamp_min(0)
     elif kind == "tiny":  # flushes in float16, some of it at a loss scale too
         x = x * 1e-7
-    elif kind == "huge":  # past float16's max
-        x = x * 4e4
+    elif kind == "huge":  # one value just past float16's max (65504, rounding up from 65520)
+        x = x * 1e4
+        x.view(-1)[1] = 7e4
     elif kind == "powers":  # exact powers of two, where rule 10's low steps
         x = torch.sign(x) * torch.exp2(torch.randint(-30, 10, shape, generator=g).float())
     elif kind == "subnormal":  # float32 subnormals: the scale range's exact path
@@ -69,15 +70,16 @@ and in blocks: the order the batched sums must keep."""
 def _pairs(seed: int, transpose: bool, shape: tuple[int, ...] = SHAPES[0]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
-    for i, kind in enumerate(KINDS):
+    for kind in KINDS:
         s = _shadow(g, shape, kind)
-        dtype = (torch.float16, torch.bfloat16, torch.float32)[i % 3]
-        m = s.to(dtype)
-        if kind == "normal":  # the mixed run differs from the shadow by more than its rounding
-            m = (s + 0.01 * torch.randn(s.shape, generator=g)).to(dtype)
-        if transpose:  # a module that returns a transposed view (attention with batch_first)
-            s, m = s.transpose(0, 1), m.transpose(0, 1)
-        out.append((m, s))
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            m = s.to(dtype)
+            if kind == "normal":  # the mixed run differs from the shadow by more than its rounding
+                m = (s + 0.01 * torch.randn(s.shape, generator=g)).to(dtype)
+            if kind == "huge":  # a mixed run that saturates: finite, while the shadow is past the max
+                m = s.clamp(-6e4, 6e4).to(dtype)
+            out.append((m.transpose(0, 1), s.transpose(0, 1)) if transpose else (m, s))
+            # transposed: a module that returns a view (attention with batch_first)
     out.append((torch.ones(3, dtype=torch.float16), torch.ones(4)))  # shapes that differ
     out.append((torch.ones(0, 5, dtype=torch.float16), torch.ones(0, 5)))  # empty
     return out
@@ -89,7 +91,7 @@ def _pairs(seed: int, transpose: bool, shape: tuple[int, ...] = SHAPES[0]) -> li
 def test_forward_batch_equals_the_per_tensor_numbers(seed: int, transpose: bool, shape: tuple[int, ...]) -> None:
     pairs = _pairs(seed, transpose, shape)
     for j, (got, (m, s)) in enumerate(zip(batch.forward_batch(pairs), pairs)):
-        _assert_same(got, forward_numbers(m, s), f"pair {j} ({m.dtype}, {KINDS[j] if j < len(KINDS) else 'odd'})")
+        _assert_same(got, forward_numbers(m, s), f"pair {j} ({m.dtype}, {KINDS[j // 3] if j < 3 * len(KINDS) else 'odd'})")
 
 
 @pytest.mark.parametrize("shape", SHAPES)
