@@ -6,12 +6,13 @@
    float16 (the trainer refuses it there; the doctor measures it), fp8 through torchao's
    emulation with the rest under bf16 autocast.
 2. Each step the shadow starts from the mixed model's weights and optimizer state (one step's
-   error, never drift) and from the same random state; both run forward and backward on the
-   same batch. fp16 runs scale the loss as the user's run would: torch's dynamic policy
-   (``torch.amp.GradScaler``'s), from ``init_scale``, halving the scale and skipping the step on
-   non-finite gradients, doubling it after ``growth_interval`` clean steps. Each step's scale,
-   the skipped steps, and on a skipped step the largest scale
-   exponent at which the shadow's gradients would have fit in the 16-bit format (``step_high``:
+   error, never drift; the state copied into the shadow's own tensors, ``doctor.shadow``) and
+   from the same random state; both run forward and backward on the same batch. fp16 runs
+   scale the loss as the user's run would: torch's dynamic policy (``torch.amp.GradScaler``'s),
+   from ``init_scale``, halving the scale and skipping the step on non-finite gradients,
+   doubling it after ``growth_interval`` clean steps. Each step's scale, the skipped steps, and
+   on a skipped step the largest scale exponent at which the shadow's gradients would have fit
+   in the 16-bit format (``step_high``:
    the output gradients of the 16-bit layers and the parameter gradients of those layers, whose
    GEMMs run in 16 bits) and the module in whose backward the gradient first became non-finite
    (among the leaf modules in forward order: the one after the last whose output gradient is
@@ -31,7 +32,9 @@
 5. On the first step on which a 16-bit layer's SQNR falls below its format's floor
    (``kinds.sqnr_floor_db``) with both outputs finite, the first such layer (in hook order) is
    scanned inside (``torchimpl.doctor.inner``); at most ``_INNER_SCANS`` layers a run.
-6. The numbers are ``torchimpl.doctor.stats``'; the verdicts ``torchimpl.doctor.verdicts``'.
+6. The numbers are ``torchimpl.doctor.stats``', computed a step at a time by
+   ``torchimpl.doctor.batch`` (the same numbers, bit for bit, in few passes per tensor and one
+   host read a step); the verdicts ``torchimpl.doctor.verdicts``'.
 7. Where ``verify_fix`` is on, the first verdicts whose fix is a setting the doctor takes
    (``fp32_modules``, ``init_scale``) are rerun with that setting for a few steps; the verdict
    then says whether the fix cured it (``numbers["fix_cures"]``).
@@ -430,8 +433,8 @@ class _Runner:
                 outputs.setdefault(key, name)  # the same tensor as an inner module's: a container, a no-op dropout
         calls = [(c, t) for _, c, t, same in work if same is None]
         forward = iter(forward_batch([(c.output, t.output) for c, t in calls]))
-        backward = iter(backward_batch([(c.grad, t.grad) for c, t in calls if c.grad is not None and t.grad is not None],
-                                       self.scale, self.obs.keep))
+        grads = [(c.grad, t.grad) for c, t in calls if c.grad is not None and t.grad is not None]
+        backward = iter(backward_batch(grads, self.scale, self.obs.keep))
         first, todo = None, iter(work)
         pending = next(todo, None)
         for name in rec.order:
