@@ -1,7 +1,8 @@
 """``inspect_precision``, the doctor: a few steps of a model, measured, judged and reported.
 
-Holds: the inspection (``inspect``), its per-layer numbers (``stats``), verdicts (``verdicts``)
-and report (``report``).
+Holds: the inspection (``inspect``), its per-layer numbers (``stats``, computed a step at a time
+by ``batch``), the shadow's optimizer kept in step (``shadow``), verdicts (``verdicts``) and
+report (``report``).
 
 May import: ``precision`` (health, probe, diagnostics), ``run.checkpoint`` (the RNG state),
 ``train.loss_protocol`` and, inside one function, ``torchimpl.spec_bridge`` (the CPU autocast

@@ -6,12 +6,13 @@
    float16 (the trainer refuses it there; the doctor measures it), fp8 through torchao's
    emulation with the rest under bf16 autocast.
 2. Each step the shadow starts from the mixed model's weights and optimizer state (one step's
-   error, never drift) and from the same random state; both run forward and backward on the
-   same batch. fp16 runs scale the loss as the user's run would: torch's dynamic policy
-   (``torch.amp.GradScaler``'s), from ``init_scale``, halving the scale and skipping the step on
-   non-finite gradients, doubling it after ``growth_interval`` clean steps. Each step's scale,
-   the skipped steps, and on a skipped step the largest scale
-   exponent at which the shadow's gradients would have fit in the 16-bit format (``step_high``:
+   error, never drift; the state copied into the shadow's own tensors, ``doctor.shadow``) and
+   from the same random state; both run forward and backward on the same batch. fp16 runs
+   scale the loss as the user's run would: torch's dynamic policy (``torch.amp.GradScaler``'s),
+   from ``init_scale``, halving the scale and skipping the step on non-finite gradients,
+   doubling it after ``growth_interval`` clean steps. Each step's scale, the skipped steps, and
+   on a skipped step the largest scale exponent at which the shadow's gradients would have fit
+   in the 16-bit format (``step_high``:
    the output gradients of the 16-bit layers and the parameter gradients of those layers, whose
    GEMMs run in 16 bits) and the module in whose backward the gradient first became non-finite
    (among the leaf modules in forward order: the one after the last whose output gradient is
@@ -31,7 +32,9 @@
 5. On the first step on which a 16-bit layer's SQNR falls below its format's floor
    (``kinds.sqnr_floor_db``) with both outputs finite, the first such layer (in hook order) is
    scanned inside (``torchimpl.doctor.inner``); at most ``_INNER_SCANS`` layers a run.
-6. The numbers are ``torchimpl.doctor.stats``'; the verdicts ``torchimpl.doctor.verdicts``'.
+6. The numbers are ``torchimpl.doctor.stats``', computed a step at a time by
+   ``torchimpl.doctor.batch`` (the same numbers, bit for bit, in few passes per tensor and one
+   host read a step); the verdicts ``torchimpl.doctor.verdicts``'.
 7. Where ``verify_fix`` is on, the first verdicts whose fix is a setting the doctor takes
    (``fp32_modules``, ``init_scale``) are rerun with that setting for a few steps; the verdict
    then says whether the fix cured it (``numbers["fix_cures"]``).
@@ -56,6 +59,8 @@ from torchimpl.precision.diagnostics import Finding, _fp16_norm_problem, _OpScan
 from torchimpl.precision.probe import Fp8Probe, Recorder, is_float8_layer
 from torchimpl.doctor.report import PrecisionReport
 from torchimpl.doctor.stats import Fp8Stats, LayerStats, ParamStats, dtype_name
+from torchimpl.doctor.batch import backward_batch, forward_batch, grad_batch, param_batch
+from torchimpl.doctor.shadow import copy_optimizer
 from torchimpl.doctor.inner import InnerFindings, scan_module
 from torchimpl.doctor.verdicts import judge, judge_notes, sqnr_floor_db, verify_fixes
 from torchimpl.precision.fp32_modules import apply_fp32_modules
@@ -288,7 +293,7 @@ class _Runner:
             theirs = self.mixed.state_dict()
             for k, v in self.shadow.state_dict().items():
                 v.copy_(theirs[k])
-        self.shadow_opt.load_state_dict(copy.deepcopy(self.opt.state_dict()))
+        copy_optimizer(self.opt, self.shadow_opt)
 
     def _run(self, model: nn.Module, batch: Any, mixed: bool, rng: dict, scanner: _Scanner | None) -> tuple:
         restore_rng_state(rng)
@@ -418,19 +423,32 @@ class _Runner:
         return ""
 
     def _layers(self, i: int, rec: Recorder, shadow_rec: Recorder, shadow_loss: torch.Tensor) -> None:
-        first, outputs = None, {}
+        """Rule 6: every call's numbers in one pass (``doctor.batch``), then taken in hook order."""
+        outputs: dict[tuple, str] = {}
+        work: list[tuple[str, Any, Any, str | None]] = []  # (module, call, twin, the module it repeats)
         for name in rec.order:
-            stats = self.obs.layers.setdefault(name, LayerStats(name))
             for call, twin in zip(rec.calls[name], shadow_rec.calls.get(name, [])):
                 key = _identity(call.output)
-                if key in outputs:  # the same tensor as an inner module's (a container, a no-op dropout)
-                    stats.same_as = outputs[key]
+                work.append((name, call, twin, outputs.get(key)))
+                outputs.setdefault(key, name)  # the same tensor as an inner module's: a container, a no-op dropout
+        calls = [(c, t) for _, c, t, same in work if same is None]
+        forward = iter(forward_batch([(c.output, t.output) for c, t in calls]))
+        grads = [(c.grad, t.grad) for c, t in calls if c.grad is not None and t.grad is not None]
+        backward = iter(backward_batch(grads, self.scale, self.obs.keep))
+        first, todo = None, iter(work)
+        pending = next(todo, None)
+        for name in rec.order:
+            stats = self.obs.layers.setdefault(name, LayerStats(name))
+            while pending is not None and pending[0] == name:
+                _, call, twin, same = pending
+                pending = next(todo, None)
+                if same is not None:
+                    stats.same_as = same
                     continue
-                outputs[key] = name
-                if stats.add_forward(call.output, twin.output, i) and first is None:
+                if stats.take_forward(call.output.dtype, next(forward), i) and first is None:
                     first = name
                 if call.grad is not None and twin.grad is not None:
-                    stats.add_backward(call.grad, twin.grad, self.scale, self.obs.keep)
+                    stats.take_backward(next(backward), self.scale)
             if stats.shadow_nonfinite and self.obs.shadow_failed is None:
                 self.obs.shadow_failed, self.obs.shadow_failed_step = name, i
         if self.obs.shadow_failed is None and not bool(torch.isfinite(shadow_loss).all()):
@@ -455,27 +473,31 @@ class _Runner:
         before = {n: p.detach().clone() for n, p in shadow.items()}
         stored = self._stored()
         stored = {n: t.detach().clone() for n, t in stored.items()}
-        finite = True
         with torch.no_grad():
             for p in mixed.values():
                 if p.grad is not None:
                     p.grad.div_(self.scale)
-                    finite &= bool(torch.isfinite(p.grad).all())
         if all(p.grad is None for p in shadow.values()):
             return True
+        named = [(n, p.grad) for n, p in mixed.items() if p.grad is not None]
+        with health.one_thread(self.device):  # rule 3's gradient counts, before a step could touch a gradient
+            finite, counts = grad_batch([g for _, g in named], [shadow[n].grad if n in shadow else None
+                                                                for n, _ in named])
+        flushed = {n: c for (n, _), c in zip(named, counts) if c is not None}
         self.shadow_opt.step()
-        grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in mixed.items()}
         if finite:
             if self.master is None:
                 self.opt.step()
             else:
                 self.master.step()  # its own counts are unused: rule 3 counts against the shadow
         after = self._stored() if finite else {}
-        with health.one_thread(self.device):
-            for n, p in mixed.items():
-                sp = shadow.get(n)
-                update = (sp.detach() - before[n]) if sp is not None and sp.grad is not None else None
-                self.obs.params[n].add(stored[n], after.get(n), update, grads[n], sp.grad if sp is not None else None)
+        judged = [n for n in mixed if n in after and n in shadow and shadow[n].grad is not None]
+        with health.one_thread(self.device), torch.no_grad():
+            updates = torch._foreach_sub([shadow[n].detach() for n in judged], [before[n] for n in judged]) \
+                if judged else []
+            lost = dict(zip(judged, param_batch([stored[n] for n in judged], [after[n] for n in judged], updates)))
+        for n in mixed:
+            self.obs.params[n].take(lost.get(n), flushed.get(n))
         return finite
 
     def _stored(self) -> dict[str, torch.Tensor]:

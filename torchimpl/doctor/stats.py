@@ -39,7 +39,8 @@ import torch
 
 from torchimpl.precision import health
 
-__all__ = ["Fp8Stats", "LayerStats", "ParamStats", "dtype_name"]
+__all__ = ["BackwardNumbers", "Fp8Stats", "ForwardNumbers", "LayerStats", "ParamStats", "backward_numbers",
+           "dtype_name", "forward_numbers"]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -58,6 +59,56 @@ def _finite_or_none(x: float) -> float | None | str:
     if math.isinf(x):
         return "inf" if x > 0 else "-inf"
     return x
+
+
+@dataclass(frozen=True)
+class ForwardNumbers:
+    """Rule 1's numbers for one call (``flushed`` and ``flushed_mass`` None when the shapes differ;
+    the two non-finite flags are looked at only when ``sqnr_db`` is NaN)."""
+
+    amax: float
+    shadow_amax: float
+    sqnr_db: float
+    shadow_nonfinite: bool
+    mixed_nonfinite: bool
+    overflow: int
+    flushed: tuple[int, int] | None
+    flushed_mass: tuple[float, float] | None
+
+
+@dataclass(frozen=True)
+class BackwardNumbers:
+    """Rule 2's numbers for one call (``flushed`` None when the shapes differ; the scale's losses
+    and range None for a gradient that is not 16-bit)."""
+
+    amax_scaled: float
+    flushed: tuple[int, int] | None
+    lost_at_scale: tuple[int, int] | None
+    mass_lost_at_scale: tuple[float, float] | None
+    scale_range: health.ScaleRange | None
+
+
+def forward_numbers(mixed: torch.Tensor, shadow: torch.Tensor) -> ForwardNumbers:
+    """Rule 1 for one call, tensor by tensor (the definition ``doctor.batch`` computes in one pass)."""
+    same = mixed.shape == shadow.shape
+    sqnr = health.sqnr_db(shadow, mixed) if same else math.nan
+    bad = math.isnan(sqnr)
+    return ForwardNumbers(
+        health.amax(mixed), health.amax(shadow), sqnr,
+        bad and health.nonfinite_fraction(shadow) > 0, bad and health.nonfinite_fraction(mixed) > 0,
+        health.overflow_count(shadow, mixed.dtype) if same and mixed.dtype in _LOW else 0,
+        health.flushed_count(shadow, mixed) if same else None, health.flushed_mass(shadow, mixed) if same else None)
+
+
+def backward_numbers(mixed: torch.Tensor, shadow: torch.Tensor, scale: float, keep: float) -> BackwardNumbers:
+    """Rule 2 for one call, tensor by tensor (``mixed`` at the loss scale)."""
+    same = mixed.shape == shadow.shape
+    low = same and mixed.dtype in _LOW
+    return BackwardNumbers(
+        health.amax(mixed), health.flushed_count(shadow, mixed) if same else None,
+        health.underflow_count(shadow, mixed.dtype, scale) if low else None,
+        health.underflow_mass(shadow, mixed.dtype, scale) if low else None,
+        health.scale_range(shadow, mixed.dtype, keep) if low else None)
 
 
 @dataclass
@@ -119,44 +170,51 @@ class LayerStats:
 
     def add_forward(self, mixed: torch.Tensor, shadow: torch.Tensor, step: int | None = None) -> bool:
         """One call's outputs; True when the shadow's values overflow the mixed output's format."""
-        self._dtype, self.dtype = mixed.dtype, dtype_name(mixed.dtype)
-        self.amax = max(self.amax, health.amax(mixed))
-        self.shadow_amax = max(self.shadow_amax, health.amax(shadow))
-        sqnr = health.sqnr_db(shadow, mixed) if mixed.shape == shadow.shape else math.nan
-        self.last_sqnr_db = sqnr
-        if math.isnan(sqnr):  # a non-finite value in either (or shapes that differ): which one
-            self.shadow_nonfinite |= health.nonfinite_fraction(shadow) > 0
-            self.mixed_nonfinite |= health.nonfinite_fraction(mixed) > 0
-        elif sqnr < self.sqnr_db:
-            self.sqnr_db, self.sqnr_step = sqnr, step
-        if mixed.shape != shadow.shape:
+        return self.take_forward(mixed.dtype, forward_numbers(mixed, shadow), step)
+
+    def take_forward(self, dtype: torch.dtype, n: ForwardNumbers, step: int | None = None) -> bool:
+        """One call's forward numbers (``forward_numbers``', or the batched ``doctor.batch``')."""
+        self._dtype, self.dtype = dtype, dtype_name(dtype)
+        self.amax = max(self.amax, n.amax)
+        self.shadow_amax = max(self.shadow_amax, n.shadow_amax)
+        self.last_sqnr_db = n.sqnr_db
+        if math.isnan(n.sqnr_db):  # a non-finite value in either (or shapes that differ): which one
+            self.shadow_nonfinite |= n.shadow_nonfinite
+            self.mixed_nonfinite |= n.mixed_nonfinite
+        elif n.sqnr_db < self.sqnr_db:
+            self.sqnr_db, self.sqnr_step = n.sqnr_db, step
+        if n.flushed is None or n.flushed_mass is None:  # shapes that differ
             return False
-        over = health.overflow_count(shadow, mixed.dtype) if self.low_precision else 0
-        self.overflow += over
-        for i, n in enumerate(health.flushed_count(shadow, mixed)):
-            self.flushed[i] += n
-        for i, m in enumerate(health.flushed_mass(shadow, mixed)):
+        self.overflow += n.overflow
+        for i, c in enumerate(n.flushed):
+            self.flushed[i] += c
+        for i, m in enumerate(n.flushed_mass):
             self.flushed_mass[i] += m
-        return over > 0
+        return n.overflow > 0
 
     def add_backward(self, mixed: torch.Tensor, shadow: torch.Tensor, scale: float, keep: float) -> None:
         """One call's output gradients (``mixed`` at the loss scale)."""
-        self.grad_amax_scaled = max(self.grad_amax_scaled, health.amax(mixed))
-        self.grad_amax = max(self.grad_amax, health.amax(mixed) / scale)
-        if mixed.shape != shadow.shape:
+        self.take_backward(backward_numbers(mixed, shadow, scale, keep), scale)
+
+    def take_backward(self, n: BackwardNumbers, scale: float) -> None:
+        """One call's gradient numbers (``backward_numbers``', or the batched ``doctor.batch``')."""
+        self.grad_amax_scaled = max(self.grad_amax_scaled, n.amax_scaled)
+        self.grad_amax = max(self.grad_amax, n.amax_scaled / scale)
+        if n.flushed is None:  # shapes that differ
             return
-        for i, n in enumerate(health.flushed_count(shadow, mixed)):
-            self.grad_flushed[i] += n
-        if mixed.dtype in _LOW:
-            for i, n in enumerate(health.underflow_count(shadow, mixed.dtype, scale)):
-                self.grad_lost_at_scale[i] += n
-            for i, m in enumerate(health.underflow_mass(shadow, mixed.dtype, scale)):
-                self.grad_mass_lost_at_scale[i] += m
-            r = health.scale_range(shadow, mixed.dtype, keep)
-            if r.low is not None:
-                self.scale_low = r.low if self.scale_low is None else max(self.scale_low, r.low)
-            if r.high is not None:
-                self.scale_high = r.high if self.scale_high is None else min(self.scale_high, r.high)
+        for i, c in enumerate(n.flushed):
+            self.grad_flushed[i] += c
+        if n.lost_at_scale is None or n.mass_lost_at_scale is None or n.scale_range is None:
+            return  # a gradient held in float32: nothing is lost to the scale
+        for i, c in enumerate(n.lost_at_scale):
+            self.grad_lost_at_scale[i] += c
+        for i, m in enumerate(n.mass_lost_at_scale):
+            self.grad_mass_lost_at_scale[i] += m
+        r = n.scale_range
+        if r.low is not None:
+            self.scale_low = r.low if self.scale_low is None else max(self.scale_low, r.low)
+        if r.high is not None:
+            self.scale_high = r.high if self.scale_high is None else min(self.scale_high, r.high)
 
     def to_dict(self) -> dict[str, Any]:
         return {"layer": self.name, "same_as": self.same_as, "dtype": self.dtype, "amax": _finite_or_none(self.amax),
@@ -193,12 +251,17 @@ class ParamStats:
             mixed_grad: torch.Tensor | None, shadow_grad: torch.Tensor | None) -> None:
         """``stored`` and ``after``: the weight as stored before and after the mixed step (None when
         it was skipped); ``update``: the exact update, the fp32 shadow's (``reference.health`` rule 12)."""
-        if update is not None and after is not None:
-            for i, n in enumerate(health.applied_lost_count(stored, after, update)):
-                self.lost[i] += n
-        if mixed_grad is not None and shadow_grad is not None:
-            for i, n in enumerate(health.flushed_count(shadow_grad, mixed_grad)):
-                self.grad_flushed[i] += n
+        lost = health.applied_lost_count(stored, after, update) if update is not None and after is not None else None
+        flushed = health.flushed_count(shadow_grad, mixed_grad) \
+            if mixed_grad is not None and shadow_grad is not None else None
+        self.take(lost, flushed)
+
+    def take(self, lost: tuple[int, int] | None, flushed: tuple[int, int] | None) -> None:
+        """One step's counts (``add``'s, or the batched ``doctor.batch``'); None: not measured this step."""
+        for i, n in enumerate(lost or ()):
+            self.lost[i] += n
+        for i, n in enumerate(flushed or ()):
+            self.grad_flushed[i] += n
 
     def to_dict(self) -> dict[str, Any]:
         return {"parameter": self.name, "dtype": self.dtype, "lost_update_fraction": self.lost_update_fraction,

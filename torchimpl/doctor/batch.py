@@ -1,0 +1,326 @@
+"""One step's statistics with few passes over each tensor and one host read for them all.
+
+The numbers are those of ``stats.forward_numbers``, ``stats.backward_numbers`` and
+``ParamStats.add`` (``torchimpl.precision.health``'s rules, tensor by tensor), bit for bit: the
+same counts and maxima, and every float64 sum over the same values in the same order. What
+changes is the work. Rule by rule, a module's output cost some forty passes (each rule its own
+``isfinite``, masks, ``where`` and casts) and a host read per number; here each tensor is read in
+about a dozen passes of arithmetic (signs, products, sums: the vectorised ops), every number of
+the step is stacked and read once, and the rare extras are a second read (``bench/doctor_cost.py``).
+Rules:
+
+1. Finite tensors. Every rule simplifies where both tensors of a pair are finite: ``amax`` is
+   max |x| (``aminmax``, one read), a "finite" mask is all true and ``where(finite, a, 0)`` is
+   ``a``. A pair is known finite from numbers computed anyway: forward, both SQNR sums finite (a
+   non-finite value in either tensor makes one inf or NaN; float32 squares cannot overflow a
+   float64 sum); backward, both maxima finite (``aminmax`` propagates NaN). A pair that is not,
+   is empty or differs in shape is computed by the per-tensor functions (the steps that overflow).
+2. Counts from signs. Of finite x, ``|sign(x)|`` is 1 where x is non-zero: the non-zero count is
+   its sum, and the entries non-zero in x but zero in y number ``nnz(x) - sum |sign(x) sign(y)|``
+   (rules 5 and 6), in float64 (exact for any count below 2^53). Rule 5's cast is the cast itself:
+   ``sign`` of f32(f32(x) * f32(scale)) cast to the format.
+3. Order. Each float64 sum runs over the tensor torch's per-tensor function sums, in its order:
+   the SQNR's over ``.double().reshape(-1)`` (logical order), the masses over ``.double().abs()``
+   (the tensor's own layout).
+4. Extras only where they can be non-zero: rule 4's overflow count where the shadow's amax
+   reaches the threshold, the flushed masses where an entry flushed; both then by the per-tensor
+   functions.
+5. Scale range (rule 10) of a finite float32 gradient: ``low`` depends on the needed-th largest
+   |g| only through its ``frexp`` exponent and whether it is a power of two, which its float32
+   bits give (biased exponent E, mantissa zero or not: ``low = p - E + 126 + (2 if the mantissa
+   is 0 else 1)``). The values ordered by (E, mantissa non-zero) are in the order of |g|, so one
+   histogram of that key, summed from the top, finds the needed-th largest's key. A key of a
+   subnormal (E = 0), or a gradient wider than float32, takes ``health.scale_range``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+
+from torchimpl.doctor.stats import BackwardNumbers, ForwardNumbers, backward_numbers, forward_numbers
+from torchimpl.precision import health
+
+__all__ = ["backward_batch", "forward_batch", "grad_batch", "param_batch"]
+
+_LOW = (torch.float16, torch.bfloat16)
+_F64 = torch.float64
+
+
+def _values(flat: Sequence[torch.Tensor]) -> list[float]:
+    """``_read``'s one read of a flat list of 0-dim tensors."""
+    if not flat:
+        return []
+    if flat[0].device.type == "cpu":
+        return [float(x) for x in flat]
+    return torch.stack(list(flat)).tolist()  # stack promotes every entry to float64
+
+
+def _read(rows: Sequence[Sequence[torch.Tensor]]) -> list[list[float]]:
+    """The host read of every row's 0-dim tensors: one ``tolist`` of them stacked (float64 holds
+    each count exactly) on an accelerator, where each read is a sync; on a CPU, where a read is a
+    load and stacking a few hundred scalars of mixed dtypes costs more, each value read as it is."""
+    values = _values([x for row in rows for x in row])
+    out, k = [], 0
+    for row in rows:
+        out.append(values[k:k + len(row)])
+        k += len(row)
+    return out
+
+
+def _usable(m: torch.Tensor, s: torch.Tensor) -> bool:
+    """Rule 1: the pairs the fast path may take (then known finite after the read)."""
+    return m.shape == s.shape and m.numel() > 0 and s.dtype in (torch.float32, torch.float64)
+
+
+def _sign(x: torch.Tensor) -> torch.Tensor:
+    """Rule 2: sign(x), computed in float32 for 16-bit x (its vectorised kernels)."""
+    x = x.detach()
+    return x.sign() if x.dtype in (torch.float32, _F64) else x.float().sign()
+
+
+def _count(p: torch.Tensor) -> torch.Tensor:
+    """Rule 2: how many entries of a tensor of -1, 0 and 1 are non-zero: its dot product with
+    itself (one read), exact in float32 below 2^24 entries (every partial sum an integer), in
+    float64 above."""
+    p = p.reshape(-1)
+    if p.numel() < 2**24:
+        return torch.dot(p, p)
+    return p.abs().sum(dtype=_F64)
+
+
+def _nonzero(sx: torch.Tensor) -> torch.Tensor:
+    """Rule 2: how many entries of sign(x) are non-zero."""
+    return _count(sx)
+
+
+def _both(sx: torch.Tensor, sy: torch.Tensor) -> torch.Tensor:
+    """Rule 2: how many entries are non-zero in both."""
+    return _count(sx * sy)
+
+
+def _nonzero_and_both(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rule 2: (entries non-zero in x, entries non-zero in both), float64 0-dim, for finite x and y."""
+    sx = _sign(x)
+    return _nonzero(sx), _both(sx, _sign(y))
+
+
+def _cast(g: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Rule 5's cast: f32(f32(g) * f32(scale)) into ``dtype``."""
+    return (g.float() * torch.tensor(scale, dtype=torch.float32, device=g.device)).to(dtype)
+
+
+def _lost_mass(a: torch.Tensor, sy: torch.Tensor) -> float:
+    """Rules 13-14: the float64 sum of |x| where x is non-zero and y is zero, from ``a =
+    x.double().abs()`` (finite, in x's own layout) and sign(y): ``a (1 - |sign y|)`` is |x| there
+    and +0.0 elsewhere (where x is 0, a is), the values of the per-tensor ``where(lost, |x|, 0)``."""
+    return float((a * (1 - sy.abs())).sum())
+
+
+def _amax_pair(x: torch.Tensor) -> list[torch.Tensor]:
+    """``aminmax`` (an empty tensor: zeros, as ``amax`` gives 0.0 and nothing is non-finite)."""
+    if x.numel() == 0:
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        return [zero, zero]
+    lo, hi = torch.aminmax(x.detach())
+    return [lo, hi]
+
+
+def _amax(lo: float, hi: float) -> float:
+    """Rule 1 (``amax``) from ``aminmax`` of a finite tensor (+0.0 for a tensor of zeros, as ``amax``)."""
+    return max(abs(lo), abs(hi))
+
+
+def _sqnr(signal: float, noise: float) -> float:
+    """Rule 8 from its two sums (both finite: rule 1)."""
+    if noise == 0:
+        return math.inf
+    if signal == 0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def forward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[ForwardNumbers]:
+    """``stats.forward_numbers`` for every (mixed, shadow) output pair of a step."""
+    fast = [j for j, (m, s) in enumerate(pairs) if _usable(m, s)]
+    rows, kept = [], []
+    for j in fast:
+        m, s = (t.detach() for t in pairs[j])
+        s64 = s.double()  # rule 3: the masses' tensor, in s's layout
+        r = s64.reshape(-1)  # and health.sqnr_db's, in logical order
+        d = r - m.reshape(-1)  # float64 arithmetic on m's exact values, without a float64 copy of m
+        ss, sm = _sign(s), _sign(m)
+        a = s64.abs()
+        kept.append((a, sm))
+        rows.append([*_amax_pair(m), *_amax_pair(s), (r * r).sum(), (d * d).sum(), _nonzero(ss), _both(ss, sm),
+                     a.sum()])
+    out: dict[int, ForwardNumbers] = {}
+    for j, (a, sm), (lo_m, hi_m, lo_s, hi_s, signal, noise, nonzero, both, total) in zip(fast, kept, _read(rows)):
+        if not (math.isfinite(signal) and math.isfinite(noise)):
+            continue  # rule 1: tensor by tensor
+        m, s = pairs[j]
+        amax_s = _amax(lo_s, hi_s)
+        over = 0
+        if m.dtype in _LOW and amax_s >= health._overflow_threshold(m.dtype)[0]:  # rule 4
+            over = health.overflow_count(s, m.dtype)
+        lost = int(nonzero - both)
+        mass = (_lost_mass(a, sm), total) if lost else (0.0, total)  # rule 4: nothing flushed weighs 0.0
+        out[j] = ForwardNumbers(_amax(lo_m, hi_m), amax_s, _sqnr(signal, noise), False, False, over,
+                                (lost, int(nonzero)), mass)
+    return [out[j] if j in out else forward_numbers(*pairs[j]) for j in range(len(pairs))]
+
+
+def _exponent_keys(g: torch.Tensor) -> torch.Tensor:
+    """Rule 5: E + (mantissa non-zero) of each |g| (float32 bits; in [0, 256) for finite g). Two
+    values with equal keys have equal ``low``: (E, mantissa non-zero) and (E + 1, mantissa zero)
+    share ``p - E + 127``."""
+    bits = g.detach().contiguous().view(torch.int32).reshape(-1) & 0x7FFFFFFF
+    bits.clamp_max_(0x7F800000)  # ±inf and NaN (taken tensor by tensor) must not overflow the sum below
+    return (bits + 0x7FFFFF) >> 23
+
+
+def _needed_key(g: torch.Tensor, nonzero: torch.Tensor, keep: float) -> torch.Tensor:
+    """Rule 5: the key of the needed-th largest |g| (needed = ceil(keep n), n the non-zero count)."""
+    from_top = torch.bincount(_exponent_keys(g), minlength=256).flip(0).cumsum(0)
+    needed = torch.ceil(nonzero * keep).to(torch.int64).clamp_min(1)
+    return 255 - torch.searchsorted(from_top, needed)
+
+
+def _low_from_key(key: int, dtype: torch.dtype) -> int:
+    """Rule 5: ``p - E + 126 + (2 if the mantissa is 0 else 1)`` = ``p + 128 - key``."""
+    p = round(math.log2(health._facts(dtype)[2])) - 1
+    return p + 128 - key
+
+
+def _high(top: float, dtype: torch.dtype) -> int:
+    """Rule 10's ``high`` from the largest |g| (``health.scale_range``'s formula)."""
+    top_value = health._facts(dtype)[0]
+    f, e = math.frexp(top)
+    high = math.frexp(top_value)[1] - e
+    while math.ldexp(f, e + high) > top_value:
+        high -= 1
+    return high
+
+
+def backward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: float,
+                   keep: float) -> list[BackwardNumbers]:
+    """``stats.backward_numbers`` for every (mixed at the loss scale, shadow) gradient pair of a step."""
+    if not 0.0 < keep <= 1.0:
+        raise ValueError(f"keep must be in (0, 1], got {keep!r}")
+    fast = [j for j, (m, s) in enumerate(pairs) if _usable(m, s)]
+    rows = []
+    for j in fast:
+        m, g = (t.detach() for t in pairs[j])
+        sg = _sign(g)
+        nonzero = _nonzero(sg)
+        row = [*_amax_pair(m), *_amax_pair(g), nonzero, _both(sg, _sign(m))]
+        if m.dtype in _LOW:  # rules 5, 13 and 10 at the step's scale
+            kept = _both(sg, _sign(_cast(g, m.dtype, scale)))
+            key = _needed_key(g, nonzero, keep) if g.dtype == torch.float32 else torch.zeros((), device=g.device)
+            row += [kept, g.abs().sum(dtype=_F64), key]
+        rows.append(row)
+    out: dict[int, BackwardNumbers] = {}
+    for j, values in zip(fast, _read(rows)):
+        lo_m, hi_m, lo_g, hi_g, nonzero, both = values[:6]
+        if not all(math.isfinite(v) for v in (lo_m, hi_m, lo_g, hi_g)):
+            continue  # rule 1: tensor by tensor
+        m, g = pairs[j]
+        n, flushed = int(nonzero), (int(nonzero - both), int(nonzero))
+        if m.dtype not in _LOW:
+            out[j] = BackwardNumbers(_amax(lo_m, hi_m), flushed, None, None, None)
+            continue
+        kept, total, key = values[6:]
+        lost = n - int(kept)
+        mass = (_lost_mass(g.detach().double().abs(), _sign(_cast(g, m.dtype, scale))), total) if lost \
+            else (0.0, total)
+        out[j] = BackwardNumbers(_amax(lo_m, hi_m), flushed, (lost, n), mass,
+                                 _scale_range(g, m.dtype, keep, n, _amax(lo_g, hi_g), int(key)))
+    return [out[j] if j in out else backward_numbers(*pairs[j], scale, keep) for j in range(len(pairs))]
+
+
+def _scale_range(g: torch.Tensor, dtype: torch.dtype, keep: float, n: int, top: float,
+                 key: int) -> health.ScaleRange:
+    """Rule 5 (``health.scale_range`` where the key cannot say)."""
+    if n == 0:
+        return health.ScaleRange(None, None)
+    if g.dtype != torch.float32 or key <= 1:  # a subnormal (or the smallest normal, which shares its key)
+        return health.scale_range(g, dtype, keep)
+    return health.ScaleRange(_low_from_key(key, dtype), _high(top, dtype))
+
+
+def _segment_counts(values: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Each flat -1/0/1 value's non-zero count over consecutive segments of ``sizes``, value by
+    value: one ``_count`` per slice (a running sum over all of them costs more)."""
+    edges = list(itertools.accumulate(sizes, initial=0))
+    return [_count(v[a:b]) for v in values for a, b in zip(edges, edges[1:])]
+
+
+def _flat_cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def param_batch(stored: Sequence[torch.Tensor], after: Sequence[torch.Tensor],
+                update: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """``health.applied_lost_count`` for each (stored, after, exact update) triple (rule 12): the
+    parameters of one dtype joined, one read. Of a finite update, the counted entries are its
+    non-zero ones and the lost ones those whose stored bits did not change (rule 2: the sign of
+    the bits' difference, as integers of the dtype's width, is 0 exactly where they are equal)."""
+    for b, a, e in zip(stored, after, update):
+        if b.shape != a.shape or b.dtype != a.dtype or e.shape != b.shape:
+            raise ValueError(f"before {b.dtype}{list(b.shape)}, after {a.dtype}{list(a.shape)} and exact "
+                             f"{list(e.shape)} must be one parameter's: same dtype and shape")
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, b in enumerate(stored):
+        groups.setdefault(b.dtype, []).append(i)
+    pending = []
+    for group in groups.values():
+        width = health._BITS[stored[group[0]].element_size()]
+        changed = (_flat_cat([after[i] for i in group]).view(width)
+                   - _flat_cat([stored[i] for i in group]).view(width)).sign()
+        e = _flat_cat([update[i] for i in group])
+        se = _sign(e)
+        counts = _segment_counts([se, se * changed], [stored[i].numel() for i in group])
+        pending.append((group, [*_amax_pair(e), *counts]))
+    read = _values([x for _, v in pending for x in v])
+    out: list[tuple[int, int]] = [(0, 0)] * len(stored)
+    k = 0
+    for group, v in pending:
+        lo, hi = read[k], read[k + 1]
+        counted, changed = read[k + 2:k + 2 + len(group)], read[k + 2 + len(group):k + 2 + 2 * len(group)]
+        k += 2 + 2 * len(group)
+        for i, c, ch in zip(group, counted, changed):
+            finite = math.isfinite(lo) and math.isfinite(hi)  # rule 1, else tensor by tensor
+            out[i] = (int(c - ch), int(c)) if finite else health.applied_lost_count(stored[i], after[i], update[i])
+    return out
+
+
+def grad_batch(mixed: Sequence[torch.Tensor], shadow: Sequence[torch.Tensor | None]
+               ) -> tuple[bool, list[tuple[int, int] | None]]:
+    """Whether every mixed gradient is finite, and ``health.flushed_count(shadow, mixed)`` of each
+    pair with a shadow gradient (rule 6): the gradients joined, one read."""
+    if not mixed:
+        return True, []
+    pairs = [j for j, r in enumerate(shadow) if r is not None]
+    for j in pairs:
+        if shadow[j].shape != mixed[j].shape:  # type: ignore[union-attr]
+            raise ValueError(f"reference has shape {tuple(shadow[j].shape)} but observed has {tuple(mixed[j].shape)}")
+    o_all = _flat_cat(mixed)
+    parts = _amax_pair(o_all)
+    if pairs:
+        o = o_all if len(pairs) == len(mixed) else _flat_cat([mixed[j] for j in pairs])
+        r = _flat_cat([shadow[j] for j in pairs])  # type: ignore[misc]
+        sr = _sign(r)
+        parts += [*_amax_pair(r), *_segment_counts([sr, sr * _sign(o)], [mixed[j].numel() for j in pairs])]
+    read = _values(parts)
+    finite = math.isfinite(read[0]) and math.isfinite(read[1])
+    counts: list[tuple[int, int] | None] = [None] * len(mixed)
+    if pairs:
+        fast = finite and math.isfinite(read[2]) and math.isfinite(read[3])  # rule 1
+        nonzero, both = read[4:4 + len(pairs)], read[4 + len(pairs):]
+        for k, j in enumerate(pairs):
+            counts[j] = (int(nonzero[k] - both[k]), int(nonzero[k])) if fast else \
+                health.flushed_count(shadow[j], mixed[j])  # type: ignore[arg-type]
+    return finite, counts

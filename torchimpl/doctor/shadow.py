@@ -1,0 +1,62 @@
+"""The fp32 shadow's optimizer kept in step with the mixed model's (``inspect`` rule 2).
+
+Each step the shadow starts from the mixed optimizer's state. ``load_state_dict(deepcopy(
+state_dict()))`` does that by deep-copying every state tensor (two per parameter for Adam) each
+step, a new allocation each; ``copy_optimizer`` does what it does into the shadow's own tensors
+(``bench/doctor_cost.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+__all__ = ["copy_optimizer"]
+
+
+def copy_optimizer(src: torch.optim.Optimizer, dst: torch.optim.Optimizer) -> None:
+    """Rule 2: what ``dst.load_state_dict(copy.deepcopy(src.state_dict()))`` does, without a deep
+    copy of every tensor each step: the groups' settings copied; each parameter's state (matched
+    by position, as ``load_state_dict`` matches them) copied into ``dst``'s own tensors, cast as
+    ``load_state_dict`` casts (to the parameter's dtype; ``step`` as it is, or float32 on the
+    parameter's device for a fused or capturable group); a parameter without state left without.
+    A state holding anything but tensors and plain numbers takes ``load_state_dict``'s path."""
+    src_params = [p for g in src.param_groups for p in g["params"]]
+    dst_params = [(p, g) for g in dst.param_groups for p in g["params"]]
+    plain = (int, float, bool, str, type(None))
+    if len(src_params) != len(dst_params) or any(not isinstance(v, (torch.Tensor, *plain))
+                                                 for st in src.state.values() for v in st.values()):
+        dst.load_state_dict(copy.deepcopy(src.state_dict()))
+        return
+    for sg, dg in zip(src.param_groups, dst.param_groups):
+        dg.update({k: v if isinstance(v, (*plain, tuple)) and all(isinstance(x, plain) for x in _items(v))
+                   else copy.deepcopy(v) for k, v in sg.items() if k not in ("params", "param_names")})
+    with torch.no_grad():
+        for sp, (dp, group) in zip(src_params, dst_params):
+            state = src.state.get(sp)
+            if not state:
+                dst.state.pop(dp, None)
+                continue
+            mine, new = dst.state.get(dp, {}), {}
+            for k, v in state.items():
+                new[k] = _state_copy(v, dp, k, group, mine.get(k)) if isinstance(v, torch.Tensor) else v
+            dst.state[dp] = new
+
+
+def _items(v: Any) -> tuple:
+    return v if isinstance(v, tuple) else (v,)
+
+
+def _state_copy(v: torch.Tensor, param: torch.Tensor, key: str, group: dict, old: Any) -> torch.Tensor:
+    """One state tensor as ``load_state_dict`` casts it, into ``old`` where it has that form."""
+    if key == "step":
+        special = group.get("fused") or group.get("capturable")
+        dtype, device = (torch.float32, param.device) if special else (v.dtype, v.device)
+    else:
+        dtype, device = (param.dtype if param.is_floating_point() else v.dtype), param.device
+    if isinstance(old, torch.Tensor) and old is not v and old.shape == v.shape and old.dtype == dtype \
+            and old.device == device:
+        return old.copy_(v)
+    return v.detach().to(dtype=dtype, device=device, copy=True)
