@@ -30,12 +30,12 @@ Instructions (``--instructions``): where the timings drown in the load of a shar
 script runs itself under ``valgrind --tool=callgrind --instr-atstart=no`` (imports and set-up
 uncounted) and counts the instructions of one step of each candidate at each size: for each, a
 block of ``--short`` steps and one of ``--short + --extra`` steps, the counts zeroed before and
-dumped after each, the difference over ``--extra`` steps (the audit's start and its report cancel
-out). It prints the candidates' counts per step and the audit's extra over ``plain``. Only this
+dumped after each, the difference over ``--extra`` steps (the audit's start cancels out; its
+report's share of a step stays in). It prints the candidates' counts per step and the audit's extra over ``plain``. Only this
 process is counted: the replay's own arithmetic runs in its worker process (forked, uncounted),
 so ``replay`` counts what the training pays for it (the copies, the jobs sent, any wait); with
 ``AMPSPEC_AUDIT_REPLAY=thread`` (``replay-thread``) it is counted whole. A proxy, as in
-``bench/step_instructions.py``: about 20 seconds a step of the MLP under Valgrind.
+``bench/step_instructions.py``: 3.5 minutes for the three default candidates on the 2-core VM.
 
     PYTHONPATH=. python bench/audit_overhead.py            # a few minutes on 2 cores
     PYTHONPATH=. python bench/audit_overhead.py --only mlp --rounds 5
