@@ -11,7 +11,7 @@ import math
 from typing import TYPE_CHECKING, Iterator
 
 from audit.events import ClipCall, ClipThreshold
-from audit.findings import ERROR, WARNING, Finding, rule
+from audit.findings import ERROR, WARNING, Finding, rule, spec_stages
 
 if TYPE_CHECKING:
     from reference.scaling import OptimizerStage
@@ -32,10 +32,9 @@ def clip_before_unscale(ev: ClipCall) -> Iterator[Finding]:
     an enabled GradScaler (``scaler``) scaled (``stage`` is None otherwise), while the spec's call
     sequence does not hold the optimizer at UNSCALED: its gradients are still multiplied by the
     scale."""
-    from reference.scaling import UNSCALED  # here: ``import audit`` stays free of the spec and NumPy
-
     kind, optimizer, step, where, scaler, max_norm = ev.kind, ev.optimizer, ev.step, ev.where, ev.scaler, ev.max_norm
     stage: OptimizerStage | None = ev.stage
+    UNSCALED = spec_stages().UNSCALED  # the spec's name, read when the check runs: ``import audit`` loads no spec
     if stage is None or stage.stage == UNSCALED:
         return
     scale = scaler.get_scale()  # read only for a finding: on a GPU it synchronises

@@ -11,13 +11,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterator
 
 from audit.events import DirectSteps, ScalerFirstDrive, StepReapplied
-from audit.findings import ERROR, Finding, rule
+from audit.findings import ERROR, Finding, rule, spec_stages
 
 if TYPE_CHECKING:
     from audit.sequence import StageCall, UpdateCall
 
-# The checks take the stage names from `reference.scaling` when they run: ``import audit`` (the
-# pytest plugin's start) loads neither the specification nor NumPy.
+# The checks take the stage names from `reference.scaling` when they run (`spec_stages`):
+# ``import audit`` (the pytest plugin's start) loads neither the specification nor NumPy.
 
 
 @rule("unscale-twice", ERROR,
@@ -38,8 +38,7 @@ def unscale_twice(ev: StageCall | Any) -> Iterator[Finding]:
     `reference.scaling.unscale_stage`); or, from the numbers (a `audit.boundaries.Boundary`),
     gradients reaching a stage equal to the unscaled gradients unscaled once more (by the inverse
     or by a division by the scale), after ``unscale_`` or before ``scaler.step`` unscales them."""
-    from reference.scaling import UNSCALED  # on call: ``import audit`` stays free of the spec (above)
-
+    UNSCALED = spec_stages().UNSCALED  # the spec's name, read when the check runs (above)
     if getattr(ev, "change", None) is None:  # a call of the sequence, not a boundary of the replay
         if ev.call == "unscale_" and ev.before.stage == UNSCALED:
             yield Finding("unscale-twice", ev.step, ev.where,
@@ -65,8 +64,7 @@ def step_without_update(ev: StageCall) -> Iterator[Finding]:
     again (torch raises there) or when the run ends: its ``scaler.step`` had no ``update`` after
     it. Scaling another loss first is no finding (a GAN's generator loss after the
     discriminator's step, with one update for both)."""
-    from reference.scaling import STEPPED  # on call, as UNSCALED above
-
+    STEPPED = spec_stages().STEPPED  # as UNSCALED above
     if ev.before.stage != STEPPED:
         return
     if ev.call == "end":

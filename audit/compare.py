@@ -60,7 +60,7 @@ def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound:
     d = np.subtract(gi, ei)
     np.abs(d, out=d)  # the most negative difference stays negative: the unsigned view makes it huge
     du = d.view(_UINT[g.dtype.itemsize])
-    if _all_finite(g) and _all_finite(e):
+    if _all_finite(g, e):
         worst = int(du.max(initial=0))
         if worst <= half:
             return _NO_INDEX, float(worst), True
@@ -79,15 +79,21 @@ def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound:
 _NO_INDEX = np.zeros(0, np.intp)
 
 
-def _all_finite(a: np.ndarray) -> bool:
-    """Whether every value of flat ``a`` is finite, as one pass with no array made: for float32
-    and float64 the dot product of ``a`` with itself (an inf or a NaN makes it inf or NaN, since
-    squares never cancel); a finite array whose dot product overflows is answered False, which
-    only sends the caller down the path that checks each element. Other dtypes: ``isfinite``."""
-    if a.dtype == np.float32 or a.dtype == np.float64:
-        with np.errstate(over="ignore", invalid="ignore"):
-            return math.isfinite(float(np.dot(a, a)))
-    return bool(np.isfinite(a).all())
+def _all_finite(*arrays: np.ndarray) -> bool:
+    """Whether every value of each flat array is finite, as one pass over each with no array made:
+    for float32 and float64 the dot product of an array with itself (an inf or a NaN makes it inf
+    or NaN, since squares never cancel); a finite array whose dot product overflows is answered
+    False, which only sends the caller down the path that checks each element. Other dtypes:
+    ``isfinite``. One ``errstate`` for all of them: entering it costs about what a dot product of a
+    small parameter's elements does, and the replay compares a hundred arrays a step."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        for a in arrays:
+            if a.dtype == np.float32 or a.dtype == np.float64:
+                if not math.isfinite(float(np.dot(a, a))):
+                    return False
+            elif not np.isfinite(a).all():
+                return False
+    return True
 
 
 def _distances(g: np.ndarray, e: np.ndarray, idx: np.ndarray, bound: int, x_abs: Any, finite: Any) -> np.ndarray:

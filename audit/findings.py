@@ -27,12 +27,13 @@ which fills `CATALOGUE` (its ``RULES``) when it is imported; ``import audit`` im
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from audit.frameworks import FRAMEWORKS, FrameworkCall
 
-__all__ = ["CATALOGUE", "Rule", "rule", "Finding", "ERROR", "WARNING", "INFO", "SEVERITIES"]
+__all__ = ["CATALOGUE", "Rule", "rule", "Finding", "ERROR", "WARNING", "INFO", "SEVERITIES", "spec_stages"]
 
 ERROR = "error"
 WARNING = "warning"
@@ -41,6 +42,17 @@ SEVERITIES = (ERROR, WARNING, INFO)
 
 Check = Callable[..., Iterator["Finding"]]
 C = TypeVar("C", bound=Callable[..., Any])
+
+
+@functools.cache
+def spec_stages() -> Any:
+    """`reference.scaling`, whose stage names (READY, UNSCALED, STEPPED) the checks compare with:
+    imported by the first check that runs, so that ``import audit`` (the pytest plugin's start)
+    loads neither the specification nor NumPy; every later call returns it at the cost of a
+    cache lookup, where an ``import`` statement in the check would cost an import's every step."""
+    from reference import scaling
+
+    return scaling
 
 
 @dataclass(frozen=True)

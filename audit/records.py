@@ -62,22 +62,36 @@ def call_site() -> str:
     f = sys._getframe(1)
     library: list[tuple[str, int]] = []  # the library frames inside the user's innermost one
     first = None  # the innermost library frame
+    classes = _site_cache
     while f is not None:
-        c = _frame_class(f.f_code.co_filename)
+        name = f.f_code.co_filename
+        c = classes.get(name)
+        if c is None:
+            c = _frame_class(name)
         if c == 0:
             return attribute(_fmt(f), library, True) if library else _fmt(f)
         if c == 1:
             first = first or f
-            library.append((f.f_code.co_filename, f.f_lineno))
+            library.append((name, _place(f)[0]))
         f = f.f_back
     return attribute(_fmt(first), library, False) if library else "<unknown>"
 
 
 _shown: dict[str, str] = {}
+# (id(code), offset of its instruction) -> (code, line, "file:line"). The code object is kept, so
+# that its id is not reused while its entry stands; one entry per place the audit was called from.
+_places: dict[tuple[int, int], tuple[Any, int, str]] = {}
 
 
-def _fmt(f: Any) -> str:
-    name = f.f_code.co_filename
+def _place(f: Any) -> tuple[int, str]:
+    """The line of frame ``f`` and its ``file:line``, cached per instruction: Python 3.11 finds a
+    frame's line by scanning its code's line table from the start, thousands of instructions a
+    call in a long script, and a training loop calls from the same few places every step."""
+    code, lasti = f.f_code, f.f_lasti
+    hit = _places.get((id(code), lasti))
+    if hit is not None and hit[0] is code:
+        return hit[1], hit[2]
+    name = code.co_filename
     shown = _shown.get(name)
     if shown is None:
         try:
@@ -86,7 +100,13 @@ def _fmt(f: Any) -> str:
         except ValueError:
             shown = name
         _shown[name] = shown
-    return f"{shown}:{f.f_lineno}"
+    line = f.f_lineno
+    _places[(id(code), lasti)] = (code, line, f"{shown}:{line}")
+    return line, f"{shown}:{line}"
+
+
+def _fmt(f: Any) -> str:
+    return _place(f)[1]
 
 
 # ---------------------------------------------------------------------------------- records
@@ -285,10 +305,10 @@ def plain_tensor(t: torch.Tensor) -> bool:
 
 def to_numpy(t: torch.Tensor) -> Any:
     """A NumPy (ml_dtypes for bfloat16) copy of ``t`` with exactly its bits."""
-    import ml_dtypes  # on the first copy: an audit without replay or bfloat16 never loads it
-
     t = t.detach()
     if t.dtype == torch.bfloat16:
+        import ml_dtypes  # here: an audit without bfloat16 copies never loads it
+
         return t.cpu().contiguous().view(torch.int16).numpy().copy().view(ml_dtypes.bfloat16)
     return t.cpu().numpy().copy()
 
@@ -423,7 +443,8 @@ def _loss_factor(t: Any) -> float | None:
 
 
 def _signature(o: OptTrack) -> list[tuple[Any, int]]:
-    return [(None, -1) if p.grad is None else (id(p.grad), p.grad._version) for p in o.params()]
+    # Each gradient read once: torch's ``.grad`` getter costs a few hundred nanoseconds a call.
+    return [(None, -1) if (g := p.grad) is None else (id(g), g._version) for p in o.params()]
 
 
 def _touched(o: OptTrack, before: list[tuple[Any, int]] | None) -> list[int]:
@@ -433,7 +454,7 @@ def _touched(o: OptTrack, before: list[tuple[Any, int]] | None) -> list[int]:
     if before is None or len(before) != len(params):
         return [id(p) for p in params if p.grad is not None]
     return [id(p) for p, s in zip(params, before)
-            if p.grad is not None and (id(p.grad), p.grad._version) != s]
+            if (g := p.grad) is not None and (id(g), g._version) != s]
 
 
 def _found_inf(scaler: Any, opt: Any) -> float | None:
@@ -454,7 +475,12 @@ def _num(v: Any) -> float | None:
         return None
 
 
+_PLAIN = frozenset((bool, int, float, str, type(None)))
+
+
 def _jsonish(v: Any) -> Any:
+    if type(v) in _PLAIN:  # most of a group's settings, every step: no isinstance chain
+        return v
     if isinstance(v, torch.Tensor):
         return float(v) if v.numel() == 1 else str(v)
     if isinstance(v, (bool, int, float, str)) or v is None:

@@ -284,12 +284,15 @@ class OptimizerCalls:
                     if o.window.clip_norms and math.isnan(o.window.clip_norms[-1][0]):
                         o.window.clip_norms[-1] = (None, o.window.clip_norms[-1][1])
                 return
-            value = to_numpy(result)  # a fresh 0-d tensor: no cache
+            # A fresh 0-d tensor: no cache. Copied for the replay's stages only; the record's norm is
+            # its value either way (one read, a sync on a GPU).
+            value = to_numpy(result) if stages else None
+            norm = float(value) if value is not None else float(result)
             for stage in stages:
                 stage.total_norm = value
             for o in self.optimizers.values():
                 if o.window.clip_norms and math.isnan(o.window.clip_norms[-1][0]):
-                    o.window.clip_norms[-1] = (float(value), o.window.clip_norms[-1][1])
+                    o.window.clip_norms[-1] = (norm, o.window.clip_norms[-1][1])
 
 
 COMPILED_STEP = ("compiled optimizer step with no copy before it: it ran inside a torch.compile graph, which the "

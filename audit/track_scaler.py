@@ -24,7 +24,7 @@ class ScalerCalls:
     def _sequence_args(self, s: ScalerTrack, o: OptTrack, where: str) -> dict[str, Any]:
         """What the spec's stage functions take: whether scale() ran (torch checks its ``_scale``),
         the dtypes of the gradients present; and the event's labels."""
-        dtypes = {p.grad.dtype for p in o.params() if p.grad is not None}
+        dtypes = {g.dtype for p in o.params() if (g := p.grad) is not None}
         return {"optimizer": o.label, "step": o.steps, "where": where, "last_step_where": s_where(o),
                 "scaled": getattr(s.obj, "_scale", None) is not None,
                 "grad_dtypes": sequence.numpy_dtypes(dtypes)}
@@ -172,7 +172,9 @@ class ScalerCalls:
                                   scaled=getattr(scaler, "_scale", None) is not None, new_scale=new_scale is not None,
                                   bypasses=self._bypasses(s))
         self._report(dispatch(ev))
-        s.update_before = (_f32(scaler.get_scale()), int(scaler._get_growth_tracker())) if s.used else None
+        # Only the replay reads the state before the update (two reads, each a sync on a GPU).
+        s.update_before = (_f32(scaler.get_scale()), int(scaler._get_growth_tracker())) \
+            if s.used and self.replayer is not None else None
 
     def on_update_end(self, scaler: Any, new_scale: Any, ok: bool) -> None:
         s = self._scaler(scaler)

@@ -26,16 +26,32 @@ step time (the time between consecutive step-end stamps); the ratio to ``plain``
 round and its median over rounds reported (bench/_harness.py). Targets: replay
 under 2x, order rules under 1.1x.
 
+Instructions (``--instructions``): where the timings drown in the load of a shared machine, the
+script runs itself under ``valgrind --tool=callgrind --instr-atstart=no`` (imports and set-up
+uncounted) and counts the instructions of one step of each candidate at each size: for each, a
+block of ``--short`` steps and one of ``--short + --extra`` steps, the counts zeroed before and
+dumped after each, the difference over ``--extra`` steps (the audit's start cancels out; its
+report's share of a step stays in). It prints the candidates' counts per step and the audit's extra over ``plain``. Only this
+process is counted: the replay's own arithmetic runs in its worker process (forked, uncounted),
+so ``replay`` counts what the training pays for it (the copies, the jobs sent, any wait); with
+``AMPSPEC_AUDIT_REPLAY=thread`` (``replay-thread``) it is counted whole. A proxy, as in
+``bench/step_instructions.py``: 3.5 minutes for the three default candidates on the 2-core VM.
+
     PYTHONPATH=. python bench/audit_overhead.py            # a few minutes on 2 cores
     PYTHONPATH=. python bench/audit_overhead.py --only mlp --rounds 5
+    PYTHONPATH=. python bench/audit_overhead.py --only mlp --instructions   # ~5 minutes
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import runpy
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -105,6 +121,50 @@ def run_block(candidate: str, size: str, steps: int) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
+def instructions_inner(size: str, candidates: list[str], short: int, extra: int) -> None:
+    """Under Valgrind: for each candidate, a block of ``short`` and of ``short + extra`` steps,
+    each between a zeroing and a dump of the counts."""
+
+    def control(*args: str) -> None:
+        subprocess.run(["callgrind_control", *args, str(os.getpid())], check=True, capture_output=True)
+
+    for c in candidates:
+        run_block(c, size, 2)  # first-call paths, uncounted
+    control("-i", "on")
+    for c in candidates:
+        for steps in (short, short + extra):
+            control("-z")
+            run_block(c, size, steps)
+            control("-d", f"{c}-{steps}")
+
+
+def instructions(size: str, candidates: list[str], args: argparse.Namespace) -> dict:
+    """Instructions per step of each candidate at ``size`` (`instructions_inner` under Valgrind)."""
+    from step_instructions import dump_totals
+
+    with tempfile.TemporaryDirectory(prefix="ampspec-callgrind-") as folder:
+        cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={folder}/cg.out",
+               sys.executable, __file__, "--inner-instructions", "--only", size, "--short", str(args.short),
+               "--extra", str(args.extra), "--threads", str(args.threads), "--candidates", *candidates]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        dumps = {}
+        for path in Path(folder).glob("cg.out*"):
+            head = path.read_text(errors="replace")[:3000]
+            m = re.search(r"^desc: Trigger: dump (.*)$", head, re.M)
+            if m:
+                dumps[m.group(1)] = dump_totals(path)[0]
+    if len(dumps) != 2 * len(candidates):
+        raise SystemExit(f"{size}: valgrind left {len(dumps)} of {2 * len(candidates)} dumps; its output ends:\n"
+                         + (done.stdout + done.stderr)[-2000:])
+    per_step = {c: (dumps[f"{c}-{args.short + args.extra}"] - dumps[f"{c}-{args.short}"]) / args.extra
+                for c in candidates}
+    plain = per_step.get("plain")
+    print(f"{size:8}" + "".join(
+        f"   {c} {n / 1e6:.3f} M" + (f" ({(n - plain) / 1e3:+.1f} k)" if plain is not None and c != "plain" else "")
+        for c, n in per_step.items()) + "  instructions/step", flush=True)
+    return {"instructions_per_step": per_step}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -117,10 +177,32 @@ def main(argv: list[str] | None = None) -> int:
                     "e.g. 0.2M,3M,12.8M,50M (candidates: plain, order-rules, replay, replay-all)")
     ap.add_argument("--whole-up-to", type=float, default=13e6,
                     help="with --sizes: run replay-all only up to this many parameters")
+    ap.add_argument("--instructions", action="store_true",
+                    help="count instructions per step under Valgrind's callgrind instead of timing")
+    ap.add_argument("--candidates", nargs="+", choices=CANDIDATES, default=["plain", "order-rules", "replay"],
+                    help="with --instructions: the candidates counted")
+    ap.add_argument("--short", type=int, default=3, help="with --instructions: steps of the shorter block")
+    ap.add_argument("--extra", type=int, default=5, help="with --instructions: steps the longer block adds")
+    ap.add_argument("--inner-instructions", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.steps <= args.warmup:
         ap.error("--steps must exceed --warmup")
     torch.set_num_threads(args.threads)
+    if args.inner_instructions:
+        instructions_inner(args.only[0], args.candidates, args.short, args.extra)
+        return 0
+    if args.instructions:
+        missing = [t for t in ("valgrind", "callgrind_control", "callgrind_annotate") if shutil.which(t) is None]
+        if missing:
+            raise SystemExit(f"--instructions needs Valgrind's {', '.join(missing)} on PATH "
+                             "(e.g. apt-get install valgrind)")
+        if args.sizes:
+            ap.error("--instructions counts the named sizes (--only), not --sizes")
+        counted = {"machine": _harness.machine(), "settings": vars(args), "sizes": {}}
+        for size in args.only or ["mlp"]:
+            counted["sizes"][size] = instructions(size, args.candidates, args)
+        print(f"results: {_harness.write_result('audit_instructions', counted, args.out)}")
+        return 0
     results: dict = {"machine": _harness.machine(), "settings": vars(args), "sizes": {}}
     if args.sizes:
         for label in args.sizes.split(","):
