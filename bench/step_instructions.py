@@ -19,6 +19,7 @@ log interval). ``callgrind_annotate`` gives the totals and the thread hand-offs'
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import shutil
@@ -55,6 +56,9 @@ def inner(config: str, short: int, extra: int) -> None:
     control("-i", "on")
     for name in CANDIDATES:
         for steps in (short, short + extra):
+            # Each block starts from an empty young generation: a collection of the set-up's
+            # garbage would otherwise fall in one block and not the other.
+            gc.collect()
             control("-z")
             RUNNERS[name](workload, steps, lambda event: None)
             control("-d", f"{name}-{steps}")

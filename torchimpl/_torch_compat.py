@@ -24,6 +24,7 @@ __all__ = [
     "_amp_update_scale_",
     "_set_grad_enabled",
     "_foreach_mul_",
+    "_foreach_sub",
     "_get_foreach_kernels_supported_devices",
     "_get_fused_kernels_supported_devices",
     "_refresh_per_optimizer_state",
@@ -77,6 +78,10 @@ _foreach_mul_ = _private(
     "torch", "_foreach_mul_",
     "clip_grad_norm_'s multiply of each (device, dtype) group by the clip coefficient; "
     "torchimpl.train.clipping calls it so its bits are torch's")
+_foreach_sub = _private(
+    "torch", "_foreach_sub",
+    "the doctor's parameter statistics take every judged parameter's update (after minus before) "
+    "in one call; a loop of subtractions gives the same bits at one call per tensor")
 _get_foreach_kernels_supported_devices = _private(
     "torch.utils._foreach_utils", "_get_foreach_kernels_supported_devices",
     "whether torch's optimizers pick the foreach path by default on a device; optim.py "

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from torchimpl.precision import health
-from torchimpl._torch_compat import tree_leaves
+from torchimpl._torch_compat import _foreach_sub, tree_leaves
 from torchimpl.run.checkpoint import capture_rng_state, restore_rng_state
 from torchimpl.precision.diagnostics import Finding, _fp16_norm_problem, _OpScanner, _unsafe_problem
 from torchimpl.precision.probe import Fp8Probe, Recorder, is_float8_layer
@@ -493,7 +493,7 @@ class _Runner:
         after = self._stored() if finite else {}
         judged = [n for n in mixed if n in after and n in shadow and shadow[n].grad is not None]
         with health.one_thread(self.device), torch.no_grad():
-            updates = torch._foreach_sub([shadow[n].detach() for n in judged], [before[n] for n in judged]) \
+            updates = _foreach_sub([shadow[n].detach() for n in judged], [before[n] for n in judged]) \
                 if judged else []
             lost = dict(zip(judged, param_batch([stored[n] for n in judged], [after[n] for n in judged], updates)))
         for n in mixed:

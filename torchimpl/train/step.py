@@ -442,7 +442,7 @@ class StepEngine:
                 with accumulate(st.window_done + 1 == k), autocast:
                     loss = loss_fn(model, batch)
             if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
-                raise ValueError(_bad_loss(loss))
+                raise ValueError(bad_loss_message(loss))
             # Outside autocast from here: the accumulation, the division, the scaling and backward.
             # The sum with grad mode off, so that it records no graph and needs no detached copy.
             set_grad_enabled(False)
@@ -536,28 +536,17 @@ class StepEngine:
 
 
 def grad_accumulators(params: list[nn.Parameter]) -> list[Any]:
-    """Each plain parameter's gradient accumulator (autograd's ``AccumulateGrad`` node), to be
-    held for the run, as DDP holds them.
-
-    Autograd keeps a parameter's accumulator only while a graph refers to it: without a holder
-    it is freed with each step's last graph and built again by the next forward, and the
-    parameter is then referenced from C++ by its Python object alone, so that every kernel call
-    that takes a reference to it (each optimizer op) pays a round trip through the interpreter
-    (torch >= 2.10 keeps a tensor's Python object alive from C++ while C++ holds a second
-    reference). A hand-written loop avoids both by accident: its ``loss`` variable keeps the
-    last graph alive into the next step. Sharded (DTensor) and other subclass parameters are
-    left out; holding the node changes no number.
-    """
+    """Each plain trainable parameter's ``AccumulateGrad`` node, held for the run as DDP holds
+    them. Unheld, each step's graph frees it and the next forward builds it again, and every op
+    that takes the parameter (each optimizer op) then round-trips through the interpreter: torch
+    keeps a tensor's Python object alive from C++ while C++ holds a second reference. (A hand
+    loop's ``loss`` variable holds them by accident.) It changes no number."""
     held = []
     with torch.enable_grad():
         for p in params:
             if type(p) is nn.Parameter and p.requires_grad and p.grad_fn is None:
                 held.append(p.view_as(p).grad_fn.next_functions[0][0])
     return held
-
-
-def _bad_loss(loss: Any) -> str:
-    return bad_loss_message(loss)
 
 
 def build_step_engine(*, config: Any, sync_free: bool, model: nn.Module, forward_model: nn.Module,
