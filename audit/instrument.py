@@ -139,7 +139,9 @@ class Instrumentation:
         for owner in (cls, *_scaler_subclasses()):
             for name, make in methods:
                 if name in owner.__dict__:
-                    self._patch(owner, name, _once_per_call(name, make, active))
+                    # Dynamo-skipped as torch skips GradScaler's own methods: inside a compiled
+                    # function the scaler's calls, with their reports, run eagerly.
+                    self._patch(owner, name, _eager_when_traced(_once_per_call(name, make, active)))
 
     def _install_clipping(self) -> None:
         rec = self.rec

@@ -174,3 +174,21 @@ def test_a_compiled_loop_keeps_its_order_findings():
     rules = {(f.rule, f.severity) for f in report.findings}
     assert rules == {("backward-in-autocast", "warning")}, report.text()
     assert sorted(f.step for f in report.findings) == list(range(6))
+
+
+COMPILED_SCALER = Path(__file__).resolve().parent / "audit_loops" / "compiled_scaler_step.py"
+
+
+@pytest.mark.parametrize("clip", ["0", "1.0"])
+def test_a_train_step_compiled_with_its_grad_scaler_is_seen_with_no_graph_break_in_the_audit(clip):
+    """GradScaler's calls inside a compiled function run eagerly at torch's own breaks, and the
+    audit's wrappers of them with them: none of the breaks is in the audit's code (traced, its
+    bookkeeping broke the graph 17 times), every scale update is seen and replayed, and the
+    traced clip, which the audit does not see as a clip, is reported by its effect (info) only."""
+    report, _ = _audited(["--steps", "6", "--clip", clip], COMPILED_SCALER)
+    assert report.compiled is not None and report.compiled["graph_breaks_in_audit"] == 0, report.text()
+    assert report.exit_status == 0 and len(report.steps) == 6 and all(r.applied for r in report.steps), report.text()
+    assert report.replay["steps_replayed"] == 6 and report.replay["not_replayed"] == {}, report.replay
+    assert "6 scaler updates replayed" in report.text()
+    rules = {f.rule for f in report.findings}
+    assert rules == (set() if clip == "0" else {"gradients-modified-after-unscale"}), report.text()
