@@ -47,7 +47,8 @@ def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound:
     the flat indices the element-wise check must look at, the largest ULP distance among the
     others, which agree, and whether every value was seen to be finite.
 
-    At ``bound`` 0 the pairs whose bits differ. Otherwise the pairs not plainly within ``bound // 2``
+    At ``bound`` 0 the pairs whose bits differ. Otherwise none where every pair has the same bits;
+    else the pairs not plainly within ``bound // 2``
     ULPs: the difference of the bit patterns, wrapping in their integer type, has a magnitude of
     at most ``bound // 2``, and both values are finite. For two finite values that magnitude is
     their ULP distance: exactly so for one sign; for opposite signs the true difference lies
@@ -58,6 +59,8 @@ def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound:
         return (_NO_INDEX, 0.0, False) if np.array_equal(gi, ei) else (np.flatnonzero(gi != ei), 0.0, False)
     half = bound // 2
     d = np.subtract(gi, ei)
+    if not d.any():  # the same bits (about half the arrays of a step): nothing more to look at
+        return _NO_INDEX, 0.0, False
     np.abs(d, out=d)  # the most negative difference stays negative: the unsigned view makes it huge
     du = d.view(_UINT[g.dtype.itemsize])
     if _all_finite(g, e):
