@@ -82,21 +82,18 @@ def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound:
 _NO_INDEX = np.zeros(0, np.intp)
 
 
-def _all_finite(*arrays: np.ndarray) -> bool:
-    """Whether every value of each flat array is finite, as one pass over each with no array made:
-    for float32 and float64 the dot product of an array with itself (an inf or a NaN makes it inf
-    or NaN, since squares never cancel); a finite array whose dot product overflows is answered
-    False, which only sends the caller down the path that checks each element. Other dtypes:
-    ``isfinite``. One ``errstate`` for all of them: entering it costs about what a dot product of a
-    small parameter's elements does, and the replay compares a hundred arrays a step."""
+def _all_finite(g: np.ndarray, e: np.ndarray) -> bool:
+    """Whether every value of flat ``g`` and ``e`` (one dtype) is finite, as one pass with no array
+    made: for float32 and float64 their dot product (an inf or a NaN in either makes its term inf
+    or NaN, inf times 0 included, and no sum with such a term is finite); finite arrays whose
+    dot product overflows are answered False, which only sends the caller down the path that
+    checks each element. Other dtypes: ``isfinite``. Inside an ``errstate``: entering it costs
+    about what a dot product of a small parameter's elements does, and the replay compares a
+    hundred arrays a step."""
     with np.errstate(over="ignore", invalid="ignore"):
-        for a in arrays:
-            if a.dtype == np.float32 or a.dtype == np.float64:
-                if not math.isfinite(float(np.dot(a, a))):
-                    return False
-            elif not np.isfinite(a).all():
-                return False
-    return True
+        if g.dtype == np.float32 or g.dtype == np.float64:
+            return math.isfinite(float(np.dot(g, e)))
+        return bool(np.isfinite(g).all() and np.isfinite(e).all())
 
 
 def _distances(g: np.ndarray, e: np.ndarray, idx: np.ndarray, bound: int, x_abs: Any, finite: Any) -> np.ndarray:

@@ -529,7 +529,7 @@ def _tensor_lr(lr: torch.Tensor) -> np.ndarray:
 
 def _wide(p: np.ndarray) -> np.ndarray:
     """A bfloat16/float16 array widened to float32 (exact); any other as it is."""
-    return p.astype(np.float32) if str(p.dtype) in LOW_DTYPES else p
+    return p.astype(np.float32) if p.dtype.itemsize == 2 and str(p.dtype) in LOW_DTYPES else p  # str() is slow
 
 
 def _torch_sqrt(impl: str) -> Any:

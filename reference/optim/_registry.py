@@ -20,6 +20,7 @@ neither.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -78,7 +79,7 @@ class OptimizerSpec:
 
     def hyperparameters(self) -> dict[str, Any]:
         """Hyperparameter name -> torch's default."""
-        return {n: p.default for n, p in inspect.signature(self.config).parameters.items()}
+        return dict(_defaults(self.config))
 
     def make_config(self, **hyperparameters: Any) -> Any:
         """The configuration; a name torch's class does not take is a ValueError naming it."""
@@ -167,3 +168,10 @@ def _with_values(init: Any, mapping: Mapping[str, Any]) -> Any:
         base = getattr(init, f.name)
         values[f.name] = np.float32(np.asarray(value).reshape(())) if isinstance(base, np.floating) else value
     return dataclasses.replace(init, **values)
+
+
+@functools.cache
+def _defaults(config: Callable[..., Any]) -> tuple[tuple[str, Any], ...]:
+    """(name, default) of each parameter of a configuration's constructor. Cached: reading a
+    signature is slow, and the audit's replay builds a configuration at every step."""
+    return tuple((n, p.default) for n, p in inspect.signature(config).parameters.items())
