@@ -59,12 +59,12 @@ def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound:
         return (_NO_INDEX, 0.0, False) if np.array_equal(gi, ei) else (np.flatnonzero(gi != ei), 0.0, False)
     half = bound // 2
     d = np.subtract(gi, ei)
-    if not d.any():  # the same bits (about half the arrays of a step): nothing more to look at
-        return _NO_INDEX, 0.0, False
     np.abs(d, out=d)  # the most negative difference stays negative: the unsigned view makes it huge
     du = d.view(_UINT[g.dtype.itemsize])
+    worst = int(du.max(initial=0))
+    if worst == 0:  # the same bits (about half the arrays of a step): nothing more to look at
+        return _NO_INDEX, 0.0, False
     if _all_finite(g, e):
-        worst = int(du.max(initial=0))
         if worst <= half:
             return _NO_INDEX, float(worst), True
         idx = np.flatnonzero(du > half)
