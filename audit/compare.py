@@ -47,7 +47,8 @@ def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound:
     the flat indices the element-wise check must look at, the largest ULP distance among the
     others, which agree, and whether every value was seen to be finite.
 
-    At ``bound`` 0 the pairs whose bits differ. Otherwise the pairs not plainly within ``bound // 2``
+    At ``bound`` 0 the pairs whose bits differ. Otherwise none where every pair has the same bits;
+    else the pairs not plainly within ``bound // 2``
     ULPs: the difference of the bit patterns, wrapping in their integer type, has a magnitude of
     at most ``bound // 2``, and both values are finite. For two finite values that magnitude is
     their ULP distance: exactly so for one sign; for opposite signs the true difference lies
@@ -60,8 +61,10 @@ def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound:
     d = np.subtract(gi, ei)
     np.abs(d, out=d)  # the most negative difference stays negative: the unsigned view makes it huge
     du = d.view(_UINT[g.dtype.itemsize])
+    worst = int(du.max(initial=0))
+    if worst == 0:  # the same bits (about half the arrays of a step): nothing more to look at
+        return _NO_INDEX, 0.0, False
     if _all_finite(g, e):
-        worst = int(du.max(initial=0))
         if worst <= half:
             return _NO_INDEX, float(worst), True
         idx = np.flatnonzero(du > half)
@@ -79,21 +82,18 @@ def _screen(g: np.ndarray, e: np.ndarray, gi: np.ndarray, ei: np.ndarray, bound:
 _NO_INDEX = np.zeros(0, np.intp)
 
 
-def _all_finite(*arrays: np.ndarray) -> bool:
-    """Whether every value of each flat array is finite, as one pass over each with no array made:
-    for float32 and float64 the dot product of an array with itself (an inf or a NaN makes it inf
-    or NaN, since squares never cancel); a finite array whose dot product overflows is answered
-    False, which only sends the caller down the path that checks each element. Other dtypes:
-    ``isfinite``. One ``errstate`` for all of them: entering it costs about what a dot product of a
-    small parameter's elements does, and the replay compares a hundred arrays a step."""
+def _all_finite(g: np.ndarray, e: np.ndarray) -> bool:
+    """Whether every value of flat ``g`` and ``e`` (one dtype) is finite, as one pass with no array
+    made: for float32 and float64 their dot product (an inf or a NaN in either makes its term inf
+    or NaN, inf times 0 included, and no sum with such a term is finite); finite arrays whose
+    dot product overflows are answered False, which only sends the caller down the path that
+    checks each element. Other dtypes: ``isfinite``. Inside an ``errstate``: entering it costs
+    about what a dot product of a small parameter's elements does, and the replay compares a
+    hundred arrays a step."""
     with np.errstate(over="ignore", invalid="ignore"):
-        for a in arrays:
-            if a.dtype == np.float32 or a.dtype == np.float64:
-                if not math.isfinite(float(np.dot(a, a))):
-                    return False
-            elif not np.isfinite(a).all():
-                return False
-    return True
+        if g.dtype == np.float32 or g.dtype == np.float64:
+            return math.isfinite(float(np.dot(g, e)))
+        return bool(np.isfinite(g).all() and np.isfinite(e).all())
 
 
 def _distances(g: np.ndarray, e: np.ndarray, idx: np.ndarray, bound: int, x_abs: Any, finite: Any) -> np.ndarray:

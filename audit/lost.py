@@ -46,7 +46,9 @@ LOW_DTYPES = ("bfloat16", "float16")
 
 def low_precision(params: list[Any]) -> str | None:
     """The name of the 16-bit float dtype among ``params`` (NumPy copies; None entries skipped), or None."""
-    return next((str(p.dtype) for p in params if p is not None and str(p.dtype) in LOW_DTYPES), None)
+    # itemsize first: str() of a dtype is slow, and the replay asks this of every parameter each step
+    return next((str(p.dtype) for p in params if p is not None and p.dtype.itemsize == 2
+                 and str(p.dtype) in LOW_DTYPES), None)
 
 
 @dataclass

@@ -529,7 +529,7 @@ def _tensor_lr(lr: torch.Tensor) -> np.ndarray:
 
 def _wide(p: np.ndarray) -> np.ndarray:
     """A bfloat16/float16 array widened to float32 (exact); any other as it is."""
-    return p.astype(np.float32) if str(p.dtype) in LOW_DTYPES else p
+    return p.astype(np.float32) if p.dtype.itemsize == 2 and str(p.dtype) in LOW_DTYPES else p  # str() is slow
 
 
 def _torch_sqrt(impl: str) -> Any:
@@ -568,11 +568,20 @@ def _at(values: tuple, shape: tuple[int, ...], ix: np.ndarray) -> list[Any]:
     flat indices ``ix``; scalars and other fields as they are."""
 
     def pick(v: Any) -> Any:
-        if isinstance(v, np.ndarray) and v.shape == shape:
-            return v.reshape(-1)[ix]
-        if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            return dataclasses.replace(v, **{f.name: pick(getattr(v, f.name)) for f in dataclasses.fields(v)
-                                              if f.init})
-        return v
+        if isinstance(v, np.ndarray):
+            return v.reshape(-1)[ix] if v.shape == shape else v
+        names = _init_fields(type(v))
+        if names is None:
+            return v
+        return type(v)(**{n: pick(getattr(v, n)) for n in names})  # dataclasses.replace, without its checks
 
     return [pick(v) for v in values]
+
+
+@functools.cache
+def _init_fields(cls: type) -> tuple[str, ...] | None:
+    """The names of a dataclass's fields its ``__init__`` takes (None: not a dataclass). Cached:
+    `_at` rebuilds a state at every mismatch the compare looks at closely, a dozen a step."""
+    if not dataclasses.is_dataclass(cls):
+        return None
+    return tuple(f.name for f in dataclasses.fields(cls) if f.init)

@@ -7,6 +7,7 @@ written to a temporary folder on the package's path)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -222,3 +223,25 @@ def test_each_built_in_optimizer_is_declared_once_in_the_configurations_row():
     source = Path(ti_optim.__file__).read_text()
     for cls_name in declared.values():
         assert f"torch.optim.{cls_name}," not in source, f"train/optim.py names torch.optim.{cls_name} itself"
+
+
+@pytest.mark.parametrize("name", sorted(optim.SPECS))
+def test_state_from_fills_every_field_torch_did_not_give_from_the_initial_state(name):
+    """``state_from``: each field the mapping gives is its value (a scalar field read as a float32
+    scalar); each one it lacks is ``init_state``'s, of the parameter's shape. Guards the
+    element-wise rows' shortcut (no parameter-sized initial arrays when every field is given):
+    taking it with a field missing leaves that field empty."""
+    row = optim.SPECS[name]
+    cfg = row.make_config(**({"momentum": 0.9} if name == "SGD" else {}))
+    p = np.linspace(-1.0, 1.0, 12, dtype=np.float32).reshape(3, 4)
+    init = row.init_state(p, cfg)
+    fields = [f.name for f in dataclasses.fields(init) if getattr(init, f.name) is not None]
+    given = {n: (np.float32(3.0) if isinstance(getattr(init, n), np.floating) else np.full_like(p, 0.25))
+             for n in fields}
+    for mapping in [given] + [{k: v for k, v in given.items() if k != left_out} for left_out in fields]:
+        state = row.state_from(mapping, p, cfg)
+        for n in fields:
+            want = mapping.get(n, getattr(init, n))
+            got = getattr(state, n)
+            assert type(got) is type(want) and np.shape(got) == np.shape(want) and np.array_equal(got, want), (
+                f"{name}: field {n} with {sorted(mapping)} given: got {got!r}, want {want!r}")

@@ -20,6 +20,7 @@ neither.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -78,7 +79,7 @@ class OptimizerSpec:
 
     def hyperparameters(self) -> dict[str, Any]:
         """Hyperparameter name -> torch's default."""
-        return {n: p.default for n, p in inspect.signature(self.config).parameters.items()}
+        return dict(_defaults(self.config))
 
     def make_config(self, **hyperparameters: Any) -> Any:
         """The configuration; a name torch's class does not take is a ValueError naming it."""
@@ -100,17 +101,18 @@ class OptimizerSpec:
         """The spec's state equal to torch's ``optimizer.state[p]`` given as NumPy values by key
         (an empty mapping: the state before a first step). Scalar fields (the step counter) are
         read as float32 scalars, as torch keeps them."""
+        if mapping and self.elementwise:
+            # An element-wise row's fields do not depend on the parameter's shape: a state of an
+            # empty parameter shows them, and where the mapping gives every field that state
+            # holds, none of the parameter-sized initial arrays would be kept (no need to make them).
+            probe = self.init_state(np.zeros(0, np.asarray(param).dtype), config)
+            if all(mapping.get(f.name) is not None for f in dataclasses.fields(probe)
+                   if getattr(probe, f.name) is not None):
+                return _with_values(probe, mapping)
         init = self.init_state(param, config)
         if not mapping:
             return init
-        values = {}
-        for f in dataclasses.fields(init):
-            value = mapping.get(f.name)
-            if value is None:
-                continue
-            base = getattr(init, f.name)
-            values[f.name] = np.float32(np.asarray(value).reshape(())) if isinstance(base, np.floating) else value
-        return dataclasses.replace(init, **values)
+        return _with_values(init, mapping)
 
     def step(self, implementation: str, params: Any, grads: Any, state: Any, config: Any, *, lr: Any = None,
              sqrt: Callable[[np.ndarray], np.ndarray] | None = None, grad_scale: float | None = None,
@@ -153,3 +155,23 @@ def spec_for(config: Any) -> OptimizerSpec:
             return row
     raise ValueError(f"{type(config).__name__} is not the configuration of a registered optimizer "
                      f"({', '.join(SPECS)})")
+
+
+def _with_values(init: Any, mapping: Mapping[str, Any]) -> Any:
+    """``init`` with each field the mapping gives replaced by its value (a scalar field, such as
+    the step counter, read as a float32 scalar)."""
+    values = {}
+    for f in dataclasses.fields(init):
+        value = mapping.get(f.name)
+        if value is None:
+            continue
+        base = getattr(init, f.name)
+        values[f.name] = np.float32(np.asarray(value).reshape(())) if isinstance(base, np.floating) else value
+    return dataclasses.replace(init, **values)
+
+
+@functools.cache
+def _defaults(config: Callable[..., Any]) -> tuple[tuple[str, Any], ...]:
+    """(name, default) of each parameter of a configuration's constructor. Cached: reading a
+    signature is slow, and the audit's replay builds a configuration at every step."""
+    return tuple((n, p.default) for n, p in inspect.signature(config).parameters.items())
