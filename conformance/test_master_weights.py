@@ -280,8 +280,7 @@ def test_radam_divides_a_scalar_by_a_tensor_as_reciprocal_then_product(device):
         run_case("none", "RAdam", "for-loop", case, device)
 
 
-NATIVE_PAIRS = [(name, impl) for name, impls in lowprec.COVERED.items() for impl in impls
-                if name in ("SGD", "Adam", "AdamW")]
+NATIVE_PAIRS = [(name, impl) for name, impls in lowprec.COVERED.items() for impl in impls]
 
 
 def _torch_state(spec_state, torch_state: dict):
@@ -349,7 +348,7 @@ def run_native_case(name: str, impl: str, case: dict, kernels: str) -> None:
 def test_none_steps_match_the_spec_on_this_machines_kernels(name, impl, device, data):
     """``reference.lowprec`` rule 13: on the machine's own CPU kernels (AVX512: fused multiply-adds
     in ``lerp`` and ``addcmul``, ``add``'s vector head rounded once) the for-loop and foreach
-    steps of SGD, Adam and AdamW on bfloat16/float16 parameters are bit for bit, the fused ones
+    steps of every covered optimizer on bfloat16/float16 parameters are bit for bit, the fused ones
     within ``FUSED_NATIVE_ULPS`` ULPs of S at the row's magnitudes; a capability the
     specification does not state is refused by name. Mutants killed: ``add`` rounding its
     product on native kernels (SGD, Adam's weight decay); ``addcmul``/``lerp`` unfused (Adam's
