@@ -187,9 +187,10 @@ class LowPrecisionStage:
     def _low_precision_step(self, o: Any, d: Any, low: str) -> Any:
         """The step function that replays the optimizer stage of 16-bit parameters stepped by torch
         itself (`reference.lowprec`, the ``none`` option of `reference.master_weights`), with
-        `_spec_steps`' arguments; NotReplayable naming the reason where the specification does not
-        claim torch's bits: a pair it does not model, a mix of dtypes, an unscaling kernel, a tensor
-        learning rate, or native kernels (exact with ``ATEN_CPU_CAPABILITY=default`` only)."""
+        `_spec_steps`' arguments, on the machine's CPU kernels (`reference.lowprec` rule 13);
+        NotReplayable naming the reason where the specification does not claim torch's bits: a
+        pair it does not model, a mix of dtypes, an unscaling kernel, a tensor learning rate, or a
+        CPU capability it does not know."""
         from reference import lowprec  # the replay's: the order rules load no arithmetic of the spec
 
         row, why = o.entry.spec, None
@@ -199,9 +200,9 @@ class LowPrecisionStage:
             why = f"a mix of {low} and other parameters in one optimizer"
         elif missing or not o.entry.builtin:
             why = f"torch's {row.name} ({', '.join(missing) or 'a user row'}) on {low} tensors is not modelled"
-        elif not self.exact:
-            why = (f"{self.capability} kernels: the specification states torch's scalar kernels on {low} "
-                   "tensors, ATEN_CPU_CAPABILITY=default")
+        elif self.capability not in lowprec.KERNELS:
+            why = (f"{self.capability} kernels: the specification states torch's kernels on {low} tensors for "
+                   f"{', '.join(lowprec.KERNELS)} only")
         if why is not None:
             raise NotReplayable(f"{low} parameters: the optimizer stage is not compared ({why}); its lost "
                                 "updates are counted (update-lost-to-rounding)")
@@ -213,12 +214,22 @@ class LowPrecisionStage:
                 raise NotReplayable(f"{row.name} unscaled by its own kernel on {low} parameters (not modelled)")
             try:
                 new_p, new_s = lowprec.step(row, impl, params, grads, [lowprec.state_to(s, storage) for s in states],
-                                            cfg, lr=lr)
+                                            cfg, lr=lr, kernels=self.capability)
             except NotImplementedError as exc:
                 raise NotReplayable(f"{low} parameters: {exc}") from None
             return new_p, list(grads), new_s
 
         return stepped
+
+    def _low_bounds(self, d: Any, i: int) -> tuple[bool, Any]:
+        """(bit for bit, the bound of a field in ULPs of S at ``x_abs``) of 16-bit parameter ``i``
+        stepped by torch (`reference.lowprec.bound`): 0 but for the fused path on native kernels."""
+        from reference import lowprec  # the replay's: the order rules load no arithmetic of the spec
+
+        group = d.groups[d.group_of[i]]
+        ulps = lowprec.bound("fused" if group.get("fused") else "foreach" if group.get("foreach") else "for-loop",
+                             self.capability)
+        return ulps == 0, lambda fld: ulps
 
     def _stochastic_step(self, o: Any, d: Any, rec: Any, where: str) -> None:
         """An optimizer that rounds its bfloat16 weights stochastically (`audit.optimizers.STOCHASTIC_ROWS`),

@@ -42,6 +42,9 @@ norm is within ``NORM_ULP`` ULPs; norm-clipped gradients within ``CLIP_ULP`` ULP
 (the coefficient follows the norm: at most one more ULP from its reciprocal and multiply, one
 from the product's rounding); optimizer fields within the conformance bounds, in ULPs of ``x_abs``, the field's formula evaluated on magnitudes (a plain
 ULP distance explodes where an update cancels to near zero). NaN compares as a class.
+Parameters held in bfloat16 or float16 (`audit.lost`): bit for bit on scalar and native kernels
+alike (`reference.lowprec` rule 13), but the fused path on native kernels, within
+``reference.lowprec.FUSED_NATIVE_ULPS`` ULPs of the 16-bit format at ``x_abs``.
 
 A step is not replayed, with the reason in the report, when it holds something outside the
 specification: an optimizer class `audit.optimizers` does not find, bfloat16 or float16 parameters, a tensor learning rate
@@ -369,7 +372,8 @@ class Replayer(StepStages, UpdateCheck, LowPrecisionStage):
                         at=None if d.sample is None or d.sample.whole(i) else (d.sample.indices(i), d.sample.shapes[i]))
             return
         entry, torch_state = o.entry, d.state_after[i]
-        exact, bound = _field_bounds(self.exact, o, d, cfg, i, old, new)
+        low = str(np.asarray(p).dtype) in LOW_DTYPES and not getattr(d, "compiled", False)
+        exact, bound = self._low_bounds(d, i) if low else _field_bounds(self.exact, o, d, cfg, i, old, new)
         x_abs = _magnitudes(entry, cfg, (p, g, old, new), exact)
         at = None if d.sample is None or d.sample.whole(i) else (d.sample.indices(i), d.sample.shapes[i])
         for fld in dataclasses.fields(new):

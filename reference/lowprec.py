@@ -49,7 +49,7 @@ Rules:
     rounding to S: 252 of 256 bfloat16 weights after 4 SGD steps of 64 elements; the scalar tail,
     under 64 elements, agrees); the foreach paths of Adamax, Adadelta, NAdam and RAdam, and
     Adafactor (not modelled on S yet).
-    The native (AVX2/AVX512) kernels differ as rule 2 says and by fused multiply-adds.
+    The native (AVX2/AVX512) kernels: rule 13.
 11. Adamax and Adadelta (``reference.optim.adamax``, ``reference.optim.adadelta``), for-loop path:
     their rules with rules 1-5 (``|d| + eps`` and ``v + eps`` are ``add_scalar``); an elementwise
     product or quotient of two S tensors (Adadelta's ``delta / std * d``) rounds once per operation.
@@ -59,11 +59,34 @@ Rules:
     denominator ``sqrt(v / bc2) + eps``; RAdam's ``m / bc1 * lr``, then (rectified)
     ``* (bc2**0.5 / (sqrt(v) + eps)) * rect``, where ``scalar / x`` is torch's
     ``x.reciprocal() * scalar`` (two roundings), and ``p - product``.
+13. Native kernels (``KERNELS``: the capability ``torch.backends.cpu.get_cpu_capability()``
+    names, keyed to the width in bytes of its vectors; ``DEFAULT`` is the scalar kernels of rules
+    1-12). Three operations differ, every other rounds as above (measured on torch 2.13,
+    AVX512, bit for bit, bfloat16 and float16, the for-loop and foreach paths of every covered
+    optimizer, sizes 0-d, 0, 1, 7, 8, 15, 16, 31, 32, 33, 64, 100, 1000, four steps each):
+    ``x.add(y, alpha=a)`` computes its leading whole vectors as ``S(x + S(a) * y)`` (one rounding:
+    the product of two S values is exact in float32) and its tail as rule 2; ``x.addcmul(a, b,
+    value=v)`` is ``S(fma(f32(v) * a, b, x))`` and ``x.lerp(y, w)`` rule 4 with its multiply-add
+    fused (``fma32``), on every element: the kernel's vector code calls ``fmadd`` and the
+    compiler contracts its scalar tail. The fused path (rule 8) runs the float32 fused kernel,
+    whose multiply-adds the compiler contracts where it chooses: it is not modelled bit for bit;
+    each stored result is within ``FUSED_NATIVE_ULPS`` ULPs of S at ``x_abs`` (the spec row's
+    magnitudes) of the spec's. Derivation: the float32 values differ by at most the row's native
+    bound (``reference.optim`` rule 10: 2 * 15 float32 ULPs of ``x_abs`` for the weight, less for
+    each state), which is 30 * 2**-16 (bfloat16) or 30 * 2**-13 (float16) of one ULP of S at
+    ``x_abs``; two values that close round to S values equal or adjacent, one ULP of S at the
+    larger, and ``|result| <= x_abs (1 + 2**-18)`` makes that at most two ULPs of S at
+    ``x_abs`` (one where no binade is crossed). Measured: 0 or 1.
+    AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2`` on the same machine) are not stated: with these
+    rules the for-loop and foreach paths of SGD, Adam (foreach, float16), RMSprop, Adagrad,
+    Adamax, Adadelta and NAdam still differ in a few steps of 150 (sizes 16 and 31 mostly: the
+    vectors there split head and tail otherwise); `step` refuses that capability.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,13 +103,18 @@ from reference.optim.rmsprop import RMSpropState
 from reference.optim._common import vector_head
 from reference.optim._registry import OptimizerSpec
 
-__all__ = ["COVERED", "covered", "state_to", "step"]
+__all__ = ["COVERED", "FUSED_NATIVE_ULPS", "KERNELS", "bound", "covered", "fma32", "state_to", "step"]
 
 COVERED: dict[str, tuple[str, ...]] = {"SGD": ("for-loop", "foreach"), "Adam": ("for-loop", "foreach", "fused"),
                                        "AdamW": ("for-loop", "foreach", "fused"), "RMSprop": ("for-loop", "foreach"),
                                        "Adagrad": ("for-loop", "foreach"), "Adamax": ("for-loop",),
                                        "Adadelta": ("for-loop",), "NAdam": ("for-loop",), "RAdam": ("for-loop",)}
 _F32 = np.float32
+KERNELS: dict[str, int | None] = {"DEFAULT": None, "AVX512": 64}
+"""Rule 13: each CPU capability the specification states, with its vector width in bytes (None:
+the scalar kernels). AVX2 is not stated (rule 13)."""
+FUSED_NATIVE_ULPS = 2
+"""Rule 13: the fused path's bound on native kernels, in ULPs of S at the row's magnitudes."""
 
 
 def _r(x: np.ndarray, storage: np.dtype) -> np.ndarray:
@@ -155,30 +183,94 @@ def mul_scalar_foreach(x: np.ndarray, s: float) -> np.ndarray:
     return _r(_f(x) * _f(np.asarray(_F32(s)).astype(x.dtype)), x.dtype)
 
 
+def fma32(a: Any, b: Any, c: Any) -> np.ndarray:
+    """Rule 13: float32 ``fma(a, b, c)``, rounded once. The product of two float32 values is exact
+    in float64; the float64 sum is made round-to-odd from its exact error (TwoSum), and a
+    round-to-odd value with 53 bits rounds to float32's 24 as the exact sum would."""
+    a64, b64, c64 = (np.asarray(v, _F32).astype(np.float64) for v in (a, b, c))
+    with np.errstate(all="ignore"):
+        prod = a64 * b64
+        total = prod + c64
+        back = total - prod
+        err = (prod - (total - back)) + (c64 - back)
+        even = (np.asarray(total).view(np.int64) & 1) == 0
+        nudge = (err != 0) & even & np.isfinite(total)
+        total = np.where(nudge, np.nextafter(total, np.where(err > 0, np.inf, -np.inf)), total)
+        return np.asarray(total).astype(_F32)
+
+
+def add_native(x: np.ndarray, y: np.ndarray, alpha: float = 1.0, *, width: int) -> np.ndarray:
+    """Rule 13: ``x.add(y, alpha=a)`` on native kernels: the leading whole vectors of ``width``
+    bytes ``S(x + S(a) * y)`` (the product of two S values is exact in float32), the tail as the
+    scalar kernel (rule 2)."""
+    scalar = add(x, y, alpha)
+    if alpha == 1 or np.ndim(scalar) == 0:
+        return scalar
+    a = _f(np.asarray(_F32(alpha)).astype(x.dtype))
+    head = np.size(scalar) - np.size(scalar) % (width // x.dtype.itemsize)
+    out = np.array(scalar, copy=True)
+    out.reshape(-1)[:head] = _r(_f(x).reshape(-1)[:head] + a * _f(y).reshape(-1)[:head], x.dtype)
+    return out
+
+
+def addcmul_native(x: np.ndarray, a: np.ndarray, b: np.ndarray, value: float, *, width: int) -> np.ndarray:
+    """Rule 13: ``S(fma(f32(v) * a, b, x))``, every element."""
+    return _r(fma32(_F32(value) * _f(a), _f(b), _f(x)), x.dtype)
+
+
+def lerp_native(x: np.ndarray, y: np.ndarray, w: float, *, width: int) -> np.ndarray:
+    """Rule 13: rule 4 with its multiply-add fused, every element: ``S(fma(w, y - x, x))`` when
+    ``|w| < 0.5``, else ``S(fma(-(y - x), 1 - w, y))``; at ``w = 1`` the leading whole vectors
+    ``S(fma(w - 1, y - x, y))``."""
+    w32, x32, y32 = _F32(w), _f(x), _f(y)
+    diff = y32 - x32
+    if abs(w32) < 0.5:
+        return _r(fma32(w32, diff, x32), x.dtype)
+    out = np.asarray(fma32(-diff, _F32(1) - w32, y32))
+    if w32 == 1 and out.ndim:
+        head = out.size - out.size % (width // x.dtype.itemsize)
+        out.reshape(-1)[:head] = fma32(w32 - _F32(1), diff.reshape(-1)[:head], y32.reshape(-1)[:head])
+    return _r(out, x.dtype)
+
+
 @dataclass(frozen=True)
 class _Path:
-    """How one implementation multiplies by a Python scalar (rules 1 and 7)."""
+    """How one implementation on one kind of kernel rounds (rules 1-4, 7 and 13)."""
 
+    name: str
     mul_buffer: Callable[[np.ndarray, float], np.ndarray]
     mul_state: Callable[[np.ndarray, float], np.ndarray]
+    add: Callable[..., np.ndarray] = add
+    lerp: Callable[..., np.ndarray] = lerp
+    addcmul: Callable[..., np.ndarray] = addcmul
 
 
-_FOR_LOOP = _Path(mul_scalar, mul_scalar)
-_FOREACH = _Path(mul_scalar_foreach, mul_scalar_foreach)
+_FOR_LOOP = _Path("for-loop", mul_scalar, mul_scalar)
+_FOREACH = _Path("foreach", mul_scalar_foreach, mul_scalar_foreach)
 # foreach SGD when some parameter has no momentum buffer yet: torch's per-tensor fallback (rule 7)
-_FOREACH_FIRST = _Path(mul_scalar, mul_scalar_foreach)
+_FOREACH_FIRST = _Path("foreach", mul_scalar, mul_scalar_foreach)
+
+
+def _on_kernels(path: _Path, kernels: str) -> _Path:
+    """Rule 13: ``path`` with the native kernels' operations of capability ``kernels``."""
+    width = KERNELS[kernels]
+    if width is None:
+        return path
+    return dataclasses.replace(path, add=functools.partial(add_native, width=width),
+                               lerp=functools.partial(lerp_native, width=width),
+                               addcmul=functools.partial(addcmul_native, width=width))
 
 
 def _sgd(p: np.ndarray, g: np.ndarray, s: SGDParamState, c: Any, lr: float,
          path: _Path = _FOR_LOOP) -> tuple[np.ndarray, SGDParamState]:
     d = -g if c.maximize else g
     if c.weight_decay != 0:
-        d = add(d, p, c.weight_decay)
+        d = path.add(d, p, c.weight_decay)
     buf = s.momentum_buffer
     if c.momentum != 0:
-        buf = np.array(d, copy=True) if buf is None else add(path.mul_buffer(buf, c.momentum), d, 1 - c.dampening)
-        d = add(d, buf, c.momentum) if c.nesterov else buf
-    return add(p, d, -lr), SGDParamState(momentum_buffer=buf)
+        buf = np.array(d, copy=True) if buf is None else path.add(path.mul_buffer(buf, c.momentum), d, 1 - c.dampening)
+        d = path.add(d, buf, c.momentum) if c.nesterov else buf
+    return path.add(p, d, -lr), SGDParamState(momentum_buffer=buf)
 
 
 def _adam(p: np.ndarray, g: np.ndarray, s: AdamParamState, c: Any, lr: float,
@@ -190,9 +282,9 @@ def _adam(p: np.ndarray, g: np.ndarray, s: AdamParamState, c: Any, lr: float,
         if c.decoupled_weight_decay:
             p = path.mul_state(p, 1 - lr * c.weight_decay)
         else:
-            d = add(d, p, c.weight_decay)
-    m = lerp(s.exp_avg, d, 1 - beta1)
-    v = addcmul(path.mul_state(s.exp_avg_sq, beta2), d, d, 1 - beta2)
+            d = path.add(d, p, c.weight_decay)
+    m = path.lerp(s.exp_avg, d, 1 - beta1)
+    v = path.addcmul(path.mul_state(s.exp_avg_sq, beta2), d, d, 1 - beta2)
     t = float(counter)
     step_size = lr / (1 - beta1**t)
     bias_correction2_sqrt = (1 - beta2**t) ** 0.5
@@ -208,19 +300,19 @@ def _rmsprop(p: np.ndarray, g: np.ndarray, s: RMSpropState, c: Any, lr: float,
     """Rule 9: ``reference.optim.rmsprop`` rules 2-4 with these operations."""
     d = -g if c.maximize else g
     if c.weight_decay != 0:
-        d = add(d, p, c.weight_decay)
-    square_avg = addcmul(path.mul_state(s.square_avg, c.alpha), d, d, 1 - c.alpha)
+        d = path.add(d, p, c.weight_decay)
+    square_avg = path.addcmul(path.mul_state(s.square_avg, c.alpha), d, d, 1 - c.alpha)
     grad_avg = None
     if c.centered:
-        grad_avg = lerp(s.grad_avg, d, 1 - c.alpha)
-        avg = sqrt(addcmul(square_avg, grad_avg, grad_avg, -1))
+        grad_avg = path.lerp(s.grad_avg, d, 1 - c.alpha)
+        avg = sqrt(path.addcmul(square_avg, grad_avg, grad_avg, -1))
     else:
         avg = sqrt(square_avg)
     avg = add_scalar(avg, c.eps)
     buf = None
     if c.momentum > 0:
         buf = addcdiv(path.mul_state(s.momentum_buffer, c.momentum), d, avg, 1)
-        p = add(p, buf, -lr)
+        p = path.add(p, buf, -lr)
     else:
         p = addcdiv(p, d, avg, -lr)
     return p, RMSpropState(_F32(s.step + _F32(1.0)), square_avg, buf, grad_avg)
@@ -234,11 +326,11 @@ def _adagrad(p: np.ndarray, g: np.ndarray, s: AdagradState, c: Any, lr: float,
     counter = _F32(s.step + _F32(1.0))
     d = -g if c.maximize else g
     if c.weight_decay != 0:
-        d = add(d, p, c.weight_decay)
+        d = path.add(d, p, c.weight_decay)
     clr = lr / (1 + (float(counter) - 1) * c.lr_decay)
-    total = addcmul(s.sum, d, d, 1.0)
+    total = path.addcmul(s.sum, d, d, 1.0)
     std = add_scalar(sqrt(total), c.eps)
-    if path is _FOR_LOOP:
+    if path.name == "for-loop":
         return addcdiv(p, d, std, -clr), AdagradState(counter, total)
     scale = mul_scalar_foreach if (c.weight_decay != 0 or c.maximize) else mul_scalar
     return addcdiv(p, scale(d, -clr), std, 1.0), AdagradState(counter, total)
@@ -261,8 +353,8 @@ def _adamax(p: np.ndarray, g: np.ndarray, s: AdamaxState, c: Any, lr: float,
     counter = _F32(s.step + _F32(1.0))
     d = -g if c.maximize else g
     if c.weight_decay != 0:
-        d = add(d, p, c.weight_decay)
-    exp_avg = lerp(s.exp_avg, d, 1 - beta1)
+        d = path.add(d, p, c.weight_decay)
+    exp_avg = path.lerp(s.exp_avg, d, 1 - beta1)
     exp_inf = np.maximum(mul_scalar(s.exp_inf, beta2), add_scalar(np.abs(d), c.eps))
     clr = lr / (1 - beta1 ** float(counter))
     return addcdiv(p, exp_avg, exp_inf, -clr), AdamaxState(counter, exp_avg, exp_inf)
@@ -273,22 +365,22 @@ def _adadelta(p: np.ndarray, g: np.ndarray, s: AdadeltaState, c: Any, lr: float,
     """Rule 11: ``reference.optim.adadelta``'s for-loop step with these operations."""
     d = -g if c.maximize else g
     if c.weight_decay != 0:
-        d = add(d, p, c.weight_decay)
-    square_avg = addcmul(mul_scalar(s.square_avg, c.rho), d, d, 1 - c.rho)
+        d = path.add(d, p, c.weight_decay)
+    square_avg = path.addcmul(mul_scalar(s.square_avg, c.rho), d, d, 1 - c.rho)
     std = sqrt(add_scalar(square_avg, c.eps))
     delta = mul(div(sqrt(add_scalar(s.acc_delta, c.eps)), std), d)
-    acc_delta = addcmul(mul_scalar(s.acc_delta, c.rho), delta, delta, 1 - c.rho)
-    return add(p, delta, -lr), AdadeltaState(_F32(s.step + _F32(1.0)), square_avg, acc_delta)
+    acc_delta = path.addcmul(mul_scalar(s.acc_delta, c.rho), delta, delta, 1 - c.rho)
+    return path.add(p, delta, -lr), AdadeltaState(_F32(s.step + _F32(1.0)), square_avg, acc_delta)
 
 
-def _decayed(p: np.ndarray, d: np.ndarray, c: Any, lr: float) -> tuple[np.ndarray, np.ndarray]:
+def _decayed(p: np.ndarray, d: np.ndarray, c: Any, lr: float, path: _Path) -> tuple[np.ndarray, np.ndarray]:
     """``reference.optim._common`` rule 6 with rules 1-2: decoupled ``p * (1 - lr * wd)``, else
     ``d + wd * p``."""
     if c.weight_decay == 0:
         return p, d
     if c.decoupled_weight_decay:
         return mul_scalar(p, 1 - lr * c.weight_decay), d
-    return p, add(d, p, c.weight_decay)
+    return p, path.add(d, p, c.weight_decay)
 
 
 def _nadam(p: np.ndarray, g: np.ndarray, s: NAdamState, c: Any, lr: float,
@@ -299,12 +391,12 @@ def _nadam(p: np.ndarray, g: np.ndarray, s: NAdamState, c: Any, lr: float,
     counter = _F32(s.step + _F32(1.0))
     t = float(counter)
     d = -g if c.maximize else g
-    p, d = _decayed(p, d, c, lr)
+    p, d = _decayed(p, d, c, lr, path)
     mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * c.momentum_decay)))
     mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1) * c.momentum_decay)))
     mu_product = _F32(s.mu_product * _F32(mu))
-    m = lerp(s.exp_avg, d, 1 - beta1)
-    v = addcmul(mul_scalar(s.exp_avg_sq, beta2), d, d, 1 - beta2)
+    m = path.lerp(s.exp_avg, d, 1 - beta1)
+    v = path.addcmul(mul_scalar(s.exp_avg_sq, beta2), d, d, 1 - beta2)
     denom = add_scalar(sqrt(div_scalar(v, 1 - beta2**t)), c.eps)
     mp = float(mu_product)
     p = addcdiv(p, d, denom, -lr * (1.0 - mu) / (1.0 - mp))
@@ -320,15 +412,15 @@ def _radam(p: np.ndarray, g: np.ndarray, s: RAdamState, c: Any, lr: float,
     counter = _F32(s.step + _F32(1.0))
     t = float(counter)
     d = -g if c.maximize else g
-    p, d = _decayed(p, d, c, lr)
-    m = lerp(s.exp_avg, d, 1 - beta1)
-    v = addcmul(mul_scalar(s.exp_avg_sq, beta2), d, d, 1 - beta2)
+    p, d = _decayed(p, d, c, lr, path)
+    m = path.lerp(s.exp_avg, d, 1 - beta1)
+    v = path.addcmul(mul_scalar(s.exp_avg_sq, beta2), d, d, 1 - beta2)
     product = mul_scalar(div_scalar(m, 1 - beta1**t), lr)
     rect = rectification(beta2, t)
     if rect > 0:
         adaptive = mul_scalar(div(np.ones_like(v), add_scalar(sqrt(v), c.eps)), (1 - beta2**t) ** 0.5)
         product = mul_scalar(mul(product, adaptive), rect)
-    return add(p, product, -1.0), RAdamState(counter, m, v)
+    return path.add(p, product, -1.0), RAdamState(counter, m, v)
 
 
 def state_to(opt: Any, dtype: np.dtype | None) -> Any:
@@ -353,13 +445,28 @@ _STEPS = {"SGD": _sgd, "Adam": _adam, "AdamW": _adam, "RMSprop": _rmsprop, "Adag
           "Adamax": _adamax, "Adadelta": _adadelta, "NAdam": _nadam, "RAdam": _radam}
 
 
-def _path(row: OptimizerSpec, implementation: str, grads: Sequence[np.ndarray | None], opts: Sequence[Any]) -> _Path:
-    """Rules 6-7: the scalar-multiply rounding of the implementation at hand."""
+def _path(row: OptimizerSpec, implementation: str, grads: Sequence[np.ndarray | None], opts: Sequence[Any],
+          kernels: str) -> _Path:
+    """Rules 6-7 and 13: the roundings of the implementation at hand on ``kernels``."""
     if implementation == "for-loop":
-        return _FOR_LOOP
+        return _on_kernels(_FOR_LOOP, kernels)
     if row.name == "SGD" and any(o.momentum_buffer is None for o, g in zip(opts, grads) if g is not None):
-        return _FOREACH_FIRST
-    return _FOREACH
+        return _on_kernels(_FOREACH_FIRST, kernels)
+    return _on_kernels(_FOREACH, kernels)
+
+
+def _check_kernels(kernels: str) -> None:
+    """Rule 13: a capability the specification knows, else NotImplementedError naming it."""
+    if kernels not in KERNELS:
+        raise NotImplementedError(f"kernels={kernels!r}: the specification states torch's low-precision steps on "
+                                  f"{', '.join(KERNELS)} CPU kernels only")
+
+
+def bound(implementation: str, kernels: str = "DEFAULT") -> int:
+    """Rule 13: how far (ULPs of S at the row's magnitudes) torch's result may lie from `step`'s:
+    0 (bit for bit) but for the fused path on native kernels."""
+    _check_kernels(kernels)
+    return FUSED_NATIVE_ULPS if implementation == "fused" and KERNELS[kernels] is not None else 0
 
 
 def covered(name: str, implementation: str) -> bool:
@@ -372,9 +479,12 @@ def _covered() -> str:
 
 
 def step(row: OptimizerSpec, implementation: str, weights: Sequence[np.ndarray], grads: Sequence[np.ndarray | None],
-         opts: Sequence[Any], config: Any, *, lr: float | None = None) -> tuple[list[np.ndarray], tuple[Any, ...]]:
-    """One step of ``row``'s ``implementation`` on S arrays (rules 6-8): the new weights and states;
-    a parameter without a gradient keeps both."""
+         opts: Sequence[Any], config: Any, *, lr: float | None = None, kernels: str = "DEFAULT"
+         ) -> tuple[list[np.ndarray], tuple[Any, ...]]:
+    """One step of ``row``'s ``implementation`` on S arrays (rules 6-8) on the CPU capability
+    ``kernels`` (rule 13; `bound` says how close torch is there): the new weights and states; a
+    parameter without a gradient keeps both."""
+    _check_kernels(kernels)
     if not covered(row.name, implementation):
         raise NotImplementedError(
             f"the specification does not model torch's {row.name} ({implementation}) on low-precision parameters; "
@@ -384,7 +494,7 @@ def step(row: OptimizerSpec, implementation: str, weights: Sequence[np.ndarray],
     rate = float(config.lr if lr is None else lr)
     if implementation == "fused":
         return _fused(row, list(weights), list(grads), list(opts), config, rate) if weights else ([], ())
-    update, path = _STEPS[row.name], _path(row, implementation, grads, opts)
+    update, path = _STEPS[row.name], _path(row, implementation, grads, opts, kernels)
     new_w, new_s = [], []
     with np.errstate(all="ignore"):
         for w, g, s in zip(weights, grads, opts):
