@@ -24,8 +24,8 @@ step changes nothing, and the bits replay the generator. The exact-mode rerun
 
 The ``none`` option (torch's kernels on the low-precision tensors themselves) is compared where
 ``reference.lowprec`` models it (``lowprec.COVERED``: the for-loop and foreach paths of SGD,
-Adam, AdamW, RMSprop and Adagrad, the fused paths of Adam and AdamW, the for-loop paths of
-Adamax, Adadelta, NAdam and RAdam), bit for bit in the exact mode. Mutants killed there
+Adam, AdamW, RMSprop, Adagrad, Adamax, Adadelta, NAdam and RAdam, the fused paths of Adam and
+AdamW), bit for bit in the exact mode. Mutants killed there
 (measured): the in-place foreach multiply without its scalar rounded to S (3 of the 8
 SGD/Adam/AdamW pairs fail), the fused path computed op by op (2 fail), a fused result rounded
 through float16 first (1 fails), Adagrad's foreach in-place scaling of the gradient by a float32

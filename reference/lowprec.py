@@ -34,6 +34,7 @@ Rules:
    ``S(momentum)`` when every parameter with a gradient has a buffer (else torch falls back to the
    per-tensor ``buf.mul_``, rule 1), and Adam(W)'s ``exp_avg_sq * beta2`` and AdamW's
    ``p * (1 - lr * wd)`` take ``S(beta2)`` and ``S(1 - lr * wd)``; everything else is rule 6.
+   ``_foreach_addcdiv_`` with a list of scalars takes each as a float32 value, as rule 3.
 8. fused path, Adam and AdamW (``fused=True``): the kernel loads each S operand into float32,
    computes the whole update as the float32 fused kernel does (``reference.optim`` rule 8) and
    stores each result rounded once to S: the weight and each state array are ``S(x)`` of the
@@ -47,12 +48,13 @@ Rules:
     naming it: the specification does not claim torch's bits there. Measured and not modelled:
     fused SGD and fused Adagrad (their vectorized kernels differ from the float32 kernel's
     rounding to S: 252 of 256 bfloat16 weights after 4 SGD steps of 64 elements; the scalar tail,
-    under 64 elements, agrees); the foreach paths of Adamax, Adadelta, NAdam and RAdam, and
-    Adafactor (not modelled on S yet).
+    under 64 elements, agrees); Adafactor (not modelled on S yet).
     The native (AVX2/AVX512) kernels: rule 13.
 11. Adamax and Adadelta (``reference.optim.adamax``, ``reference.optim.adadelta``), for-loop path:
     their rules with rules 1-5 (``|d| + eps`` and ``v + eps`` are ``add_scalar``); an elementwise
     product or quotient of two S tensors (Adadelta's ``delta / std * d``) rounds once per operation.
+    Their foreach paths compute the same operations but for rule 7: Adamax's ``exp_inf * beta2``
+    and Adadelta's ``square_avg * rho`` and ``acc_delta * rho`` take ``S(beta2)``, ``S(rho)``.
 12. NAdam and RAdam (``reference.optim.nadam``, ``reference.optim.radam``), for-loop path: their
     rules with rules 1-5 and 11 and the weight decay of ``reference.optim._common`` rule 6
     (``p * (1 - lr * wd)`` is rule 1); NAdam's ``mu_product`` is a float32 counter and its
@@ -61,9 +63,10 @@ Rules:
     ``x.reciprocal() * scalar`` (two roundings), and ``p - product``.
 13. Native kernels (``KERNELS``: the capability ``torch.backends.cpu.get_cpu_capability()``
     names, keyed to the width in bytes of its vectors; ``DEFAULT`` is the scalar kernels of rules
-    1-12). Three operations differ, every other rounds as above (measured on torch 2.13,
+    1-12 and 14). Three operations differ, every other rounds as above (measured on torch 2.13,
     AVX512, bit for bit, bfloat16 and float16, the for-loop and foreach paths of every covered
-    optimizer, sizes 0-d, 0, 1, 7, 8, 15, 16, 31, 32, 33, 64, 100, 1000, four steps each):
+    optimizer, sizes 0-d, 0, 1, 7, 8, 15, 16, 31, 32, 33, 64, 100, 1000, four steps each; nine
+    for the foreach paths of Adamax, Adadelta, NAdam and RAdam):
     ``x.add(y, alpha=a)`` computes its leading whole vectors as ``S(x + S(a) * y)`` (one rounding:
     the product of two S values is exact in float32) and its tail as rule 2; ``x.addcmul(a, b,
     value=v)`` is ``S(fma(f32(v) * a, b, x))`` and ``x.lerp(y, w)`` rule 4 with its multiply-add
@@ -81,6 +84,15 @@ Rules:
     rules the for-loop and foreach paths of SGD, Adam (foreach, float16), RMSprop, Adagrad,
     Adamax, Adadelta and NAdam still differ in a few steps of 150 (sizes 16 and 31 mostly: the
     vectors there split head and tail otherwise); `step` refuses that capability.
+14. NAdam and RAdam, foreach path (rule 7 for ``exp_avg_sq * beta2`` and the decoupled
+    ``p * (1 - lr * wd)``): NAdam's denominator is ``S(S(sqrt(v)) / f32(sqrt(bc2))) + S(eps)``
+    (the root first, ``reference.optim.nadam`` rule 3's foreach order), its two ``addcdiv`` take
+    the for-loop's step sizes as float32 values; RAdam's update is ``reference.optim.radam`` rule
+    5, ``b = S(S(1 / S(S(sqrt(v) + S(eps)) / f32(s))) + S(u))`` (``_foreach_div_`` keeps its
+    float32 scalar, the reciprocal rounds on its own, ``_foreach_add_`` rounds ``u`` to S as rule
+    1) and ``p = addcmul(p, m, b, 1)``; unrectified, ``b = S(u)``. Measured bit for bit on the
+    scalar and AVX512 kernels (rule 13's operations), bfloat16 and float16, with the Adamax and
+    Adadelta foreach paths of rule 11.
 """
 
 from __future__ import annotations
@@ -107,8 +119,9 @@ __all__ = ["COVERED", "FUSED_NATIVE_ULPS", "KERNELS", "bound", "covered", "fma32
 
 COVERED: dict[str, tuple[str, ...]] = {"SGD": ("for-loop", "foreach"), "Adam": ("for-loop", "foreach", "fused"),
                                        "AdamW": ("for-loop", "foreach", "fused"), "RMSprop": ("for-loop", "foreach"),
-                                       "Adagrad": ("for-loop", "foreach"), "Adamax": ("for-loop",),
-                                       "Adadelta": ("for-loop",), "NAdam": ("for-loop",), "RAdam": ("for-loop",)}
+                                       "Adagrad": ("for-loop", "foreach"), "Adamax": ("for-loop", "foreach"),
+                                       "Adadelta": ("for-loop", "foreach"), "NAdam": ("for-loop", "foreach"),
+                                       "RAdam": ("for-loop", "foreach")}
 _F32 = np.float32
 KERNELS: dict[str, int | None] = {"DEFAULT": None, "AVX512": 64}
 """Rule 13: each CPU capability the specification states, with its vector width in bytes (None:
@@ -348,45 +361,48 @@ def div(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def _adamax(p: np.ndarray, g: np.ndarray, s: AdamaxState, c: Any, lr: float,
             path: _Path = _FOR_LOOP) -> tuple[np.ndarray, AdamaxState]:
-    """Rule 11: ``reference.optim.adamax``'s for-loop step with these operations."""
+    """Rule 11: ``reference.optim.adamax``'s step with these operations; the foreach path multiplies
+    ``exp_inf`` by ``S(beta2)`` (rule 7)."""
     beta1, beta2 = c.betas
     counter = _F32(s.step + _F32(1.0))
     d = -g if c.maximize else g
     if c.weight_decay != 0:
         d = path.add(d, p, c.weight_decay)
     exp_avg = path.lerp(s.exp_avg, d, 1 - beta1)
-    exp_inf = np.maximum(mul_scalar(s.exp_inf, beta2), add_scalar(np.abs(d), c.eps))
+    exp_inf = np.maximum(path.mul_state(s.exp_inf, beta2), add_scalar(np.abs(d), c.eps))
     clr = lr / (1 - beta1 ** float(counter))
     return addcdiv(p, exp_avg, exp_inf, -clr), AdamaxState(counter, exp_avg, exp_inf)
 
 
 def _adadelta(p: np.ndarray, g: np.ndarray, s: AdadeltaState, c: Any, lr: float,
               path: _Path = _FOR_LOOP) -> tuple[np.ndarray, AdadeltaState]:
-    """Rule 11: ``reference.optim.adadelta``'s for-loop step with these operations."""
+    """Rule 11: ``reference.optim.adadelta``'s step with these operations; the foreach path
+    multiplies both averages by ``S(rho)`` (rule 7)."""
     d = -g if c.maximize else g
     if c.weight_decay != 0:
         d = path.add(d, p, c.weight_decay)
-    square_avg = path.addcmul(mul_scalar(s.square_avg, c.rho), d, d, 1 - c.rho)
+    square_avg = path.addcmul(path.mul_state(s.square_avg, c.rho), d, d, 1 - c.rho)
     std = sqrt(add_scalar(square_avg, c.eps))
     delta = mul(div(sqrt(add_scalar(s.acc_delta, c.eps)), std), d)
-    acc_delta = path.addcmul(mul_scalar(s.acc_delta, c.rho), delta, delta, 1 - c.rho)
+    acc_delta = path.addcmul(path.mul_state(s.acc_delta, c.rho), delta, delta, 1 - c.rho)
     return path.add(p, delta, -lr), AdadeltaState(_F32(s.step + _F32(1.0)), square_avg, acc_delta)
 
 
 def _decayed(p: np.ndarray, d: np.ndarray, c: Any, lr: float, path: _Path) -> tuple[np.ndarray, np.ndarray]:
-    """``reference.optim._common`` rule 6 with rules 1-2: decoupled ``p * (1 - lr * wd)``, else
-    ``d + wd * p``."""
+    """``reference.optim._common`` rule 6 with rules 1-2 and 7: decoupled ``p * (1 - lr * wd)``
+    (the foreach path's in-place multiply by ``S(1 - lr * wd)``), else ``d + wd * p``."""
     if c.weight_decay == 0:
         return p, d
     if c.decoupled_weight_decay:
-        return mul_scalar(p, 1 - lr * c.weight_decay), d
+        return path.mul_state(p, 1 - lr * c.weight_decay), d
     return p, path.add(d, p, c.weight_decay)
 
 
 def _nadam(p: np.ndarray, g: np.ndarray, s: NAdamState, c: Any, lr: float,
            path: _Path = _FOR_LOOP) -> tuple[np.ndarray, NAdamState]:
-    """Rule 12: ``reference.optim.nadam``'s for-loop step with these operations; ``mu_product`` is
-    a float32 counter, ``exp_avg_sq / bc2`` a division by a float32 scalar (rule 1)."""
+    """Rules 12 and 14: ``reference.optim.nadam``'s step with these operations; ``mu_product`` is
+    a float32 counter, ``exp_avg_sq / bc2`` a division by a float32 scalar (rule 1), the foreach
+    path's ``sqrt(exp_avg_sq) / sqrt(bc2)`` likewise."""
     beta1, beta2 = c.betas
     counter = _F32(s.step + _F32(1.0))
     t = float(counter)
@@ -396,8 +412,11 @@ def _nadam(p: np.ndarray, g: np.ndarray, s: NAdamState, c: Any, lr: float,
     mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1) * c.momentum_decay)))
     mu_product = _F32(s.mu_product * _F32(mu))
     m = path.lerp(s.exp_avg, d, 1 - beta1)
-    v = path.addcmul(mul_scalar(s.exp_avg_sq, beta2), d, d, 1 - beta2)
-    denom = add_scalar(sqrt(div_scalar(v, 1 - beta2**t)), c.eps)
+    v = path.addcmul(path.mul_state(s.exp_avg_sq, beta2), d, d, 1 - beta2)
+    if path.name == "foreach":  # rule 14: the root first, then the division by sqrt(bc2)
+        denom = add_scalar(div_scalar(sqrt(v), (1 - beta2**t) ** 0.5), c.eps)
+    else:
+        denom = add_scalar(sqrt(div_scalar(v, 1 - beta2**t)), c.eps)
     mp = float(mu_product)
     p = addcdiv(p, d, denom, -lr * (1.0 - mu) / (1.0 - mp))
     p = addcdiv(p, m, denom, (-lr * mu_next) / (1.0 - mp * mu_next))
@@ -406,21 +425,35 @@ def _nadam(p: np.ndarray, g: np.ndarray, s: NAdamState, c: Any, lr: float,
 
 def _radam(p: np.ndarray, g: np.ndarray, s: RAdamState, c: Any, lr: float,
            path: _Path = _FOR_LOOP) -> tuple[np.ndarray, RAdamState]:
-    """Rule 12: ``reference.optim.radam``'s for-loop step with these operations; ``scalar / x``
-    is torch's ``x.reciprocal() * scalar`` (two roundings)."""
+    """Rules 12 and 14: ``reference.optim.radam``'s step with these operations; ``scalar / x``
+    is torch's ``x.reciprocal() * scalar`` (two roundings); the foreach path's update is rule 14."""
     beta1, beta2 = c.betas
     counter = _F32(s.step + _F32(1.0))
     t = float(counter)
     d = -g if c.maximize else g
     p, d = _decayed(p, d, c, lr, path)
     m = path.lerp(s.exp_avg, d, 1 - beta1)
-    v = path.addcmul(mul_scalar(s.exp_avg_sq, beta2), d, d, 1 - beta2)
-    product = mul_scalar(div_scalar(m, 1 - beta1**t), lr)
+    v = path.addcmul(path.mul_state(s.exp_avg_sq, beta2), d, d, 1 - beta2)
     rect = rectification(beta2, t)
+    if path.name == "foreach":
+        return _radam_foreach(p, m, v, c, lr, t, rect, path), RAdamState(counter, m, v)
+    product = mul_scalar(div_scalar(m, 1 - beta1**t), lr)
     if rect > 0:
         adaptive = mul_scalar(div(np.ones_like(v), add_scalar(sqrt(v), c.eps)), (1 - beta2**t) ** 0.5)
         product = mul_scalar(mul(product, adaptive), rect)
     return path.add(p, product, -1.0), RAdamState(counter, m, v)
+
+
+def _radam_foreach(p: np.ndarray, m: np.ndarray, v: np.ndarray, c: Any, lr: float, t: float, rect: float,
+                   path: _Path) -> np.ndarray:
+    """Rule 14: RAdam's foreach update, ``reference.optim.radam`` rule 5 with these operations:
+    ``b = S(S(1 / S(S(sqrt(v) + S(eps)) / f32(s))) + S(u))`` and ``p = addcmul(p, m, b, 1)``."""
+    beta1, beta2 = c.betas
+    bc1 = 1 - beta1**t
+    scale = ((1 - beta2**t) ** 0.5) * (lr * rect / bc1) * -1
+    unrect = (lr * (0 if rect > 0 else 1.0) / bc1) * -1
+    buffer = add_scalar(div(np.ones_like(v), div_scalar(add_scalar(sqrt(v), c.eps), scale)), unrect)
+    return path.addcmul(p, m, buffer, 1.0)
 
 
 def state_to(opt: Any, dtype: np.dtype | None) -> Any:

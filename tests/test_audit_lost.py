@@ -211,7 +211,8 @@ def _replay_cases(cases: list[list[str]], capability: str | None) -> list:
 
 PLAIN = ["--keep", "none", "--steps", "6", "--lr", "1e-2"]
 CASES = [[*PLAIN, "--impl", impl] for impl in ("for-loop", "foreach", "fused")]
-CASES += [[*PLAIN, "--skip-rounding"], [*PLAIN, "--optimizer", "nadam", "--impl", "foreach"]]
+CASES += [[*PLAIN, "--skip-rounding"], [*PLAIN, "--optimizer", "nadam", "--impl", "foreach"],
+          [*PLAIN, "--optimizer", "adafactor", "--impl", "foreach"]]
 
 
 @pytest.mark.parametrize("capability", ["default", None], ids=["scalar-kernels", "native-kernels"])
@@ -221,8 +222,10 @@ def test_a_pure_bf16_adamw_loop_is_replayed_and_a_skipped_rounding_diverges(capa
     of the plain bf16 AdamW loop (for-loop, foreach, fused) is replayed with no divergence (bit
     for bit, the fused path on native kernels within ``FUSED_NATIVE_ULPS``); the loop whose step
     is computed in float32 and rounded once (``--skip-rounding``, the op-by-op roundings
-    skipped) diverges at every step. An optimizer the specification does not model on bf16
-    tensors (foreach NAdam) stays partly replayed, naming it."""
+    skipped) diverges at every step. The foreach NAdam loop is replayed bit for bit too (the
+    audit reads the specification's coverage, `reference.lowprec.covered`); an optimizer the
+    specification does not model on bf16 tensors (foreach Adafactor) stays partly replayed,
+    naming it."""
     native = capability is None and torch.backends.cpu.get_cpu_capability() != "DEFAULT"
     out = _replay_cases(CASES, capability)
     for args, (status, exact, per_step, rules, _) in zip(CASES[:3], out[:3]):
@@ -234,9 +237,11 @@ def test_a_pure_bf16_adamw_loop_is_replayed_and_a_skipped_rounding_diverges(capa
     # the mutated loop's own float32 AdamW steps are replayed too (bit for bit); each bf16 step diverges
     assert [s for s in per_step if s.startswith("diverged")] == ["diverged: parameter 0"] * 6, per_step
     assert "replay-divergence" in rules
-    _, exact, per_step, rules, _ = out[4]
+    status, exact, per_step, rules, _ = out[4]
+    assert status == 0 and rules == [] and exact == 6, (per_step, rules)
+    _, exact, per_step, rules, _ = out[5]
     assert exact == 0 and rules == [] and set(per_step) == {
-        "partly replayed: bfloat16 parameters: the optimizer stage is not compared (torch's NAdam (foreach) on "
+        "partly replayed: bfloat16 parameters: the optimizer stage is not compared (torch's Adafactor (foreach) on "
         "bfloat16 tensors is not modelled); its lost updates are counted (update-lost-to-rounding)"}
 
 

@@ -15,9 +15,9 @@
   scales the first weight by 1.05 after every step: outside the envelope (a divergence, a
   warning as the hook is the loop's own).
 - ``--keep none``: the plain bf16 optimizer without the bug's learning rate; ``--impl`` chooses
-  torch's for-loop, foreach or fused AdamW, ``--optimizer nadam`` an NAdam instead (with
-  ``--impl foreach`` a pair the specification does not model on bf16 tensors: its optimizer
-  stage is not compared).
+  torch's for-loop, foreach or fused AdamW, ``--optimizer nadam`` an NAdam instead (its foreach
+  path is modelled on bf16 tensors too), ``--optimizer adafactor`` an Adafactor (a pair the
+  specification does not model on bf16 tensors: its optimizer stage is not compared).
   ``--skip-rounding`` mutates the step: after each AdamW step a hook overwrites the bf16 weights
   with the update computed in float32 from the same weights, gradients and state and rounded
   once (the op-by-op roundings skipped): with torch's scalar kernels the replay diverges.
@@ -36,6 +36,8 @@ if args.bug == "update-lost-to-rounding" or args.keep == "none":
     params = list(model.parameters())  # the optimizer steps the bf16 weights themselves
     if args.optimizer == "nadam":
         opt = torch.optim.NAdam(params, lr=args.lr, weight_decay=0.01, **IMPL)
+    elif args.optimizer == "adafactor":
+        opt = torch.optim.Adafactor(params, lr=args.lr, weight_decay=0.01, **IMPL)
     else:
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, **IMPL)
 elif args.keep == "stochastic":
