@@ -32,8 +32,12 @@ through float16 first (1 fails), Adagrad's foreach in-place scaling of the gradi
 ``-clr`` (1 fails), RMSprop's foreach momentum multiply by a float32 scalar (1 fails), RMSprop's
 ``eps`` added in float32 instead of rounded to S (2 fail), Adadelta's ``delta / std * d``
 rounded once instead of twice (1 fails), NAdam's denominator in the foreach order (1 fails); the
-foreach SGD fallback while a buffer is missing, Adamax's ``eps`` rounded to S and RAdam's
-reciprocal have explicit cases below.
+foreach multiply by a float32 scalar in Adamax's ``exp_inf`` (2 fail), Adadelta's ``square_avg``
+(2 fail) or ``acc_delta`` (1 fails) or the decoupled weight decay of NAdam and RAdam (3 fail),
+the foreach NAdam denominator in the for-loop order (2 fail), the foreach RAdam update computed as
+the for-loop one (2 fail); the foreach SGD fallback while a buffer is missing, Adamax's ``eps``
+rounded to S and RAdam's reciprocal (for-loop: one rounded division; foreach: the quotient left
+unrounded before it, or its scalar rounded to S) have explicit cases below.
 """
 
 from __future__ import annotations
@@ -268,17 +272,21 @@ def test_adamax_adds_eps_rounded_to_the_storage_format(device):
     run_case("none", "Adamax", "for-loop", case, device)
 
 
-def test_radam_divides_a_scalar_by_a_tensor_as_reciprocal_then_product(device):
-    """``reference.lowprec`` rule 12: RAdam's rectified ``bc2**0.5 / (sqrt(v) + eps)`` is torch's
-    ``x.reciprocal() * scalar``, two roundings to S. Visible only where the update is not small
-    beside the weight, so the weights start at zero with lr 1, and betas (0.9, 0.9) rectify from
-    step 6 on (a drawn trajectory rarely gets there). Mutant killed: one rounded division."""
+@pytest.mark.parametrize("impl", ["for-loop", "foreach"])
+def test_radam_divides_a_scalar_by_a_tensor_as_reciprocal_then_product(impl, device):
+    """``reference.lowprec`` rules 12 and 14: RAdam's rectified ``bc2**0.5 / (sqrt(v) + eps)`` is
+    torch's ``x.reciprocal() * scalar``, two roundings to S; the foreach path's
+    ``1 / ((sqrt(v) + eps) / s)`` rounds the quotient, then its reciprocal. Visible only where the
+    update is not small beside the weight, so the weights start at zero with lr 1, and betas
+    (0.9, 0.9) rectify from step 6 on (a drawn trajectory rarely gets there). Mutants killed: one
+    rounded division (for-loop); the quotient left unrounded before the reciprocal, and the
+    foreach division's scalar rounded to S (foreach)."""
     rng = np.random.default_rng(1)
     for storage in mw_strategies.storage_formats("none"):
         grads = [[rng.standard_normal(100).astype(storage)] for _ in range(8)]
         case = dict(config=dict(lr=1.0, betas=(0.9, 0.9)), storage=storage, params=[np.zeros(100, storage)],
                     grads=grads, seed=0, boundary=None)
-        run_case("none", "RAdam", "for-loop", case, device)
+        run_case("none", "RAdam", impl, case, device)
 
 
 NATIVE_PAIRS = [(name, impl) for name, impls in lowprec.COVERED.items() for impl in impls]
