@@ -210,7 +210,7 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
         elif d.copying:
             d.scaled = self.snap.grads(o.params(), d)
         if scaler is not None and scaler.enabled and scaler.used:
-            d.scale = _f32(scaler.obj.get_scale())
+            d.scale = _f32(scaler.scale())
         w.data = d
 
     # ------------------------------------------------------------------ steps
@@ -230,7 +230,7 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
                          hyperparameters=[_settings(g) for g in groups])
         if scaler is not None and scaler.used:
             rec.scale_before = float(w.data.scale) if w.data is not None and w.data.scale is not None \
-                else float(scaler.obj.get_scale())
+                else float(scaler.scale())
         if found_inf is not None:
             rec.found_inf = bool(found_inf != 0.0)
         if w.clip_norms:

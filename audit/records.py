@@ -237,12 +237,32 @@ class ScalerTrack:
         # (nine a step); an override of it is called.
         self._own_flag = getattr(type(obj), "is_enabled", None) is _SCALER_IS_ENABLED
 
+        self._own_scale = getattr(type(obj), "get_scale", None) is _SCALER_GET_SCALE
+        self._scale_read: tuple[Any, int, float] | None = None  # (its scale tensor, version, value)
+
     @property
     def enabled(self) -> bool:
         return bool(self.obj._enabled if self._own_flag else self.obj.is_enabled())
 
+    def scale(self) -> float:
+        """``get_scale()``, read from the scale tensor once per change of it: while the tensor
+        and its version counter are those of the last read (every in-place write of torch's,
+        update's, load_state_dict's, advances it), the value is that read's. A host read each
+        time saved (a sync on a GPU; the clipping check and the step's record each read it)."""
+        obj = self.obj
+        t = getattr(obj, "_scale", None) if self._own_scale and obj._enabled else None
+        if t is None or t.is_inference():
+            return obj.get_scale()
+        last = self._scale_read
+        if last is not None and last[0] is t and last[1] == t._version:
+            return last[2]
+        value = obj.get_scale()
+        self._scale_read = (t, t._version, value)
+        return value
+
 
 _SCALER_IS_ENABLED = torch.amp.GradScaler.is_enabled
+_SCALER_GET_SCALE = torch.amp.GradScaler.get_scale
 
 
 class OptTrack:

@@ -265,7 +265,7 @@ class OptimizerCalls:
     def _threshold(self, o: OptTrack, s: ScalerTrack, max_norm: float, where: str) -> None:
         """clip-threshold-scaled: the check reads the ratio the earlier calls held; the ratio is
         recorded after it (a certain finding replaces this rule's earlier warning)."""
-        scale = s.obj.get_scale()
+        scale = s.scale()
         for f in dispatch(ClipThreshold(o.label, o.steps, where, max_norm, scale, o.threshold, o.threshold_finding)):
             if f.level is None:
                 o.threshold_flagged = True
