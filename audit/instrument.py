@@ -58,12 +58,22 @@ def _scaler_subclasses() -> list[type]:
     return [ShardedGradScaler]
 
 
-def _once_per_call(name: str, make: Callable[[Any], Any], active: set[tuple[int, str]]) -> Callable[[Any], Any]:
+def _once_per_call(name: str, make: Callable[[Any], Any], active: set[tuple[int, str]],
+                   outer: bool = True) -> Callable[[Any], Any]:
     """``make`` for a scaler method whose override may call the base's (``super().update()``):
-    one call of the program reports once, from the outermost wrapper."""
+    one call of the program reports once, from the outermost wrapper. ``outer``: the wrapper of
+    an override, which marks its call active; the base class's wrapper (``outer`` False) only
+    reads the mark (no override wraps it from outside: nothing to mark, every step)."""
 
     def make_guarded(orig: Any) -> Any:
         wrapper = make(orig)
+
+        if not outer:
+            def inner(self, *args, **kwargs):
+                if active and (id(self), name) in active:
+                    return orig(self, *args, **kwargs)
+                return wrapper(self, *args, **kwargs)
+            return inner
 
         def guarded(self, *args, **kwargs):
             key = (id(self), name)
@@ -141,7 +151,7 @@ class Instrumentation:
                 if name in owner.__dict__:
                     # Dynamo-skipped as torch skips GradScaler's own methods: inside a compiled
                     # function the scaler's calls, with their reports, run eagerly.
-                    self._patch(owner, name, _eager_when_traced(_once_per_call(name, make, active)))
+                    self._patch(owner, name, _eager_when_traced(_once_per_call(name, make, active, owner is not cls)))
 
     def _install_clipping(self) -> None:
         rec = self.rec
@@ -164,8 +174,10 @@ class Instrumentation:
                         tensors = [parameters]
                     else:
                         tensors = list(parameters)
-                        # A fresh generator keeps torch's own "empty generator" warning intact.
-                        parameters = (t for t in tensors) if isinstance(parameters, types.GeneratorType) else tensors
+                        # An empty generator stays a generator, which keeps torch's own "empty
+                        # generator" warning intact; torch reads any other as a list.
+                        parameters = (t for t in tensors) if not tensors and isinstance(parameters, types.GeneratorType) \
+                            else tensors
                         arguments["parameters"] = parameters
                     rec.on_clip_begin(kind, tensors, arguments)
                     ok = False

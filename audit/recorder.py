@@ -58,7 +58,7 @@ import torch
 from audit import _torch_compat  # noqa: F401  (checks the private torch names the audit uses)
 from audit.reductions import find_reductions
 from audit.records import (Backward, OptTrack, ScalerTrack, Snapshots, StepData, StepLimitReached, StepRecord,
-                           Window, _f32, _jsonish, _num, _unwrap_optimizer, parameter_names, plain_tensor)
+                           Window, _f32, _num, _settings, _unwrap_optimizer, parameter_names, plain_tensor)
 from audit.records import _classify, _loss_factor, call_site  # noqa: F401  (the tests read these here)
 from audit.records import _signature
 from audit.events import StepClosed
@@ -119,7 +119,8 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
         return t
 
     def _opt(self, obj: Any, where: str | None = None) -> OptTrack:
-        obj = _unwrap_optimizer(obj)
+        if getattr(obj, "optimizer", None) is not None:  # a framework's wrapper (no call for a torch optimizer)
+            obj = _unwrap_optimizer(obj)
         t = self.optimizers.get(id(obj))
         if t is None or t.obj is not obj:
             t = OptTrack(obj, self._label(obj), where)
@@ -132,8 +133,10 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
 
     def _report(self, found: Iterable[Finding]) -> list[Finding]:
         """The findings of one check (a generator), kept; returns them (empty: the check found nothing)."""
-        found = list(found)
-        self.findings.extend(found)
+        if type(found) is not list:
+            found = list(found)
+        if found:
+            self.findings.extend(found)
         return found
 
     def _replace(self, old: Finding | None, new: Finding) -> None:
@@ -148,8 +151,8 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
         return self.primary.steps if self.primary is not None else (0 if self.optimizers else None)
 
     def _owners(self, tensors: Iterable[Any]) -> list[OptTrack]:
-        ids = {id(t) for t in tensors}
-        return [o for o in self.optimizers.values() if o.param_ids & ids]
+        ids = set(map(id, tensors))
+        return [o for o in self.optimizers.values() if not o.param_ids.isdisjoint(ids)]
 
     def _new_data(self, o: OptTrack, stage: str) -> StepData:
         """A window's step data, its copies to come sized in the pool (or why none are taken)."""
@@ -207,7 +210,7 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
         elif d.copying:
             d.scaled = self.snap.grads(o.params(), d)
         if scaler is not None and scaler.enabled and scaler.used:
-            d.scale = _f32(scaler.obj.get_scale())
+            d.scale = _f32(scaler.scale())
         w.data = d
 
     # ------------------------------------------------------------------ steps
@@ -224,10 +227,10 @@ class Recorder(ScalerCalls, OptimizerCalls, ProgramCalls):
         groups = o.obj.param_groups
         rec = StepRecord(step=o.steps, optimizer=o.label, microbatches=k, calls=list(w.calls),
                          applied=bool(applied), lr=_num(groups[0].get("lr")) if groups else None,
-                         hyperparameters=[{k2: _jsonish(v) for k2, v in g.items() if k2 != "params"} for g in groups])
+                         hyperparameters=[_settings(g) for g in groups])
         if scaler is not None and scaler.used:
             rec.scale_before = float(w.data.scale) if w.data is not None and w.data.scale is not None \
-                else float(scaler.obj.get_scale())
+                else float(scaler.scale())
         if found_inf is not None:
             rec.found_inf = bool(found_inf != 0.0)
         if w.clip_norms:

@@ -65,11 +65,12 @@ def call_site() -> str:
     classes = _site_cache
     while f is not None:
         name = f.f_code.co_filename
-        c = classes.get(name)
-        if c is None:
+        try:  # a subscript, not .get: a few frames a call, nine calls a step; a miss once per file
+            c = classes[name]
+        except KeyError:
             c = _frame_class(name)
         if c == 0:
-            return attribute(_fmt(f), library, True) if library else _fmt(f)
+            return attribute(_fmt(f), library, True) if library else _place(f)[1]
         if c == 1:
             first = first or f
             library.append((name, _place(f)[0]))
@@ -88,9 +89,12 @@ def _place(f: Any) -> tuple[int, str]:
     frame's line by scanning its code's line table from the start, thousands of instructions a
     call in a long script, and a training loop calls from the same few places every step."""
     code, lasti = f.f_code, f.f_lasti
-    hit = _places.get((id(code), lasti))
-    if hit is not None and hit[0] is code:
-        return hit[1], hit[2]
+    try:
+        hit = _places[id(code), lasti]
+        if hit[0] is code:
+            return hit[1], hit[2]
+    except KeyError:
+        pass
     name = code.co_filename
     shown = _shown.get(name)
     if shown is None:
@@ -229,10 +233,36 @@ class ScalerTrack:
         # At its first scale(), after other enabled scalers completed updates: (those scalers, where
         # it began, whether its state was loaded first); read when it first drives an optimizer.
         self.mid_run: tuple[list["ScalerTrack"], str, bool] | None = None
+        # GradScaler's own is_enabled reads ``_enabled``: read here directly, without the call
+        # (nine a step); an override of it is called.
+        self._own_flag = getattr(type(obj), "is_enabled", None) is _SCALER_IS_ENABLED
+
+        self._own_scale = getattr(type(obj), "get_scale", None) is _SCALER_GET_SCALE
+        self._scale_read: tuple[Any, int, float] | None = None  # (its scale tensor, version, value)
 
     @property
     def enabled(self) -> bool:
-        return bool(self.obj.is_enabled())
+        return bool(self.obj._enabled if self._own_flag else self.obj.is_enabled())
+
+    def scale(self) -> float:
+        """``get_scale()``, read from the scale tensor once per change of it: while the tensor
+        and its version counter are those of the last read (every in-place write of torch's,
+        update's, load_state_dict's, advances it), the value is that read's. A host read each
+        time saved (a sync on a GPU; the clipping check and the step's record each read it)."""
+        obj = self.obj
+        t = getattr(obj, "_scale", None) if self._own_scale and obj._enabled else None
+        if t is None or t.is_inference():
+            return obj.get_scale()
+        last = self._scale_read
+        if last is not None and last[0] is t and last[1] == t._version:
+            return last[2]
+        value = obj.get_scale()
+        self._scale_read = (t, t._version, value)
+        return value
+
+
+_SCALER_IS_ENABLED = torch.amp.GradScaler.is_enabled
+_SCALER_GET_SCALE = torch.amp.GradScaler.get_scale
 
 
 class OptTrack:
@@ -476,6 +506,13 @@ def _num(v: Any) -> float | None:
 
 
 _PLAIN = frozenset((bool, int, float, str, type(None)))
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's settings as the record keeps them (JSON values), its parameters left
+    out; the plain values as they are, without a call each (a dozen a group, every step)."""
+    plain = _PLAIN
+    return {k: v if type(v) in plain else _jsonish(v) for k, v in group.items() if k != "params"}
 
 
 def _jsonish(v: Any) -> Any:

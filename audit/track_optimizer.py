@@ -64,12 +64,14 @@ class OptimizerCalls:
         inside = self._in_scaler_step is not None and self._in_scaler_step[1] is o
         if not o.moved_flagged and o.meta and self._report(dispatch(OptimizerStepBegin(o, o.where or call_site()))):
             o.moved_flagged = True
-        where = call_site()
-        if not inside:
-            o.window.calls.append(f"optimizer.step@{where}")
         # Inside a disabled scaler's step the optimizer's is a direct one (torch passes the call on).
         phase_inside = inside and self._in_scaler_step[0].enabled
         closure = closures.closure_of(args, kwargs or {})
+        # Inside an enabled scaler's step with no closure nothing below reads the call site: not
+        # looked up (the hook runs under a dozen frames of torch's and the audit's).
+        where = "" if phase_inside and closure is None else call_site()
+        if not inside:
+            o.window.calls.append(f"optimizer.step@{where}")
         if closure is None:
             o.closure = None
             self._step_phase(o, phase_inside, where)
@@ -263,7 +265,7 @@ class OptimizerCalls:
     def _threshold(self, o: OptTrack, s: ScalerTrack, max_norm: float, where: str) -> None:
         """clip-threshold-scaled: the check reads the ratio the earlier calls held; the ratio is
         recorded after it (a certain finding replaces this rule's earlier warning)."""
-        scale = s.obj.get_scale()
+        scale = s.scale()
         for f in dispatch(ClipThreshold(o.label, o.steps, where, max_norm, scale, o.threshold, o.threshold_finding)):
             if f.level is None:
                 o.threshold_flagged = True
@@ -304,10 +306,10 @@ GRADIENTS_GONE = ("compiled optimizer step whose gradients were gone when the au
 
 
 def state_signature(o: OptTrack) -> list[Any]:
-    """The optimizer state's tensors by (parameter index, key, version counter): a step that
-    creates or updates state changes it."""
-    state = o.obj.state
-    return [(i, k, v._version) for i, p in enumerate(o.params()) for k, v in state.get(p, {}).items()
+    """The optimizer state's tensors by (id of their parameter, key, version counter), in the
+    state's order: a step that creates or updates state changes it. Read from the state's items,
+    not looked up per parameter: a tensor key's hash is a Python call, ten a step on a small model."""
+    return [(id(p), k, v._version) for p, st in o.obj.state.items() for k, v in st.items()
             if isinstance(v, torch.Tensor)]
 
 

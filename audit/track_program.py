@@ -127,7 +127,7 @@ class ProgramCalls:
         sig = self._bw_signature or {}
         self._bw_signature = None
         touched = {id(o): _touched(o, sig.get(id(o))) for o in self.optimizers.values()}
-        b.params = frozenset(pid for t in touched.values() for pid in t)
+        b.params = frozenset().union(*touched.values())
         if not self.optimizers:
             targets = [self.unassigned]
         elif len(self.optimizers) == 1:

@@ -173,7 +173,7 @@ class ScalerCalls:
                                   bypasses=self._bypasses(s))
         self._report(dispatch(ev))
         # Only the replay reads the state before the update (two reads, each a sync on a GPU).
-        s.update_before = (_f32(scaler.get_scale()), int(scaler._get_growth_tracker())) \
+        s.update_before = (_f32(s.scale()), int(scaler._get_growth_tracker())) \
             if s.used and self.replayer is not None else None
 
     def on_update_end(self, scaler: Any, new_scale: Any, ok: bool) -> None:
@@ -184,7 +184,7 @@ class ScalerCalls:
         s.stage.clear()  # update() sends every optimizer back to READY (reference.scaling rule 12)
         s.bypass.clear()
         s.reported_no_update.clear()
-        after = (_f32(scaler.get_scale()), int(scaler._get_growth_tracker()))
+        after = (_f32(s.scale()), int(scaler._get_growth_tracker()))
         for o, _, rec in s.pending:
             rec.scale_after = float(after[0])
             rec.growth_tracker = after[1]
