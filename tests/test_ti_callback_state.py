@@ -120,3 +120,29 @@ def test_the_command_line_exits_non_zero_naming_the_callback(tmp_path, monkeypat
                  "--set", "train.steps=6", "--set", "train.batch_size=8",
                  "--set", f"checkpoint.folder={tmp_path / 'ck'}", "--set", "checkpoint.interval=2", "--resume"])
     assert code == 0, capsys.readouterr().err
+
+
+def test_a_fit_that_fails_in_on_fit_start_closes_its_run_files(tmp_path):
+    """The trace and metrics files are open when ``on_fit_start`` runs; a callback that raises
+    there ends the fit before its loop, and the files are closed all the same (no file left open
+    for the collector to find later)."""
+    from torchimpl.config.schema import load_config
+    from torchimpl.task.builtin import build_task
+    from torchimpl.train.trainer import Callback, Trainer
+
+    class Fails(Callback):
+        def on_fit_start(self, trainer):
+            self.reporter = trainer.reporter
+            raise RuntimeError("on_fit_start failed")
+
+    cfg = load_config(overrides=["device=cpu", "task.name=mlp", "task.size=tiny", "train.steps=2",
+                                 "train.batch_size=4", f"train.trace_file={tmp_path / 'trace.jsonl'}",
+                                 f"logging.dir={tmp_path / 'runs'}", "logging.progress=off"])
+    cb = Fails()
+    task = build_task(cfg.task, seed=0, batch_size=4)
+    with pytest.raises(RuntimeError, match="on_fit_start failed"):
+        Trainer(cfg, [cb]).fit(task.model, task.train_data)
+    writer = cb.reporter.writer
+    assert writer is not None and writer._file is None, "the trace file was left open"
+    assert cb.reporter.metrics and all(getattr(s, "_file", None) is None and getattr(s, "_writer", None) is None
+                                       for s in cb.reporter.metrics), "a metrics file was left open"

@@ -194,8 +194,12 @@ def _held_model(model: nn.Module, plan: Any, dist: DistributedContext) -> tuple[
 
 
 def _close(fit: _Fit, callbacks: list[Callback]) -> None:
-    """On every exit from ``fit``: callbacks drop what they hung on the user's model, then the processes close."""
+    """On every exit from ``fit``: the run's files close (a fit that failed between opening them
+    and its loop, e.g. in a callback's ``on_fit_start``, never reached the loop's close; closing
+    twice is a no-op), callbacks drop what they hung on the user's model, then the processes close."""
     try:
+        if fit.reporter is not None:
+            fit.reporter.close()
         for cb in callbacks:
             release = getattr(cb, "release", None)
             if release is not None:
