@@ -45,10 +45,8 @@ Rules:
    gradient by ``-clr`` before ``addcdiv`` with value 1, in place (rule 7) when it holds a copy of
    the gradient (weight decay or maximize), else out of place (rule 1).
 10. Coverage: ``COVERED``. Any other optimizer or implementation raises ``NotImplementedError``
-    naming it: the specification does not claim torch's bits there. Measured and not modelled:
-    fused SGD and fused Adagrad (their vectorized kernels differ from the float32 kernel's
-    rounding to S: 252 of 256 bfloat16 weights after 4 SGD steps of 64 elements; the scalar tail,
-    under 64 elements, agrees); Adafactor (not modelled on S yet).
+    naming it: the specification does not claim torch's bits there; so does a configuration
+    `refused` names (fused SGD with momentum, rule 15). Not modelled: Adafactor (not on S yet).
     The native (AVX2/AVX512) kernels: rule 13.
 11. Adamax and Adadelta (``reference.optim.adamax``, ``reference.optim.adadelta``), for-loop path:
     their rules with rules 1-5 (``|d| + eps`` and ``v + eps`` are ``add_scalar``); an elementwise
@@ -93,6 +91,25 @@ Rules:
     1) and ``p = addcmul(p, m, b, 1)``; unrectified, ``b = S(u)``. Measured bit for bit on the
     scalar and AVX512 kernels (rule 13's operations), bfloat16 and float16, with the Adamax and
     Adadelta foreach paths of rule 11.
+15. fused path, SGD and Adagrad (torch's ``_fused_sgd_`` and ``_fused_adagrad_`` CPU kernels): a
+    16-bit loop of its own, not rule 8's. Each parameter's leading whole vectors of
+    ``FUSED_VECTOR_BYTES`` (the body: ``n - n % 16`` elements) and the rest (the tail) are read
+    into float32 and each stored result rounded once to S. On every stated capability the vectors
+    are 32 bytes: the scalar build's generic vectors are, and on AVX512 machines torch dispatches
+    these kernels to their AVX2 build (``REGISTER_DISPATCH`` registers no AVX512 kernel). A
+    multiply-add ``a * b + c`` below is fused (``fma32``) on native kernels, every one, body and
+    tail (the compiler contracts them), and rounded twice in float32 on the scalar kernels.
+    SGD (momentum 0): the body never stores the weight, which keeps its value (torch 2.13's
+    kernel: the vector loop computes the update and drops it); the tail is
+    ``S(p - d * f32(lr))`` with ``d = p * f32(wd) + g`` (``-g`` when maximize). Adagrad: ``d = p * w + g`` (``-g`` when maximize), ``sum' = d * d + sum`` (stored as
+    ``S(sum')``; the float32 value goes on), ``p' = S(p - (c * d) / (sqrt(sum') + e))``, where the
+    body takes ``w, e, c = S(wd), S(eps), S(clr)`` and the tail their float32 values (``clr`` is
+    ``reference.optim.adagrad``'s, in float64 from the float32 counter). Fused SGD with momentum
+    is refused (`refused`): its body reads the 16-bit momentum buffer as float32 words, two
+    elements a word and 16 bytes past each vector, beyond the buffer's end where the tail holds
+    fewer than 8 elements (and into another thread's block under parallel chunks), so torch's
+    buffer there depends on memory outside the tensors. Measured bit for bit, scalar and AVX512
+    kernels, bfloat16 and float16, sizes 0-d, 0, 1, 7, 8, 15, 16, 31, 32, 33, 64, 100, 1000.
 """
 
 from __future__ import annotations
@@ -115,11 +132,13 @@ from reference.optim.rmsprop import RMSpropState
 from reference.optim._common import vector_head
 from reference.optim._registry import OptimizerSpec
 
-__all__ = ["COVERED", "FUSED_NATIVE_ULPS", "KERNELS", "bound", "covered", "fma32", "state_to", "step"]
+__all__ = ["COVERED", "FUSED_NATIVE_ULPS", "FUSED_VECTOR_BYTES", "KERNELS", "bound", "covered", "fma32", "refused",
+           "state_to", "step"]
 
-COVERED: dict[str, tuple[str, ...]] = {"SGD": ("for-loop", "foreach"), "Adam": ("for-loop", "foreach", "fused"),
+COVERED: dict[str, tuple[str, ...]] = {"SGD": ("for-loop", "foreach", "fused"),
+                                       "Adam": ("for-loop", "foreach", "fused"),
                                        "AdamW": ("for-loop", "foreach", "fused"), "RMSprop": ("for-loop", "foreach"),
-                                       "Adagrad": ("for-loop", "foreach"), "Adamax": ("for-loop", "foreach"),
+                                       "Adagrad": ("for-loop", "foreach", "fused"), "Adamax": ("for-loop", "foreach"),
                                        "Adadelta": ("for-loop", "foreach"), "NAdam": ("for-loop", "foreach"),
                                        "RAdam": ("for-loop", "foreach")}
 _F32 = np.float32
@@ -127,7 +146,9 @@ KERNELS: dict[str, int | None] = {"DEFAULT": None, "AVX512": 64}
 """Rule 13: each CPU capability the specification states, with its vector width in bytes (None:
 the scalar kernels). AVX2 is not stated (rule 13)."""
 FUSED_NATIVE_ULPS = 2
-"""Rule 13: the fused path's bound on native kernels, in ULPs of S at the row's magnitudes."""
+"""Rule 13: the fused path's bound on native kernels (Adam, AdamW), in ULPs of S at the row's magnitudes."""
+FUSED_VECTOR_BYTES = 32
+"""Rule 15: the vectors of torch's fused SGD and Adagrad kernels on every stated capability."""
 
 
 def _r(x: np.ndarray, storage: np.dtype) -> np.ndarray:
@@ -456,6 +477,67 @@ def _radam_foreach(p: np.ndarray, m: np.ndarray, v: np.ndarray, c: Any, lr: floa
     return path.addcmul(p, m, buffer, 1.0)
 
 
+def _madd(a: Any, b: Any, c: Any, native: bool) -> np.ndarray:
+    """Rule 15: float32 ``a * b + c``, fused on native kernels, two roundings on the scalar ones."""
+    if native:
+        return np.asarray(fma32(a, b, c))
+    return np.asarray(np.asarray(a, _F32) * np.asarray(b, _F32) + np.asarray(c, _F32))
+
+
+def _body(x: np.ndarray) -> int:
+    """Rule 15: how many leading elements the fused kernel's vector loop takes (whole 32-byte vectors)."""
+    return x.size - x.size % (FUSED_VECTOR_BYTES // x.dtype.itemsize)
+
+
+def _fused_sgd(p: np.ndarray, g: np.ndarray, s: SGDParamState, c: Any, lr: float,
+               native: bool) -> tuple[np.ndarray, SGDParamState]:
+    """Rule 15: torch's fused SGD on S (momentum 0): the body keeps its weights, the tail is
+    ``S(p - d * f32(lr))``, ``d = p * f32(wd) + g``."""
+    n, body = p.size, _body(p)
+    pf, d = _f(p).reshape(-1)[body:], _f(g).reshape(-1)[body:]
+    d = -d if c.maximize else d
+    if c.weight_decay != 0:
+        d = _madd(pf, _F32(c.weight_decay), d, native)
+    out = np.array(p, copy=True).reshape(n)
+    out[body:] = _r(_madd(-d, _F32(lr), pf, native), p.dtype)
+    return out.reshape(p.shape), s
+
+
+def _fused_scalar(x: np.ndarray, value: float) -> np.ndarray:
+    """Rule 15: a hyperparameter per element: ``S(value)`` in the body, ``f32(value)`` in the tail."""
+    out = np.full(x.size, _F32(value), _F32)
+    out[:_body(x)] = _f(np.asarray(_F32(value)).astype(x.dtype))
+    return out
+
+
+def _fused_adagrad(p: np.ndarray, g: np.ndarray, s: AdagradState, c: Any, lr: float,
+                   native: bool) -> tuple[np.ndarray, AdagradState]:
+    """Rule 15: torch's fused Adagrad on S: ``d = p * w + g``, ``sum' = d * d + sum`` and
+    ``S(p - (c * d) / (sqrt(sum') + e))``, the body's ``w, e, c`` rounded to S."""
+    counter = _F32(s.step + _F32(1.0))
+    clr = lr / (1 + (float(counter) - 1) * c.lr_decay)
+    pf, d = _f(p).reshape(-1), _f(g).reshape(-1)
+    d = -d if c.maximize else d
+    if c.weight_decay != 0:
+        d = _madd(pf, _fused_scalar(p, c.weight_decay), d, native)
+    total = _madd(d, d, _f(s.sum).reshape(-1), native)
+    new = pf - (_fused_scalar(p, clr) * d) / (np.sqrt(total) + _fused_scalar(p, c.eps))
+    return _r(new, p.dtype).reshape(p.shape), AdagradState(counter, _r(total, p.dtype).reshape(p.shape))
+
+
+_FUSED_16 = {"SGD": _fused_sgd, "Adagrad": _fused_adagrad}
+
+
+def refused(name: str, implementation: str, config: Any) -> str | None:
+    """Rule 15: the setting, and why, for which the specification does not claim torch's bits in
+    a covered pair (None: it does)."""
+    if name == "SGD" and implementation == "fused" and config.momentum != 0:
+        return (f"momentum {config.momentum}: the kernel's vector loop reads the 16-bit momentum buffer as float32 words, 16 bytes past each "
+                "vector and beyond the buffer's end, so torch's buffer depends on memory outside the tensors; "
+                "use momentum=0, or foreach=True, or precision.master_weights fp32")
+    return None
+
+
 def state_to(opt: Any, dtype: np.dtype | None) -> Any:
     """Every array field of ``opt`` in ``dtype`` (float32 when None, exact from S; RNE to S)."""
     changes = {f.name: np.asarray(getattr(opt, f.name)).astype(dtype or _F32)
@@ -495,11 +577,13 @@ def _check_kernels(kernels: str) -> None:
                                   f"{', '.join(KERNELS)} CPU kernels only")
 
 
-def bound(implementation: str, kernels: str = "DEFAULT") -> int:
-    """Rule 13: how far (ULPs of S at the row's magnitudes) torch's result may lie from `step`'s:
-    0 (bit for bit) but for the fused path on native kernels."""
+def bound(name: str, implementation: str, kernels: str = "DEFAULT") -> int:
+    """Rules 13 and 15: how far (ULPs of S at the row's magnitudes) torch's ``name``
+    (``implementation``) may lie from `step`'s: 0 (bit for bit) but for fused Adam and AdamW on
+    native kernels."""
     _check_kernels(kernels)
-    return FUSED_NATIVE_ULPS if implementation == "fused" and KERNELS[kernels] is not None else 0
+    native_fused = implementation == "fused" and name not in _FUSED_16 and KERNELS[kernels] is not None
+    return FUSED_NATIVE_ULPS if native_fused else 0
 
 
 def covered(name: str, implementation: str) -> bool:
@@ -514,7 +598,7 @@ def _covered() -> str:
 def step(row: OptimizerSpec, implementation: str, weights: Sequence[np.ndarray], grads: Sequence[np.ndarray | None],
          opts: Sequence[Any], config: Any, *, lr: float | None = None, kernels: str = "DEFAULT"
          ) -> tuple[list[np.ndarray], tuple[Any, ...]]:
-    """One step of ``row``'s ``implementation`` on S arrays (rules 6-8) on the CPU capability
+    """One step of ``row``'s ``implementation`` on S arrays (rules 6-9, 11-12, 14-15) on the CPU capability
     ``kernels`` (rule 13; `bound` says how close torch is there): the new weights and states; a
     parameter without a gradient keeps both."""
     _check_kernels(kernels)
@@ -522,12 +606,19 @@ def step(row: OptimizerSpec, implementation: str, weights: Sequence[np.ndarray],
         raise NotImplementedError(
             f"the specification does not model torch's {row.name} ({implementation}) on low-precision parameters; "
             f"covered: {_covered()}")
+    why = refused(row.name, implementation, config)
+    if why is not None:
+        raise NotImplementedError(f"the specification does not model torch's {row.name} ({implementation}) on "
+                                  f"low-precision parameters with {why}")
     if lr is not None and not isinstance(lr, (int, float)):
         raise NotImplementedError("a tensor lr on low-precision parameters is not modelled")
     rate = float(config.lr if lr is None else lr)
-    if implementation == "fused":
+    if implementation == "fused" and row.name not in _FUSED_16:
         return _fused(row, list(weights), list(grads), list(opts), config, rate) if weights else ([], ())
-    update, path = _STEPS[row.name], _path(row, implementation, grads, opts, kernels)
+    if implementation == "fused":
+        update = functools.partial(_FUSED_16[row.name], native=KERNELS[kernels] is not None)
+    else:
+        update = functools.partial(_STEPS[row.name], path=_path(row, implementation, grads, opts, kernels))
     new_w, new_s = [], []
     with np.errstate(all="ignore"):
         for w, g, s in zip(weights, grads, opts):
@@ -535,7 +626,7 @@ def step(row: OptimizerSpec, implementation: str, weights: Sequence[np.ndarray],
                 new_w.append(w)
                 new_s.append(s)
                 continue
-            a, b = update(np.asarray(w), np.asarray(g), s, config, rate, path)
+            a, b = update(np.asarray(w), np.asarray(g), s, config, rate)
             new_w.append(a)
             new_s.append(b)
     return new_w, tuple(new_s)
