@@ -221,14 +221,14 @@ class LowPrecisionStage:
 
         return stepped
 
-    def _low_bounds(self, d: Any, i: int) -> tuple[bool, Any]:
+    def _low_bounds(self, o: Any, d: Any, i: int) -> tuple[bool, Any]:
         """(bit for bit, the bound of a field in ULPs of S at ``x_abs``) of 16-bit parameter ``i``
-        stepped by torch (`reference.lowprec.bound`): 0 but for the fused path on native kernels."""
+        stepped by torch (`reference.lowprec.bound`): 0 but for fused Adam and AdamW on native kernels."""
         from reference import lowprec  # the replay's: the order rules load no arithmetic of the spec
 
         group = d.groups[d.group_of[i]]
-        ulps = lowprec.bound("fused" if group.get("fused") else "foreach" if group.get("foreach") else "for-loop",
-                             self.capability)
+        impl = "fused" if group.get("fused") else "foreach" if group.get("foreach") else "for-loop"
+        ulps = lowprec.bound(o.entry.spec.name, impl, self.capability)
         return ulps == 0, lambda fld: ulps
 
     def _stochastic_step(self, o: Any, d: Any, rec: Any, where: str) -> None:

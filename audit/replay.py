@@ -43,7 +43,7 @@ norm is within ``NORM_ULP`` ULPs; norm-clipped gradients within ``CLIP_ULP`` ULP
 from the product's rounding); optimizer fields within the conformance bounds, in ULPs of ``x_abs``, the field's formula evaluated on magnitudes (a plain
 ULP distance explodes where an update cancels to near zero). NaN compares as a class.
 Parameters held in bfloat16 or float16 (`audit.lost`): bit for bit on scalar and native kernels
-alike (`reference.lowprec` rule 13), but the fused path on native kernels, within
+alike (`reference.lowprec` rules 13 and 15), but fused Adam and AdamW on native kernels, within
 ``reference.lowprec.FUSED_NATIVE_ULPS`` ULPs of the 16-bit format at ``x_abs``.
 
 A step is not replayed, with the reason in the report, when it holds something outside the
@@ -373,7 +373,7 @@ class Replayer(StepStages, UpdateCheck, LowPrecisionStage):
             return
         entry, torch_state = o.entry, d.state_after[i]
         low = str(np.asarray(p).dtype) in LOW_DTYPES and not getattr(d, "compiled", False)
-        exact, bound = self._low_bounds(d, i) if low else _field_bounds(self.exact, o, d, cfg, i, old, new)
+        exact, bound = self._low_bounds(o, d, i) if low else _field_bounds(self.exact, o, d, cfg, i, old, new)
         x_abs = _magnitudes(entry, cfg, (p, g, old, new), exact)
         at = None if d.sample is None or d.sample.whole(i) else (d.sample.indices(i), d.sample.shapes[i])
         for fld in dataclasses.fields(new):

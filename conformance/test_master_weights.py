@@ -330,7 +330,7 @@ def run_native_case(name: str, impl: str, case: dict, kernels: str) -> None:
     params = [torch.nn.Parameter(to_torch(p)) for p in case["params"]]
     opt = ocase.torch_class(params, **case["config"], **_flags(impl))
     opts = [ref.init_master_state("none", p, row, cfg, storage).opt for p in case["params"]]
-    ulps = lowprec.bound(impl, kernels)
+    ulps = lowprec.bound(name, impl, kernels)
     for step, grads in enumerate(case["grads"]):
         if not _finite(grads):
             continue  # the engine calls nothing (test_master_weight_steps_match_the_spec checks it)
@@ -368,7 +368,7 @@ def test_none_steps_match_the_spec_on_this_machines_kernels(name, impl, device, 
     case = data.draw(mw_strategies.master_case(name, "none"), label="case")
     if kernels not in lowprec.KERNELS:
         with pytest.raises(NotImplementedError, match=kernels):
-            lowprec.bound(impl, kernels)
+            lowprec.bound(name, impl, kernels)
         return
     event(f"kernels {kernels}")
     run_native_case(name, impl, case, kernels)

@@ -532,9 +532,10 @@ def refused(name: str, implementation: str, config: Any) -> str | None:
     """Rule 15: the setting, and why, for which the specification does not claim torch's bits in
     a covered pair (None: it does)."""
     if name == "SGD" and implementation == "fused" and config.momentum != 0:
-        return (f"momentum {config.momentum}: the kernel's vector loop reads the 16-bit momentum buffer as float32 words, 16 bytes past each "
-                "vector and beyond the buffer's end, so torch's buffer depends on memory outside the tensors; "
-                "use momentum=0, or foreach=True, or precision.master_weights fp32")
+        return (f"momentum {config.momentum}: the kernel's vector loop reads the 16-bit momentum buffer as float32 "
+                "words, 16 bytes past each vector (beyond the buffer's end where fewer than 8 elements follow), so "
+                "torch's buffer depends on memory outside the tensors; use momentum=0, foreach=True or float32 "
+                "parameters")
     return None
 
 

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -212,7 +213,9 @@ def _replay_cases(cases: list[list[str]], capability: str | None) -> list:
 PLAIN = ["--keep", "none", "--steps", "6", "--lr", "1e-2"]
 CASES = [[*PLAIN, "--impl", impl] for impl in ("for-loop", "foreach", "fused")]
 CASES += [[*PLAIN, "--skip-rounding"], [*PLAIN, "--optimizer", "nadam", "--impl", "foreach"],
-          [*PLAIN, "--optimizer", "adafactor", "--impl", "foreach"]]
+          [*PLAIN, "--optimizer", "adafactor", "--impl", "foreach"], [*PLAIN, "--optimizer", "adagrad", "--impl", "fused"],
+          [*PLAIN, "--optimizer", "sgd", "--impl", "fused"],
+          [*PLAIN, "--optimizer", "sgd", "--impl", "fused", "--momentum", "0.9"]]
 
 
 @pytest.mark.parametrize("capability", ["default", None], ids=["scalar-kernels", "native-kernels"])
@@ -225,7 +228,10 @@ def test_a_pure_bf16_adamw_loop_is_replayed_and_a_skipped_rounding_diverges(capa
     skipped) diverges at every step. The foreach NAdam loop is replayed bit for bit too (the
     audit reads the specification's coverage, `reference.lowprec.covered`); an optimizer the
     specification does not model on bf16 tensors (foreach Adafactor) stays partly replayed,
-    naming it."""
+    naming it. Fused Adagrad and fused SGD are replayed bit for bit on both (rule 15): the fused
+    SGD kernel never stores the weights of its vector loop, so the three parameters of 32 elements
+    or more keep every weight and the audit finds their updates lost (the 4-element bias, all
+    tail, learns); with momentum the stage is partly replayed, naming the setting."""
     native = capability is None and torch.backends.cpu.get_cpu_capability() != "DEFAULT"
     out = _replay_cases(CASES, capability)
     for args, (status, exact, per_step, rules, _) in zip(CASES[:3], out[:3]):
@@ -243,6 +249,16 @@ def test_a_pure_bf16_adamw_loop_is_replayed_and_a_skipped_rounding_diverges(capa
     assert exact == 0 and rules == [] and set(per_step) == {
         "partly replayed: bfloat16 parameters: the optimizer stage is not compared (torch's Adafactor (foreach) on "
         "bfloat16 tensors is not modelled); its lost updates are counted (update-lost-to-rounding)"}
+    status, exact, per_step, rules, _ = out[6]
+    assert status == 0 and rules == [] and exact == 6, ("fused Adagrad", per_step, rules)
+    status, exact, per_step, rules, messages = out[7]
+    assert status == 0 and exact == 6 and rules == ["update-lost-to-rounding"] * 3, ("fused SGD", per_step, rules)
+    assert [m.split(" (")[0] for m in messages] == [f"SGD#0's parameter {p}" for p in ("0.weight", "0.bias", "2.weight")]
+    assert all("100.0% of its updates" in m for m in messages), messages
+    _, exact, per_step, rules, _ = out[8]
+    assert exact == 0 and set(per_step) == {
+        "partly replayed: bfloat16 parameters: the specification does not model torch's SGD (fused) on "
+        "low-precision parameters with " + lowprec.refused("SGD", "fused", SimpleNamespace(momentum=0.9))}
 
 
 def test_a_capability_the_specification_does_not_state_leaves_the_stage_partly_replayed_naming_it():

@@ -16,8 +16,11 @@
   warning as the hook is the loop's own).
 - ``--keep none``: the plain bf16 optimizer without the bug's learning rate; ``--impl`` chooses
   torch's for-loop, foreach or fused AdamW, ``--optimizer nadam`` an NAdam instead (its foreach
-  path is modelled on bf16 tensors too), ``--optimizer adafactor`` an Adafactor (a pair the
-  specification does not model on bf16 tensors: its optimizer stage is not compared).
+  path is modelled on bf16 tensors too), ``--optimizer adagrad`` or ``--optimizer sgd`` an Adagrad or
+  an SGD (``--momentum``; torch's fused SGD on bf16 tensors never stores the weights of its vector
+  loop: the replay reproduces it, and the lost updates are found), ``--optimizer adafactor`` an
+  Adafactor (a pair the specification does not model on bf16 tensors: its optimizer stage is not
+  compared).
   ``--skip-rounding`` mutates the step: after each AdamW step a hook overwrites the bf16 weights
   with the update computed in float32 from the same weights, gradients and state and rounded
   once (the op-by-op roundings skipped): with torch's scalar kernels the replay diverges.
@@ -28,7 +31,7 @@ import torch
 from _common import batches, make_model, parse
 
 BUGS = ("update-lost-to-rounding", "parameters-altered")
-args = parse(BUGS, keep="master", lr=1e-5, impl="for-loop", optimizer="adamw", skip_rounding=False)
+args = parse(BUGS, keep="master", lr=1e-5, impl="for-loop", optimizer="adamw", skip_rounding=False, momentum=0.0)
 IMPL = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[args.impl]
 
 model = make_model().to(torch.bfloat16)
@@ -36,6 +39,10 @@ if args.bug == "update-lost-to-rounding" or args.keep == "none":
     params = list(model.parameters())  # the optimizer steps the bf16 weights themselves
     if args.optimizer == "nadam":
         opt = torch.optim.NAdam(params, lr=args.lr, weight_decay=0.01, **IMPL)
+    elif args.optimizer == "adagrad":
+        opt = torch.optim.Adagrad(params, lr=args.lr, weight_decay=0.01, **IMPL)
+    elif args.optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=0.01, **IMPL)
     elif args.optimizer == "adafactor":
         opt = torch.optim.Adafactor(params, lr=args.lr, weight_decay=0.01, **IMPL)
     else:
