@@ -24,8 +24,9 @@ step changes nothing, and the bits replay the generator. The exact-mode rerun
 
 The ``none`` option (torch's kernels on the low-precision tensors themselves) is compared where
 ``reference.lowprec`` models it (``lowprec.COVERED``: the for-loop and foreach paths of SGD,
-Adam, AdamW, RMSprop, Adagrad, Adamax, Adadelta, NAdam and RAdam, the fused paths of Adam and
-AdamW), bit for bit in the exact mode. Mutants killed there
+Adam, AdamW, RMSprop, Adagrad, Adamax, Adadelta, NAdam and RAdam, the fused paths of Adam, AdamW,
+Adagrad and SGD; fused SGD with momentum is refused by the spec, which a drawn case checks), bit
+for bit in the exact mode. Mutants killed there
 (measured): the in-place foreach multiply without its scalar rounded to S (3 of the 8
 SGD/Adam/AdamW pairs fail), the fused path computed op by op (2 fail), a fused result rounded
 through float16 first (1 fails), Adagrad's foreach in-place scaling of the gradient by a float32
@@ -138,9 +139,25 @@ def _snapshot(mw: MasterWeights) -> dict[str, np.ndarray]:
     return out
 
 
+def _refused_by_the_spec(name: str, impl: str, cfg, case: dict) -> bool:
+    """A configuration ``reference.lowprec`` refuses (rule 15: fused SGD with momentum): its step
+    raises NotImplementedError naming the pair and the setting, and there is nothing to compare."""
+    why = lowprec.refused(name, impl, cfg)
+    if why is None:
+        return False
+    row, storage = optim.spec(name), case["storage"].name
+    opts = [ref.init_master_state("none", p, row, cfg, storage).opt for p in case["params"]]
+    with pytest.raises(NotImplementedError, match=rf"{name} \({impl}\) on low-precision parameters with momentum"):
+        lowprec.step(row, impl, case["params"], case["grads"][0], opts, cfg)
+    event(f"none:{name}[{impl}]: refused by the spec")
+    return True
+
+
 def run_case(option: str, name: str, impl: str, case: dict, device: str) -> None:
     row, ocase = optim.spec(name), strategies.OPTIMIZER_CASES[name]
     cfg = row.make_config(**case["config"])
+    if option == "none" and _refused_by_the_spec(name, impl, cfg, case):
+        return
     exact_mode = expectations.exact_kernels(device)
     storage = case["storage"].name
     params = [torch.nn.Parameter(to_torch(p, device)) for p in case["params"]]
@@ -326,6 +343,8 @@ def run_native_case(name: str, impl: str, case: dict, kernels: str) -> None:
     on ``kernels``, from torch's own weights and state before the step."""
     row, ocase = optim.spec(name), strategies.OPTIMIZER_CASES[name]
     cfg = row.make_config(**case["config"])
+    if _refused_by_the_spec(name, impl, cfg, case):
+        return
     storage = case["storage"].name
     params = [torch.nn.Parameter(to_torch(p)) for p in case["params"]]
     opt = ocase.torch_class(params, **case["config"], **_flags(impl))
@@ -436,3 +455,41 @@ def test_native_lerp_addcmul_and_add_round_as_rule_13_says(case, device):
         assert_same(to_numpy(tx.lerp(ty, s)), ops[0](x, y, s), where.at("lerp"))
         assert_same(to_numpy(tx.addcmul(ty, tz, value=s)), ops[1](x, y, z, s), where.at("addcmul"))
         assert_same(to_numpy(tx.add(ty, alpha=s)), ops[2](x, y, s), where.at("add"))
+
+
+FUSED_16_CONFIGS = {"SGD": dict(lr=0.37, weight_decay=0.3), "Adagrad": dict(lr=0.37, weight_decay=0.3, eps=1e-3)}
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adagrad"])
+@pytest.mark.parametrize("storage", ["bfloat16", "float16"])
+def test_fused_sgd_and_adagrad_on_16_bit_parameters_round_as_rule_15_says(name, storage, device):
+    """``reference.lowprec`` rule 15 on the machine's kernels, bit for bit: sizes around the
+    kernels' 32-byte vectors (0-d, 0, 1, 15, 16, 17, 31, 33, 100: the vector loop, whose fused SGD
+    never stores its weights, and the scalar tail), then 4,000 tails of 15 elements and a
+    65,551-element parameter, enough elements to meet the rare ones where a multiply-add fused or
+    not rounds otherwise to S (measured on AVX512: tens of the tails' elements, a few of the large
+    body's). Mutants killed: the body's weights updated as the tail's; every multiply-add fused on
+    the scalar kernels; none fused on AVX512; Adagrad's body taking float32 hyperparameters."""
+    kernels = _native_kernels(device)
+    if kernels not in lowprec.KERNELS:
+        pytest.skip(f"{kernels}: not stated by rule 13 (refused, see the property above)")
+    dtype = mw_strategies.BF16 if storage == "bfloat16" else mw_strategies.F16
+    rng = np.random.default_rng(11)
+    for shapes in ([(), (0,), (1,), (15,), (16,), (17,), (31,), (33,), (100,)], [(15,)] * 4000, [(65551,)]):
+        params = [rng.standard_normal(s).astype(np.float32).astype(dtype) for s in shapes]
+        grads = [[rng.standard_normal(s).astype(np.float32).astype(dtype) for s in shapes] for _ in range(3)]
+        case = dict(config=FUSED_16_CONFIGS[name], storage=dtype, params=params, grads=grads)
+        run_native_case(name, "fused", case, kernels)
+
+
+def test_fused_sgd_with_momentum_on_16_bit_parameters_is_refused_naming_the_setting():
+    """``reference.lowprec`` rule 15: fused SGD with momentum reads its 16-bit buffer as float32
+    words, past the buffer's end: the spec refuses it, naming the pair, the setting and the fixes."""
+    row = optim.spec("SGD")
+    cfg = row.make_config(lr=0.1, momentum=0.9)
+    w = np.ones(20, mw_strategies.BF16)
+    with pytest.raises(NotImplementedError, match=r"SGD \(fused\) on low-precision parameters with momentum 0\.9: "
+                                                  r".*float32 words.*use momentum=0, foreach=True or float32"):
+        lowprec.step(row, "fused", [w], [w], [ref.init_master_state("none", w, row, cfg, "bfloat16").opt], cfg)
+    assert lowprec.refused("SGD", "fused", row.make_config(lr=0.1)) is None
+    assert lowprec.refused("SGD", "foreach", cfg) is None

@@ -140,13 +140,44 @@ def test_none_is_modelled_where_covered_and_refused_naming_the_pair_elsewhere():
     (t,), (e,) = mw.master_step("none", row, "for-loop", [s], [np.array([1.0], BF16)], cfg)
     assert float(t.weight[0]) == 1.0 and e.tolist() == [-(2**-10)]  # lost: 1 - 2^-10 rounds back to 1
     assert lowprec.COVERED["AdamW"] == ("for-loop", "foreach", "fused")
-    with pytest.raises(NotImplementedError, match=r"SGD \(fused\) on low-precision parameters"):
-        mw.master_step("none", row, "fused", [s], [np.array([1.0], BF16)], cfg)
+    moment = row.make_config(lr=2**-10, momentum=0.9)
+    with pytest.raises(NotImplementedError, match=r"SGD \(fused\) on low-precision parameters with momentum 0.9"):
+        mw.master_step("none", row, "fused", [s], [np.array([1.0], BF16)], moment)
     ada = spec("Adafactor")
     with pytest.raises(NotImplementedError, match=r"Adafactor \(foreach\) on low-precision parameters"):
         mw.master_step("none", ada, "foreach", [mw.init_master_state("none", np.array([1.0], BF16), ada,
                                                                       ada.make_config())], [np.array([1.0], BF16)],
                        ada.make_config())
+
+
+@pytest.mark.parametrize("storage", [BF16, np.dtype(np.float16)])
+def test_fused_sgd_on_16_bit_parameters_keeps_the_weights_of_its_vector_loop(storage):
+    """``reference.lowprec`` rule 15: torch's fused SGD kernel on S never stores the weights of its
+    vector loop (the first ``n - n % 16`` of 33): they keep their values; the tail steps,
+    ``1 - 1 * 2**-4`` exactly; a 0-d parameter is all tail."""
+    from reference import lowprec
+
+    row = spec("SGD")
+    cfg = row.make_config(lr=2**-4)
+    (w, z), _ = lowprec.step(row, "fused", [np.ones(33, storage), np.array(1.0, storage)],
+                             [np.ones(33, storage), np.array(1.0, storage)], [row.init_state(np.ones(1), cfg)] * 2, cfg)
+    assert w.dtype == storage and w[:32].tolist() == [1.0] * 32 and float(w[32]) == 1 - 2**-4
+    assert z.shape == () and float(z) == 1 - 2**-4
+
+
+def test_fused_adagrad_rounds_its_hyperparameters_to_the_storage_format_in_the_vector_loop_only():
+    """``reference.lowprec`` rule 15: with p = 1, g = 0 and weight decay w = 1 + 2**-8 + 2**-20,
+    ``d = p * w`` and the stored sum is ``S(d * d)``: the vector loop (16 elements) takes
+    bf16(w) = 1 + 2**-7, whose square 1.01568... rounds to 1.015625; the tail takes float32 w,
+    whose square 1.00783 rounds to 1.0078125."""
+    from reference import lowprec
+
+    row = spec("Adagrad")
+    cfg = row.make_config(lr=0.01, weight_decay=1 + 2**-8 + 2**-20)
+    w = np.ones(17, BF16)
+    state = mw.init_master_state("none", w, row, cfg).opt
+    _, (s,) = lowprec.step(row, "fused", [w], [np.zeros(17, BF16)], [state], cfg)
+    assert s.sum[:16].tolist() == [1.015625] * 16 and float(s.sum[16]) == 1.0078125 and float(s.step) == 1.0
 
 
 def test_foreach_multiplies_by_a_scalar_rounded_to_the_storage_format():
