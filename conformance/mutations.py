@@ -41,6 +41,7 @@ DISTRIBUTED = "torchimpl/distributed/context.py"
 DISTRIBUTED_TESTS = ("conformance/test_distributed.py",)
 MASTER = "torchimpl/train/master_weights.py"
 MASTER_TESTS = ("conformance/test_master_weights.py",)
+FUSED_16_TESTS = ("conformance/test_master_weights.py::test_fused_sgd_and_adagrad_on_16_bit_parameters_round_as_rule_15_says",)
 GRAD_REDUCTION = "reference/grad_reduction.py"
 
 
@@ -162,6 +163,17 @@ SPEC_MUTANTS = (
            "    buffer = add_scalar(div(np.ones_like(v), div_scalar(add_scalar(sqrt(v), c.eps), scale)), unrect)\n",
            "    buffer = add_scalar(_r(_F32(1) / (_f(add_scalar(sqrt(v), c.eps)) / _F32(scale)), v.dtype), unrect)\n",
            MASTER_TESTS),
+    Mutant("lowprec_fused_sgd_store_rounded_twice",
+           "the spec's fused SGD on S rounds the update to S before the subtraction (two roundings, not one)",
+           "reference/lowprec.py", "    out[body:] = _r(_madd(-d, _F32(lr), pf, native), p.dtype)\n",
+           "    out[body:] = _r(pf - _f(_r(d * _F32(lr), p.dtype)), p.dtype)\n", FUSED_16_TESTS),
+    Mutant("lowprec_fused_sgd_vector_loop_steps",
+           "the spec's fused SGD on S updates the weights of the vector loop, which torch's kernel never stores",
+           "reference/lowprec.py", "    n, body = p.size, _body(p)\n", "    n, body = p.size, 0\n", FUSED_16_TESTS),
+    Mutant("lowprec_fused_adagrad_sum_rounded_before_sqrt",
+           "the spec's fused Adagrad on S takes the root of the sum rounded to S, not of its float32 value",
+           "reference/lowprec.py", "(np.sqrt(total) + _fused_scalar(p, c.eps))",
+           "(np.sqrt(_f(_r(total, p.dtype))) + _fused_scalar(p, c.eps))", FUSED_16_TESTS),
     Mutant("kahan_spec_forgets_old_compensation", "the spec's kahan takes the new compensation from u alone",
            "reference/master_weights.py", "        c = (y - (_f32(t) - p32)).astype(storage)\n",
            "        c = (u - (_f32(t) - p32)).astype(storage)\n", MASTER_TESTS),
