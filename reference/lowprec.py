@@ -61,7 +61,7 @@ Rules:
     ``x.reciprocal() * scalar`` (two roundings), and ``p - product``.
 13. Native kernels (``KERNELS``: the capability ``torch.backends.cpu.get_cpu_capability()``
     names, keyed to the width in bytes of its vectors; ``DEFAULT`` is the scalar kernels of rules
-    1-12 and 14). Three operations differ, every other rounds as above (measured on torch 2.13,
+    1-12, 14 and 15). Three operations differ, every other rounds as above (measured on torch 2.13,
     AVX512, bit for bit, bfloat16 and float16, the for-loop and foreach paths of every covered
     optimizer, sizes 0-d, 0, 1, 7, 8, 15, 16, 31, 32, 33, 64, 100, 1000, four steps each; nine
     for the foreach paths of Adamax, Adadelta, NAdam and RAdam):
@@ -99,16 +99,17 @@ Rules:
     these kernels to their AVX2 build (``REGISTER_DISPATCH`` registers no AVX512 kernel). A
     multiply-add ``a * b + c`` below is fused (``fma32``) on native kernels, every one, body and
     tail (the compiler contracts them), and rounded twice in float32 on the scalar kernels.
-    SGD (momentum 0): the body never stores the weight, which keeps its value (torch 2.13's
-    kernel: the vector loop computes the update and drops it); the tail is
-    ``S(p - d * f32(lr))`` with ``d = p * f32(wd) + g`` (``-g`` when maximize). Adagrad: ``d = p * w + g`` (``-g`` when maximize), ``sum' = d * d + sum`` (stored as
-    ``S(sum')``; the float32 value goes on), ``p' = S(p - (c * d) / (sqrt(sum') + e))``, where the
-    body takes ``w, e, c = S(wd), S(eps), S(clr)`` and the tail their float32 values (``clr`` is
-    ``reference.optim.adagrad``'s, in float64 from the float32 counter). Fused SGD with momentum
-    is refused (`refused`): its body reads the 16-bit momentum buffer as float32 words, two
-    elements a word and 16 bytes past each vector, beyond the buffer's end where the tail holds
-    fewer than 8 elements (and into another thread's block under parallel chunks), so torch's
-    buffer there depends on memory outside the tensors. Measured bit for bit, scalar and AVX512
+    SGD (momentum 0): the body keeps its weights (torch 2.13's vector loop never writes the
+    parameter); the tail is ``S(p - d * f32(lr))`` with ``d = p * f32(wd) + g`` (``g`` negated
+    when maximize). Adagrad: ``d = p * w + g`` (``g`` negated when maximize),
+    ``sum' = d * d + sum`` (stored as ``S(sum')``; the float32 value goes on) and
+    ``p' = S(p - (c * d) / (sqrt(sum') + e))``, where the body takes ``w, e, c = S(wd), S(eps),
+    S(clr)`` and the tail their float32 values (``clr`` is ``reference.optim.adagrad``'s, in
+    float64 from the float32 counter). Fused SGD with momentum is refused (`refused`): its body
+    reads the 16-bit momentum buffer as float32 words, two elements a word and 16 bytes past each
+    vector, beyond the buffer's end where fewer than 8 elements follow (and into another
+    thread's block under parallel chunks), so torch's buffer there depends on memory outside the
+    tensors. Measured bit for bit (``bench/lowprec_fused.py``), scalar and AVX512
     kernels, bfloat16 and float16, sizes 0-d, 0, 1, 7, 8, 15, 16, 31, 32, 33, 64, 100, 1000.
 """
 

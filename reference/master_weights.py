@@ -18,7 +18,7 @@ Rules:
    ``kahan`` and ``stochastic`` compute in float32 and store the state back in S (RNE) after
    each step (torchao's low-precision optimizers do the same).
 3. ``none``: torch's optimizer steps the S tensors themselves, every operation rounded to S
-   (``reference.optim.lowprec`` models the optimizers and implementations it covers).
+   (``reference.lowprec`` models the optimizers and implementations it covers).
 4. ``fp32``: the master ``m`` starts as ``f32(p)``; each step ``m' = step(m, f32(g), state)``
    and the stored weight becomes ``S(m')``. The exact update is ``m' - m`` (float32).
 5. The float32 evaluation (``kahan``, ``stochastic``, and the exact update of ``none``):
