@@ -47,7 +47,7 @@ from torch import nn
 from torchimpl._torch_compat import _set_grad_enabled as set_grad_enabled
 from torchimpl.precision.batches import batch_size, to_device
 from torchimpl.train.callback_checks import checked_hook, checked_step_hook, hook_name
-from torchimpl.train.clipping import check_nonfinite_, clip_grad_norm_, group_by_device_and_dtype
+from torchimpl.train.clipping import check_nonfinite_, clip_grad_norm_, foreach_total_norm, group_by_device_and_dtype
 from torchimpl.train.optim import kernel_skip_refusal
 from torchimpl.run.records import PendingRecords, StepRecord
 from torchimpl.train.scaler import DynamicLossScaler
@@ -577,7 +577,10 @@ def build_step_engine(*, config: Any, sync_free: bool, model: nn.Module, forward
                         unit_scaling=scaling.is_unit, stepper=stepper)
     clip = None
     if config.train.clip_norm is not None:
-        clip = functools.partial(clip_grad_norm_, groups, params, config.train.clip_norm, dist.total_norm, one)
+        # Plain gradients (a single process, DDP's all-reduced ones): torch's norm grouped once;
+        # FSDP2's DTensor shards: the context's global norm.
+        total_norm = (None if dist.sharded else foreach_total_norm(groups, params)) or dist.total_norm
+        clip = functools.partial(clip_grad_norm_, groups, params, config.train.clip_norm, total_norm, one)
     return StepEngine(model=forward_model, params=params, optimizer=optimizer, scaling=scaling, skip=skip,
                       clip=clip, dist=dist, loss_fn=loss_fn, autocast=autocast, device=device, state=state,
                       hooks=hooks, stop_requested=stop_requested, prepare=prepare)
