@@ -99,7 +99,7 @@ def torch_group_order(groups: list[ParamGroup], params: list[nn.Parameter]) -> l
     return [by_key[key] for key in keys]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: its fields are parameters
 class ForeachTotalNorm:
     """Rule 1 for plain gradients on foreach devices: ``get_total_norm``'s calls, its grouping
     done once. ``groups`` holds each (device, dtype) group's parameters in torch's visiting
