@@ -77,6 +77,22 @@ def test_dynamic_scaling_snapshots_do_not_follow_the_live_scale():
         scaling.load_state_dict(None, Path("x.ckpt"), "fp16")
 
 
+def test_the_scale_before_a_step_is_the_last_snapshot_only_while_the_live_scale_is_unwritten():
+    scaler = DynamicLossScaler("cpu", ScalerConfig(init_scale=8.0, growth_interval=1))
+    params = _params(1.0)
+    scaling = DynamicScaling(scaler, group_by_device_and_dtype(params), torch.ones(()))
+    scaling.materialise(torch.device("cpu"))
+    opt = torch.optim.SGD(params, lr=0.1)
+    found = torch.zeros(())
+    scaling.unscale_(opt, found)
+    after, _ = scaling.update(found)
+    before = scaling.scale_before()
+    assert before is after and float(before) == 16.0, "no copy is needed: nothing wrote the scale since"
+    scaler.state_tensors()[0].fill_(3.0)  # as a loaded state or a hook's update(new_scale) writes it
+    before = scaling.scale_before()
+    assert before is not after and float(before) == 3.0 and float(after) == 16.0
+
+
 def test_host_skip_steps_only_clean_steps_and_moves_the_schedule_only_then():
     cfg = load_config(overrides=["schedule.name=cosine", "schedule.warmup_steps=2", "optimizer.lr=0.1"])
     params = _params(1.0)

@@ -24,9 +24,11 @@ __all__ = [
     "_amp_update_scale_",
     "_set_grad_enabled",
     "_foreach_mul_",
+    "_foreach_norm",
     "_foreach_sub",
     "_get_foreach_kernels_supported_devices",
     "_get_fused_kernels_supported_devices",
+    "_group_tensors_by_device_and_dtype",
     "_refresh_per_optimizer_state",
     "missing_names",
     "scaled_mm",
@@ -78,6 +80,14 @@ _foreach_mul_ = _private(
     "torch", "_foreach_mul_",
     "clip_grad_norm_'s multiply of each (device, dtype) group by the clip coefficient; "
     "torchimpl.train.clipping calls it so its bits are torch's")
+_foreach_norm = _private(
+    "torch", "_foreach_norm",
+    "get_total_norm's per-tensor norms of a (device, dtype) group in one call; torchimpl.train.clipping "
+    "makes the same calls once per step without get_total_norm's per-call grouping, so its bits are torch's")
+_group_tensors_by_device_and_dtype = _private(
+    "torch.utils._foreach_utils", "_group_tensors_by_device_and_dtype",
+    "the order in which get_total_norm visits (device, dtype) groups (its C++ hash map's, not first-seen); "
+    "torchimpl.train.clipping asks it once per run and stacks the groups' norms in that order")
 _foreach_sub = _private(
     "torch", "_foreach_sub",
     "the doctor's parameter statistics take every judged parameter's update (after minus before) "

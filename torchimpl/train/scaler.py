@@ -221,12 +221,13 @@ class DynamicLossScaler(GradScaler):
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        device = scale.device  # read once: each read makes a new torch.device
         for group in optimizer.param_groups:
             for param in group["params"]:
                 grad = param.grad
                 if grad is None:
                     continue
-                if grad.device != scale.device or grad.is_sparse:
+                if grad.device != device or grad.is_sparse:
                     super().unscale_(optimizer)  # torch's path: per-device flags, sparse values
                     self.found_inf_tensor(out=found_inf)
                     return
