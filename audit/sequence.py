@@ -6,8 +6,9 @@ spec's own stage functions: ``unscale_`` through `reference.scaling.unscale_stag
 through `reference.scaling.step_stage`, ``update`` through `reference.scaling.check_update`.
 What each call met is recorded as an event (`StageCall`, `UpdateCall`, named tuples as
 `audit.events`' are): the stage before it, the stage the spec gives after it, and the spec's
-exception when it refuses the call, which is the exception torch raises. The audit never raises it itself: torch does, in the audited
-program, as it would without the audit; the event only records that it will.
+exception when it refuses the call, which is the exception torch raises. The audit never raises
+it itself: torch does, in the audited program, as it would without the audit; the event only
+records that it will.
 
 A fused (amp-aware) optimizer is outside rule 12's ``step_stage``, which is a plain
 optimizer's sequence: its kernel checks the scaled gradients itself, with no unscale first, so
