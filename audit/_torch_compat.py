@@ -29,6 +29,20 @@ def _private(module: str, name: str, why: str) -> Any:
 
 _foreach_sqrt = _private("torch", "_foreach_sqrt",
                          "the replay takes Adam's square root with the kernel the foreach path uses")
+eval_frame_callback = _private("torch._C._dynamo.eval_frame", "get_eval_frame_callback",
+                               "a wrapper Dynamo skips runs its bookkeeping directly while no compiled "
+                               "code runs (no callback set), without torch._disable_dynamo's per-call cost")
+_set_code_exec_strategy = _private("torch._C._dynamo.eval_frame", "set_code_exec_strategy",
+                                   "Dynamo never compiles the frame of such a wrapper itself (torch's skip_code)")
+_FrameExecStrategy = _private("torch._C._dynamo.eval_frame", "_FrameExecStrategy", "skip_code's strategy")
+_FrameAction = _private("torch._C._dynamo.eval_frame", "_FrameAction", "skip_code's actions")
+
+
+def skip_code(code: Any) -> None:
+    """``torch._dynamo.eval_frame.skip_code`` without importing ``torch._dynamo`` (an audit of a
+    program that never compiles does not load it): a frame of ``code`` is never compiled,
+    the frames it calls are treated as usual."""
+    _set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
 
 GRAD_SCALER_ATTRIBUTES: dict[str, str] = {
     "_per_optimizer_states": "found_inf as the scaler recorded it for each optimizer",

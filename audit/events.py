@@ -7,13 +7,14 @@ its own events (`audit.sequence.StageCall`, `audit.sequence.UpdateCall`), the re
 boundaries theirs (`audit.boundaries.Boundary`); these are the rest, one per point of the loop.
 
 Each field holds a value the recorder already had (a label, a call site, a step, a list it
-keeps): an event copies nothing and reads nothing from torch.
+keeps): an event copies nothing and reads nothing from torch. An event is a named tuple, frozen
+as a frozen dataclass is but built in one step (the recorder builds about ten a step; a frozen
+dataclass sets each field through ``object.__setattr__``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "BackwardCall",
@@ -32,8 +33,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class OptimizerStepBegin:
+class OptimizerStepBegin(NamedTuple):
     """``optimizer.step()`` began (torch's step pre-hook): ``track`` is the optimizer's track
     (`audit.records.OptTrack`: its parameters' device and dtype when it received them)."""
 
@@ -41,8 +41,7 @@ class OptimizerStepBegin:
     where: str
 
 
-@dataclass(frozen=True)
-class ZeroGradCall:
+class ZeroGradCall(NamedTuple):
     """``zero_grad`` (``name``: whose) at ``where`` of ``optimizer``'s parameters, with the backward
     passes of its open window (``backwards``, `audit.records.Backward`)."""
 
@@ -53,8 +52,7 @@ class ZeroGradCall:
     backwards: list[Any]
 
 
-@dataclass(frozen=True)
-class ClipCall:
+class ClipCall(NamedTuple):
     """A clipping call (``kind``) on ``optimizer``'s parameters in a window whose backward started
     from a loss an enabled GradScaler (``scaler``) scaled; ``stage``: the spec's stage of the
     optimizer in that scaler's call sequence (None: no enabled scaler scaled the window)."""
@@ -68,8 +66,7 @@ class ClipCall:
     max_norm: float | None
 
 
-@dataclass(frozen=True)
-class ClipThreshold:
+class ClipThreshold(NamedTuple):
     """``clip_grad_norm_`` on unscaled gradients: its ``max_norm``, the scale then, ``held`` (the
     ratio max_norm / scale the earlier calls kept, the scale and the first step; None before the
     first) and ``earlier`` (this rule's warning for the optimizer, if any)."""
@@ -83,8 +80,7 @@ class ClipThreshold:
     earlier: Any
 
 
-@dataclass(frozen=True)
-class StepClosed:
+class StepClosed(NamedTuple):
     """The close of step ``step`` of ``optimizer``, with its window's backward passes."""
 
     optimizer: str
@@ -92,8 +88,7 @@ class StepClosed:
     backwards: list[Any]
 
 
-@dataclass(frozen=True)
-class BackwardCall:
+class BackwardCall(NamedTuple):
     """A backward pass at ``where`` during step ``step`` (None: before any optimizer), inside the
     autocast region entered at ``autocast`` (None: outside any)."""
 
@@ -102,16 +97,14 @@ class BackwardCall:
     autocast: Any
 
 
-@dataclass(frozen=True)
-class ScheduleAdvance:
+class ScheduleAdvance(NamedTuple):
     """An LR scheduler's position moved at a step of ``optimizer`` (`audit.schedules.Advance`)."""
 
     optimizer: str
     advance: Any
 
 
-@dataclass(frozen=True)
-class ScheduleAtEnd:
+class ScheduleAtEnd(NamedTuple):
     """The end of the run for ``optimizer``: its ``skipped`` steps and the changes of its scheduled
     hyperparameters across them (`audit.schedules.ScheduleWatch.changes`)."""
 
@@ -120,8 +113,7 @@ class ScheduleAtEnd:
     changes: list[Any]
 
 
-@dataclass(frozen=True)
-class CheckpointSaved:
+class CheckpointSaved(NamedTuple):
     """The ``torch.save`` calls after one step (``saves``: where, holds optimizer state, holds
     scaler state (None: not read whole), the step), the enabled scaler in use (``scaler``; None:
     none) and where ``scaler.state_dict()`` was called since the step (``state_read``)."""
@@ -131,8 +123,7 @@ class CheckpointSaved:
     state_read: str | None
 
 
-@dataclass(frozen=True)
-class DirectSteps:
+class DirectSteps(NamedTuple):
     """Direct ``optimizer.step()`` calls (optimizer, step, where) on gradients of a loss ``scaler``
     scaled, still without ``scaler.update()`` when the next loss is scaled at ``next_scale`` (None:
     the run ended)."""
@@ -142,8 +133,7 @@ class DirectSteps:
     next_scale: str | None
 
 
-@dataclass(frozen=True)
-class StepReapplied:
+class StepReapplied(NamedTuple):
     """A direct ``optimizer.step()`` of ``optimizer`` at ``where`` (step ``step``) that applies the
     gradients its last ``scaler.step`` (step ``last``, ``applied`` or skipped) used, with no
     backward and no ``zero_grad`` between (`audit.restep`)."""
@@ -156,8 +146,7 @@ class StepReapplied:
     applied: bool
 
 
-@dataclass(frozen=True)
-class ScalerFirstDrive:
+class ScalerFirstDrive(NamedTuple):
     """A scaler's first optimizer: ``scaler`` and ``optimizer`` are their tracks; the scaler's first
     ``scale()`` came at ``began``, after a ``load_state_dict`` or not (``loaded``); ``earlier``: the
     scalers that completed updates before and drove parameters of this optimizer."""
@@ -169,8 +158,7 @@ class ScalerFirstDrive:
     earlier: list[Any]
 
 
-@dataclass(frozen=True)
-class Divergences:
+class Divergences(NamedTuple):
     """The replay's divergences that no order finding of their step explains (`audit.replay`)."""
 
     divergences: list[Any]

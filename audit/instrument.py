@@ -24,9 +24,10 @@ What is wrapped (each wrapper calls the original unchanged and reports to a `Rec
 - ``torch.save``.
 
 Inside a compiled function (a whole compiled train step) the wrappers of calls Dynamo does not
-trace (``Tensor.backward``, ``torch.autograd.backward``, ``Optimizer.zero_grad``) are functions
-Dynamo skips, run eagerly at torch's own graph break; the others run their original alone while
-traced (`_eager_when_traced`): the audit adds no graph break and no recompile.
+trace (``Tensor.backward``, ``torch.autograd.backward``, ``Optimizer.zero_grad``, GradScaler's
+methods) are functions Dynamo skips, run eagerly at torch's own graph break; the others run their
+original alone while traced: the audit adds no graph break and no recompile (`_skipped_by_dynamo`).
+Each wrapped method is one function: a call reports from it directly, with no layer between.
 
 Nothing else of the user's program is touched. ``uninstall`` restores every original object.
 """
@@ -43,6 +44,10 @@ import torch.nn.utils.clip_grad as _clip_mod
 import torch.optim.lr_scheduler as _sched_mod
 from torch.optim import optimizer as _optim_mod
 
+from audit import _torch_compat
+
+_frame_callback = _torch_compat.eval_frame_callback  # Dynamo's frame callback: None while no compiled code runs
+
 __all__ = ["Instrumentation"]
 
 _CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")
@@ -56,37 +61,6 @@ def _scaler_subclasses() -> list[type]:
     except Exception:  # any import failure: no such scaler to audit
         return []
     return [ShardedGradScaler]
-
-
-def _once_per_call(name: str, make: Callable[[Any], Any], active: set[tuple[int, str]],
-                   outer: bool = True) -> Callable[[Any], Any]:
-    """``make`` for a scaler method whose override may call the base's (``super().update()``):
-    one call of the program reports once, from the outermost wrapper. ``outer``: the wrapper of
-    an override, which marks its call active; the base class's wrapper (``outer`` False) only
-    reads the mark (no override wraps it from outside: nothing to mark, every step)."""
-
-    def make_guarded(orig: Any) -> Any:
-        wrapper = make(orig)
-
-        if not outer:
-            def inner(self, *args, **kwargs):
-                if active and (id(self), name) in active:
-                    return orig(self, *args, **kwargs)
-                return wrapper(self, *args, **kwargs)
-            return inner
-
-        def guarded(self, *args, **kwargs):
-            key = (id(self), name)
-            if key in active:
-                return orig(self, *args, **kwargs)
-            active.add(key)
-            try:
-                return wrapper(self, *args, **kwargs)
-            finally:
-                active.discard(key)
-        return guarded
-
-    return make_guarded
 
 
 class Instrumentation:
@@ -143,15 +117,15 @@ class Instrumentation:
 
     def _install_scaler(self) -> None:
         cls = torch.amp.GradScaler
-        init, methods = _scaler_wrappers(self.rec)
-        self._patch(cls, "__init__", init)
+        self._patch(cls, "__init__", _scaler_init(self.rec))
         active: set[tuple[int, str]] = set()
+        methods = _scaler_methods(self.rec, active)
         for owner in (cls, *_scaler_subclasses()):
-            for name, make in methods:
+            for name, make in methods.items():
                 if name in owner.__dict__:
                     # Dynamo-skipped as torch skips GradScaler's own methods: inside a compiled
                     # function the scaler's calls, with their reports, run eagerly.
-                    self._patch(owner, name, _eager_when_traced(_once_per_call(name, make, active, owner is not cls)))
+                    self._patch(owner, name, lambda orig, make=make, outer=owner is not cls: make(orig, outer))
 
     def _install_clipping(self) -> None:
         rec = self.rec
@@ -167,7 +141,7 @@ class Instrumentation:
             def make(impl, kind=kind, bind=bind):
                 def wrapper(*args, **kwargs):
                     if rec.in_clip or torch.compiler.is_compiling():
-                        return impl(*args, **kwargs)  # traced: the original alone (`_eager_when_traced`)
+                        return impl(*args, **kwargs)  # traced: the original alone (`_skipped_by_dynamo`)
                     arguments = bind(args, kwargs)
                     parameters = arguments["parameters"]
                     if isinstance(parameters, torch.Tensor):
@@ -221,17 +195,19 @@ class Instrumentation:
 
         def zero_grad(orig):
             def wrapper(self, *args, **kwargs):
+                if _frame_callback() is not None:  # compiled code runs: Dynamo-skipped (`_skipped_by_dynamo`)
+                    return eager(self, *args, **kwargs)
                 rec.on_zero_grad(self)
                 return orig(self, *args, **kwargs)
+            eager = _skipped_by_dynamo(wrapper)
             return wrapper
 
         def module_zero_grad(orig):
-            made = zero_grad(orig)
-
             def wrapper(self, *args, **kwargs):
                 if torch.compiler.is_compiling():  # Dynamo traces Module.zero_grad: the original alone
                     return orig(self, *args, **kwargs)
-                return made(self, *args, **kwargs)
+                rec.on_zero_grad(self)
+                return orig(self, *args, **kwargs)
             return wrapper
 
         def add_param_group(orig):
@@ -241,7 +217,7 @@ class Instrumentation:
                 return out
             return wrapper
 
-        self._patch(torch.optim.Optimizer, "zero_grad", _eager_when_traced(zero_grad))
+        self._patch(torch.optim.Optimizer, "zero_grad", zero_grad)
         self._patch(torch.optim.Optimizer, "add_param_group", add_param_group)
         self._patch(torch.nn.Module, "zero_grad", module_zero_grad)
 
@@ -271,7 +247,7 @@ class Instrumentation:
         def enter(orig):
             def wrapper(self):
                 out = orig(self)
-                if not torch.compiler.is_compiling():  # traced: the original alone (`_eager_when_traced`)
+                if not torch.compiler.is_compiling():  # traced: the original alone (`_skipped_by_dynamo`)
                     rec.on_autocast_enter(self)
                 return out
             return wrapper
@@ -291,6 +267,8 @@ class Instrumentation:
 
         def tensor_backward(orig):
             def wrapper(self, gradient=None, retain_graph=None, create_graph=False, *args, **kwargs):
+                if _frame_callback() is not None:  # compiled code runs: Dynamo-skipped (`_skipped_by_dynamo`)
+                    return eager(self, gradient, retain_graph, create_graph, *args, **kwargs)
                 rec.on_backward_begin(self, gradient, retain_graph if retain_graph is not None else create_graph)
                 args = (gradient, retain_graph, create_graph, *args)
                 ok = False
@@ -300,10 +278,17 @@ class Instrumentation:
                     return out
                 finally:
                     rec.on_backward_end(ok)
+            eager = _skipped_by_dynamo(wrapper)
             return wrapper
 
         def autograd_backward(orig):
             def wrapper(tensors, *args, **kwargs):
+                if _frame_callback() is not None:
+                    return eager(tensors, *args, **kwargs)
+                if rec._bw_depth:
+                    # Inside a backward the recorder saw begin (Tensor.backward calls this one): a
+                    # nested pass is not reported (the recorder would only count its depth).
+                    return orig(tensors, *args, **kwargs)
                 grads = args[0] if args else kwargs.get("grad_tensors", kwargs.get("grad_variables"))
                 retain = args[1] if len(args) > 1 else kwargs.get("retain_graph")
                 create = args[2] if len(args) > 2 else kwargs.get("create_graph", False)
@@ -315,10 +300,11 @@ class Instrumentation:
                     return out
                 finally:
                     rec.on_backward_end(ok)
+            eager = _skipped_by_dynamo(wrapper)
             return wrapper
 
-        self._patch(torch.Tensor, "backward", _eager_when_traced(tensor_backward))
-        self._patch(torch.autograd, "backward", _eager_when_traced(autograd_backward))
+        self._patch(torch.Tensor, "backward", tensor_backward)
+        self._patch(torch.autograd, "backward", autograd_backward)
 
     def _install_save(self) -> None:
         rec = self.rec
@@ -338,69 +324,175 @@ class Instrumentation:
                 self._patches.append((owner, "save", original))
 
 
-def _eager_when_traced(make: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """A wrapper maker for a call Dynamo does not trace (``Tensor.backward``,
-    ``torch.autograd.backward``, ``Optimizer.zero_grad``: torch breaks the graph at it). The
-    wrapper is made a function Dynamo skips (``torch._disable_dynamo``, as torch itself makes
-    ``Optimizer.zero_grad``): inside a compiled function (a whole compiled train step) the graph
-    breaks at the same call as without the audit, and the call, with its report, runs eagerly;
-    Dynamo never traces the audit's bookkeeping. (``torch._dynamo`` is imported at the wrapper's
-    first call, as torch's own ``zero_grad`` imports it.) A call Dynamo does trace
+def _skipped_by_dynamo(wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    """Makes ``wrapper``, the audit's wrapper of a call Dynamo does not trace (``Tensor.backward``,
+    ``torch.autograd.backward``, ``Optimizer.zero_grad``: torch breaks the graph at it; GradScaler's
+    methods: torch skips them), a function Dynamo skips, and returns the version of it that runs
+    with Dynamo off (``torch._disable_dynamo``, as torch itself makes ``Optimizer.zero_grad``).
+
+    Inside a compiled function (a whole compiled train step) Dynamo does not inline ``wrapper``
+    (``_torchdynamo_disable``): the graph breaks at the same call as without the audit, and there,
+    or wherever compiled code calls it, Dynamo's frame callback is set and ``wrapper`` calls the
+    returned version, which unsets it: the call, with its report, runs eagerly, and Dynamo never
+    traces the audit's bookkeeping. Its own frame is never compiled (`audit._torch_compat.skip_code`,
+    torch's ``skip_code``). Where no callback is set (no compiled code runs: an eager loop)
+    ``wrapper`` reports directly, without the disabled version's cost (it sets and restores the
+    callback, 1-2 us a call, seven calls a step). (``torch._dynamo`` is imported at the disabled
+    version's first call, as torch's own ``zero_grad`` imports it.) A call Dynamo does trace
     (``Module.zero_grad``, the clipping functions, autocast's entry and exit) runs its original
     alone while traced: the audit's bookkeeping would break the graph, so that call is not seen."""
-
-    def made(orig):
-        return torch._disable_dynamo(make(orig))
-
-    return made
+    wrapper._torchdynamo_disable = True  # type: ignore[attr-defined]
+    _torch_compat.skip_code(wrapper.__code__)
+    return torch._disable_dynamo(wrapper)
 
 
-def _bracketed(begin: Callable[..., None], end: Callable[..., None]) -> Callable[[Any], Any]:
-    """A wrapper maker: ``begin(self, *args, **kwargs)`` before the call, ``end(ok, self, *args,
-    **kwargs)`` after it (``ok``: whether it returned)."""
-
-    def make(orig):
-        def wrapper(self, *args, **kwargs):
-            begin(self, *args, **kwargs)
-            ok = False
-            try:
-                out = orig(self, *args, **kwargs)
-                ok = True
-                return out
-            finally:
-                end(ok, self, *args, **kwargs)
-        return wrapper
-
-    return make
-
-
-def _after(report: Callable[..., None]) -> Callable[[Any], Any]:
-    """A wrapper maker: the call, then ``report(self, *args, out=...)``."""
+def _scaler_init(rec: Any) -> Callable[[Any], Any]:
+    """The wrapper maker of GradScaler's ``__init__``: the scaler is made, then reported."""
 
     def make(orig):
         def wrapper(self, *args, **kwargs):
             out = orig(self, *args, **kwargs)
-            report(self, *args, out=out)
+            rec.on_scaler_created(self)
             return out
         return wrapper
 
     return make
 
 
-def _scaler_wrappers(rec: Any) -> tuple[Callable[[Any], Any], tuple[tuple[str, Callable[[Any], Any]], ...]]:
-    """The wrapper makers of GradScaler's ``__init__`` and of its reported methods, feeding ``rec``."""
-    init = _after(lambda s, *a, out=None, **k: rec.on_scaler_created(s))
-    scale = _after(lambda s, outputs, out=None: rec.on_scale(s, outputs, out))
-    unscale = _bracketed(lambda s, opt: rec.on_unscale_begin(s, opt),
-                         lambda ok, s, opt: rec.on_unscale_end(s, opt, ok))
-    step = _bracketed(lambda s, opt, *a, **k: rec.on_scaler_step_begin(s, opt, closure="closure" in k),
-                      lambda ok, s, opt, *a, **k: rec.on_scaler_step_end(s, opt, ok))
-    update = _bracketed(lambda s, new_scale=None: rec.on_update_begin(s, new_scale),
-                        lambda ok, s, new_scale=None: rec.on_update_end(s, new_scale, ok))
-    state_dict = _after(lambda s, out=None: rec.on_scaler_state_dict(s))
-    load_state_dict = _after(lambda s, state, out=None: rec.on_scaler_loaded(s))
-    return init, (("scale", scale), ("unscale_", unscale), ("step", step), ("update", update),
-                  ("state_dict", state_dict), ("load_state_dict", load_state_dict))
+def _scaler_methods(rec: Any, active: set[tuple[int, str]]) -> dict[str, Callable[[Any, bool], Any]]:
+    """The wrapper makers of GradScaler's reported methods, feeding ``rec``: ``make(orig, outer)``,
+    one function per method, Dynamo-skipped (`_skipped_by_dynamo`).
+
+    An override may call the base's (``super().update()``): one call of the program reports once,
+    from the outermost wrapper. ``outer``: the wrapper of an override, which marks its call
+    ``active`` while it runs; the base class's wrapper (``outer`` False) only reads the mark (no
+    override wraps it from outside: nothing to mark, every step)."""
+    return {"scale": functools.partial(_scale, rec, active),
+            "unscale_": functools.partial(_unscale, rec, active),
+            "step": functools.partial(_step, rec, active),
+            "update": functools.partial(_update, rec, active),
+            "state_dict": functools.partial(_after, rec.on_scaler_state_dict, "state_dict", active),
+            "load_state_dict": functools.partial(_after, rec.on_scaler_loaded, "load_state_dict", active)}
+
+
+def _scale(rec: Any, active: set[tuple[int, str]], orig: Any, outer: bool) -> Any:
+    """``scale(outputs)``: the call, then ``rec.on_scale`` with what it returned."""
+
+    def wrapper(self, outputs, *args, **kwargs):
+        if _frame_callback() is not None:
+            return eager(self, outputs, *args, **kwargs)
+        if active and (id(self), "scale") in active:  # inside an override's call, which reports it
+            return orig(self, outputs, *args, **kwargs)
+        if outer:
+            active.add((id(self), "scale"))
+        try:
+            out = orig(self, outputs, *args, **kwargs)
+            rec.on_scale(self, outputs, out)
+            return out
+        finally:
+            if outer:
+                active.discard((id(self), "scale"))
+    eager = _skipped_by_dynamo(wrapper)
+    return wrapper
+
+
+def _unscale(rec: Any, active: set[tuple[int, str]], orig: Any, outer: bool) -> Any:
+    """``unscale_(optimizer)`` between ``rec.on_unscale_begin`` and ``on_unscale_end`` (with whether it returned)."""
+
+    def wrapper(self, optimizer):
+        if _frame_callback() is not None:
+            return eager(self, optimizer)
+        if active and (id(self), "unscale_") in active:  # inside an override's call, which reports it
+            return orig(self, optimizer)
+        if outer:
+            active.add((id(self), "unscale_"))
+        try:
+            rec.on_unscale_begin(self, optimizer)
+            ok = False
+            try:
+                out = orig(self, optimizer)
+                ok = True
+                return out
+            finally:
+                rec.on_unscale_end(self, optimizer, ok)
+        finally:
+            if outer:
+                active.discard((id(self), "unscale_"))
+    eager = _skipped_by_dynamo(wrapper)
+    return wrapper
+
+
+def _step(rec: Any, active: set[tuple[int, str]], orig: Any, outer: bool) -> Any:
+    """``step(optimizer, ...)`` between ``rec.on_scaler_step_begin`` and ``on_scaler_step_end``."""
+
+    def wrapper(self, optimizer, *args, **kwargs):
+        if _frame_callback() is not None:
+            return eager(self, optimizer, *args, **kwargs)
+        if active and (id(self), "step") in active:  # inside an override's call, which reports it
+            return orig(self, optimizer, *args, **kwargs)
+        if outer:
+            active.add((id(self), "step"))
+        try:
+            rec.on_scaler_step_begin(self, optimizer, closure="closure" in kwargs)
+            ok = False
+            try:
+                out = orig(self, optimizer, *args, **kwargs)
+                ok = True
+                return out
+            finally:
+                rec.on_scaler_step_end(self, optimizer, ok)
+        finally:
+            if outer:
+                active.discard((id(self), "step"))
+    eager = _skipped_by_dynamo(wrapper)
+    return wrapper
+
+
+def _update(rec: Any, active: set[tuple[int, str]], orig: Any, outer: bool) -> Any:
+    """``update(new_scale)`` between ``rec.on_update_begin`` and ``on_update_end``."""
+
+    def wrapper(self, new_scale=None):
+        if _frame_callback() is not None:
+            return eager(self, new_scale)
+        if active and (id(self), "update") in active:  # inside an override's call, which reports it
+            return orig(self, new_scale)
+        if outer:
+            active.add((id(self), "update"))
+        try:
+            rec.on_update_begin(self, new_scale)
+            ok = False
+            try:
+                out = orig(self, new_scale)
+                ok = True
+                return out
+            finally:
+                rec.on_update_end(self, new_scale, ok)
+        finally:
+            if outer:
+                active.discard((id(self), "update"))
+    eager = _skipped_by_dynamo(wrapper)
+    return wrapper
+
+
+def _after(report: Callable[[Any], None], name: str, active: set[tuple[int, str]], orig: Any, outer: bool) -> Any:
+    """``state_dict``/``load_state_dict``: the call, then ``report(scaler)``."""
+
+    def wrapper(self, *args, **kwargs):
+        if _frame_callback() is not None:
+            return eager(self, *args, **kwargs)
+        if active and (id(self), name) in active:  # inside an override's call, which reports it
+            return orig(self, *args, **kwargs)
+        if outer:
+            active.add((id(self), name))
+        try:
+            out = orig(self, *args, **kwargs)
+            report(self)
+            return out
+        finally:
+            if outer:
+                active.discard((id(self), name))
+    eager = _skipped_by_dynamo(wrapper)
+    return wrapper
 
 
 def _binder(signature: inspect.Signature) -> Callable[[tuple, dict], dict[str, Any]]:

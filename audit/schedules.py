@@ -25,7 +25,7 @@ Two records per optimizer, kept at the close of each of its steps:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["ScheduleWatch", "Change", "Advance", "SCHEDULED"]
 
@@ -149,9 +149,10 @@ class ScheduleWatch:
         t.before = None
         self.scheduler_set = groups
 
-    def on_step(self, previous: Any, rec: Any, where: str) -> list[Advance]:
+    def on_step(self, previous: Any, rec: Any, where: Callable[[Any], str]) -> list[Advance]:
         """At the close of ``rec``, the step after ``previous`` (its record, None at the first):
-        the schedulers' advances since the last step."""
+        the schedulers' advances since the last step. ``where(rec)``: where the step was taken,
+        looked up only for a change to record (after a skipped step), not at every step."""
         found = [a for t in self._tracked.values() if (a := t.advance(self.steps, self.applied)) is not None]
         set_by, self.scheduler_set = self.scheduler_set, None
         self.steps += 1
@@ -163,7 +164,7 @@ class ScheduleWatch:
                  for gi, (a, b) in enumerate(zip(a_groups, b_groups)) for key in SCHEDULED
                  if key in a and key in b and a[key] != b[key]]
         if moved:
-            self.changes.append(Change(previous.step, where, moved, set_by is not None and set_by == b_groups))
+            self.changes.append(Change(previous.step, where(rec), moved, set_by is not None and set_by == b_groups))
         return found
 
     def at_end(self) -> list[Advance]:

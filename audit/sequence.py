@@ -4,10 +4,11 @@ Each enabled scaler keeps, per optimizer, a `reference.scaling.OptimizerStage` (
 UNSCALED -> STEPPED between two updates, rule 12). The recorder advances it only through the
 spec's own stage functions: ``unscale_`` through `reference.scaling.unscale_stage`, ``step``
 through `reference.scaling.step_stage`, ``update`` through `reference.scaling.check_update`.
-What each call met is recorded as an event (`StageCall`, `UpdateCall`): the stage before it,
-the stage the spec gives after it, and the spec's exception when it refuses the call, which is
-the exception torch raises. The audit never raises it itself: torch does, in the audited
-program, as it would without the audit; the event only records that it will.
+What each call met is recorded as an event (`StageCall`, `UpdateCall`, named tuples as
+`audit.events`' are): the stage before it, the stage the spec gives after it, and the spec's
+exception when it refuses the call, which is the exception torch raises. The audit never raises
+it itself: torch does, in the audited program, as it would without the audit; the event only
+records that it will.
 
 A fused (amp-aware) optimizer is outside rule 12's ``step_stage``, which is a plain
 optimizer's sequence: its kernel checks the scaled gradients itself, with no unscale first, so
@@ -18,8 +19,7 @@ torch's; torch steps it and the stage becomes STEPPED.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
@@ -31,8 +31,7 @@ __all__ = ["StageCall", "UpdateCall", "unscale_call", "step_call", "update_call"
 READY_STAGE = OptimizerStage()
 
 
-@dataclass(frozen=True)
-class StageCall:
+class StageCall(NamedTuple):
     """One ``unscale_`` or ``step`` of one optimizer (or ``end``: the run ended), in the sequence.
 
     ``before``: the optimizer's stage when the call came; ``after``: the spec's stage after it
@@ -51,8 +50,7 @@ class StageCall:
     last_step_where: str = "?"  # where this optimizer's last scaler.step was called
 
 
-@dataclass(frozen=True)
-class UpdateCall:
+class UpdateCall(NamedTuple):
     """One ``update`` of a scaler: the stage of each optimizer it drove since the last update, the
     direct ``optimizer.step()`` calls on its scaled gradients since then, and the spec's refusal."""
 

@@ -51,7 +51,7 @@ class ProgramCalls:
 
     def _schedule_step(self, o: OptTrack, rec: Any) -> None:
         """At the close of step ``rec`` of ``o``: its schedulers' advances due to skipped steps."""
-        for advance in o.schedule.on_step(o.last_record, rec, _step_call(rec)):
+        for advance in o.schedule.on_step(o.last_record, rec, _step_call):
             self._report(dispatch(ScheduleAdvance(o.label, advance)))
 
     def _schedule_end(self, o: OptTrack) -> None:

@@ -225,6 +225,36 @@ def test_a_scaler_override_that_calls_the_base_method_reports_once(monkeypatch):
         assert names.count("scaler.unscale_") == 1 and names.count("scaler.update") == 1, r.calls
 
 
+def test_an_eager_loop_is_reported_without_dynamo_s_disabled_wrappers(monkeypatch):
+    """Where no compiled code runs, each wrapper of a call Dynamo does not trace reports directly,
+    not through its version with Dynamo off (`audit.instrument._skipped_by_dynamo`,
+    ``torch._disable_dynamo``, which sets and restores Dynamo's frame callback: 1-2 us a call):
+    the audited loop makes as many of those calls as the plain one (torch's own
+    ``Optimizer.zero_grad`` makes them). Each wrapper stays a function Dynamo skips: a compiled
+    function breaks its graph there as without the audit (tests/test_audit_compiled.py)."""
+    import torch._dynamo.eval_frame as eval_frame
+
+    real, calls = eval_frame.set_eval_frame, []
+
+    def counted(callback):
+        calls.append(callback)
+        return real(callback)
+
+    monkeypatch.setattr(eval_frame, "set_eval_frame", counted)
+    _loop(steps=3, inf_at=1)
+    plain, calls[:] = len(calls), []
+    with audit() as session:
+        _loop(steps=3, inf_at=1)
+        wrappers = {"GradScaler." + n: getattr(torch.amp.GradScaler, n)
+                    for n in ("scale", "unscale_", "step", "update", "state_dict", "load_state_dict")}
+        wrappers.update({"Optimizer.zero_grad": torch.optim.Optimizer.zero_grad,
+                         "Tensor.backward": torch.Tensor.backward, "torch.autograd.backward": torch.autograd.backward})
+        skipped = {n: getattr(w, "_torchdynamo_disable", False) for n, w in wrappers.items()}
+    assert plain > 0 and len(calls) == plain, (plain, len(calls))
+    assert skipped == {n: True for n in wrappers}
+    assert session.report.ok and len(session.report.steps) == 3, session.report.text()
+
+
 def test_a_scale_update_unlike_the_specifications_is_a_divergence(monkeypatch):
     original = torch._amp_update_scale_
     calls = []
