@@ -114,8 +114,9 @@ Rules:
     vector, beyond the buffer's end where fewer than 8 elements follow (and into another
     thread's block under parallel chunks), so torch's buffer there depends on memory outside the
     tensors (measured: four runs of the same three steps of 16 bfloat16 elements, one buffer
-    holding 1.0e29 where the others hold 0.914). Measured bit for bit (``bench/lowprec_fused.py``), scalar and AVX512
-    kernels, bfloat16 and float16, sizes 0-d, 0, 1, 7, 8, 15, 16, 31, 32, 33, 64, 100, 1000.
+    holding 1.0e29 where the others hold 0.914). Measured bit for bit (``bench/lowprec_fused.py``;
+    ``bench/lowprec_native.py`` for AVX2), scalar, AVX2 and AVX512 kernels, bfloat16 and float16,
+    sizes 0-d, 0, 1, 7, 8, 15, 16, 31, 32, 33, 64, 100, 1000.
 """
 
 from __future__ import annotations
