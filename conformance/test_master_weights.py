@@ -268,6 +268,21 @@ def test_master_weight_steps_match_the_spec_for_each_optimizer(option, name, imp
     run_case(option, name, impl, case, device)
 
 
+@pytest.mark.parametrize("option", ["fp32", "kahan", "stochastic"])
+@given(data=st.data())
+def test_fused_sgd_fails_as_keyed_when_a_first_gradient_comes_late(option, device, data):
+    """``expectations.FUSED_SGD_FAILS_ON_LATE_FIRST_GRADIENT``: a parameter whose first gradient
+    comes a step after another's makes torch's fused SGD with momentum raise TypeError (it passes
+    the missing buffer on); the case expects it on every kernel level, so the spec's states,
+    which key it, advance on native kernels too, where their values are not compared. Mutant
+    killed: the states advanced on the exact kernels only (the TypeError escapes on AVX512)."""
+    storage = mw_strategies.BF16
+    g = np.array(1.25e-07, storage)
+    case = dict(config=dict(lr=1.0, momentum=0.5, nesterov=True), storage=storage,
+                params=[np.array(1.25e-4, storage)] * 2, grads=[[g, None], [g, g]], seed=0, boundary=None)
+    run_case(option, "SGD", "fused", case, device)
+
+
 def test_foreach_sgd_multiplies_as_the_per_tensor_kernel_while_a_buffer_is_missing(device):
     """``reference.lowprec`` rule 7, the case a drawn trajectory rarely reaches: a parameter
     without a gradient at the first step has no momentum buffer at the second, so torch's
