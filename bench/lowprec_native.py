@@ -7,10 +7,11 @@ SGD with momentum is refused and left out), two to four configurations each, siz
 steps. Each step starts from torch's weights and state; every stored field is compared (NaN as
 a class). Printed per pair: the parameter steps, how many differ bit for bit, and the largest
 distance in ULPs of S at the spec row's magnitudes (fused Adam/AdamW on native kernels: rule
-13's bound; inf where a pair stated bit for bit differs); a digest of torch's own bits, equal across capabilities that run the same kernels.
+13's bound; inf where a pair stated bit for bit differs); a digest of torch's own bits, equal
+across capabilities that run the same kernels.
 ``--block BYTES`` steps the native paths with another block (a wrong model, to see it fail).
 
-    PYTHONPATH=. python bench/lowprec_native.py        # about two minutes on 2 cores
+    PYTHONPATH=. python bench/lowprec_native.py        # about a minute on 2 cores
 """
 
 from __future__ import annotations

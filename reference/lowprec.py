@@ -66,10 +66,11 @@ Rules:
     steps two 32-byte vectors a pass, and on AVX512 torch runs these kernels' AVX2 build
     (``REGISTER_DISPATCH`` registers no AVX512 kernel; measured: torch's bits are the same on
     both capabilities, every covered pair, the fused paths included). Three operations differ,
-    every other rounds as above (measured on torch 2.13, AVX2 and AVX512, bit for bit, bfloat16
-    and float16, the for-loop and foreach paths of every covered optimizer, sizes 0-d, 0, 1, 7,
-    8, 15, 16, 31, 32, 33, 64, 100, 1000, four steps each; nine for the foreach paths of Adamax,
-    Adadelta, NAdam and RAdam; ``bench/lowprec_native.py``):
+    every other rounds as above (measured on torch 2.13, bit for bit, bfloat16 and float16, the
+    for-loop and foreach paths of every covered optimizer, sizes 0-d, 0, 1, 7, 8, 15, 16, 31, 32,
+    33, 64, 100, 1000: on AVX512 four steps each, nine for the foreach paths of Adamax, Adadelta,
+    NAdam and RAdam; on AVX2 and AVX512 two to four configurations, three seeds, six steps each,
+    ``bench/lowprec_native.py``):
     ``x.add(y, alpha=a)`` computes its leading whole blocks as ``S(x + S(a) * y)`` (one rounding:
     the product of two S values is exact in float32) and its tail as rule 2 (a block of one
     32-byte vector, 16 elements, would put sizes 16 to 31 in the head: wrong there);
