@@ -425,7 +425,7 @@ def _native_kernels(device: str) -> str:
 
 @pytest.mark.parametrize("storage", ["bfloat16", "float16"])
 def test_fused_adamw_on_native_kernels_is_within_its_bound(storage, device):
-    """``reference.lowprec`` rule 13, the fused path: seeds where torch's AVX512 fused AdamW
+    """``reference.lowprec`` rule 13, the fused path: seeds where torch's AVX2/AVX512 fused AdamW
     stores one moment one ULP of S from the spec's (its float32 kernel's contracted
     multiply-adds; a drawn case rarely meets one), within ``FUSED_NATIVE_ULPS``; on the scalar
     kernels bit for bit. Mutant killed: the fused bound set to 0."""
