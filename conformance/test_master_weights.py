@@ -45,6 +45,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -59,6 +63,7 @@ from reference import formats, health, lowprec, optim
 from reference import master_weights as ref
 from torchimpl.train.master_weights import MasterWeights
 
+ROOT = Path(__file__).resolve().parent.parent
 REPRO = "rerun this test with the @reproduce_failure blob printed above"
 CASES = [(option, name, impl) for option in ("fp32", "kahan", "stochastic")
          for name, row in optim.SPECS.items() if name in strategies.OPTIMIZER_CASES for impl in row.steps]
@@ -208,12 +213,14 @@ def run_case(option: str, name: str, impl: str, case: dict, device: str) -> None
                 if a is not None:
                     assert_equal(torch.equal(a, b), True, where.at(f"bits[{i}] replay the generator"))
             bits = [None if b is None else to_numpy(b.to(torch.float64)).astype(np.int64) for b in mw.last_bits]
+        # The spec's states advance on every kernel: which parameters hold a buffer keys the
+        # expectations above (a late first gradient), even where the values are not compared.
+        states, exact = ref.master_step(option, row, impl, states, grads, cfg, bits=bits, sqrt=sqrt)
         if not exact_mode:
             if option == "fp32":
                 for i, p in enumerate(params):
                     assert_same(to_numpy(p), formats.cast(to_numpy(mw.masters[i]), storage), where.at(f"weight[{i}]"))
             continue
-        states, exact = ref.master_step(option, row, impl, states, grads, cfg, bits=bits, sqrt=sqrt)
         _compare(mw, states, exact_mode, where)
         for i, (b, s, e, got) in enumerate(zip(before, states, exact, mw.lost_counts())):
             if e is None:
@@ -259,6 +266,21 @@ def test_master_weight_steps_match_the_spec_for_each_optimizer(option, name, imp
     """The whole sweep: one property per option, optimizer and implementation (--runslow)."""
     case = data.draw(mw_strategies.master_case(name, option), label="case")
     run_case(option, name, impl, case, device)
+
+
+@pytest.mark.parametrize("option", ["fp32", "kahan", "stochastic"])
+@given(data=st.data())
+def test_fused_sgd_fails_as_keyed_when_a_first_gradient_comes_late(option, device, data):
+    """``expectations.FUSED_SGD_FAILS_ON_LATE_FIRST_GRADIENT``: a parameter whose first gradient
+    comes a step after another's makes torch's fused SGD with momentum raise TypeError (it passes
+    the missing buffer on); the case expects it on every kernel level, so the spec's states,
+    which key it, advance on native kernels too, where their values are not compared. Mutant
+    killed: the states advanced on the exact kernels only (the TypeError escapes on AVX512)."""
+    storage = mw_strategies.BF16
+    g = np.array(1.25e-07, storage)
+    case = dict(config=dict(lr=1.0, momentum=0.5, nesterov=True), storage=storage,
+                params=[np.array(1.25e-4, storage)] * 2, grads=[[g, None], [g, g]], seed=0, boundary=None)
+    run_case(option, "SGD", "fused", case, device)
 
 
 def test_foreach_sgd_multiplies_as_the_per_tensor_kernel_while_a_buffer_is_missing(device):
@@ -374,8 +396,9 @@ def run_native_case(name: str, impl: str, case: dict, kernels: str) -> None:
 @pytest.mark.parametrize("name,impl", NATIVE_PAIRS)
 @given(data=st.data())
 def test_none_steps_match_the_spec_on_this_machines_kernels(name, impl, device, data):
-    """``reference.lowprec`` rule 13: on the machine's own CPU kernels (AVX512: fused multiply-adds
-    in ``lerp`` and ``addcmul``, ``add``'s vector head rounded once) the for-loop and foreach
+    """``reference.lowprec`` rule 13: on the machine's own CPU kernels (AVX2 and AVX512: fused
+    multiply-adds in ``lerp`` and ``addcmul``, ``add``'s 64-byte blocks rounded once; rerun under
+    ``ATEN_CPU_CAPABILITY=avx2`` below) the for-loop and foreach
     steps of every covered optimizer on bfloat16/float16 parameters are bit for bit, the fused ones
     within ``FUSED_NATIVE_ULPS`` ULPs of S at the row's magnitudes; a capability the
     specification does not state is refused by name. Mutants killed: ``add`` rounding its
@@ -402,7 +425,7 @@ def _native_kernels(device: str) -> str:
 
 @pytest.mark.parametrize("storage", ["bfloat16", "float16"])
 def test_fused_adamw_on_native_kernels_is_within_its_bound(storage, device):
-    """``reference.lowprec`` rule 13, the fused path: seeds where torch's AVX512 fused AdamW
+    """``reference.lowprec`` rule 13, the fused path: seeds where torch's AVX2/AVX512 fused AdamW
     stores one moment one ULP of S from the spec's (its float32 kernel's contracted
     multiply-adds; a drawn case rarely meets one), within ``FUSED_NATIVE_ULPS``; on the scalar
     kernels bit for bit. Mutant killed: the fused bound set to 0."""
@@ -415,7 +438,7 @@ def test_fused_adamw_on_native_kernels_is_within_its_bound(storage, device):
     grads = [[rng.standard_normal(4096).astype(dtype)] for _ in range(2)]
     case = dict(config=dict(lr=0.05, weight_decay=0.01), storage=dtype, params=params, grads=grads)
     run_native_case("AdamW", "fused", case, kernels)
-    if kernels == "AVX512":  # the measured difference the bound admits (a known expectation, with its reason)
+    if kernels in ("AVX2", "AVX512"):  # the measured difference the bound admits (the same kernel on both)
         row, cfg = optim.spec("AdamW"), optim.spec("AdamW").make_config(lr=0.05, weight_decay=0.01)
         param = torch.nn.Parameter(to_torch(params[0]))
         opt = torch.optim.AdamW([param], fused=True, lr=0.05, weight_decay=0.01)
@@ -441,11 +464,11 @@ def test_native_lerp_addcmul_and_add_round_as_rule_13_says(case, device):
     kernels = _native_kernels(device)
     if kernels not in lowprec.KERNELS:
         pytest.skip(f"{kernels}: not stated by rule 13 (refused, see the property above)")
-    width, rng = lowprec.KERNELS[kernels], np.random.default_rng(case["seed"])
-    if width is None:  # the scalar kernels: rules 2-4, every operation rounded as they say
+    block, rng = lowprec.KERNELS[kernels], np.random.default_rng(case["seed"])
+    if block is None:  # the scalar kernels: rules 2-4, every operation rounded as they say
         ops = (lowprec.lerp, lowprec.addcmul, lowprec.add)
     else:
-        ops = tuple(functools.partial(f, width=width)
+        ops = tuple(functools.partial(f, block=block)
                     for f in (lowprec.lerp_native, lowprec.addcmul_native, lowprec.add_native))
     s = case["scalar"]
     for n in (case["n"], 8192):  # the drawn size (head and tail), and enough elements to meet the rare ones
@@ -493,3 +516,37 @@ def test_fused_sgd_with_momentum_on_16_bit_parameters_is_refused_naming_the_sett
         lowprec.step(row, "fused", [w], [w], [ref.init_master_state("none", w, row, cfg, "bfloat16").opt], cfg)
     assert lowprec.refused("SGD", "fused", row.make_config(lr=0.1)) is None
     assert lowprec.refused("SGD", "foreach", cfg) is None
+
+
+AVX2_RERUN_ENV = "AMPSPEC_AVX2_RERUN"
+AVX2_TESTS = ("test_none_steps_match_the_spec_on_this_machines_kernels or "
+              "test_fused_adamw_on_native_kernels_is_within_its_bound or "
+              "test_native_lerp_addcmul_and_add_round_as_rule_13_says or "
+              "test_fused_sgd_and_adagrad_on_16_bit_parameters_round_as_rule_15_says")
+
+
+@pytest.mark.skipif(bool(os.environ.get(AVX2_RERUN_ENV) or os.environ.get(expectations.EXACT_MODE_ENV)),
+                    reason="a rerun (AVX2 or exact mode): the first run starts the AVX2 one")
+def test_none_steps_match_the_spec_on_avx2_kernels(device):
+    """``reference.lowprec`` rule 13 on AVX2: the native-kernel properties above again, in a
+    subprocess with ``ATEN_CPU_CAPABILITY=avx2`` (an AVX512 machine runs its own kernels in this
+    process, the exact-mode rerun the scalar ones): 64-byte blocks, as AVX512. Mutant killed:
+    AVX2's block set to its 32-byte vector (sizes 16 to 31 put in ``add``'s head)."""
+    if device != "cpu":
+        pytest.skip("rule 13 states the CPU kernels")
+    if "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this machine has no AVX2 kernels to run")
+    env = dict(os.environ)
+    env.update(ATEN_CPU_CAPABILITY="avx2", OMP_NUM_THREADS="1", **{AVX2_RERUN_ENV: "1"})
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                           env=env, capture_output=True, text=True, check=True)
+    assert probe.stdout.strip() == "AVX2", f"ATEN_CPU_CAPABILITY=avx2 selected {probe.stdout.strip()!r}"
+    test = str(Path("conformance") / "test_master_weights.py")
+    result = subprocess.run([sys.executable, "-m", "pytest", test, "-q", "--tb=short", "-p", "no:cacheprovider",
+                             "--device", "cpu", "-k", AVX2_TESTS], cwd=ROOT, env=env, capture_output=True, text=True)
+    output = (result.stdout + result.stderr)[-6000:]
+    assert result.returncode == 0 and " passed" in output and "skipped" not in output, (
+        f"rule 13's properties failed with ATEN_CPU_CAPABILITY=avx2 (exit code {result.returncode}); rerun: "
+        f"ATEN_CPU_CAPABILITY=avx2 {AVX2_RERUN_ENV}=1 python -m pytest {test} -k '{AVX2_TESTS}'\n"
+        f"--- output (tail) ---\n{output}")

@@ -60,15 +60,22 @@ Rules:
     ``* (bc2**0.5 / (sqrt(v) + eps)) * rect``, where ``scalar / x`` is torch's
     ``x.reciprocal() * scalar`` (two roundings), and ``p - product``.
 13. Native kernels (``KERNELS``: the capability ``torch.backends.cpu.get_cpu_capability()``
-    names, keyed to the width in bytes of its vectors; ``DEFAULT`` is the scalar kernels of rules
-    1-12, 14 and 15). Three operations differ, every other rounds as above (measured on torch 2.13,
-    AVX512, bit for bit, bfloat16 and float16, the for-loop and foreach paths of every covered
-    optimizer, sizes 0-d, 0, 1, 7, 8, 15, 16, 31, 32, 33, 64, 100, 1000, four steps each; nine
-    for the foreach paths of Adamax, Adadelta, NAdam and RAdam):
-    ``x.add(y, alpha=a)`` computes its leading whole vectors as ``S(x + S(a) * y)`` (one rounding:
-    the product of two S values is exact in float32) and its tail as rule 2; ``x.addcmul(a, b,
-    value=v)`` is ``S(fma(f32(v) * a, b, x))`` and ``x.lerp(y, w)`` rule 4 with its multiply-add
-    fused (``fma32``), on every element: the kernel's vector code calls ``fmadd`` and the
+    names, keyed to the bytes one pass of its vectorized loop takes, which splits each operation
+    into a head of whole blocks and a scalar tail; ``DEFAULT`` is the scalar kernels of rules
+    1-12, 14 and 15). AVX2 and AVX512 alike take 64-byte blocks (32 elements of S): the loop
+    steps two 32-byte vectors a pass, and on AVX512 torch runs these kernels' AVX2 build
+    (``REGISTER_DISPATCH`` registers no AVX512 kernel; measured: torch's bits are the same on
+    both capabilities, every covered pair, the fused paths included). Three operations differ,
+    every other rounds as above (measured on torch 2.13, bit for bit, bfloat16 and float16, the
+    for-loop and foreach paths of every covered optimizer, sizes 0-d, 0, 1, 7, 8, 15, 16, 31, 32,
+    33, 64, 100, 1000: on AVX512 four steps each, nine for the foreach paths of Adamax, Adadelta,
+    NAdam and RAdam; on AVX2 and AVX512 two to four configurations, three seeds, six steps each,
+    ``bench/lowprec_native.py``):
+    ``x.add(y, alpha=a)`` computes its leading whole blocks as ``S(x + S(a) * y)`` (one rounding:
+    the product of two S values is exact in float32) and its tail as rule 2 (a block of one
+    32-byte vector, 16 elements, would put sizes 16 to 31 in the head: wrong there);
+    ``x.addcmul(a, b, value=v)`` is ``S(fma(f32(v) * a, b, x))`` and ``x.lerp(y, w)`` rule 4
+    with its multiply-add fused (``fma32``), on every element: the kernel's vector code calls ``fmadd`` and the
     compiler contracts its scalar tail. The fused path (rule 8) runs the float32 fused kernel,
     whose multiply-adds the compiler contracts where it chooses: it is not modelled bit for bit;
     each stored result is within ``FUSED_NATIVE_ULPS`` ULPs of S at ``x_abs`` (the spec row's
@@ -78,10 +85,8 @@ Rules:
     ``x_abs``; two values that close round to S values equal or adjacent, one ULP of S at the
     larger, and ``|result| <= x_abs (1 + 2**-18)`` makes that at most two ULPs of S at
     ``x_abs`` (one where no binade is crossed). Measured: 0 or 1.
-    AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2`` on the same machine) are not stated: with these
-    rules the for-loop and foreach paths of SGD, Adam (foreach, float16), RMSprop, Adagrad,
-    Adamax, Adadelta and NAdam still differ in a few steps of 150 (sizes 16 and 31 mostly: the
-    vectors there split head and tail otherwise); `step` refuses that capability.
+    The same bound and derivation hold on AVX2 (the same fused kernel; measured: 0 or 1).
+    Any other capability is refused by name.
 14. NAdam and RAdam, foreach path (rule 7 for ``exp_avg_sq * beta2`` and the decoupled
     ``p * (1 - lr * wd)``): NAdam's denominator is ``S(S(sqrt(v)) / f32(sqrt(bc2))) + S(eps)``
     (the root first, ``reference.optim.nadam`` rule 3's foreach order), its two ``addcdiv`` take
@@ -89,7 +94,7 @@ Rules:
     5, ``b = S(S(1 / S(S(sqrt(v) + S(eps)) / f32(s))) + S(u))`` (``_foreach_div_`` keeps its
     float32 scalar, the reciprocal rounds on its own, ``_foreach_add_`` rounds ``u`` to S as rule
     1) and ``p = addcmul(p, m, b, 1)``; unrectified, ``b = S(u)``. Measured bit for bit on the
-    scalar and AVX512 kernels (rule 13's operations), bfloat16 and float16, with the Adamax and
+    scalar, AVX2 and AVX512 kernels (rule 13's operations), bfloat16 and float16, with the Adamax and
     Adadelta foreach paths of rule 11.
 15. fused path, SGD and Adagrad (torch's ``_fused_sgd_`` and ``_fused_adagrad_`` CPU kernels): a
     16-bit loop of its own, not rule 8's. Each parameter's leading whole vectors of
@@ -110,8 +115,9 @@ Rules:
     vector, beyond the buffer's end where fewer than 8 elements follow (and into another
     thread's block under parallel chunks), so torch's buffer there depends on memory outside the
     tensors (measured: four runs of the same three steps of 16 bfloat16 elements, one buffer
-    holding 1.0e29 where the others hold 0.914). Measured bit for bit (``bench/lowprec_fused.py``), scalar and AVX512
-    kernels, bfloat16 and float16, sizes 0-d, 0, 1, 7, 8, 15, 16, 31, 32, 33, 64, 100, 1000.
+    holding 1.0e29 where the others hold 0.914). Measured bit for bit (``bench/lowprec_fused.py``;
+    ``bench/lowprec_native.py`` for AVX2), scalar, AVX2 and AVX512 kernels, bfloat16 and float16,
+    sizes 0-d, 0, 1, 7, 8, 15, 16, 31, 32, 33, 64, 100, 1000.
 """
 
 from __future__ import annotations
@@ -144,9 +150,10 @@ COVERED: dict[str, tuple[str, ...]] = {"SGD": ("for-loop", "foreach", "fused"),
                                        "Adadelta": ("for-loop", "foreach"), "NAdam": ("for-loop", "foreach"),
                                        "RAdam": ("for-loop", "foreach")}
 _F32 = np.float32
-KERNELS: dict[str, int | None] = {"DEFAULT": None, "AVX512": 64}
-"""Rule 13: each CPU capability the specification states, with its vector width in bytes (None:
-the scalar kernels). AVX2 is not stated (rule 13)."""
+KERNELS: dict[str, int | None] = {"DEFAULT": None, "AVX2": 64, "AVX512": 64}
+"""Rule 13: each CPU capability the specification states, with the bytes one pass of its
+vectorized loop takes (two 32-byte vectors: AVX512 runs the AVX2 build of these kernels; None:
+the scalar kernels)."""
 FUSED_NATIVE_ULPS = 2
 """Rule 13: the fused path's bound on native kernels (Adam, AdamW), in ULPs of S at the row's magnitudes."""
 FUSED_VECTOR_BYTES = 32
@@ -235,28 +242,34 @@ def fma32(a: Any, b: Any, c: Any) -> np.ndarray:
         return np.asarray(total).astype(_F32)
 
 
-def add_native(x: np.ndarray, y: np.ndarray, alpha: float = 1.0, *, width: int) -> np.ndarray:
-    """Rule 13: ``x.add(y, alpha=a)`` on native kernels: the leading whole vectors of ``width``
+def _head(n: int, itemsize: int, block: int) -> int:
+    """Rule 13: how many leading elements of ``n`` the vectorized loop takes (whole blocks of
+    ``block`` bytes); the scalar tail takes the rest."""
+    return n - n % (block // itemsize)
+
+
+def add_native(x: np.ndarray, y: np.ndarray, alpha: float = 1.0, *, block: int) -> np.ndarray:
+    """Rule 13: ``x.add(y, alpha=a)`` on native kernels: the leading whole blocks of ``block``
     bytes ``S(x + S(a) * y)`` (the product of two S values is exact in float32), the tail as the
     scalar kernel (rule 2)."""
     scalar = add(x, y, alpha)
     if alpha == 1 or np.ndim(scalar) == 0:
         return scalar
     a = _f(np.asarray(_F32(alpha)).astype(x.dtype))
-    head = np.size(scalar) - np.size(scalar) % (width // x.dtype.itemsize)
+    head = _head(np.size(scalar), x.dtype.itemsize, block)
     out = np.array(scalar, copy=True)
     out.reshape(-1)[:head] = _r(_f(x).reshape(-1)[:head] + a * _f(y).reshape(-1)[:head], x.dtype)
     return out
 
 
-def addcmul_native(x: np.ndarray, a: np.ndarray, b: np.ndarray, value: float, *, width: int) -> np.ndarray:
-    """Rule 13: ``S(fma(f32(v) * a, b, x))``, every element."""
+def addcmul_native(x: np.ndarray, a: np.ndarray, b: np.ndarray, value: float, *, block: int) -> np.ndarray:
+    """Rule 13: ``S(fma(f32(v) * a, b, x))``, every element, head and tail alike (``block`` unused)."""
     return _r(fma32(_F32(value) * _f(a), _f(b), _f(x)), x.dtype)
 
 
-def lerp_native(x: np.ndarray, y: np.ndarray, w: float, *, width: int) -> np.ndarray:
+def lerp_native(x: np.ndarray, y: np.ndarray, w: float, *, block: int) -> np.ndarray:
     """Rule 13: rule 4 with its multiply-add fused, every element: ``S(fma(w, y - x, x))`` when
-    ``|w| < 0.5``, else ``S(fma(-(y - x), 1 - w, y))``; at ``w = 1`` the leading whole vectors
+    ``|w| < 0.5``, else ``S(fma(-(y - x), 1 - w, y))``; at ``w = 1`` the leading whole blocks
     ``S(fma(w - 1, y - x, y))``."""
     w32, x32, y32 = _F32(w), _f(x), _f(y)
     diff = y32 - x32
@@ -264,7 +277,7 @@ def lerp_native(x: np.ndarray, y: np.ndarray, w: float, *, width: int) -> np.nda
         return _r(fma32(w32, diff, x32), x.dtype)
     out = np.asarray(fma32(-diff, _F32(1) - w32, y32))
     if w32 == 1 and out.ndim:
-        head = out.size - out.size % (width // x.dtype.itemsize)
+        head = _head(out.size, x.dtype.itemsize, block)
         out.reshape(-1)[:head] = fma32(w32 - _F32(1), diff.reshape(-1)[:head], y32.reshape(-1)[:head])
     return _r(out, x.dtype)
 
@@ -289,12 +302,12 @@ _FOREACH_FIRST = _Path("foreach", mul_scalar, mul_scalar_foreach)
 
 def _on_kernels(path: _Path, kernels: str) -> _Path:
     """Rule 13: ``path`` with the native kernels' operations of capability ``kernels``."""
-    width = KERNELS[kernels]
-    if width is None:
+    block = KERNELS[kernels]
+    if block is None:
         return path
-    return dataclasses.replace(path, add=functools.partial(add_native, width=width),
-                               lerp=functools.partial(lerp_native, width=width),
-                               addcmul=functools.partial(addcmul_native, width=width))
+    return dataclasses.replace(path, add=functools.partial(add_native, block=block),
+                               lerp=functools.partial(lerp_native, block=block),
+                               addcmul=functools.partial(addcmul_native, block=block))
 
 
 def _sgd(p: np.ndarray, g: np.ndarray, s: SGDParamState, c: Any, lr: float,

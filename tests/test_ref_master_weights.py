@@ -226,3 +226,25 @@ def test_every_registry_pair_is_modelled_on_16_bit_tensors_or_refused_naming_it(
                 with pytest.raises(NotImplementedError, match=rf"{name} \({impl}\) on low-precision parameters"):
                     mw.master_step("none", row, impl, [state], [np.array([0.5, 0.25], BF16)], cfg)
                 assert documented.startswith("not modelled"), (name, impl, documented)
+
+
+def test_docs_kernels_table_states_each_capability_as_rule_13_does():
+    """``reference.lowprec`` rule 13: docs/training.md's kernels table has a row for each capability
+    of ``KERNELS`` (scalar for DEFAULT), "bit for bit" for the for-loop/foreach and fused SGD/Adagrad
+    columns, and fused Adam/AdamW within the bound `bound` gives (bit for bit where it is 0)."""
+    from pathlib import Path
+
+    from reference import lowprec
+
+    table = Path(__file__).resolve().parent.parent.joinpath("docs", "training.md").read_text()
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 4 and cells[0].split(" ")[0] in ("scalar", "AVX2", "AVX512"):
+            rows[{"scalar": "DEFAULT"}.get(cells[0].split(" ")[0], cells[0].split(" ")[0])] = cells[1:]
+    assert sorted(rows) == sorted(lowprec.KERNELS), (sorted(rows), sorted(lowprec.KERNELS))
+    for kernels, (loops, fused_adam, fused_16) in rows.items():
+        assert loops == fused_16 == "bit for bit", (kernels, loops, fused_16)
+        ulps = lowprec.bound("AdamW", "fused", kernels)
+        assert fused_adam == ("bit for bit" if ulps == 0 else f"within {ulps} ULPs of bf16/fp16 at `x_abs`"), kernels
+        assert lowprec.bound("SGD", "for-loop", kernels) == lowprec.bound("Adagrad", "fused", kernels) == 0
