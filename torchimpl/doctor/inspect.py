@@ -59,7 +59,7 @@ from torchimpl.precision.diagnostics import Finding, _fp16_norm_problem, _OpScan
 from torchimpl.precision.probe import Fp8Probe, Recorder, is_float8_layer
 from torchimpl.doctor.report import PrecisionReport
 from torchimpl.doctor.stats import Fp8Stats, LayerStats, ParamStats, dtype_name
-from torchimpl.doctor.batch import backward_batch, forward_batch, grad_batch, param_batch
+from torchimpl.doctor.batch import Scratch, backward_batch, forward_batch, grad_batch, param_batch
 from torchimpl.doctor.shadow import copy_optimizer
 from torchimpl.doctor.inner import InnerFindings, scan_module
 from torchimpl.doctor.verdicts import judge, judge_notes, sqnr_floor_db, verify_fixes
@@ -282,6 +282,7 @@ class _Runner:
         for name in self._fp8_names(mixed):
             self.obs.fp8[name] = Fp8Stats(name, rowwise=rowwise)
         self._scans = 0
+        self._scratch = Scratch()  # the statistics' buffers, reused every step
 
     @staticmethod
     def _fp8_names(model: nn.Module) -> list[str]:
@@ -432,9 +433,9 @@ class _Runner:
                 work.append((name, call, twin, outputs.get(key)))
                 outputs.setdefault(key, name)  # the same tensor as an inner module's: a container, a no-op dropout
         calls = [(c, t) for _, c, t, same in work if same is None]
-        forward = iter(forward_batch([(c.output, t.output) for c, t in calls]))
+        forward = iter(forward_batch([(c.output, t.output) for c, t in calls], self._scratch))
         grads = [(c.grad, t.grad) for c, t in calls if c.grad is not None and t.grad is not None]
-        backward = iter(backward_batch(grads, self.scale, self.obs.keep))
+        backward = iter(backward_batch(grads, self.scale, self.obs.keep, self._scratch))
         first, todo = None, iter(work)
         pending = next(todo, None)
         for name in rec.order:
