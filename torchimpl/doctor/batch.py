@@ -139,6 +139,18 @@ def _lost_mass(a: torch.Tensor, sy: torch.Tensor) -> float:
     return float((a * (1 - sy.abs())).sum())
 
 
+def _lost_mass_of(x: torch.Tensor, y: torch.Tensor, scratch: Scratch) -> float:
+    """``_lost_mass(x.double().abs(), _sign(y))`` (y: the tensor whose zeros lose x's mass), in
+    the run's buffers where both are contiguous (the same values, flat, summed in the same
+    order); else as it is written."""
+    if not (x.is_contiguous() and y.is_contiguous()):
+        return _lost_mass(x.detach().double().abs(), _sign(y))
+    n, dev = x.numel(), x.device
+    a = scratch.get("r", n, _F64, dev).copy_(_flat(x)).abs_()
+    kept = _sign_into(scratch.get("sy", n, _sign_dtype(y), dev), y).abs_().neg_().add_(1)  # 1 - |sign y|
+    return float(a.mul_(kept).sum())
+
+
 def _amax_pair(x: torch.Tensor) -> list[torch.Tensor]:
     """``aminmax`` (an empty tensor: zeros, as ``amax`` gives 0.0 and nothing is non-finite)."""
     if x.numel() == 0:
@@ -212,7 +224,7 @@ def forward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
             over = health.overflow_count(s, m.dtype)
         lost = int(nonzero - both)
         # rule 4: the lost mass only where an entry flushed (nothing flushed weighs 0.0)
-        mass = (_lost_mass(s.detach().double().abs(), _sign(m)), total) if lost else (0.0, total)
+        mass = (_lost_mass_of(s, m, scratch), total) if lost else (0.0, total)
         out[j] = ForwardNumbers(_amax(lo_m, hi_m), amax_s, _sqnr(signal, noise), False, False, over,
                                 (lost, int(nonzero)), mass)
     return [out[j] if j in out else forward_numbers(*pairs[j]) for j in range(len(pairs))]
@@ -292,7 +304,7 @@ def backward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: fl
             continue
         kept, total, key = values[6:]
         lost = n - int(kept)
-        mass = (_lost_mass(g.detach().double().abs(), _sign(_cast(g, m.dtype, scale))), total) if lost \
+        mass = (_lost_mass_of(g, _cast(g, m.dtype, scale), scratch), total) if lost \
             else (0.0, total)
         out[j] = BackwardNumbers(_amax(lo_m, hi_m), flushed, (lost, n), mass,
                                  _scale_range(g, m.dtype, keep, n, _amax(lo_g, hi_g), int(key)))
