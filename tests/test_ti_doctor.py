@@ -6,11 +6,15 @@ from __future__ import annotations
 import copy
 import json
 import math
+import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from torch import nn
+from torch.nn import functional as F
 
 from torchimpl import inspect_precision
 from torchimpl.config.schema import TaskConfig
@@ -76,6 +80,38 @@ def test_the_users_model_gradients_and_generators_are_left_as_they_were():
     assert not model.training
     assert torch.equal(torch.get_rng_state(), rng)
     assert not model.fc2._forward_hooks and not model.fc2._forward_pre_hooks
+
+
+class _Noise(nn.Module):
+    """Multiplies by a draw from each of Python's, NumPy's and torch's generators, in float32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() * (1 + random.random() + float(np.random.rand()) + float(torch.rand(())))
+
+
+class _NoisyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.noise = _Noise()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.noise(self.fc(x)), y)
+
+
+def test_mixed_and_shadow_draw_the_same_numbers_and_the_generators_are_left_as_they_were():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 8, generator=g), torch.zeros(16, 8)) for _ in range(3)]
+    model = _NoisyNet()
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    report = inspect_precision(model, batches, precision="bf16", steps=3)
+    after = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    assert after[0] == states[0] and all(np.array_equal(a, b) for a, b in zip(after[1], states[1]))
+    assert torch.equal(after[2], states[2])
+    layers = {s.name: s for s in report.layers}
+    # one draw apart, the float32 noise layer would be 0 to 10 dB; the same draws: fc's bf16 SQNR
+    assert abs(layers["noise"].sqnr_db - layers["fc"].sqnr_db) < 1.0, report.text()
 
 
 def test_the_shadow_starts_each_step_from_the_mixed_weights():
