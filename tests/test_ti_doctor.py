@@ -127,6 +127,24 @@ def test_the_shadow_starts_each_step_from_the_mixed_weights():
     assert not torch.equal(runner.mixed.fc1.weight, model.fc1.weight)  # the mixed copy trained
 
 
+@pytest.mark.parametrize("scale", [1.0, 2.0**10])
+def test_the_mixed_step_takes_the_unscaled_gradients(scale):
+    """fp16 with SGD (Adam is all but blind to a gradient's scale): the mixed model's first update
+    is the shadow's to within float16's error of the gradients, not ``scale`` times it."""
+    from torchimpl.doctor.inspect import _default_loss, _Runner
+
+    model, train, _ = CATALOGUE["small_mlp"].make()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    runner = _Runner(model, "fp16", torch.device("cpu"), _default_loss, lambda ps: torch.optim.SGD(ps, lr=0.1),
+                     scale, (), "tensorwise", 0.999)
+    runner.step(0, train[0])
+    assert runner.obs.skipped == []
+    mixed, shadow = dict(runner.mixed.named_parameters()), dict(runner.shadow.named_parameters())
+    for n, w in start.items():
+        ratio = float((mixed[n].detach() - w).norm() / (shadow[n].detach() - w).norm())
+        assert 0.9 < ratio < 1.1, f"{n}: the mixed update is {ratio:.3g} times the shadow's"
+
+
 def test_the_json_report_is_the_contract():
     report = _doctor("forward_overflow")
     data = json.loads(json.dumps(report.to_dict(), allow_nan=False))
