@@ -114,17 +114,46 @@ def test_mixed_and_shadow_draw_the_same_numbers_and_the_generators_are_left_as_t
     assert abs(layers["noise"].sqnr_db - layers["fc"].sqnr_db) < 1.0, report.text()
 
 
-def test_the_shadow_starts_each_step_from_the_mixed_weights():
+class _BatchNormNet(nn.Module):
+    """Persistent buffers that the forward changes (BatchNorm's running statistics), a buffer
+    that ``state_dict`` leaves out, and (``hooked``) a ``state_dict`` hook."""
+
+    def __init__(self, hooked: bool) -> None:
+        super().__init__()
+        self.fc, self.bn, self.head = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1)
+        self.register_buffer("calls", torch.zeros(()), persistent=False)
+        if hooked:
+            self.register_state_dict_post_hook(lambda module, state, prefix, meta: None)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return F.mse_loss(self.head(torch.relu(self.bn(self.fc(x)))).float(), y)
+
+
+def _batch_norm_net(hooked: bool) -> tuple:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    return _BatchNormNet(hooked), [(torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g))
+                                   for _ in range(3)], None
+
+
+@pytest.mark.parametrize("make,walk", [(forward_overflow, "tables"), (lambda: _batch_norm_net(False), "tables"),
+                                       (lambda: _batch_norm_net(True), "state_dict")])
+def test_the_shadow_starts_each_step_from_the_mixed_weights(make, walk):
     from torchimpl.doctor.inspect import _default_loss, _default_optimizer, _Runner
 
-    model, train, _ = forward_overflow()
+    model, train, _ = make()
     runner = _Runner(model, "bf16", torch.device("cpu"), _default_loss, _default_optimizer, 1.0, (), "tensorwise", 0.999)
+    assert (runner._state_modules is None) == (walk == "state_dict")
     for i, batch in enumerate(train[:3]):
         runner.step(i, batch)
         runner._align()
         mixed, shadow = runner.mixed.state_dict(), runner.shadow.state_dict()
-        assert all(torch.equal(shadow[k], v.float()) for k, v in mixed.items()), f"step {i}: the shadow drifted"
-    assert not torch.equal(runner.mixed.fc1.weight, model.fc1.weight)  # the mixed copy trained
+        assert mixed.keys() == shadow.keys()
+        assert all(torch.equal(shadow[k], v.float() if v.is_floating_point() else v) for k, v in mixed.items()), \
+            f"step {i}: the shadow drifted"
+    assert not torch.equal(runner.mixed.get_submodule("fc1" if hasattr(model, "fc1") else "fc").weight,
+                           model.get_submodule("fc1" if hasattr(model, "fc1") else "fc").weight)  # the mixed copy trained
 
 
 @pytest.mark.parametrize("scale", [1.0, 2.0**10])

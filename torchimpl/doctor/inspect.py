@@ -309,17 +309,28 @@ class _Runner:
             self.obs.fp8[name] = Fp8Stats(name, rowwise=rowwise)
         self._scans = 0
         self._scratch = Scratch()  # the statistics' buffers, reused every step
+        self._state_modules = _module_pairs(self.shadow, mixed)
 
     @staticmethod
     def _fp8_names(model: nn.Module) -> list[str]:
         return [n for n, m in model.named_modules() if is_float8_layer(m)]
 
     def _align(self) -> None:
-        """Rule 2: the shadow takes the mixed model's weights, buffers and optimizer state."""
+        """Rule 2: the shadow takes the mixed model's weights, buffers and optimizer state (its
+        ``state_dict``, read from the modules' own tables where no module shapes it)."""
         with torch.no_grad():
-            theirs = self.mixed.state_dict()
-            for k, v in self.shadow.state_dict().items():
-                v.copy_(theirs[k])
+            if self._state_modules is None:
+                theirs = self.mixed.state_dict()
+                for k, v in self.shadow.state_dict().items():
+                    v.copy_(theirs[k])
+            else:
+                for mine, theirs in self._state_modules:
+                    for name, p in mine._parameters.items():
+                        if p is not None:
+                            p.copy_(theirs._parameters[name])
+                    for name, b in mine._buffers.items():
+                        if b is not None and name not in mine._non_persistent_buffers_set:
+                            b.copy_(theirs._buffers[name])
         copy_optimizer(self.opt, self.shadow_opt)
 
     def _run(self, model: nn.Module, batch: Any, mixed: bool, rng: _Rng, scanner: _Scanner | None) -> tuple:
@@ -547,6 +558,25 @@ class _Runner:
         if self.fp8_report is not None:
             out += self.fp8_report.lines()
         return out
+
+
+def _module_pairs(shadow: nn.Module, mixed: nn.Module) -> list[tuple[nn.Module, nn.Module]] | None:
+    """Each shadow module beside the mixed module of the same name, in ``state_dict``'s order;
+    None where a module shapes its ``state_dict`` itself (hooks, extra state, its own
+    ``_save_to_state_dict``: torchao's float8 layers may) or the names differ: then ``_align``
+    walks ``state_dict`` each step, a walk that costs more than the copies it makes."""
+    def plain(m: nn.Module) -> bool:
+        return not (m._state_dict_hooks or m._state_dict_pre_hooks) \
+            and type(m)._save_to_state_dict is nn.Module._save_to_state_dict \
+            and type(m).get_extra_state is nn.Module.get_extra_state
+
+    theirs = dict(mixed.named_modules(remove_duplicate=False))
+    mine = list(shadow.named_modules(remove_duplicate=False))
+    if len(mine) != len(theirs) or not all(plain(m) for m in (*shadow.modules(), *mixed.modules())):
+        return None
+    if any(name not in theirs for name, _ in mine):
+        return None
+    return [(m, theirs[name]) for name, m in mine]
 
 
 def _identity(t: torch.Tensor) -> tuple:
