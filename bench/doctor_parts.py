@@ -93,8 +93,8 @@ def run(precision: str, rounds: int, steps: int, size: str) -> dict:
     finally:
         for name, f in saved.items():
             setattr(runner, name, f)
-    return {"machine": _harness.machine(), "precision": precision, "steps": steps, "size": size, "rounds": rounds, "clock": _CLOCK[0].__name__,
-            "ratio_vs_train_median": {k: _harness.median(v) for k, v in per_round.items()}}
+    return {"machine": _harness.machine(), "precision": precision, "steps": steps, "size": size, "rounds": rounds,
+            "clock": _CLOCK[0].__name__, "ratio_vs_train_median": {k: _harness.median(v) for k, v in per_round.items()}}
 
 
 def main_(argv: list[str] | None = None) -> int:
