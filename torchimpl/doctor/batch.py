@@ -230,18 +230,19 @@ def forward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
     return [out[j] if j in out else forward_numbers(*pairs[j]) for j in range(len(pairs))]
 
 
-def _exponent_keys(g: torch.Tensor) -> torch.Tensor:
-    """Rule 5: E + (mantissa non-zero) of each |g| (float32 bits; in [0, 256) for finite g). Two
-    values with equal keys have equal ``low``: (E, mantissa non-zero) and (E + 1, mantissa zero)
-    share ``p - E + 127``."""
-    bits = g.detach().contiguous().view(torch.int32).reshape(-1) & 0x7FFFFFFF
+def _exponent_keys_(bits: torch.Tensor) -> torch.Tensor:
+    """Rule 5, in place on the float32 bits of g (int32): E + (mantissa non-zero) of each |g| (in
+    [0, 256) for finite g). Two values with equal keys have equal ``low``: (E, mantissa non-zero)
+    and (E + 1, mantissa zero) share ``p - E + 127``."""
+    bits.bitwise_and_(0x7FFFFFFF)
     bits.clamp_max_(0x7F800000)  # ±inf and NaN (taken tensor by tensor) must not overflow the sum below
-    return (bits + 0x7FFFFF) >> 23
+    return bits.add_(0x7FFFFF).bitwise_right_shift_(23)
 
 
-def _needed_key(g: torch.Tensor, nonzero: torch.Tensor, keep: float) -> torch.Tensor:
-    """Rule 5: the key of the needed-th largest |g| (needed = ceil(keep n), n the non-zero count)."""
-    from_top = torch.bincount(_exponent_keys(g), minlength=256).flip(0).cumsum(0)
+def _needed_key(bits: torch.Tensor, nonzero: torch.Tensor, keep: float) -> torch.Tensor:
+    """Rule 5: the key of the needed-th largest |g| (needed = ceil(keep n), n the non-zero count),
+    from g's float32 bits (as int32, in any order; overwritten)."""
+    from_top = torch.bincount(_exponent_keys_(bits), minlength=256).flip(0).cumsum(0)
     needed = torch.ceil(nonzero * keep).to(torch.int64).clamp_min(1)
     return 255 - torch.searchsorted(from_top, needed)
 
@@ -275,10 +276,14 @@ def _backward_row(m: torch.Tensor, g: torch.Tensor, scale: float, keep: float,
     if m.dtype in _LOW:
         cast = torch.mul(_flat(g).float(), torch.tensor(scale, dtype=torch.float32, device=dev),
                          out=scratch.get("c", n, torch.float32, dev))  # rule 5's cast: _cast's values
-        cast.copy_(scratch.get("low", n, m.dtype, dev).copy_(cast)).sign_().mul_(sg)
-        total = torch.abs(_flat(g), out=scratch.get("a", n, g.dtype, dev)).sum(dtype=_F64) if g.is_contiguous() \
-            else g.detach().abs().sum(dtype=_F64)
-        key = _needed_key(g, nonzero, keep) if g.dtype == torch.float32 else torch.zeros((), device=dev)
+        # the cast's non-zero entries are non-zero in g (0 casts to 0): its count is the count
+        # of entries non-zero in both, without a product with sign(g)
+        cast.copy_(scratch.get("low", n, m.dtype, dev).copy_(cast)).sign_()
+        a = torch.abs(_flat(g), out=scratch.get("a", n, g.dtype, dev))  # |g| in logical order
+        total = a.sum(dtype=_F64) if g.is_contiguous() else g.detach().abs().sum(dtype=_F64)
+        # the key from |g|'s bits, in place: after the sum above has read them (stream order)
+        key = _needed_key(a.view(torch.int32), nonzero, keep) if g.dtype == torch.float32 \
+            else torch.zeros((), device=dev)
         row += [_count(cast), total, key]
     return row
 
