@@ -26,7 +26,8 @@ warm-up uncounted, one intra-op thread) and counts the instructions of one run o
 dump of the counts (``bench/step_instructions.py``'s method). A count is a proxy: it leaves out
 the kernel's time (page faults of fresh allocations) and the waits on memory.
 
-    PYTHONPATH=. python bench/doctor_cost.py --instructions     # ~5 minutes on 2 busy cores
+    PYTHONPATH=. python bench/doctor_cost.py --instructions --steps 2 --size tiny   # ~2 minutes
+    PYTHONPATH=. python bench/doctor_cost.py --instructions   # 20 steps: over half an hour on 2 busy cores
 """
 
 from __future__ import annotations
