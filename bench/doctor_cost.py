@@ -175,7 +175,8 @@ def main_(argv: list[str] | None = None) -> int:
     if args.instructions:
         missing = [t for t in ("valgrind", "callgrind_control", "callgrind_annotate") if shutil.which(t) is None]
         if missing:
-            raise SystemExit(f"--instructions needs Valgrind's {', '.join(missing)} on PATH (e.g. apt-get install valgrind)")
+            raise SystemExit(f"--instructions needs Valgrind's {', '.join(missing)} on PATH "
+                             "(e.g. apt-get install valgrind)")
         data = instructions(args.candidates, args.steps, args.size)
         path = _harness.write_result("doctor_instructions", data, args.out)
         print(f"instructions of one run of {args.steps} steps (task lm, size {args.size}, one intra-op thread):")
