@@ -24,7 +24,10 @@ script reruns itself under ``valgrind --tool=callgrind --instr-atstart=no`` (imp
 warm-up uncounted, one intra-op thread) and counts the instructions of one run of each of
 ``train``, ``doctor_bf16`` and ``doctor_fp16`` (``--candidates``), each between a zeroing and a
 dump of the counts (``bench/step_instructions.py``'s method). A count is a proxy: it leaves out
-the kernel's time (page faults of fresh allocations) and the waits on memory.
+the kernel's time (page faults of fresh allocations) and the waits on memory, and Valgrind runs
+torch's kernels without AVX-512 (it does not emulate it), so on a CPU with bf16 dot products the
+model's bf16 matrix products count many times their native cost: compare the doctor's count over
+``train``'s between revisions, not the ratio.
 
     PYTHONPATH=. python bench/doctor_cost.py --instructions --steps 2 --size tiny   # ~2 minutes
     PYTHONPATH=. python bench/doctor_cost.py --instructions   # 20 steps: over half an hour on 2 busy cores
