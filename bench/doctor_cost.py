@@ -16,15 +16,34 @@ files is refused). The issue's bound: the doctor for 20 steps costs at most 3x 2
 
     PYTHONPATH=. python bench/doctor_cost.py              # ~3-6 minutes on 2 busy cores
     PYTHONPATH=. python bench/doctor_cost.py --rounds 5
+    PYTHONPATH=. python bench/doctor_cost.py --rounds 5 --clock cpu   # this process's CPU time
     PYTHONPATH=. python bench/doctor_cost.py --rounds 2 --steps 2 --size tiny --out /tmp/x   # a smoke run
+
+Instructions (``--instructions``): where the timings drown in the load of a shared machine, the
+script reruns itself under ``valgrind --tool=callgrind --instr-atstart=no`` (imports and the
+warm-up uncounted, one intra-op thread) and counts the instructions of one run of each of
+``train``, ``doctor_bf16`` and ``doctor_fp16`` (``--candidates``), each between a zeroing and a
+dump of the counts (``bench/step_instructions.py``'s method). A count is a proxy: it leaves out
+the kernel's time (page faults of fresh allocations) and the waits on memory, and Valgrind runs
+torch's kernels without AVX-512 (it does not emulate it), so on a CPU with bf16 dot products the
+model's bf16 matrix products count many times their native cost: compare the doctor's count over
+``train``'s between revisions, not the ratio.
+
+    PYTHONPATH=. python bench/doctor_cost.py --instructions --steps 2 --size tiny   # ~2 minutes
+    PYTHONPATH=. python bench/doctor_cost.py --instructions   # 20 steps: over half an hour on 2 busy cores
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import itertools
+import os
+import re
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,17 +80,22 @@ def _candidates(folder: Path, steps: int = STEPS, size: str = "small") -> dict[s
             "train_stats_10": train(10)}
 
 
-def _time(argv: list[str]) -> float:
-    t0 = time.perf_counter()
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+"""``--clock``: the wall time, or this process's CPU time (every thread's, user and system: what a
+run costs the machine, less sensitive to other work than the wall time, not insensitive)."""
+
+
+def _time(argv: list[str], clock: Callable[[], float] = time.perf_counter) -> float:
+    t0 = clock()
     with contextlib.redirect_stdout(io.StringIO()):
         code = main(argv)
-    elapsed = time.perf_counter() - t0
+    elapsed = clock() - t0
     if code not in (0, 1):
         raise RuntimeError(f"{' '.join(argv)} exited {code}")
     return elapsed
 
 
-def run(rounds: int, steps: int = STEPS, size: str = "small") -> dict:
+def run(rounds: int, steps: int = STEPS, size: str = "small", clock: str = "wall") -> dict:
     with tempfile.TemporaryDirectory(prefix="ampspec-doctor-bench-") as tmp:
         cands = _candidates(Path(tmp), steps, size)
         names = list(cands)
@@ -80,16 +104,57 @@ def run(rounds: int, steps: int = STEPS, size: str = "small") -> dict:
         blocks: dict[str, list[float]] = {n: [] for n in names}
         for r in range(rounds):
             for name in _harness.rotate(names, r):
-                blocks[name].append(_time(cands[name]()))
+                blocks[name].append(_time(cands[name](), CLOCKS[clock]))
     return {
         "machine": _harness.machine(),
         "steps": steps,
         "size": size,
         "rounds": rounds,
+        "clock": clock,
         "seconds_median": {n: _harness.median(v) for n, v in blocks.items()},
         "ratio_vs_train": {n: _harness.paired_ratio(blocks, n, "train") for n in names if n != "train"},
         "note": "a shared, busy 2-core machine: read the ratios, not the seconds",
     }
+
+
+def instructions_inner(names: list[str], steps: int, size: str) -> None:
+    """Under Valgrind: each candidate once uncounted (first-call paths), then once counted."""
+
+    def control(*args: str) -> None:
+        subprocess.run(["callgrind_control", *args, str(os.getpid())], check=True, capture_output=True)
+
+    with tempfile.TemporaryDirectory(prefix="ampspec-doctor-bench-") as tmp:
+        cands = _candidates(Path(tmp), steps, size)
+        for name in names:
+            _time(cands[name]())
+        control("-i", "on")
+        for name in names:
+            gc.collect()  # the young generation empty: no collection of earlier garbage in the block
+            control("-z")
+            _time(cands[name]())
+            control("-d", name)
+
+
+def instructions(names: list[str], steps: int, size: str) -> dict:
+    """Instructions of one run of each candidate (``instructions_inner`` under Valgrind)."""
+    from step_instructions import dump_totals
+
+    with tempfile.TemporaryDirectory(prefix="ampspec-callgrind-") as folder:
+        cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={folder}/cg.out",
+               sys.executable, __file__, "--inner-instructions", "--steps", str(steps), "--size", size,
+               "--candidates", *names]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        counts = {}
+        for path in Path(folder).glob("cg.out*"):
+            m = re.search(r"^desc: Trigger: dump (.*)$", path.read_text(errors="replace")[:3000], re.M)
+            if m:
+                counts[m.group(1)] = dump_totals(path)[0]
+    if set(counts) != set(names):
+        raise SystemExit(f"valgrind left {len(counts)} of {len(names)} dumps; its output ends:\n"
+                         + (done.stdout + done.stderr)[-2000:])
+    counts = {n: counts[n] for n in names}
+    return {"machine": _harness.machine(), "steps": steps, "size": size, "instructions": counts,
+            "ratio_vs_train": {n: counts[n] / counts["train"] for n in names if n != "train" and "train" in counts}}
 
 
 def main_(argv: list[str] | None = None) -> int:
@@ -98,15 +163,37 @@ def main_(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=STEPS, help="steps of every candidate")
     p.add_argument("--size", choices=("tiny", "small"), default="small", help="the lm task's size")
     p.add_argument("--out", help="folder for doctor_cost.json (default bench/results)")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="what the timings measure")
+    p.add_argument("--instructions", action="store_true",
+                   help="count instructions under Valgrind's callgrind instead of timing")
+    p.add_argument("--candidates", nargs="+", default=["train", "doctor_bf16", "doctor_fp16"],
+                   choices=list(_candidates(Path("."))), help="with --instructions: the candidates counted")
+    p.add_argument("--inner-instructions", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rounds < 1 or args.steps < 1:
         p.error("--rounds and --steps must be at least 1")
-    data = run(args.rounds, args.steps, args.size)
+    if args.inner_instructions:
+        instructions_inner(args.candidates, args.steps, args.size)
+        return 0
+    if args.instructions:
+        missing = [t for t in ("valgrind", "callgrind_control", "callgrind_annotate") if shutil.which(t) is None]
+        if missing:
+            raise SystemExit(f"--instructions needs Valgrind's {', '.join(missing)} on PATH "
+                             "(e.g. apt-get install valgrind)")
+        data = instructions(args.candidates, args.steps, args.size)
+        path = _harness.write_result("doctor_instructions", data, args.out)
+        print(f"instructions of one run of {args.steps} steps (task lm, size {args.size}, one intra-op thread):")
+        for name, n in data["instructions"].items():
+            ratio = data["ratio_vs_train"].get(name)
+            print(f"{name:16s} {n / 1e6:9.1f} M" + (f"   {ratio:.2f}x train" if ratio is not None else ""))
+        print(f"written to {path}")
+        return 0
+    data = run(args.rounds, args.steps, args.size, args.clock)
     path = _harness.write_result("doctor_cost", data, args.out)
     print(f"cost against a plain ampspec train of the same {args.steps} steps (task lm, size {args.size}):")
     for name, r in data["ratio_vs_train"].items():
         print(f"{name:16s} {r['median']:.2f}x train (min {r['min']:.2f}, max {r['max']:.2f}, {r['rounds']} rounds)")
-    print(f"seconds (median): " + ", ".join(f"{n} {s:.1f}" for n, s in data["seconds_median"].items()))
+    print(f"{args.clock} seconds (median): " + ", ".join(f"{n} {s:.1f}" for n, s in data["seconds_median"].items()))
     print(f"written to {path}")
     return 0
 

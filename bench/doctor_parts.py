@@ -15,6 +15,7 @@ R rounds after one warm-up; each part's time is its total over the round's docto
 by that round's train run; medians over rounds.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python bench/doctor_parts.py --precision bf16 --rounds 3
+    PYTHONPATH=. OMP_NUM_THREADS=1 python bench/doctor_parts.py --precision fp16 --clock cpu   # CPU time
 """
 
 from __future__ import annotations
@@ -37,33 +38,35 @@ from torchimpl.cli.app import main  # noqa: E402
 from torchimpl.doctor import inspect as doctor_inspect  # noqa: E402
 
 PARTS = ("_layers", "_params_and_update", "_align")
+_CLOCK = [time.perf_counter]
+"""``--clock``'s function (``doctor_cost.CLOCKS``): the wall time or this process's CPU time."""
 
 
 def _timed(acc: dict[str, float], name: str, f: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0 = _CLOCK[0]()
         try:
             return f(*args, **kwargs)
         finally:
-            acc[name] += time.perf_counter() - t0
+            acc[name] += _CLOCK[0]() - t0
     return wrapper
 
 
 def _timed_run(acc: dict[str, float], f: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, model: Any, batch: Any, mixed: bool, rng: Any, scanner: Any) -> Any:
-        t0 = time.perf_counter()
+        t0 = _CLOCK[0]()
         try:
             return f(self, model, batch, mixed, rng, scanner)
         finally:
-            acc["_run mixed" if mixed else "_run shadow"] += time.perf_counter() - t0
+            acc["_run mixed" if mixed else "_run shadow"] += _CLOCK[0]() - t0
     return wrapper
 
 
 def _run_quiet(argv: list[str]) -> float:
-    t0 = time.perf_counter()
+    t0 = _CLOCK[0]()
     with contextlib.redirect_stdout(io.StringIO()):
         main(argv)
-    return time.perf_counter() - t0
+    return _CLOCK[0]() - t0
 
 
 def run(precision: str, rounds: int, steps: int, size: str) -> dict:
@@ -91,7 +94,7 @@ def run(precision: str, rounds: int, steps: int, size: str) -> dict:
         for name, f in saved.items():
             setattr(runner, name, f)
     return {"machine": _harness.machine(), "precision": precision, "steps": steps, "size": size, "rounds": rounds,
-            "ratio_vs_train_median": {k: _harness.median(v) for k, v in per_round.items()}}
+            "clock": _CLOCK[0].__name__, "ratio_vs_train_median": {k: _harness.median(v) for k, v in per_round.items()}}
 
 
 def main_(argv: list[str] | None = None) -> int:
@@ -101,7 +104,9 @@ def main_(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=doctor_cost.STEPS)
     p.add_argument("--size", choices=("tiny", "small"), default="small")
     p.add_argument("--out", help="folder for doctor_parts.json (default bench/results)")
+    p.add_argument("--clock", choices=sorted(doctor_cost.CLOCKS), default="wall", help="what the timings measure")
     args = p.parse_args(argv)
+    _CLOCK[0] = doctor_cost.CLOCKS[args.clock]
     if args.rounds < 1 or args.steps < 1:
         p.error("--rounds and --steps must be at least 1")
     data = run(args.precision, args.rounds, args.steps, args.size)

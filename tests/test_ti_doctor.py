@@ -6,11 +6,15 @@ from __future__ import annotations
 import copy
 import json
 import math
+import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from torch import nn
+from torch.nn import functional as F
 
 from torchimpl import inspect_precision
 from torchimpl.config.schema import TaskConfig
@@ -78,17 +82,99 @@ def test_the_users_model_gradients_and_generators_are_left_as_they_were():
     assert not model.fc2._forward_hooks and not model.fc2._forward_pre_hooks
 
 
-def test_the_shadow_starts_each_step_from_the_mixed_weights():
+class _Noise(nn.Module):
+    """Multiplies by a draw from each of Python's, NumPy's and torch's generators, in float32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() * (1 + random.random() + float(np.random.rand()) + float(torch.rand(())))
+
+
+class _NoisyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.noise = _Noise()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.noise(self.fc(x)), y)
+
+
+def test_mixed_and_shadow_draw_the_same_numbers_and_the_generators_are_left_as_they_were():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 8, generator=g), torch.zeros(16, 8)) for _ in range(3)]
+    model = _NoisyNet()
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    report = inspect_precision(model, batches, precision="bf16", steps=3)
+    after = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    assert after[0] == states[0] and all(np.array_equal(a, b) for a, b in zip(after[1], states[1]))
+    assert torch.equal(after[2], states[2])
+    layers = {s.name: s for s in report.layers}
+    # one draw apart, the float32 noise layer would be 0 to 10 dB; the same draws: fc's bf16 SQNR
+    assert abs(layers["noise"].sqnr_db - layers["fc"].sqnr_db) < 1.0, report.text()
+
+
+class _BatchNormNet(nn.Module):
+    """Persistent buffers that the forward changes (BatchNorm's running statistics), a buffer
+    that ``state_dict`` leaves out (counting 1 a forward under autocast, 2 in float32: the
+    shadow's stays its own), and (``hooked``) a ``state_dict`` hook."""
+
+    def __init__(self, hooked: bool) -> None:
+        super().__init__()
+        self.fc, self.bn, self.head = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1)
+        self.register_buffer("calls", torch.zeros(()), persistent=False)
+        if hooked:
+            self.register_state_dict_post_hook(lambda module, state, prefix, meta: None)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.calls += 1 if torch.is_autocast_enabled(x.device.type) else 2
+        return F.mse_loss(self.head(torch.relu(self.bn(self.fc(x)))).float(), y)
+
+
+def _batch_norm_net(hooked: bool) -> tuple:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    return _BatchNormNet(hooked), [(torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g))
+                                   for _ in range(3)], None
+
+
+@pytest.mark.parametrize("make,walk", [(forward_overflow, "tables"), (lambda: _batch_norm_net(False), "tables"),
+                                       (lambda: _batch_norm_net(True), "state_dict")])
+def test_the_shadow_starts_each_step_from_the_mixed_weights(make, walk):
     from torchimpl.doctor.inspect import _default_loss, _default_optimizer, _Runner
 
-    model, train, _ = forward_overflow()
+    model, train, _ = make()
     runner = _Runner(model, "bf16", torch.device("cpu"), _default_loss, _default_optimizer, 1.0, (), "tensorwise", 0.999)
+    assert (runner._state_modules is None) == (walk == "state_dict")
     for i, batch in enumerate(train[:3]):
         runner.step(i, batch)
         runner._align()
         mixed, shadow = runner.mixed.state_dict(), runner.shadow.state_dict()
-        assert all(torch.equal(shadow[k], v.float()) for k, v in mixed.items()), f"step {i}: the shadow drifted"
-    assert not torch.equal(runner.mixed.fc1.weight, model.fc1.weight)  # the mixed copy trained
+        assert mixed.keys() == shadow.keys()
+        assert all(torch.equal(shadow[k], v.float() if v.is_floating_point() else v) for k, v in mixed.items()), \
+            f"step {i}: the shadow drifted"
+        if isinstance(model, _BatchNormNet):  # a buffer outside state_dict is not aligned
+            assert float(runner.mixed.calls) == i + 1 and float(runner.shadow.calls) == 2 * (i + 1)
+    first = "fc1" if hasattr(model, "fc1") else "fc"
+    assert not torch.equal(runner.mixed.get_submodule(first).weight, model.get_submodule(first).weight)  # it trained
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**10])
+def test_the_mixed_step_takes_the_unscaled_gradients(scale):
+    """fp16 with SGD (Adam is all but blind to a gradient's scale): the mixed model's first update
+    is the shadow's to within float16's error of the gradients, not ``scale`` times it."""
+    from torchimpl.doctor.inspect import _default_loss, _Runner
+
+    model, train, _ = CATALOGUE["small_mlp"].make()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    runner = _Runner(model, "fp16", torch.device("cpu"), _default_loss, lambda ps: torch.optim.SGD(ps, lr=0.1),
+                     scale, (), "tensorwise", 0.999)
+    runner.step(0, train[0])
+    assert runner.obs.skipped == []
+    mixed, shadow = dict(runner.mixed.named_parameters()), dict(runner.shadow.named_parameters())
+    for n, w in start.items():
+        ratio = float((mixed[n].detach() - w).norm() / (shadow[n].detach() - w).norm())
+        assert 0.9 < ratio < 1.1, f"{n}: the mixed update is {ratio:.3g} times the shadow's"
 
 
 def test_the_json_report_is_the_contract():

@@ -107,6 +107,23 @@ def test_backward_batch_equals_the_per_tensor_numbers(seed: int, transpose: bool
             _assert_same(n, backward_numbers(m, s, scale, keep), f"pair {j} ({m.dtype}), scale {scale}, keep {keep}")
 
 
+def test_one_scratch_serves_every_pair_and_step_of_a_run() -> None:
+    """The run's buffers (``batch.Scratch``), reused by pairs of every size and dtype and by the
+    forward and backward statistics of step after step, give the per-tensor numbers: a step of
+    module-sized pairs, then one of small pairs (reading the start of each buffer, the rest
+    holding the earlier step's values), then module-sized again."""
+    scratch = batch.Scratch()
+    for step, shape in enumerate((SHAPES[1], SHAPES[0], SHAPES[1])):
+        pairs = _pairs(10 + step, False, shape)
+        for j, (got, (m, s)) in enumerate(zip(batch.forward_batch(pairs, scratch), pairs)):
+            _assert_same(got, forward_numbers(m, s), f"step {step}, output pair {j} ({m.dtype})")
+        grads = [((s * 2.0**12).to(m.dtype), s) for m, s in pairs]
+        for j, (got, (m, s)) in enumerate(zip(batch.backward_batch(grads, 2.0**12, 0.999, scratch), grads)):
+            _assert_same(got, backward_numbers(m, s, 2.0**12, 0.999), f"step {step}, gradient pair {j} ({m.dtype})")
+    sizes = {key: buf.numel() for key, buf in scratch._buffers.items()}
+    assert sizes and max(sizes.values()) == math.prod(SHAPES[1]), sizes  # grown once, to the largest tensor
+
+
 def test_the_scale_range_key_at_every_binade_edge() -> None:
     """Rule 5's key against ``health.scale_range`` where ``low`` steps: for each needed-th
     largest value at 2^k, just below and just above it."""

@@ -44,10 +44,29 @@ import torch
 from torchimpl.doctor.stats import BackwardNumbers, ForwardNumbers, backward_numbers, forward_numbers
 from torchimpl.precision import health
 
-__all__ = ["backward_batch", "forward_batch", "grad_batch", "param_batch"]
+__all__ = ["Scratch", "backward_batch", "forward_batch", "grad_batch", "param_batch"]
 
 _LOW = (torch.float16, torch.bfloat16)
 _F64 = torch.float64
+
+
+class Scratch:
+    """Rule 6: flat buffers that every pair and step of a run reuses, one per (use, dtype,
+    device), grown to the largest tensor seen. A temporary per pass is a fresh allocation, and on
+    a CPU the large ones are fresh pages from the kernel each step (a page fault per 4 KiB):
+    ``bench/doctor_cost.py``. Each buffer's values are used before the next pair overwrites
+    them (on an accelerator, in stream order)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, use: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The first ``n`` entries of the buffer for ``use`` (contents undefined)."""
+        key = (use, dtype, device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n]
 
 
 def _values(flat: Sequence[torch.Tensor]) -> list[float]:
@@ -120,6 +139,18 @@ def _lost_mass(a: torch.Tensor, sy: torch.Tensor) -> float:
     return float((a * (1 - sy.abs())).sum())
 
 
+def _lost_mass_of(x: torch.Tensor, y: torch.Tensor, scratch: Scratch) -> float:
+    """``_lost_mass(x.double().abs(), _sign(y))`` (y: the tensor whose zeros lose x's mass), in
+    the run's buffers where both are contiguous (the same values, flat, summed in the same
+    order); else as it is written."""
+    if not (x.is_contiguous() and y.is_contiguous()):
+        return _lost_mass(x.detach().double().abs(), _sign(y))
+    n, dev = x.numel(), x.device
+    a = scratch.get("r", n, _F64, dev).copy_(_flat(x)).abs_()
+    kept = _sign_into(scratch.get("sy", n, _sign_dtype(y), dev), y).abs_().neg_().add_(1)  # 1 - |sign y|
+    return float(a.mul_(kept).sum())
+
+
 def _amax_pair(x: torch.Tensor) -> list[torch.Tensor]:
     """``aminmax`` (an empty tensor: zeros, as ``amax`` gives 0.0 and nothing is non-finite)."""
     if x.numel() == 0:
@@ -143,22 +174,47 @@ def _sqnr(signal: float, noise: float) -> float:
     return 10.0 * math.log10(signal / noise)
 
 
-def forward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[ForwardNumbers]:
-    """``stats.forward_numbers`` for every (mixed, shadow) output pair of a step."""
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """A tensor's values in logical order, one dimension (a view where its layout allows)."""
+    return x.detach().reshape(-1)
+
+
+def _sign_into(buf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Rule 2: ``_sign(x)``'s values, flat, into ``buf`` (16-bit x upcast exactly first)."""
+    buf.copy_(_flat(x))
+    return buf.sign_()
+
+
+def _sign_dtype(*xs: torch.Tensor) -> torch.dtype:
+    """The dtype of ``_sign(x) * _sign(y)``: float64 where either is float64, else float32."""
+    return _F64 if any(x.dtype == _F64 for x in xs) else torch.float32
+
+
+def _forward_row(m: torch.Tensor, s: torch.Tensor, scratch: Scratch) -> list[torch.Tensor]:
+    """Rule 6's passes over one finite-able output pair, into the run's buffers: the SQNR's two
+    float64 sums over s in logical order (``(r - m)^2`` squared in place, then ``|r| |r|``, which is
+    ``r r`` bit for bit), the mass over |s| in s's layout (its logical order where s is
+    contiguous), and the sign counts."""
+    n, dev = s.numel(), s.device
+    x = scratch.get("r", n, _F64, dev).copy_(_flat(s))  # exact: float32 widened
+    d = torch.sub(x, _flat(m), out=scratch.get("d", n, _F64, dev))
+    noise = d.mul_(d).sum()
+    signal = torch.mul(x, x, out=d).sum()
+    total = x.abs_().sum() if s.is_contiguous() else s.detach().double().abs().sum()
+    ss = _sign_into(scratch.get("sx", n, s.dtype if s.dtype == _F64 else torch.float32, dev), s)
+    both = _sign_into(scratch.get("sy", n, _sign_dtype(s, m), dev), m).mul_(ss)
+    return [*_amax_pair(m), *_amax_pair(s), signal, noise, _nonzero(ss), _count(both), total]
+
+
+def forward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                  scratch: Scratch | None = None) -> list[ForwardNumbers]:
+    """``stats.forward_numbers`` for every (mixed, shadow) output pair of a step (``scratch``:
+    the run's buffers, or buffers of this call alone)."""
+    scratch = scratch if scratch is not None else Scratch()
     fast = [j for j, (m, s) in enumerate(pairs) if _usable(m, s)]
-    rows, kept = [], []
-    for j in fast:
-        m, s = (t.detach() for t in pairs[j])
-        s64 = s.double()  # rule 3: the masses' tensor, in s's layout
-        r = s64.reshape(-1)  # and health.sqnr_db's, in logical order
-        d = r - m.reshape(-1)  # float64 arithmetic on m's exact values, without a float64 copy of m
-        ss, sm = _sign(s), _sign(m)
-        a = s64.abs()
-        kept.append((a, sm))
-        rows.append([*_amax_pair(m), *_amax_pair(s), (r * r).sum(), (d * d).sum(), _nonzero(ss), _both(ss, sm),
-                     a.sum()])
+    rows = [_forward_row(*pairs[j], scratch) for j in fast]
     out: dict[int, ForwardNumbers] = {}
-    for j, (a, sm), (lo_m, hi_m, lo_s, hi_s, signal, noise, nonzero, both, total) in zip(fast, kept, _read(rows)):
+    for j, (lo_m, hi_m, lo_s, hi_s, signal, noise, nonzero, both, total) in zip(fast, _read(rows)):
         if not (math.isfinite(signal) and math.isfinite(noise)):
             continue  # rule 1: tensor by tensor
         m, s = pairs[j]
@@ -167,24 +223,26 @@ def forward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Fo
         if m.dtype in _LOW and amax_s >= health._overflow_threshold(m.dtype)[0]:  # rule 4
             over = health.overflow_count(s, m.dtype)
         lost = int(nonzero - both)
-        mass = (_lost_mass(a, sm), total) if lost else (0.0, total)  # rule 4: nothing flushed weighs 0.0
+        # rule 4: the lost mass only where an entry flushed (nothing flushed weighs 0.0)
+        mass = (_lost_mass_of(s, m, scratch), total) if lost else (0.0, total)
         out[j] = ForwardNumbers(_amax(lo_m, hi_m), amax_s, _sqnr(signal, noise), False, False, over,
                                 (lost, int(nonzero)), mass)
     return [out[j] if j in out else forward_numbers(*pairs[j]) for j in range(len(pairs))]
 
 
-def _exponent_keys(g: torch.Tensor) -> torch.Tensor:
-    """Rule 5: E + (mantissa non-zero) of each |g| (float32 bits; in [0, 256) for finite g). Two
-    values with equal keys have equal ``low``: (E, mantissa non-zero) and (E + 1, mantissa zero)
-    share ``p - E + 127``."""
-    bits = g.detach().contiguous().view(torch.int32).reshape(-1) & 0x7FFFFFFF
+def _exponent_keys_(bits: torch.Tensor) -> torch.Tensor:
+    """Rule 5, in place on the float32 bits of g (int32): E + (mantissa non-zero) of each |g| (in
+    [0, 256) for finite g). Two values with equal keys have equal ``low``: (E, mantissa non-zero)
+    and (E + 1, mantissa zero) share ``p - E + 127``."""
+    bits.bitwise_and_(0x7FFFFFFF)
     bits.clamp_max_(0x7F800000)  # ±inf and NaN (taken tensor by tensor) must not overflow the sum below
-    return (bits + 0x7FFFFF) >> 23
+    return bits.add_(0x7FFFFF).bitwise_right_shift_(23)
 
 
-def _needed_key(g: torch.Tensor, nonzero: torch.Tensor, keep: float) -> torch.Tensor:
-    """Rule 5: the key of the needed-th largest |g| (needed = ceil(keep n), n the non-zero count)."""
-    from_top = torch.bincount(_exponent_keys(g), minlength=256).flip(0).cumsum(0)
+def _needed_key(bits: torch.Tensor, nonzero: torch.Tensor, keep: float) -> torch.Tensor:
+    """Rule 5: the key of the needed-th largest |g| (needed = ceil(keep n), n the non-zero count),
+    from g's float32 bits (as int32, in any order; overwritten)."""
+    from_top = torch.bincount(_exponent_keys_(bits), minlength=256).flip(0).cumsum(0)
     needed = torch.ceil(nonzero * keep).to(torch.int64).clamp_min(1)
     return 255 - torch.searchsorted(from_top, needed)
 
@@ -205,23 +263,40 @@ def _high(top: float, dtype: torch.dtype) -> int:
     return high
 
 
+def _backward_row(m: torch.Tensor, g: torch.Tensor, scale: float, keep: float,
+                  scratch: Scratch) -> list[torch.Tensor]:
+    """Rule 6's passes over one gradient pair, into the run's buffers (rules 5, 13 and 10 where
+    the mixed gradient is 16-bit: the cast at the step's scale, the mass over |g| in g's layout,
+    the scale range's key)."""
+    n, dev = g.numel(), g.device
+    sg = _sign_into(scratch.get("sx", n, g.dtype if g.dtype == _F64 else torch.float32, dev), g)
+    nonzero = _nonzero(sg)
+    both = _sign_into(scratch.get("sy", n, _sign_dtype(g, m), dev), m).mul_(sg)
+    row = [*_amax_pair(m), *_amax_pair(g), nonzero, _count(both)]
+    if m.dtype in _LOW:
+        cast = torch.mul(_flat(g).float(), torch.tensor(scale, dtype=torch.float32, device=dev),
+                         out=scratch.get("c", n, torch.float32, dev))  # rule 5's cast: _cast's values
+        # the cast's non-zero entries are non-zero in g (0 casts to 0): its count is the count
+        # of entries non-zero in both, without a product with sign(g)
+        cast.copy_(scratch.get("low", n, m.dtype, dev).copy_(cast)).sign_()
+        a = torch.abs(_flat(g), out=scratch.get("a", n, g.dtype, dev))  # |g| in logical order
+        total = a.sum(dtype=_F64) if g.is_contiguous() else g.detach().abs().sum(dtype=_F64)
+        # the key from |g|'s bits, in place: after the sum above has read them (stream order)
+        key = _needed_key(a.view(torch.int32), nonzero, keep) if g.dtype == torch.float32 \
+            else torch.zeros((), device=dev)
+        row += [_count(cast), total, key]
+    return row
+
+
 def backward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: float,
-                   keep: float) -> list[BackwardNumbers]:
-    """``stats.backward_numbers`` for every (mixed at the loss scale, shadow) gradient pair of a step."""
+                   keep: float, scratch: Scratch | None = None) -> list[BackwardNumbers]:
+    """``stats.backward_numbers`` for every (mixed at the loss scale, shadow) gradient pair of a
+    step (``scratch``: the run's buffers, or buffers of this call alone)."""
     if not 0.0 < keep <= 1.0:
         raise ValueError(f"keep must be in (0, 1], got {keep!r}")
+    scratch = scratch if scratch is not None else Scratch()
     fast = [j for j, (m, s) in enumerate(pairs) if _usable(m, s)]
-    rows = []
-    for j in fast:
-        m, g = (t.detach() for t in pairs[j])
-        sg = _sign(g)
-        nonzero = _nonzero(sg)
-        row = [*_amax_pair(m), *_amax_pair(g), nonzero, _both(sg, _sign(m))]
-        if m.dtype in _LOW:  # rules 5, 13 and 10 at the step's scale
-            kept = _both(sg, _sign(_cast(g, m.dtype, scale)))
-            key = _needed_key(g, nonzero, keep) if g.dtype == torch.float32 else torch.zeros((), device=g.device)
-            row += [kept, g.abs().sum(dtype=_F64), key]
-        rows.append(row)
+    rows = [_backward_row(*pairs[j], scale, keep, scratch) for j in fast]
     out: dict[int, BackwardNumbers] = {}
     for j, values in zip(fast, _read(rows)):
         lo_m, hi_m, lo_g, hi_g, nonzero, both = values[:6]
@@ -234,7 +309,7 @@ def backward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: fl
             continue
         kept, total, key = values[6:]
         lost = n - int(kept)
-        mass = (_lost_mass(g.detach().double().abs(), _sign(_cast(g, m.dtype, scale))), total) if lost \
+        mass = (_lost_mass_of(g, _cast(g, m.dtype, scale), scratch), total) if lost \
             else (0.0, total)
         out[j] = BackwardNumbers(_amax(lo_m, hi_m), flushed, (lost, n), mass,
                                  _scale_range(g, m.dtype, keep, n, _amax(lo_g, hi_g), int(key)))

@@ -45,21 +45,22 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from torchimpl.precision import health
 from torchimpl._torch_compat import _foreach_sub, tree_leaves
-from torchimpl.run.checkpoint import capture_rng_state, restore_rng_state
 from torchimpl.precision.diagnostics import Finding, _fp16_norm_problem, _OpScanner, _unsafe_problem
 from torchimpl.precision.probe import Fp8Probe, Recorder, is_float8_layer
 from torchimpl.doctor.report import PrecisionReport
 from torchimpl.doctor.stats import Fp8Stats, LayerStats, ParamStats, dtype_name
-from torchimpl.doctor.batch import backward_batch, forward_batch, grad_batch, param_batch
+from torchimpl.doctor.batch import Scratch, backward_batch, forward_batch, grad_batch, param_batch
 from torchimpl.doctor.shadow import copy_optimizer
 from torchimpl.doctor.inner import InnerFindings, scan_module
 from torchimpl.doctor.verdicts import judge, judge_notes, sqnr_floor_db, verify_fixes
@@ -151,6 +152,30 @@ class _Scanner(_OpScanner):
         return func(*args, **kwargs)
 
 
+@dataclass(frozen=True)
+class _Rng:
+    """Every random generator's state (Python, NumPy, torch's CPU and CUDA generators), as the
+    generators themselves return it: ``run.checkpoint.capture_rng_state`` converts them to tensors
+    for a checkpoint file, which costs more than the step's own restores (three a step)."""
+
+    python: Any
+    numpy: Any
+    torch: torch.Tensor
+    cuda: list[torch.Tensor]
+
+    @staticmethod
+    def capture() -> _Rng:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        return _Rng(random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda)
+
+    def restore(self) -> None:
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        torch.set_rng_state(self.torch)
+        for i, state in enumerate(self.cuda):
+            torch.cuda.set_rng_state(state, i)
+
+
 def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return default_loss_fn(model, batch)
 
@@ -212,12 +237,12 @@ def inspect_precision(
     runner = _Runner(model, precision, dev, loss_fn or _default_loss, optimizer or _default_optimizer,
                      init_scale if precision == "fp16" else 1.0, tuple(fp32_modules), fp8_recipe, keep,
                      growth_interval, master_weights)
-    rng = capture_rng_state()
+    rng = _Rng.capture()
     try:
         for i, batch in enumerate(itertools.islice(_cycle(batches), steps)):
             runner.step(i, batch)
     finally:
-        restore_rng_state(rng)
+        rng.restore()
     obs = runner.obs
     verdicts = judge(obs)
     if verify_fix and verdicts:
@@ -274,29 +299,42 @@ class _Runner:
         self.obs = Observations(precision, str(device), precision == "fp16", scale, keep, growth_interval)
         self._tracker = 0
         self._inner_scans = 0
-        names = dict(mixed.named_parameters())
-        for name, p in names.items():
+        # the parameters by name, once: a module walk per step costs more than the step's counts
+        self._mixed_params, self._shadow_params = dict(mixed.named_parameters()), dict(self.shadow.named_parameters())
+        for name, p in self._mixed_params.items():
             self.obs.params[name] = ParamStats(name, dtype_name(p.dtype))
             self.obs.param_module[name] = name.rpartition(".")[0]
         rowwise = fp8_recipe.startswith("rowwise")
         for name in self._fp8_names(mixed):
             self.obs.fp8[name] = Fp8Stats(name, rowwise=rowwise)
         self._scans = 0
+        self._scratch = Scratch()  # the statistics' buffers, reused every step
+        self._state_modules = _module_pairs(self.shadow, mixed)
 
     @staticmethod
     def _fp8_names(model: nn.Module) -> list[str]:
         return [n for n, m in model.named_modules() if is_float8_layer(m)]
 
     def _align(self) -> None:
-        """Rule 2: the shadow takes the mixed model's weights, buffers and optimizer state."""
+        """Rule 2: the shadow takes the mixed model's weights, buffers and optimizer state (its
+        ``state_dict``, read from the modules' own tables where no module shapes it)."""
         with torch.no_grad():
-            theirs = self.mixed.state_dict()
-            for k, v in self.shadow.state_dict().items():
-                v.copy_(theirs[k])
+            if self._state_modules is None:
+                theirs = self.mixed.state_dict()
+                for k, v in self.shadow.state_dict().items():
+                    v.copy_(theirs[k])
+            else:
+                for mine, theirs in self._state_modules:
+                    for name, p in mine._parameters.items():
+                        if p is not None:
+                            p.copy_(theirs._parameters[name])
+                    for name, b in mine._buffers.items():
+                        if b is not None and name not in mine._non_persistent_buffers_set:
+                            b.copy_(theirs._buffers[name])
         copy_optimizer(self.opt, self.shadow_opt)
 
-    def _run(self, model: nn.Module, batch: Any, mixed: bool, rng: dict, scanner: _Scanner | None) -> tuple:
-        restore_rng_state(rng)
+    def _run(self, model: nn.Module, batch: Any, mixed: bool, rng: _Rng, scanner: _Scanner | None) -> tuple:
+        rng.restore()
         model.zero_grad(set_to_none=True)
         rec = Recorder(model)
         probe = Fp8Probe(model) if mixed and self.obs.fp8 else None
@@ -322,7 +360,7 @@ class _Runner:
     def step(self, i: int, batch: Any) -> None:
         batch = _to(batch, self.device)
         self._align()
-        rng = capture_rng_state()
+        rng = _Rng.capture()
         scanner = _Scanner() if self._scans == 0 else None
         loss, rec, probe = self._run(self.mixed, batch, True, rng, scanner)
         if scanner is None and not bool(torch.isfinite(loss).all()) and self._scans < _SCANS:
@@ -344,9 +382,9 @@ class _Runner:
                 self._fp8_layers(probe)
         self._inner_scan(rec, batch, rng)
         self._update_scale(i, self._params_and_update(), rec, shadow_rec)
-        restore_rng_state(rng)
+        rng.restore()
 
-    def _inner_scan(self, rec: Recorder, batch: Any, rng: dict) -> None:
+    def _inner_scan(self, rec: Recorder, batch: Any, rng: _Rng) -> None:
         """Rule 5: the first layer whose SQNR collapsed this step, with finite outputs, scanned inside."""
         if self._inner_scans >= _INNER_SCANS or self.obs.shadow_failed is not None:
             return
@@ -358,7 +396,7 @@ class _Runner:
             floor = sqnr_floor_db(s.dtype, self.obs.precision)
             if floor is not None and s.last_sqnr_db < floor:
                 def forward() -> None:
-                    restore_rng_state(rng)
+                    rng.restore()
                     with torch.autocast(self.device.type, dtype=self.dtype):
                         self.loss_fn(self.mixed, batch)
 
@@ -432,9 +470,9 @@ class _Runner:
                 work.append((name, call, twin, outputs.get(key)))
                 outputs.setdefault(key, name)  # the same tensor as an inner module's: a container, a no-op dropout
         calls = [(c, t) for _, c, t, same in work if same is None]
-        forward = iter(forward_batch([(c.output, t.output) for c, t in calls]))
+        forward = iter(forward_batch([(c.output, t.output) for c, t in calls], self._scratch))
         grads = [(c.grad, t.grad) for c, t in calls if c.grad is not None and t.grad is not None]
-        backward = iter(backward_batch(grads, self.scale, self.obs.keep))
+        backward = iter(backward_batch(grads, self.scale, self.obs.keep, self._scratch))
         first, todo = None, iter(work)
         pending = next(todo, None)
         for name in rec.order:
@@ -468,15 +506,15 @@ class _Runner:
     def _params_and_update(self) -> bool:
         """Rules 2-3: the mixed step (unscaled, skipped on non-finite gradients) and the shadow's
         update judged against the mixed model's stored weights; whether the gradients were finite."""
-        mixed = dict(self.mixed.named_parameters())
-        shadow = dict(self.shadow.named_parameters())
+        mixed, shadow = self._mixed_params, self._shadow_params
         before = {n: p.detach().clone() for n, p in shadow.items()}
         stored = self._stored()
         stored = {n: t.detach().clone() for n, t in stored.items()}
-        with torch.no_grad():
-            for p in mixed.values():
-                if p.grad is not None:
-                    p.grad.div_(self.scale)
+        if self.scale != 1.0:  # x / 1 is x, bit for bit (signed zeros, infinities and NaN too)
+            with torch.no_grad():
+                for p in mixed.values():
+                    if p.grad is not None:
+                        p.grad.div_(self.scale)
         if all(p.grad is None for p in shadow.values()):
             return True
         named = [(n, p.grad) for n, p in mixed.items() if p.grad is not None]
@@ -503,9 +541,9 @@ class _Runner:
     def _stored(self) -> dict[str, torch.Tensor]:
         """Where each weight is stored (rule 3): the parameter, or under ``fp32`` its master copy."""
         masters = self.master.masters if self.master is not None and self.master.option == "fp32" else None
-        named = dict(self.mixed.named_parameters())
+        named = self._mixed_params
         if masters is None:
-            return named
+            return dict(named)
         index = {id(p): i for i, p in enumerate(self.master.params)}
         return {n: masters[index[id(p)]] for n, p in named.items()}
 
@@ -520,6 +558,25 @@ class _Runner:
         if self.fp8_report is not None:
             out += self.fp8_report.lines()
         return out
+
+
+def _module_pairs(shadow: nn.Module, mixed: nn.Module) -> list[tuple[nn.Module, nn.Module]] | None:
+    """Each shadow module beside the mixed module of the same name, in ``state_dict``'s order;
+    None where a module shapes its ``state_dict`` itself (hooks, extra state, its own
+    ``_save_to_state_dict``: torchao's float8 layers may) or the names differ: then ``_align``
+    walks ``state_dict`` each step, a walk that costs more than the copies it makes."""
+    def plain(m: nn.Module) -> bool:
+        return not (m._state_dict_hooks or m._state_dict_pre_hooks) \
+            and type(m)._save_to_state_dict is nn.Module._save_to_state_dict \
+            and type(m).get_extra_state is nn.Module.get_extra_state
+
+    theirs = dict(mixed.named_modules(remove_duplicate=False))
+    mine = list(shadow.named_modules(remove_duplicate=False))
+    if len(mine) != len(theirs) or not all(plain(m) for m in (*shadow.modules(), *mixed.modules())):
+        return None
+    if any(name not in theirs for name, _ in mine):
+        return None
+    return [(m, theirs[name]) for name, m in mine]
 
 
 def _identity(t: torch.Tensor) -> tuple:
