@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP = "torchimpl/train/step.py"
+LOSS_SCALING = "torchimpl/train/loss_scaling.py"
 SCALER = "torchimpl/train/scaler.py"
 OPTIM = "torchimpl/train/optim.py"
 SCHEDULE = "torchimpl/train/schedule.py"
@@ -69,13 +70,13 @@ MUTANTS = (
            TRAINER_TESTS),
     Mutant("schedule_on_skipped_step", "advance the LR schedule on a skipped step", STEP,
            "        self.schedule.step(applied)\n", "        self.schedule.step(True)\n", TRAINER_TESTS),
-    Mutant("unscale_twice", "multiply by the inverse scale a second time", STEP,
+    Mutant("unscale_twice", "multiply by the inverse scale a second time", LOSS_SCALING,
            "        self.scaler.unscale_(optimizer, found)\n",
            "        self.scaler.unscale_(optimizer, found)\n"
            f"        torch._foreach_mul_({_GRADS},\n"
            "                            self.scaler.state_tensors()[0].double().reciprocal().float())\n",
            TRAINER_TESTS),
-    Mutant("divide_by_scale", "unscale by dividing by the scale, not multiplying by its inverse", STEP,
+    Mutant("divide_by_scale", "unscale by dividing by the scale, not multiplying by its inverse", LOSS_SCALING,
            "        self.scaler.unscale_(optimizer, found)\n",
            f"        _grads = {_GRADS}\n"
            "        _scaled = [g.clone() for g in _grads]\n"
@@ -90,7 +91,7 @@ MUTANTS = (
            "new_tracker = torch.where(found, tracker, clean_tracker)", SCALER_TESTS),
     Mutant("loss_not_divided_by_k", "backward from the microbatch loss, not loss / k", STEP,
            "            scaled = loss / k\n", "            scaled = loss\n", TRAINER_TESTS),
-    Mutant("scaler_not_restored", "ignore the scaler state of a checkpoint on resume", STEP,
+    Mutant("scaler_not_restored", "ignore the scaler state of a checkpoint on resume", LOSS_SCALING,
            "        self.scaler.load_state_dict(state)\n", "        pass\n", TRAINER_TESTS),
     Mutant("ddp_reduces_every_microbatch", "DDP all-reduces every microbatch instead of the window's local sum",
            DISTRIBUTED, "            return self._ddp.no_sync()\n", "            return contextlib.nullcontext()\n",
@@ -131,7 +132,7 @@ MUTANTS = (
     Mutant("compile_ignored", "train.compile reports a compiled run but trains the eager module", TRAINER,
            "            forward_model = torch.compile(forward_model)\n", "            pass\n", COMPILE_TESTS),
     Mutant("compile_scaler_not_restored", "a compiled run ignores the scaler state of a checkpoint on resume",
-           STEP, "        self.scaler.load_state_dict(state)\n", "        pass\n", COMPILE_TESTS),
+           LOSS_SCALING, "        self.scaler.load_state_dict(state)\n", "        pass\n", COMPILE_TESTS),
 )
 
 

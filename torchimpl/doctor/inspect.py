@@ -45,12 +45,10 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -61,7 +59,7 @@ from torchimpl.precision.probe import Fp8Probe, Recorder, is_float8_layer
 from torchimpl.doctor.report import PrecisionReport
 from torchimpl.doctor.stats import Fp8Stats, LayerStats, ParamStats, dtype_name
 from torchimpl.doctor.batch import Scratch, backward_batch, forward_batch, grad_batch, param_batch
-from torchimpl.doctor.shadow import copy_optimizer
+from torchimpl.doctor.shadow import RngState, copy_optimizer, module_pairs
 from torchimpl.doctor.inner import InnerFindings, scan_module
 from torchimpl.doctor.verdicts import judge, judge_notes, sqnr_floor_db, verify_fixes
 from torchimpl.precision.fp32_modules import apply_fp32_modules
@@ -152,30 +150,6 @@ class _Scanner(_OpScanner):
         return func(*args, **kwargs)
 
 
-@dataclass(frozen=True)
-class _Rng:
-    """Every random generator's state (Python, NumPy, torch's CPU and CUDA generators), as the
-    generators themselves return it: ``run.checkpoint.capture_rng_state`` converts them to tensors
-    for a checkpoint file, which costs more than the step's own restores (three a step)."""
-
-    python: Any
-    numpy: Any
-    torch: torch.Tensor
-    cuda: list[torch.Tensor]
-
-    @staticmethod
-    def capture() -> _Rng:
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-        return _Rng(random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda)
-
-    def restore(self) -> None:
-        random.setstate(self.python)
-        np.random.set_state(self.numpy)
-        torch.set_rng_state(self.torch)
-        for i, state in enumerate(self.cuda):
-            torch.cuda.set_rng_state(state, i)
-
-
 def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return default_loss_fn(model, batch)
 
@@ -237,7 +211,7 @@ def inspect_precision(
     runner = _Runner(model, precision, dev, loss_fn or _default_loss, optimizer or _default_optimizer,
                      init_scale if precision == "fp16" else 1.0, tuple(fp32_modules), fp8_recipe, keep,
                      growth_interval, master_weights)
-    rng = _Rng.capture()
+    rng = RngState.capture()
     try:
         for i, batch in enumerate(itertools.islice(_cycle(batches), steps)):
             runner.step(i, batch)
@@ -309,7 +283,7 @@ class _Runner:
             self.obs.fp8[name] = Fp8Stats(name, rowwise=rowwise)
         self._scans = 0
         self._scratch = Scratch()  # the statistics' buffers, reused every step
-        self._state_modules = _module_pairs(self.shadow, mixed)
+        self._state_modules = module_pairs(self.shadow, mixed)
 
     @staticmethod
     def _fp8_names(model: nn.Module) -> list[str]:
@@ -333,7 +307,7 @@ class _Runner:
                             b.copy_(theirs._buffers[name])
         copy_optimizer(self.opt, self.shadow_opt)
 
-    def _run(self, model: nn.Module, batch: Any, mixed: bool, rng: _Rng, scanner: _Scanner | None) -> tuple:
+    def _run(self, model: nn.Module, batch: Any, mixed: bool, rng: RngState, scanner: _Scanner | None) -> tuple:
         rng.restore()
         model.zero_grad(set_to_none=True)
         rec = Recorder(model)
@@ -360,7 +334,7 @@ class _Runner:
     def step(self, i: int, batch: Any) -> None:
         batch = _to(batch, self.device)
         self._align()
-        rng = _Rng.capture()
+        rng = RngState.capture()
         scanner = _Scanner() if self._scans == 0 else None
         loss, rec, probe = self._run(self.mixed, batch, True, rng, scanner)
         if scanner is None and not bool(torch.isfinite(loss).all()) and self._scans < _SCANS:
@@ -384,7 +358,7 @@ class _Runner:
         self._update_scale(i, self._params_and_update(), rec, shadow_rec)
         rng.restore()
 
-    def _inner_scan(self, rec: Recorder, batch: Any, rng: _Rng) -> None:
+    def _inner_scan(self, rec: Recorder, batch: Any, rng: RngState) -> None:
         """Rule 5: the first layer whose SQNR collapsed this step, with finite outputs, scanned inside."""
         if self._inner_scans >= _INNER_SCANS or self.obs.shadow_failed is not None:
             return
@@ -558,25 +532,6 @@ class _Runner:
         if self.fp8_report is not None:
             out += self.fp8_report.lines()
         return out
-
-
-def _module_pairs(shadow: nn.Module, mixed: nn.Module) -> list[tuple[nn.Module, nn.Module]] | None:
-    """Each shadow module beside the mixed module of the same name, in ``state_dict``'s order;
-    None where a module shapes its ``state_dict`` itself (hooks, extra state, its own
-    ``_save_to_state_dict``: torchao's float8 layers may) or the names differ: then ``_align``
-    walks ``state_dict`` each step, a walk that costs more than the copies it makes."""
-    def plain(m: nn.Module) -> bool:
-        return not (m._state_dict_hooks or m._state_dict_pre_hooks) \
-            and type(m)._save_to_state_dict is nn.Module._save_to_state_dict \
-            and type(m).get_extra_state is nn.Module.get_extra_state
-
-    theirs = dict(mixed.named_modules(remove_duplicate=False))
-    mine = list(shadow.named_modules(remove_duplicate=False))
-    if len(mine) != len(theirs) or not all(plain(m) for m in (*shadow.modules(), *mixed.modules())):
-        return None
-    if any(name not in theirs for name, _ in mine):
-        return None
-    return [(m, theirs[name]) for name, m in mine]
 
 
 def _identity(t: torch.Tensor) -> tuple:

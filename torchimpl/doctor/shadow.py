@@ -3,17 +3,22 @@
 Each step the shadow starts from the mixed optimizer's state. ``load_state_dict(deepcopy(
 state_dict()))`` does that by deep-copying every state tensor (two per parameter for Adam) each
 step, a new allocation each; ``copy_optimizer`` does what it does into the shadow's own tensors
-(``bench/doctor_cost.py``).
+(``bench/doctor_cost.py``). ``module_pairs`` pairs the shadow's modules with the mixed
+model's once a run, and ``RngState`` lets both draw the same random numbers.
 """
 
 from __future__ import annotations
 
 import copy
+import random
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from torch import nn
 
-__all__ = ["copy_optimizer"]
+__all__ = ["RngState", "copy_optimizer", "module_pairs"]
 
 
 def copy_optimizer(src: torch.optim.Optimizer, dst: torch.optim.Optimizer) -> None:
@@ -60,3 +65,46 @@ def _state_copy(v: torch.Tensor, param: torch.Tensor, key: str, group: dict, old
             and old.device == device:
         return old.copy_(v)
     return v.detach().to(dtype=dtype, device=device, copy=True)
+
+
+@dataclass(frozen=True)
+class RngState:
+    """Every random generator's state (Python, NumPy, torch's CPU and CUDA generators), as the
+    generators themselves return it: ``run.checkpoint.capture_rng_state`` converts them to tensors
+    for a checkpoint file, which costs more than the step's own restores (three a step)."""
+
+    python: Any
+    numpy: Any
+    torch: torch.Tensor
+    cuda: list[torch.Tensor]
+
+    @staticmethod
+    def capture() -> RngState:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        return RngState(random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda)
+
+    def restore(self) -> None:
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        torch.set_rng_state(self.torch)
+        for i, state in enumerate(self.cuda):
+            torch.cuda.set_rng_state(state, i)
+
+
+def module_pairs(shadow: nn.Module, mixed: nn.Module) -> list[tuple[nn.Module, nn.Module]] | None:
+    """Each shadow module beside the mixed module of the same name, in ``state_dict``'s order;
+    None where a module shapes its ``state_dict`` itself (hooks, extra state, its own
+    ``_save_to_state_dict``: torchao's float8 layers may) or the names differ: then the doctor's ``_align``
+    walks ``state_dict`` each step, a walk that costs more than the copies it makes."""
+    def plain(m: nn.Module) -> bool:
+        return not (m._state_dict_hooks or m._state_dict_pre_hooks) \
+            and type(m)._save_to_state_dict is nn.Module._save_to_state_dict \
+            and type(m).get_extra_state is nn.Module.get_extra_state
+
+    theirs = dict(mixed.named_modules(remove_duplicate=False))
+    mine = list(shadow.named_modules(remove_duplicate=False))
+    if len(mine) != len(theirs) or not all(plain(m) for m in (*shadow.modules(), *mixed.modules())):
+        return None
+    if any(name not in theirs for name, _ in mine):
+        return None
+    return [(m, theirs[name]) for name, m in mine]
