@@ -11,6 +11,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -99,3 +100,11 @@ def write_result(name: str, data: dict[str, Any], out_dir: str | Path | None = N
     path = folder / f"{name}.json"
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
     return path
+
+
+def require_valgrind(what: str) -> None:
+    """Exit with a message naming ``what`` when Valgrind's callgrind tools are not on PATH
+    (the instruction counts of ``--instructions`` and ``bench/step_instructions.py`` need them)."""
+    missing = [tool for tool in ("valgrind", "callgrind_control", "callgrind_annotate") if shutil.which(tool) is None]
+    if missing:
+        raise SystemExit(f"{what} needs Valgrind's {', '.join(missing)} on PATH (e.g. apt-get install valgrind)")

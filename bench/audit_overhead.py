@@ -48,7 +48,6 @@ import argparse
 import os
 import re
 import runpy
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -192,10 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         instructions_inner(args.only[0], args.candidates, args.short, args.extra)
         return 0
     if args.instructions:
-        missing = [t for t in ("valgrind", "callgrind_control", "callgrind_annotate") if shutil.which(t) is None]
-        if missing:
-            raise SystemExit(f"--instructions needs Valgrind's {', '.join(missing)} on PATH "
-                             "(e.g. apt-get install valgrind)")
+        _harness.require_valgrind("--instructions")
         if args.sizes:
             ap.error("--instructions counts the named sizes (--only), not --sizes")
         counted = {"machine": _harness.machine(), "settings": vars(args), "sizes": {}}

@@ -42,7 +42,6 @@ import io
 import itertools
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -176,10 +175,7 @@ def main_(argv: list[str] | None = None) -> int:
         instructions_inner(args.candidates, args.steps, args.size)
         return 0
     if args.instructions:
-        missing = [t for t in ("valgrind", "callgrind_control", "callgrind_annotate") if shutil.which(t) is None]
-        if missing:
-            raise SystemExit(f"--instructions needs Valgrind's {', '.join(missing)} on PATH "
-                             "(e.g. apt-get install valgrind)")
+        _harness.require_valgrind("--instructions")
         data = instructions(args.candidates, args.steps, args.size)
         path = _harness.write_result("doctor_instructions", data, args.out)
         print(f"instructions of one run of {args.steps} steps (task lm, size {args.size}, one intra-op thread):")

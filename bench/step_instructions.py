@@ -22,7 +22,6 @@ import argparse
 import gc
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -113,10 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.inner:
         inner(args.only[0], args.short, args.extra)
         return 0
-    missing = [tool for tool in ("valgrind", "callgrind_control", "callgrind_annotate") if shutil.which(tool) is None]
-    if missing:
-        raise SystemExit(f"step_instructions needs Valgrind's {', '.join(missing)} on PATH "
-                         "(e.g. apt-get install valgrind)")
+    _harness.require_valgrind("step_instructions")
     results: dict = {"machine": _harness.machine(), "settings": vars(args), "configs": {}}
     for config in args.only:
         with tempfile.TemporaryDirectory(prefix="ampspec-callgrind-") as folder:
