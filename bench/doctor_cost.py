@@ -6,11 +6,18 @@ stdout discarded), on the embedded transformer (``lm``, size small, batch 16, CP
 
 - ``train``: ``ampspec train`` for 20 steps in bf16 (metrics.csv in a temporary run folder, no
   TensorBoard, no progress display);
+- ``loop_bf16``, ``loop_fp16``: a hand-written loop of the same steps on the same task (AdamW at
+  the doctor's lr, ``torch.autocast`` in that dtype, fp16 with ``GradScaler("cpu")``): the
+  training run in fp16, which ``ampspec train`` does not run on a CPU (it falls back to fp32);
 - ``doctor_bf16``, ``doctor_fp16``: ``ampspec doctor --task lm --precision ... --steps 20``;
 - ``train_stats_1``, ``train_stats_10``: ``train`` with ``logging.precision_stats`` 1 and 10.
 
 R rounds, the order rotating each round, after one warm-up round; ratios are the median over
-rounds of the per-round ratio to ``train`` (pairing by round cancels a shared machine's drift).
+rounds of the per-round ratio to ``train`` (pairing by round cancels a shared machine's drift),
+and each diagnosis's ratio to the training run in its own precision (``doctor_bf16`` over
+``train``, ``doctor_fp16`` over ``loop_fp16``): a diagnosis runs the model in the mode it diagnoses, so on a CPU without float16
+arithmetic (emulated, several times bf16's cost) an fp16 diagnosis over a bf16 run measures the
+CPU, not the doctor.
 Every training run writes a fresh run folder of its own (a folder holding an earlier run's
 files is refused). The issue's bound: the doctor for 20 steps costs at most 3x 20 training steps.
 
@@ -61,22 +68,55 @@ def _candidates(folder: Path, steps: int = STEPS, size: str = "small") -> dict[s
     """Each candidate's command line, made afresh for each of its runs."""
     runs = itertools.count()
     base = ["train", "-q", "--set", "device=cpu", "--set", "task.name=lm", "--set", f"task.size={size}",
-            "--set", "train.batch_size=16", "--set", f"train.steps={steps}", "--set", "precision.mode=bf16",
-            "--set", "logging.progress=off"]
+            "--set", "train.batch_size=16", "--set", f"train.steps={steps}", "--set", "logging.progress=off"]
 
-    def train(stats: int) -> Callable[[], list[str]]:
+    def train(stats: int, mode: str = "bf16") -> Callable[[], list[str]]:
         # every training candidate writes its run folder (metrics.csv, no TensorBoard), so that
         # the precision_stats candidates differ from the baseline in that setting alone; a new
         # folder for every run, since a folder holding an earlier run's files is refused
-        return lambda: [*base, "--set", f"logging.dir={folder / f'stats{stats}-run{next(runs)}'}",
+        return lambda: [*base, "--set", f"precision.mode={mode}",
+                        "--set", f"logging.dir={folder / f'{mode}-stats{stats}-run{next(runs)}'}",
                         "--set", "logging.tensorboard=false", "--set", "checkpoint.folder=null",
                         "--set", f"logging.precision_stats={stats}"]
 
     doctor = ["doctor", "--task", "lm", "--size", size, "--batch-size", "16", "--steps", str(steps),
               "--device", "cpu"]
-    return {"train": train(0), "doctor_bf16": lambda: [*doctor, "--precision", "bf16"],
+    return {"train": train(0), "loop_bf16": lambda: _loop("bf16", steps, size),
+            "loop_fp16": lambda: _loop("fp16", steps, size), "doctor_bf16": lambda: [*doctor, "--precision", "bf16"],
             "doctor_fp16": lambda: [*doctor, "--precision", "fp16"], "train_stats_1": train(1),
             "train_stats_10": train(10)}
+
+
+def _loop(mode: str, steps: int, size: str) -> Callable[[], int]:
+    """A plain training loop of ``steps`` steps on the doctor's task (seed 0, batch 16, AdamW at
+    the doctor's default lr 1e-3) under ``torch.autocast("cpu", dtype)``; fp16 with a GradScaler."""
+
+    def run() -> int:
+        import torch
+
+        from torchimpl.config.schema import TaskConfig
+        from torchimpl.task.builtin import build_task
+
+        task = build_task(TaskConfig(name="lm", size=size), seed=0, batch_size=16)
+        model, dtype = task.model, {"bf16": torch.bfloat16, "fp16": torch.float16}[mode]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", enabled=mode == "fp16")
+        batches = iter(task.train_data)
+        for _ in range(steps):
+            inputs, targets = next(batches)
+            with torch.autocast("cpu", dtype=dtype):
+                loss = model(inputs, targets)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+        return 0
+
+    return run
+
+
+SAME_PRECISION = {"doctor_bf16": "train", "doctor_fp16": "loop_fp16"}
+"""Each diagnosis's baseline: the training run in the precision it diagnoses."""
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -84,13 +124,14 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 run costs the machine, less sensitive to other work than the wall time, not insensitive)."""
 
 
-def _time(argv: list[str], clock: Callable[[], float] = time.perf_counter) -> float:
+def _time(argv: list[str] | Callable[[], int], clock: Callable[[], float] = time.perf_counter) -> float:
+    """The time of one candidate's run: a command line of ``ampspec``, or a loop (`_loop`)."""
     t0 = clock()
     with contextlib.redirect_stdout(io.StringIO()):
-        code = main(argv)
+        code = argv() if callable(argv) else main(argv)
     elapsed = clock() - t0
     if code not in (0, 1):
-        raise RuntimeError(f"{' '.join(argv)} exited {code}")
+        raise RuntimeError(f"{argv if callable(argv) else ' '.join(argv)} exited {code}")
     return elapsed
 
 
@@ -112,6 +153,7 @@ def run(rounds: int, steps: int = STEPS, size: str = "small", clock: str = "wall
         "clock": clock,
         "seconds_median": {n: _harness.median(v) for n, v in blocks.items()},
         "ratio_vs_train": {n: _harness.paired_ratio(blocks, n, "train") for n in names if n != "train"},
+        "ratio_vs_same_precision": {n: _harness.paired_ratio(blocks, n, b) for n, b in SAME_PRECISION.items()},
         "note": "a shared, busy 2-core machine: read the ratios, not the seconds",
     }
 
@@ -189,6 +231,9 @@ def main_(argv: list[str] | None = None) -> int:
     print(f"cost against a plain ampspec train of the same {args.steps} steps (task lm, size {args.size}):")
     for name, r in data["ratio_vs_train"].items():
         print(f"{name:16s} {r['median']:.2f}x train (min {r['min']:.2f}, max {r['max']:.2f}, {r['rounds']} rounds)")
+    print("each diagnosis against the training run in its own precision (the bound's measure):")
+    for name, r in data["ratio_vs_same_precision"].items():
+        print(f"{name:16s} {r['median']:.2f}x {SAME_PRECISION[name]} (min {r['min']:.2f}, max {r['max']:.2f})")
     print(f"{args.clock} seconds (median): " + ", ".join(f"{n} {s:.1f}" for n, s in data["seconds_median"].items()))
     print(f"written to {path}")
     return 0
