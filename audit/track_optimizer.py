@@ -305,12 +305,13 @@ GRADIENTS_GONE = ("compiled optimizer step whose gradients were gone when the au
                   "the compiled function, by a zero_grad the audit does not see there: Module.zero_grad)")
 
 
-def state_signature(o: OptTrack) -> list[Any]:
-    """The optimizer state's tensors by (id of their parameter, key, version counter), in the
-    state's order: a step that creates or updates state changes it. Read from the state's items,
-    not looked up per parameter: a tensor key's hash is a Python call, ten a step on a small model."""
-    return [(id(p), k, v._version) for p, st in o.obj.state.items() for k, v in st.items()
-            if isinstance(v, torch.Tensor)]
+def state_signature(o: OptTrack) -> list[int]:
+    """The version counters of the optimizer state's tensors, in the state's order: a step that
+    updates state advances one, a step that creates state lengthens the list (state is only
+    added, never re-keyed, by torch's steps). Read from the state's values, not looked up per
+    parameter: a tensor key's hash is a Python call; no ids or keys kept, since the list is only
+    compared with itself across one window (taken at every backward)."""
+    return [v._version for st in o.obj.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
 def _versions(o: OptTrack) -> list[int]:

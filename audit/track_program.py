@@ -171,5 +171,7 @@ class ProgramCalls:
         """The saves since the last step of the first optimizer, for checkpoint-without-scaler."""
         saves, self._saves = self._saves, []
         read, self._scaler_state_read = self._scaler_state_read, None
-        scaler = next((s for s in self.scalers.values() if s.enabled and s.used), None) if saves else None
+        if not saves:
+            return  # no checkpoint after this step: nothing to describe (every step of most runs)
+        scaler = next((s for s in self.scalers.values() if s.enabled and s.used), None)
         self._report(dispatch(CheckpointSaved(saves, scaler.label if scaler is not None else None, read)))

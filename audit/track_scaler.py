@@ -14,6 +14,7 @@ from audit import sequence
 from audit.events import DirectSteps, ScalerFirstDrive
 from audit.records import OptTrack, ScalerTrack, _f32, _found_inf, _pairs, call_site, s_where
 from audit.rules import dispatch
+from reference.scaling import READY
 
 
 class ScalerCalls:
@@ -21,10 +22,11 @@ class ScalerCalls:
 
     # ------------------------------------------------------------------ the call sequence
 
-    def _sequence_args(self, s: ScalerTrack, o: OptTrack, where: str) -> dict[str, Any]:
+    def _sequence_args(self, s: ScalerTrack, o: OptTrack, where: str, dtypes: bool = True) -> dict[str, Any]:
         """What the spec's stage functions take: whether scale() ran (torch checks its ``_scale``),
-        the dtypes of the gradients present; and the event's labels."""
-        dtypes = {g.dtype for p in o.params() if (g := p.grad) is not None}
+        the dtypes of the gradients present (``dtypes`` False: none read, where the stage
+        function does not read them: a step after unscale_); and the event's labels."""
+        dtypes = {g.dtype for p in o.params() if (g := p.grad) is not None} if dtypes else ()
         return {"optimizer": o.label, "step": o.steps, "where": where, "last_step_where": s_where(o),
                 "scaled": getattr(s.obj, "_scale", None) is not None,
                 "grad_dtypes": sequence.numpy_dtypes(dtypes)}
@@ -129,8 +131,10 @@ class ScalerCalls:
             return
         self._drives(s, o)
         amp_aware = bool(getattr(o.obj, "_step_supports_amp_scaling", False))
-        ev = sequence.step_call(self._stage(s, o), closure=closure, amp_aware=amp_aware,
-                                **self._sequence_args(s, o, where))
+        before = self._stage(s, o)
+        # step_stage reads the gradients' dtypes only for its own unscale, from READY.
+        ev = sequence.step_call(before, closure=closure, amp_aware=amp_aware,
+                                **self._sequence_args(s, o, where, dtypes=before.stage == READY))
         s.call[id(o.obj)] = ev
         self._sequence_call(s, o, ev)
         o.scaler_step_where = where
@@ -184,14 +188,14 @@ class ScalerCalls:
         s.stage.clear()  # update() sends every optimizer back to READY (reference.scaling rule 12)
         s.bypass.clear()
         s.reported_no_update.clear()
-        after = (_f32(s.scale()), int(scaler._get_growth_tracker()))
+        scale, tracker = s.scale(), int(scaler._get_growth_tracker())
         for o, _, rec in s.pending:
-            rec.scale_after = float(after[0])
-            rec.growth_tracker = after[1]
+            rec.scale_after = scale
+            rec.growth_tracker = tracker
         pending = list(s.pending)
         self._flush_pending(s)  # the steps first: a divergence is reported in the contract's order
         if self.replayer is not None and s.update_before is not None:
-            self.replayer.update(s, pending, s.update_before, after, new_scale, self)
+            self.replayer.update(s, pending, s.update_before, (_f32(scale), tracker), new_scale, self)
 
     def _flush_pending(self, s: ScalerTrack) -> None:
         pending, s.pending = s.pending, []
