@@ -283,6 +283,15 @@ def test_the_doctor_cost_benchmark_runs_several_rounds(tmp_path, capsys):
     assert bench.main_(["--rounds", "2", "--steps", "1", "--size", "tiny", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "doctor_cost.json").read_text())
     assert (data["rounds"], data["steps"], data["size"]) == (2, 1, "tiny")
-    assert sorted(data["ratio_vs_train"]) == ["doctor_bf16", "doctor_fp16", "train_stats_1", "train_stats_10"]
+    assert sorted(data["ratio_vs_train"]) == ["doctor_bf16", "doctor_fp16", "loop_bf16", "loop_fp16",
+                                              "train_stats_1", "train_stats_10"]
     assert all(r["rounds"] == 2 for r in data["ratio_vs_train"].values())
-    assert "cost against a plain ampspec train of the same 1 steps" in capsys.readouterr().out
+    # Each diagnosis against the training run in the precision it diagnoses: ampspec train does
+    # not run fp16 on a CPU, so the fp16 diagnosis's baseline is the hand-written fp16 loop.
+    same = data["ratio_vs_same_precision"]
+    assert sorted(same) == ["doctor_bf16", "doctor_fp16"]
+    assert same["doctor_bf16"] == data["ratio_vs_train"]["doctor_bf16"]
+    assert same["doctor_fp16"]["rounds"] == 2 and same["doctor_fp16"] != data["ratio_vs_train"]["doctor_fp16"]
+    out = capsys.readouterr().out
+    assert "cost against a plain ampspec train of the same 1 steps" in out
+    assert "doctor_fp16" in out.split("in its own precision")[1] and "x loop_fp16" in out
