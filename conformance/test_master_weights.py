@@ -563,3 +563,26 @@ def test_none_steps_match_the_spec_on_avx2_kernels(device):
         f"rule 13's properties failed with ATEN_CPU_CAPABILITY=avx2 (exit code {result.returncode}); rerun: "
         f"ATEN_CPU_CAPABILITY=avx2 {AVX2_RERUN_ENV}=1 python -m pytest {test} -k '{AVX2_TESTS}'\n"
         f"--- output (tail) ---\n{output}")
+
+
+@pytest.mark.parametrize("impl", ["for-loop", "foreach"])
+def test_adafactor_on_16_bit_parameters_factors_matrices_and_3d_tensors(impl, device):
+    """``reference.lowprec`` rule 16 on shapes the drawn property does not reach: a 3-d tensor
+    (factored over its last two dimensions, per leading index), a matrix of 40 columns (its row
+    norms take bfloat16's 16-element blocks and a tail, ``reference.reductions`` rule 11), a column
+    and a row (a dimension of 1 on either side), a vector and a 0-d tensor; weight decay, maximize
+    and an explicit ``eps1``, bit for bit in the exact mode and, step by step from torch's state,
+    on the machine's kernels (rule 13: rsqrt's native head). Mutants killed: rsqrt rounded once
+    (``conformance.mutations``: ``lowprec_adafactor_rsqrt_rounds_once``), the foreach update
+    multiplied by a float32 scalar, the outer product and the division rounded once, the row
+    statistic rounded once, the foreach weight decay by a float32 scalar."""
+    rng = np.random.default_rng(5)
+    shapes = [(2, 17, 40), (33, 40), (9, 1), (1, 9), (100,), ()]
+    for storage in mw_strategies.storage_formats("none"):
+        for config in (dict(lr=0.05, weight_decay=0.1, maximize=True), dict(lr=0.3, eps=(1e-3, 1e-3), d=1.5)):
+            params = [rng.standard_normal(s).astype(storage) for s in shapes]
+            grads = [[rng.standard_normal(s).astype(storage) for s in shapes] for _ in range(4)]
+            case = dict(config=config, storage=storage, params=params, grads=grads, seed=0, boundary=None)
+            run_case("none", "Adafactor", impl, case, device)
+            if device == "cpu" and torch.backends.cpu.get_cpu_capability() in lowprec.KERNELS:  # rule 13 too
+                run_native_case("Adafactor", impl, case, torch.backends.cpu.get_cpu_capability())
