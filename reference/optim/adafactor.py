@@ -41,7 +41,9 @@ Python floats are float64):
    reductions included, matches torch bit for bit. Native AVX2/AVX512 kernels keep the sums'
    order (32-byte vectors, measured) but contract the norms' multiply-adds (and the lerp's),
    so the norms differ in the last bits; ``adafactor_magnitudes`` derives the bound from the
-   reductions' lengths.
+   reductions' lengths. Parameters stored in bfloat16 or float16 (float32 arithmetic inside
+   each kernel, float32 accumulators in the reductions): ``reference.lowprec`` rule 16, bit for
+   bit on native kernels too.
 
 Where torch differs from the published algorithm (Shazeer & Stern 2018; each a tested
 expectation in conformance/test_optim_adafactor.py): ``lr`` caps the relative step size (the
@@ -143,8 +145,9 @@ def resolve_eps1(config: AdafactorConfig, arrays: Sequence[np.ndarray], grads: S
 def check_sizes(params: Sequence[np.ndarray], grads: Sequence) -> None:
     """Rule 10: a zero-size parameter with a gradient is refused, naming it."""
     for i, (p, g) in enumerate(zip(params, grads)):
-        require(g is None or np.size(p) > 0, f"params[{i}] is empty (shape {np.shape(p)}): torch's Adafactor divides "
-                                             "0.0 by 0.0 for its RMS and raises ZeroDivisionError (rule 10); leave it out")
+        require(g is None or np.size(p) > 0,
+                f"params[{i}] is empty (shape {np.shape(p)}): torch's Adafactor divides 0.0 by 0.0 for its RMS and "
+                "raises ZeroDivisionError (rule 10); leave it out")
 
 
 def _second_moment(d: np.ndarray, s: AdafactorState, w: float, eps1: float) -> tuple[np.ndarray, AdafactorState]:
