@@ -24,9 +24,10 @@ step changes nothing, and the bits replay the generator. The exact-mode rerun
 
 The ``none`` option (torch's kernels on the low-precision tensors themselves) is compared where
 ``reference.lowprec`` models it (``lowprec.COVERED``: the for-loop and foreach paths of SGD,
-Adam, AdamW, RMSprop, Adagrad, Adamax, Adadelta, NAdam and RAdam, the fused paths of Adam, AdamW,
-Adagrad and SGD; fused SGD with momentum is refused by the spec, which a drawn case checks), bit
-for bit in the exact mode. Mutants killed there
+Adam, AdamW, RMSprop, Adagrad, Adamax, Adadelta, NAdam, RAdam and Adafactor, the fused paths of
+Adam, AdamW, Adagrad and SGD; fused SGD with momentum is refused by the spec, which a drawn case
+checks, and so is an empty Adafactor parameter with a gradient, where torch raises
+ZeroDivisionError), bit for bit in the exact mode. Mutants killed there
 (measured): the in-place foreach multiply without its scalar rounded to S (3 of the 8
 SGD/Adam/AdamW pairs fail), the fused path computed op by op (2 fail), a fused result rounded
 through float16 first (1 fails), Adagrad's foreach in-place scaling of the gradient by a float32
@@ -38,7 +39,10 @@ foreach multiply by a float32 scalar in Adamax's ``exp_inf`` (2 fail), Adadelta'
 the foreach NAdam denominator in the for-loop order (2 fail), the foreach RAdam update computed as
 the for-loop one (2 fail); the foreach SGD fallback while a buffer is missing, Adamax's ``eps``
 rounded to S and RAdam's reciprocal (for-loop: one rounded division; foreach: the quotient left
-unrounded before it, or its scalar rounded to S) have explicit cases below.
+unrounded before it, or its scalar rounded to S) have explicit cases below, and so do
+Adafactor's (rsqrt rounded once, the foreach update or weight decay by a float32 scalar, the
+outer product and its division rounded once, the row statistic rounded once: 1 or 2 of its 2
+pairs fail each).
 """
 
 from __future__ import annotations
