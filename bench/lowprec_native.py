@@ -9,9 +9,12 @@ a class). Printed per pair: the parameter steps, how many differ bit for bit, an
 distance in ULPs of S at the spec row's magnitudes (fused Adam/AdamW on native kernels: rule
 13's bound; inf where a pair stated bit for bit differs); a digest of torch's own bits, equal
 across capabilities that run the same kernels.
-``--block BYTES`` steps the native paths with another block (a wrong model, to see it fail).
+Adafactor steps 0-d, vector, matrix and 3-d parameters (``SHAPES_OF``).
+``--block BYTES`` steps the native paths with another block (a wrong model, to see it fail);
+``--optimizer NAME`` sweeps one optimizer.
 
     PYTHONPATH=. python bench/lowprec_native.py        # about a minute on 2 cores
+    PYTHONPATH=. python bench/lowprec_native.py --optimizer Adafactor
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(), (0,), (1,), (7,), (8,), (15,), (16,), (31,), (32,), (33,), (64,), (100,), (1000,)]
+# Adafactor factors matrices over their last two dimensions, and refuses an empty parameter (torch
+# raises ZeroDivisionError): 0-d, vectors, matrices (rows or columns of 1 among them) and 3-d tensors.
+SHAPES_OF = {"Adafactor": [(), (1,), (7,), (33,), (100,), (1000,), (1, 1), (5, 1), (1, 9), (3, 5), (17, 40),
+                           (64, 33), (2, 3, 4), (4, 33, 7), (2, 16, 100)]}
 CONFIGS = {
     "SGD": [dict(lr=0.1), dict(lr=0.37, weight_decay=0.3),
             dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
@@ -38,6 +45,8 @@ CONFIGS = {
     "Adadelta": [dict(), dict(weight_decay=0.1, lr=0.5)],
     "NAdam": [dict(), dict(weight_decay=0.1, decoupled_weight_decay=True)],
     "RAdam": [dict(), dict(weight_decay=0.1, decoupled_weight_decay=True)],
+    "Adafactor": [dict(), dict(lr=0.05, weight_decay=0.1, maximize=True),
+                  dict(lr=0.3, eps=(1e-3, 1e-3), beta2_decay=-0.5, d=1.5)],
 }
 FLAGS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
 
@@ -61,7 +70,7 @@ def _ulps(got, want, x_abs) -> float:
     return float(np.max(dist)) if dist.size else 0.0
 
 
-def sweep(block: int | None) -> dict:
+def sweep(block: int | None, only: str | None = None) -> dict:
     """This process's kernels against the spec: per pair, [parameter steps, differing, largest ULPs], digest."""
     import numpy as np
     import torch
@@ -75,7 +84,10 @@ def sweep(block: int | None) -> dict:
         lowprec.KERNELS[kernels] = block
     out = {}
     for name, configs in CONFIGS.items():
+        if only is not None and name != only:
+            continue
         row = optim.spec(name)
+        shapes = SHAPES_OF.get(name, SHAPES)
         for impl in lowprec.COVERED[name]:
             counts, digest = [0, 0, 0.0], hashlib.sha256()
             bounded = lowprec.bound(name, impl, kernels) > 0
@@ -86,12 +98,12 @@ def sweep(block: int | None) -> dict:
                         continue
                     for seed in range(3):
                         rng = np.random.default_rng(seed)
-                        ws = [rng.standard_normal(s).astype(np.float32).astype(storage) for s in SHAPES]
+                        ws = [rng.standard_normal(s).astype(np.float32).astype(storage) for s in shapes]
                         params = [torch.nn.Parameter(to_torch(w)) for w in ws]
                         opt = getattr(torch.optim, name)(params, **FLAGS[impl], **kwargs)
                         states = [mw.init_master_state("none", w, row, cfg, storage).opt for w in ws]
                         for _ in range(6):
-                            grads = [rng.standard_normal(s).astype(np.float32).astype(storage) for s in SHAPES]
+                            grads = [rng.standard_normal(s).astype(np.float32).astype(storage) for s in shapes]
                             for p, g in zip(params, grads):
                                 p.grad = to_torch(g)
                             opt.step()
@@ -132,8 +144,11 @@ def _torch_state(spec_state, torch_state: dict):
 def main() -> None:
     args = sys.argv[1:]
     block = int(args[args.index("--block") + 1]) if "--block" in args else None
+    only = args[args.index("--optimizer") + 1] if "--optimizer" in args else None
+    if only is not None and only not in CONFIGS:
+        sys.exit(f"--optimizer {only!r}: not one of {', '.join(CONFIGS)}")
     if "--child" in args:
-        print(json.dumps(sweep(block)))
+        print(json.dumps(sweep(block, only)))
         return
     for capability in ("default", "avx2", None):
         env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
@@ -141,6 +156,7 @@ def main() -> None:
         if capability:
             env["ATEN_CPU_CAPABILITY"] = capability
         extra = ["--block", str(block)] if block is not None and capability != "default" else []
+        extra += ["--optimizer", only] if only is not None else []
         run = subprocess.run([sys.executable, __file__, "--child", *extra], env=env, capture_output=True, text=True,
                              check=True, cwd=ROOT)
         result = json.loads(run.stdout.strip().splitlines()[-1])

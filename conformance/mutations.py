@@ -44,6 +44,7 @@ MASTER = "torchimpl/train/master_weights.py"
 MASTER_TESTS = ("conformance/test_master_weights.py",)
 FUSED_16_TESTS = ("conformance/test_master_weights.py::test_fused_sgd_and_adagrad_on_16_bit_parameters_round_as_rule_15_says",)
 GRAD_REDUCTION = "reference/grad_reduction.py"
+ADAFACTOR_16_TESTS = ("conformance/test_master_weights.py::test_adafactor_on_16_bit_parameters_factors_matrices_and_3d_tensors",)
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,14 @@ SPEC_MUTANTS = (
            "the spec's fused Adagrad on S takes the root of the sum rounded to S, not of its float32 value",
            "reference/lowprec.py", "(np.sqrt(total) + _fused_scalar(p, c.eps))",
            "(np.sqrt(_f(_r(total, p.dtype))) + _fused_scalar(p, c.eps))", FUSED_16_TESTS),
+    Mutant("lowprec_adafactor_rsqrt_rounds_once",
+           "the spec's Adafactor on S takes rsqrt with one rounding, not the scalar kernel's root rounded to S first",
+           "reference/lowprec.py", "    return _r(_F32(1) / _f(sqrt(x)), x.dtype)\n",
+           "    return _r(_F32(1) / np.sqrt(_f(x)), x.dtype)\n", ADAFACTOR_16_TESTS),
+    Mutant("reductions_bf16_norm_in_order",
+           "the spec's bfloat16 norm adds its squares in order, not in torch's 8 lanes over 16-element blocks",
+           "reference/reductions.py", '        lanes_bf16 = storage.name == "bfloat16"\n',
+           "        lanes_bf16 = False\n", ("conformance/test_reductions.py::test_16_bit_norms_follow_torchs_order",)),
     Mutant("lowprec_avx2_block_is_its_vector",
            "the spec's AVX2 kernels split head and tail at one 32-byte vector, not the loop's 64-byte pass",
            "reference/lowprec.py", '"AVX2": 64,', '"AVX2": 32,',

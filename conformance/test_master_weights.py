@@ -24,9 +24,10 @@ step changes nothing, and the bits replay the generator. The exact-mode rerun
 
 The ``none`` option (torch's kernels on the low-precision tensors themselves) is compared where
 ``reference.lowprec`` models it (``lowprec.COVERED``: the for-loop and foreach paths of SGD,
-Adam, AdamW, RMSprop, Adagrad, Adamax, Adadelta, NAdam and RAdam, the fused paths of Adam, AdamW,
-Adagrad and SGD; fused SGD with momentum is refused by the spec, which a drawn case checks), bit
-for bit in the exact mode. Mutants killed there
+Adam, AdamW, RMSprop, Adagrad, Adamax, Adadelta, NAdam, RAdam and Adafactor, the fused paths of
+Adam, AdamW, Adagrad and SGD; fused SGD with momentum is refused by the spec, which a drawn case
+checks, and so is an empty Adafactor parameter with a gradient, where torch raises
+ZeroDivisionError), bit for bit in the exact mode. Mutants killed there
 (measured): the in-place foreach multiply without its scalar rounded to S (3 of the 8
 SGD/Adam/AdamW pairs fail), the fused path computed op by op (2 fail), a fused result rounded
 through float16 first (1 fails), Adagrad's foreach in-place scaling of the gradient by a float32
@@ -38,7 +39,10 @@ foreach multiply by a float32 scalar in Adamax's ``exp_inf`` (2 fail), Adadelta'
 the foreach NAdam denominator in the for-loop order (2 fail), the foreach RAdam update computed as
 the for-loop one (2 fail); the foreach SGD fallback while a buffer is missing, Adamax's ``eps``
 rounded to S and RAdam's reciprocal (for-loop: one rounded division; foreach: the quotient left
-unrounded before it, or its scalar rounded to S) have explicit cases below.
+unrounded before it, or its scalar rounded to S) have explicit cases below, and so do
+Adafactor's (rsqrt rounded once, the foreach update or weight decay by a float32 scalar, the
+outer product and its division rounded once, the row statistic rounded once: 1 or 2 of its 2
+pairs fail each).
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ REPRO = "rerun this test with the @reproduce_failure blob printed above"
 CASES = [(option, name, impl) for option in ("fp32", "kahan", "stochastic")
          for name, row in optim.SPECS.items() if name in strategies.OPTIMIZER_CASES for impl in row.steps]
 CASES += [("none", name, impl) for name, impls in lowprec.COVERED.items() for impl in impls]
+# reference.optim.adafactor rule 10: the spec's refusal of an empty parameter with a gradient.
+EMPTY_REFUSED = r"params\[\d+\] is empty \(shape \([0-9, ]*\)\): torch's Adafactor .* raises ZeroDivisionError"
 
 
 def _flags(impl: str) -> dict:
@@ -193,6 +199,9 @@ def run_case(option: str, name: str, impl: str, case: dict, device: str) -> None
         if known is not None:
             with pytest.raises(known[0], match=known[1]):
                 mw.step(measure_lost=True)
+            if known[0] is ZeroDivisionError:  # an empty Adafactor parameter: the spec refuses it by name
+                with pytest.raises(ValueError, match=EMPTY_REFUSED):
+                    ref.master_step(option, row, impl, states, grads, cfg, sqrt=sqrt)
             event(f"{name}[{impl}]: keyed expectation {known[0].__name__}")
             return
         before = [to_numpy(p) for p in params]
@@ -380,6 +389,14 @@ def run_native_case(name: str, impl: str, case: dict, kernels: str) -> None:
         opts = [_torch_state(s, opt.state.get(p, {})) for s, p in zip(opts, params)]
         for p, g in zip(params, grads):
             p.grad = None if g is None else to_torch(g)
+        known = expectations.known_optimizer_failure(name, impl, cfg, grads, tuple(opts), "cpu")
+        if known is not None:  # an empty Adafactor parameter: torch's ZeroDivisionError, the spec's refusal
+            with pytest.raises(known[0], match=known[1]):
+                opt.step()
+            with pytest.raises(ValueError, match=EMPTY_REFUSED):
+                lowprec.step(row, impl, weights, grads, opts, cfg, kernels=kernels)
+            event(f"{name}[{impl}]: keyed expectation {known[0].__name__}")
+            return
         opt.step()
         new_w, new_s = lowprec.step(row, impl, weights, grads, opts, cfg, kernels=kernels)
         for i, p in enumerate(params):
@@ -550,3 +567,26 @@ def test_none_steps_match_the_spec_on_avx2_kernels(device):
         f"rule 13's properties failed with ATEN_CPU_CAPABILITY=avx2 (exit code {result.returncode}); rerun: "
         f"ATEN_CPU_CAPABILITY=avx2 {AVX2_RERUN_ENV}=1 python -m pytest {test} -k '{AVX2_TESTS}'\n"
         f"--- output (tail) ---\n{output}")
+
+
+@pytest.mark.parametrize("impl", ["for-loop", "foreach"])
+def test_adafactor_on_16_bit_parameters_factors_matrices_and_3d_tensors(impl, device):
+    """``reference.lowprec`` rule 16 on shapes the drawn property does not reach: a 3-d tensor
+    (factored over its last two dimensions, per leading index), a matrix of 40 columns (its row
+    norms take bfloat16's 16-element blocks and a tail, ``reference.reductions`` rule 11), a column
+    and a row (a dimension of 1 on either side), a vector and a 0-d tensor; weight decay, maximize
+    and an explicit ``eps1``, bit for bit in the exact mode and, step by step from torch's state,
+    on the machine's kernels (rule 13: rsqrt's native head). Mutants killed: rsqrt rounded once
+    (``conformance.mutations``: ``lowprec_adafactor_rsqrt_rounds_once``), the foreach update
+    multiplied by a float32 scalar, the outer product and the division rounded once, the row
+    statistic rounded once, the foreach weight decay by a float32 scalar."""
+    rng = np.random.default_rng(5)
+    shapes = [(2, 17, 40), (33, 40), (9, 1), (1, 9), (100,), ()]
+    for storage in mw_strategies.storage_formats("none"):
+        for config in (dict(lr=0.05, weight_decay=0.1, maximize=True), dict(lr=0.3, eps=(1e-3, 1e-3), d=1.5)):
+            params = [rng.standard_normal(s).astype(storage) for s in shapes]
+            grads = [[rng.standard_normal(s).astype(storage) for s in shapes] for _ in range(4)]
+            case = dict(config=config, storage=storage, params=params, grads=grads, seed=0, boundary=None)
+            run_case("none", "Adafactor", impl, case, device)
+            if device == "cpu" and torch.backends.cpu.get_cpu_capability() in lowprec.KERNELS:  # rule 13 too
+                run_native_case("Adafactor", impl, case, torch.backends.cpu.get_cpu_capability())

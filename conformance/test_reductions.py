@@ -9,19 +9,30 @@ too); the norms contract their multiply-adds, so each norm of ``n`` elements is 
 ``n / 2 + 1`` roundings per side (`reference.optim.adafactor`'s derivation): ``|a - b| <=
 (n + 2) * u * |norm|``.
 
+bfloat16 and float16 norms and means (rules 11-12) are exact on every capability (float32
+accumulators of exact squares, one rounding to S). A random sum rarely lies close enough to an
+S rounding boundary for the order of its float32 additions to show, so their cases are crafted:
+the exact sum lies within a few float32 roundings of the boundary between two S values of the
+result, and only the right order lands on torch's side of it. Mutants killed (measured): the
+bfloat16 norm summed in order (no lanes) or with blocks of 8, the float16 norm with bfloat16's
+lanes, the float32 sum rounded to S before the root, the mean summed in order.
+
 Not reached here: the cascade's wider level steps (``ceil_log2(rows) // 4 > 4``, more than 2**19
 lane vectors per output), which torch takes only on reductions of millions of elements.
 """
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from conformance import expectations
 from conformance.assertions import Where, assert_same
+from conformance.bridge import to_numpy, to_torch
 from reference import reductions
 
 REPRO = "rerun this test with the @reproduce_failure blob printed above"
@@ -85,3 +96,67 @@ def test_outer_sums_group_their_outputs_as_torch_does(device):
                 assert_same(got, reductions.sum_along(x, -2),
                             Where("reductions", step=0, field=f"sum over dim -2 of {np.dtype(dtype)}[2, {n}, {inner}]",
                                   repro="python -m pytest conformance/test_reductions.py -k outer"))
+
+
+BF16, F16 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)
+
+
+def _near_boundary(rng: np.random.Generator, dtype: np.dtype, n: int, power: int, target: float) -> np.ndarray:
+    """``n`` S values in a random order whose exact sum of ``x ** power`` lies within a few float32
+    roundings of ``target``: ``n - 4`` random ones spanning 2**12 in magnitude (so that float32
+    partial sums round), then up to four corrections, each the largest S value not past what remains."""
+    q = lambda v: float(np.asarray(v, np.float64).astype(dtype))  # noqa: E731  (RNE to S)
+    budget = target * 0.98
+    x = rng.uniform(0.5, 1.0, n - 4) * np.exp2(rng.integers(-12, 0, n - 4))
+    x = np.array([q(v) for v in x * (budget / max(float(np.sum(x ** power)), 1e-300)) ** (1 / power)])
+    rest, fixes = target - float(np.sum(x ** power)), []
+    for _ in range(4):
+        c = q(max(rest, 0.0) ** (1 / power))
+        if c ** power > rest:
+            c = float(np.nextafter(np.asarray(c, dtype), np.asarray(0, dtype)))
+        fixes.append(max(c, 0.0))
+        rest -= fixes[-1] ** power
+    out = np.concatenate([x, fixes])
+    rng.shuffle(out)
+    return out.astype(dtype)
+
+
+def _midpoint(rng: np.random.Generator, dtype: np.dtype) -> float:
+    """A point halfway between two adjacent S values in [1, 2)."""
+    a = float(np.asarray(rng.uniform(1, 1.9)).astype(dtype))
+    return a + float(np.spacing(np.asarray(a, dtype)).astype(np.float64)) / 2
+
+
+@given(dtype=st.sampled_from([BF16, F16]), n=st.sampled_from([5, 8, 15, 16, 17, 31, 32, 33, 100, 600, 2000]),
+       rows=st.integers(1, 3), layout=st.sampled_from(["all", "last", "other", "trailing one"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_16_bit_norms_follow_torchs_order(dtype, n, rows, layout, seed, device):
+    """Rule 11: ``torch.linalg.vector_norm`` of bfloat16/float16 tensors, bit for bit on every
+    capability, each row's sum of squares crafted to lie at an S rounding boundary of its root:
+    over the whole tensor, the last dimension, another one (``(n, rows)`` over dim 0) and a
+    dimension followed by one of length 1 (a contiguous run)."""
+    if device != "cpu":
+        pytest.skip("rule 11 states the CPU kernels")
+    rng = np.random.default_rng(seed)
+    x = np.stack([_near_boundary(rng, dtype, n, 2, _midpoint(rng, dtype) ** 2) for _ in range(rows)])
+    axis = {"all": None, "last": -1, "other": 0, "trailing one": 1}[layout]
+    x = {"all": x[0], "last": x, "other": np.ascontiguousarray(x.T), "trailing one": x[..., None]}[layout]
+    t = to_torch(x)
+    got = to_numpy(torch.linalg.vector_norm(t, 2) if axis is None else torch.norm(t, dim=axis, keepdim=True))
+    assert_same(got, reductions.norm2_16(x, axis),
+                Where("reductions", step=0, field=f"norm over {layout} of {dtype}{list(x.shape)}", repro=REPRO))
+
+
+@given(dtype=st.sampled_from([BF16, F16]), n=st.sampled_from([8, 16, 32, 64, 128, 512, 2048]),
+       rows=st.integers(1, 2), seed=st.integers(0, 2**32 - 1))
+def test_16_bit_means_follow_torchs_order(dtype, n, rows, seed, device):
+    """Rule 12: ``torch.mean`` over dim -2 of a bfloat16/float16 ``(rows, n, 1)`` tensor
+    (Adafactor's mean of ``row_var``), bit for bit, each sum crafted to lie at ``n`` times an S
+    rounding boundary (``n`` a power of two: the division is exact)."""
+    if device != "cpu":
+        pytest.skip("rule 12 states the CPU kernels")
+    rng = np.random.default_rng(seed)
+    x = np.stack([_near_boundary(rng, dtype, n, 1, _midpoint(rng, dtype) * n) for _ in range(rows)])[..., None]
+    got = to_numpy(torch.mean(to_torch(x), dim=-2, keepdim=True))
+    assert_same(got, reductions.mean_16(x, -2),
+                Where("reductions", step=0, field=f"mean over dim -2 of {dtype}{list(x.shape)}", repro=REPRO))

@@ -46,8 +46,8 @@ Rules:
    the gradient (weight decay or maximize), else out of place (rule 1).
 10. Coverage: ``COVERED``. Any other optimizer or implementation raises ``NotImplementedError``
     naming it: the specification does not claim torch's bits there; so does a configuration
-    `refused` names (fused SGD with momentum, rule 15). Not modelled: Adafactor (not on S yet).
-    The native (AVX2/AVX512) kernels: rule 13.
+    `refused` names (fused SGD with momentum, rule 15). Adafactor: rule 16 (torch has no fused
+    Adafactor). The native (AVX2/AVX512) kernels: rule 13.
 11. Adamax and Adadelta (``reference.optim.adamax``, ``reference.optim.adadelta``), for-loop path:
     their rules with rules 1-5 (``|d| + eps`` and ``v + eps`` are ``add_scalar``); an elementwise
     product or quotient of two S tensors (Adadelta's ``delta / std * d``) rounds once per operation.
@@ -62,10 +62,10 @@ Rules:
 13. Native kernels (``KERNELS``: the capability ``torch.backends.cpu.get_cpu_capability()``
     names, keyed to the bytes one pass of its vectorized loop takes, which splits each operation
     into a head of whole blocks and a scalar tail; ``DEFAULT`` is the scalar kernels of rules
-    1-12, 14 and 15). AVX2 and AVX512 alike take 64-byte blocks (32 elements of S): the loop
+    1-12 and 14-16). AVX2 and AVX512 alike take 64-byte blocks (32 elements of S): the loop
     steps two 32-byte vectors a pass, and on AVX512 torch runs these kernels' AVX2 build
     (``REGISTER_DISPATCH`` registers no AVX512 kernel; measured: torch's bits are the same on
-    both capabilities, every covered pair, the fused paths included). Three operations differ,
+    both capabilities, every covered pair, the fused paths included). Four operations differ,
     every other rounds as above (measured on torch 2.13, bit for bit, bfloat16 and float16, the
     for-loop and foreach paths of every covered optimizer, sizes 0-d, 0, 1, 7, 8, 15, 16, 31, 32,
     33, 64, 100, 1000: on AVX512 four steps each, nine for the foreach paths of Adamax, Adadelta,
@@ -76,7 +76,10 @@ Rules:
     32-byte vector, 16 elements, would put sizes 16 to 31 in the head: wrong there);
     ``x.addcmul(a, b, value=v)`` is ``S(fma(f32(v) * a, b, x))`` and ``x.lerp(y, w)`` rule 4
     with its multiply-add fused (``fma32``), on every element: the kernel's vector code calls ``fmadd`` and the
-    compiler contracts its scalar tail. The fused path (rule 8) runs the float32 fused kernel,
+    compiler contracts its scalar tail. ``x.rsqrt()`` (rule 16) computes its leading whole
+    blocks as ``S(1 / sqrt(x))`` in float32, rounded once to S (the vector converts to float32
+    and back once), and its tail as the scalar kernel's two roundings (measured: on 1013
+    elements the first 992 round once, 7 of the last 21 would differ if they did). The fused path (rule 8) runs the float32 fused kernel,
     whose multiply-adds the compiler contracts where it chooses: it is not modelled bit for bit;
     each stored result is within ``FUSED_NATIVE_ULPS`` ULPs of S at ``x_abs`` (the spec row's
     magnitudes) of the spec's. Derivation: the float32 values differ by at most the row's native
@@ -118,6 +121,25 @@ Rules:
     holding 1.0e29 where the others hold 0.914). Measured bit for bit (``bench/lowprec_fused.py``;
     ``bench/lowprec_native.py`` for AVX2), scalar, AVX2 and AVX512 kernels, bfloat16 and float16,
     sizes 0-d, 0, 1, 7, 8, 15, 16, 31, 32, 33, 64, 100, 1000.
+16. Adafactor (``reference.optim.adafactor`` rules 1-10), for-loop and foreach paths, each
+    operation rounded once to S as above: ``x.rsqrt()`` is ``S(1 / S(sqrt(x)))`` on the scalar
+    kernels (the root rounded to S, then the quotient; rule 13 for the native head); the norms
+    and ``row_var``'s mean are ``reference.reductions`` rules 11-12 (float32 accumulators in
+    torch's order, one rounding; ``param.norm(2).item()`` is the Python float of the S norm);
+    ``norm ** 2`` (``square_``) and ``g * g`` are ``S(x * x)``; the division by the row length
+    is rule 1's (``f32(N)``); ``row_var @ col_var`` (an inner dimension of 1) is ``S(r * c)``,
+    one exact product rounded once; ``clamp(min=e)`` clamps at ``S(f32(e))`` (``eps1`` and
+    ``eps1 * eps1``) and keeps NaN; the division by the clamped mean is ``S(v / m)``; the
+    decoupled weight decay ``p * (1 - lr * wd)`` is rule 1 (for-loop) or rule 7 (foreach); the
+    lerps are rule 4 (13). The for-loop update is ``p.add(u, alpha=-alpha / denom)`` (rule 2 or
+    13); the foreach path multiplies ``u`` in place by ``S(-alpha / denom)`` (rule 7) and adds
+    ``S(p + u)``. ``eps1 = None`` resolves as ``reference.optim.adafactor`` rule 2 (S's
+    epsilon), and a zero-size parameter with a gradient is refused as its rule 10 (torch raises
+    ZeroDivisionError). Measured bit for bit on torch 2.13, scalar, AVX2 and AVX512 kernels alike
+    (so `bound` is 0): bfloat16 and float16, 0-d, vector, matrix (rows or columns of 1 among
+    them) and 3-d parameters, three configurations, three seeds, six steps, 1,620 parameter
+    steps per path and kernel level, no bit differing (``bench/lowprec_native.py --optimizer
+    Adafactor``; with 32-byte blocks 154 and 115 differ on the native kernels).
 """
 
 from __future__ import annotations
@@ -130,7 +152,9 @@ from typing import Any
 
 import numpy as np
 
+from reference import reductions
 from reference.optim import AdamParamState, SGDParamState
+from reference.optim.adafactor import AdafactorState, check_sizes, factored, resolve_eps1
 from reference.optim.adadelta import AdadeltaState
 from reference.optim.adagrad import AdagradState
 from reference.optim.adamax import AdamaxState
@@ -141,14 +165,14 @@ from reference.optim._common import vector_head
 from reference.optim._registry import OptimizerSpec
 
 __all__ = ["COVERED", "FUSED_NATIVE_ULPS", "FUSED_VECTOR_BYTES", "KERNELS", "bound", "covered", "fma32", "refused",
-           "state_to", "step"]
+           "rsqrt", "state_to", "step", "to_storage"]
 
 COVERED: dict[str, tuple[str, ...]] = {"SGD": ("for-loop", "foreach", "fused"),
                                        "Adam": ("for-loop", "foreach", "fused"),
                                        "AdamW": ("for-loop", "foreach", "fused"), "RMSprop": ("for-loop", "foreach"),
                                        "Adagrad": ("for-loop", "foreach", "fused"), "Adamax": ("for-loop", "foreach"),
                                        "Adadelta": ("for-loop", "foreach"), "NAdam": ("for-loop", "foreach"),
-                                       "RAdam": ("for-loop", "foreach")}
+                                       "RAdam": ("for-loop", "foreach"), "Adafactor": ("for-loop", "foreach")}
 _F32 = np.float32
 KERNELS: dict[str, int | None] = {"DEFAULT": None, "AVX2": 64, "AVX512": 64}
 """Rule 13: each CPU capability the specification states, with the bytes one pass of its
@@ -221,6 +245,16 @@ def sqrt(x: np.ndarray) -> np.ndarray:
     return _r(np.sqrt(_f(x)), x.dtype)
 
 
+def rsqrt(x: np.ndarray) -> np.ndarray:
+    """Rule 16: ``x.rsqrt()`` on the scalar kernels: ``S(1 / S(sqrt(x)))``, two roundings to S."""
+    return _r(_F32(1) / _f(sqrt(x)), x.dtype)
+
+
+def to_storage(value: float, storage: np.dtype) -> np.ndarray:
+    """Rule 16: a Python float as a clamp's bound on S: ``S(f32(value))``."""
+    return np.asarray(_F32(value)).astype(storage)
+
+
 def mul_scalar_foreach(x: np.ndarray, s: float) -> np.ndarray:
     """Rule 7: the in-place ``_foreach_mul_`` by a scalar rounds the scalar to S first."""
     return _r(_f(x) * _f(np.asarray(_F32(s)).astype(x.dtype)), x.dtype)
@@ -282,6 +316,18 @@ def lerp_native(x: np.ndarray, y: np.ndarray, w: float, *, block: int) -> np.nda
     return _r(out, x.dtype)
 
 
+def rsqrt_native(x: np.ndarray, *, block: int) -> np.ndarray:
+    """Rule 13: ``x.rsqrt()`` on native kernels: the leading whole blocks of ``block`` bytes
+    ``S(1 / sqrt(x))`` in float32, one rounding to S; the tail as the scalar kernel (rule 16)."""
+    out = np.array(rsqrt(x), copy=True)
+    if out.ndim == 0:
+        return out
+    head = _head(out.size, x.dtype.itemsize, block)
+    with np.errstate(all="ignore"):
+        out.reshape(-1)[:head] = _r(_F32(1) / np.sqrt(_f(x).reshape(-1)[:head]), x.dtype)
+    return out
+
+
 @dataclass(frozen=True)
 class _Path:
     """How one implementation on one kind of kernel rounds (rules 1-4, 7 and 13)."""
@@ -292,6 +338,7 @@ class _Path:
     add: Callable[..., np.ndarray] = add
     lerp: Callable[..., np.ndarray] = lerp
     addcmul: Callable[..., np.ndarray] = addcmul
+    rsqrt: Callable[..., np.ndarray] = rsqrt
 
 
 _FOR_LOOP = _Path("for-loop", mul_scalar, mul_scalar)
@@ -307,7 +354,8 @@ def _on_kernels(path: _Path, kernels: str) -> _Path:
         return path
     return dataclasses.replace(path, add=functools.partial(add_native, block=block),
                                lerp=functools.partial(lerp_native, block=block),
-                               addcmul=functools.partial(addcmul_native, block=block))
+                               addcmul=functools.partial(addcmul_native, block=block),
+                               rsqrt=functools.partial(rsqrt_native, block=block))
 
 
 def _sgd(p: np.ndarray, g: np.ndarray, s: SGDParamState, c: Any, lr: float,
@@ -492,6 +540,42 @@ def _radam_foreach(p: np.ndarray, m: np.ndarray, v: np.ndarray, c: Any, lr: floa
     return path.addcmul(p, m, buffer, 1.0)
 
 
+def _mean_square(d: np.ndarray, axis: int) -> np.ndarray:
+    """Rule 16: Adafactor's row (``axis=-1``) or column statistic ``S(S(n * n) / f32(N))``, ``n``
+    the S norm over ``axis`` (``reference.reductions`` rule 11), ``N`` that dimension's length."""
+    n = reductions.norm2_16(d, axis)
+    return div_scalar(mul(n, n), d.shape[axis])
+
+
+def _adafactor(p: np.ndarray, g: np.ndarray, s: AdafactorState, c: Any, lr: float,
+               path: _Path = _FOR_LOOP) -> tuple[np.ndarray, AdafactorState]:
+    """Rule 16: ``reference.optim.adafactor``'s step (rules 3-8) with these operations; ``c.eps[0]``
+    is resolved (`step` does it for the whole call)."""
+    counter = _F32(s.step + _F32(1.0))
+    t = float(counter)
+    d = -g if c.maximize else g
+    w = t ** c.beta2_decay
+    rho = min(lr, 1 / (t ** 0.5))
+    alpha = max(c.eps[1], float(reductions.norm2_16(p)) / (p.size ** 0.5)) * rho
+    if c.weight_decay != 0:
+        p = path.mul_state(p, 1 - lr * c.weight_decay)
+    eps1 = c.eps[0]
+    if factored(p):
+        row_var = path.lerp(s.row_var, _mean_square(d, -1), w)
+        col_var = path.lerp(s.col_var, _mean_square(d, -2), w)
+        clamped = np.maximum(reductions.mean_16(row_var, -2), to_storage(eps1, p.dtype))  # NaN propagates
+        v = div(mul(row_var, col_var), clamped)
+        new = AdafactorState(counter, row_var=row_var, col_var=col_var)
+    else:
+        v = path.lerp(s.variance, mul(d, d), w)
+        new = AdafactorState(counter, variance=v)
+    u = mul(path.rsqrt(np.maximum(v, to_storage(eps1 * eps1, p.dtype))), d)
+    denom = max(1.0, float(reductions.norm2_16(u)) / ((u.size ** 0.5) * c.d))
+    if path.name == "foreach":
+        return add(p, mul_scalar_foreach(u, -alpha / denom)), new
+    return path.add(p, u, -alpha / denom), new
+
+
 def _madd(a: Any, b: Any, c: Any, native: bool) -> np.ndarray:
     """Rule 15: float32 ``a * b + c``, fused on native kernels, two roundings on the scalar ones."""
     if native:
@@ -573,7 +657,7 @@ def _fused(row: OptimizerSpec, weights: list[np.ndarray], grads: list[np.ndarray
 
 
 _STEPS = {"SGD": _sgd, "Adam": _adam, "AdamW": _adam, "RMSprop": _rmsprop, "Adagrad": _adagrad,
-          "Adamax": _adamax, "Adadelta": _adadelta, "NAdam": _nadam, "RAdam": _radam}
+          "Adamax": _adamax, "Adadelta": _adadelta, "NAdam": _nadam, "RAdam": _radam, "Adafactor": _adafactor}
 
 
 def _path(row: OptimizerSpec, implementation: str, grads: Sequence[np.ndarray | None], opts: Sequence[Any],
@@ -584,6 +668,15 @@ def _path(row: OptimizerSpec, implementation: str, grads: Sequence[np.ndarray | 
     if row.name == "SGD" and any(o.momentum_buffer is None for o, g in zip(opts, grads) if g is not None):
         return _on_kernels(_FOREACH_FIRST, kernels)
     return _on_kernels(_FOREACH, kernels)
+
+
+def _adafactor_config(config: Any, weights: Sequence[np.ndarray], grads: Sequence[np.ndarray | None],
+                      implementation: str) -> Any:
+    """Rule 16: ``config`` with ``eps1`` resolved for the whole call (``reference.optim.adafactor``
+    rule 2), after refusing a zero-size parameter with a gradient (its rule 10)."""
+    check_sizes(weights, grads)
+    eps1 = resolve_eps1(config, [np.asarray(w) for w in weights], grads, implementation == "foreach")
+    return config if eps1 is None else dataclasses.replace(config, eps=(eps1, config.eps[1]))
 
 
 def _check_kernels(kernels: str) -> None:
@@ -614,7 +707,7 @@ def _covered() -> str:
 def step(row: OptimizerSpec, implementation: str, weights: Sequence[np.ndarray], grads: Sequence[np.ndarray | None],
          opts: Sequence[Any], config: Any, *, lr: float | None = None, kernels: str = "DEFAULT"
          ) -> tuple[list[np.ndarray], tuple[Any, ...]]:
-    """One step of ``row``'s ``implementation`` on S arrays (rules 6-9, 11-12, 14-15) on the CPU capability
+    """One step of ``row``'s ``implementation`` on S arrays (rules 6-9, 11-12, 14-16) on the CPU capability
     ``kernels`` (rule 13; `bound` says how close torch is there): the new weights and states; a
     parameter without a gradient keeps both."""
     _check_kernels(kernels)
@@ -629,6 +722,8 @@ def step(row: OptimizerSpec, implementation: str, weights: Sequence[np.ndarray],
     if lr is not None and not isinstance(lr, (int, float)):
         raise NotImplementedError("a tensor lr on low-precision parameters is not modelled")
     rate = float(config.lr if lr is None else lr)
+    if row.name == "Adafactor":
+        config = _adafactor_config(config, weights, grads, implementation)
     if implementation == "fused" and row.name not in _FUSED_16:
         return _fused(row, list(weights), list(grads), list(opts), config, rate) if weights else ([], ())
     if implementation == "fused":

@@ -43,13 +43,26 @@ Rules:
 10. Scope: one thread (torch splits a reduction of 32768 elements or more across threads,
    differently for each thread count; the conformance suite pins one thread), C-contiguous
    inputs, one reduced dimension (or all of a contiguous tensor for the norm).
+11. L2 norm of a bfloat16 or float16 tensor (S; `norm2_16`): each square is exact in float32
+   (8- or 11-bit significands), the sums are float32, the norm is ``S(sqrt(acc))``, one
+   rounding. bfloat16 over a contiguous run (rule 3's case): 8 float32 lanes; each block of 16
+   elements adds its first 8 squares lane by lane, then its last 8 (torch converts a 16-element
+   bfloat16 vector into two float32 vectors); the lanes fold left to right and the ``n % 16``
+   tail follows in order. float16 over any run, and bfloat16 over any other dimension: one
+   float32 accumulator in order (torch's scalar ``NormTwoOps`` loop). Measured on torch 2.13
+   with sums crafted to lie within a float32 rounding of an S rounding boundary (any other
+   order misses some): the same on the scalar, AVX2 and AVX512 kernels (the blocks do not
+   widen on AVX512; the products being exact, contracting them changes nothing).
+12. ``torch.mean`` of an S tensor (`mean_16`): the input is read into float32, summed as rules
+   7-8 sum float32, divided by ``f32(n)`` and rounded once to S (torch's CPU mean sums reduced
+   precision in float32 and casts the quotient).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["EXACT_VECTOR_BYTES", "cascade", "lanes", "mean", "norm2", "row_sum", "sum_along"]
+__all__ = ["EXACT_VECTOR_BYTES", "cascade", "lanes", "mean", "mean_16", "norm2", "norm2_16", "row_sum", "sum_along"]
 
 EXACT_VECTOR_BYTES = 32
 
@@ -182,3 +195,52 @@ def norm2(x: np.ndarray, axis: int | None = None, vector_bytes: int = EXACT_VECT
         moved = np.moveaxis(x, axis, -1)
         acc = _seq(np.zeros(moved.shape[:-1], x.dtype), moved * moved, -1)
         return np.expand_dims(np.sqrt(acc), axis)
+
+
+# Rule 11: bfloat16's contiguous norm: 8 float32 lanes fed by blocks of 16 elements.
+_BF16_LANES, _BF16_BLOCK = 8, 16
+
+
+def _blocked_lanes(sq: np.ndarray, width: int, block: int) -> np.ndarray:
+    """Rule 11: ``sq`` (float32 squares, shape ``(B, n)``) summed as ``width`` lanes over whole
+    blocks of ``block`` elements (each block feeds the lanes ``block // width`` times in order),
+    the lanes folded left to right, then the tail in order."""
+    b, n = sq.shape
+    head = n - n % block
+    lane = np.add.reduce(sq[:, :head].reshape(b, head // width, width), axis=1)  # in order: not innermost
+    folded = _seq(lane[:, 0], lane[:, 1:], -1)
+    return _seq(folded, sq[:, head:], -1)
+
+
+def norm2_16(x: np.ndarray, axis: int | None = None) -> np.ndarray:
+    """Rule 11: ``torch.linalg.vector_norm(x, 2, dim=axis, keepdim=True)`` of a C-contiguous
+    bfloat16 or float16 array, in its dtype; ``axis=None``: over the whole array, a 0-d result."""
+    x = np.ascontiguousarray(x)
+    storage = x.dtype
+    with np.errstate(all="ignore"):
+        sq = x.astype(np.float32)
+        sq = sq * sq  # exact: an S significand has at most 11 bits
+        lanes_bf16 = storage.name == "bfloat16"
+        if axis is None:
+            rows, keep = sq.reshape(1, -1), ()
+        else:
+            axis = axis % x.ndim
+            keep = x.shape[:axis] + (1,) + x.shape[axis + 1:]
+            if x.size == 0:
+                return np.zeros(keep, storage)
+            if not all(d == 1 for d in x.shape[axis + 1:]):
+                moved = np.moveaxis(sq, axis, -1)
+                acc = _seq(np.zeros(moved.shape[:-1], np.float32), moved, -1)
+                return np.expand_dims(np.sqrt(acc), axis).astype(storage)
+            rows = sq.reshape(-1, x.shape[axis])
+        if lanes_bf16:
+            acc = _blocked_lanes(rows, _BF16_LANES, _BF16_BLOCK)
+        else:
+            acc = _seq(np.zeros(rows.shape[0], np.float32), rows, -1)
+        return np.sqrt(acc).reshape(keep).astype(storage)
+
+
+def mean_16(x: np.ndarray, axis: int) -> np.ndarray:
+    """Rule 12: ``torch.mean(x, dim=axis, keepdim=True)`` of a bfloat16 or float16 array, in its dtype."""
+    wide = np.ascontiguousarray(x).astype(np.float32)
+    return (sum_along(wide, axis) / np.float32(x.shape[axis])).astype(x.dtype)

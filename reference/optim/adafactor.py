@@ -41,7 +41,9 @@ Python floats are float64):
    reductions included, matches torch bit for bit. Native AVX2/AVX512 kernels keep the sums'
    order (32-byte vectors, measured) but contract the norms' multiply-adds (and the lerp's),
    so the norms differ in the last bits; ``adafactor_magnitudes`` derives the bound from the
-   reductions' lengths.
+   reductions' lengths. Parameters stored in bfloat16 or float16 (float32 arithmetic inside
+   each kernel, float32 accumulators in the reductions): ``reference.lowprec`` rule 16, bit for
+   bit on native kernels too.
 
 Where torch differs from the published algorithm (Shazeer & Stern 2018; each a tested
 expectation in conformance/test_optim_adafactor.py): ``lr`` caps the relative step size (the
@@ -75,7 +77,8 @@ from reference.optim._common import (
 
 from reference.optim._registry import OptimizerSpec, register
 
-__all__ = ["AdafactorConfig", "AdafactorState", "adafactor_init_state", "adafactor_magnitudes", "adafactor_step"]
+__all__ = ["AdafactorConfig", "AdafactorState", "adafactor_init_state", "adafactor_magnitudes", "adafactor_step",
+           "check_sizes", "resolve_eps1"]
 
 
 @dataclass(frozen=True)
@@ -125,8 +128,9 @@ def adafactor_init_state(p: np.ndarray, config: AdafactorConfig) -> AdafactorSta
     return AdafactorState(step=np.float32(0.0), variance=frozen(np.zeros_like(a)))
 
 
-def _eps1(config: AdafactorConfig, arrays: list[np.ndarray], grads: Sequence, foreach: bool) -> float | None:
-    """Rule 2 (and rule 8's refusal)."""
+def resolve_eps1(config: AdafactorConfig, arrays: Sequence[np.ndarray], grads: Sequence,
+                 foreach: bool) -> float | None:
+    """Rule 2 (and rule 8's refusal): ``eps1``, or the epsilon of the first parameter's dtype with a gradient."""
     if config.eps[0] is not None:
         return config.eps[0]
     dtypes = [p.dtype for p, g in zip(arrays, grads) if g is not None]
@@ -136,6 +140,14 @@ def _eps1(config: AdafactorConfig, arrays: list[np.ndarray], grads: Sequence, fo
             "foreach Adafactor with eps1=None and parameters of two dtypes is not modelled (torch resolves eps1 by "
             "the first dtype group it forms): give eps1 explicitly or one dtype")
     return float(np.finfo(dtypes[0]).eps)
+
+
+def check_sizes(params: Sequence[np.ndarray], grads: Sequence) -> None:
+    """Rule 10: a zero-size parameter with a gradient is refused, naming it."""
+    for i, (p, g) in enumerate(zip(params, grads)):
+        require(g is None or np.size(p) > 0,
+                f"params[{i}] is empty (shape {np.shape(p)}): torch's Adafactor divides 0.0 by 0.0 for its RMS and "
+                "raises ZeroDivisionError (rule 10); leave it out")
 
 
 def _second_moment(d: np.ndarray, s: AdafactorState, w: float, eps1: float) -> tuple[np.ndarray, AdafactorState]:
@@ -169,13 +181,12 @@ def adafactor_step(
     require(grad_scale is None and found_inf == 0.0, "Adafactor has no kernel that unscales (GradScaler does)")
     require(sqrt is None, "Adafactor's rsqrt uses the correctly rounded root: pass sqrt=None")
     require(not isinstance(lr, np.ndarray), "a tensor lr is not modelled for Adafactor (rule 9)")
+    check_sizes(arrays, grads)
     for i, (p, g) in enumerate(zip(arrays, grads)):
-        require(g is None or p.size > 0, f"params[{i}] is empty (shape {p.shape}): torch's Adafactor divides 0.0 by "
-                                         "0.0 for its RMS and raises ZeroDivisionError (rule 10); leave it out")
         require(g is None or factored(p) == (state[i].row_var is not None),
                 f"state[{i}] does not fit params[{i}] of shape {p.shape} (rule 1)")
     rate, c = lr_value(config, lr), config
-    eps1 = _eps1(config, arrays, grads, foreach)
+    eps1 = resolve_eps1(config, arrays, grads, foreach)
     eps2 = c.eps[1]
 
     def update(p: np.ndarray, g: np.ndarray, s: AdafactorState) -> tuple[np.ndarray, AdafactorState, np.ndarray]:

@@ -19,8 +19,7 @@
   path is modelled on bf16 tensors too), ``--optimizer adagrad`` or ``--optimizer sgd`` an Adagrad or
   an SGD (``--momentum``; torch's fused SGD on bf16 tensors never stores the weights of its vector
   loop: the replay reproduces it, and the lost updates are found), ``--optimizer adafactor`` an
-  Adafactor (a pair the specification does not model on bf16 tensors: its optimizer stage is not
-  compared).
+  Adafactor (modelled on bf16 tensors too, `reference.lowprec` rule 16).
   ``--skip-rounding`` mutates the step: after each AdamW step a hook overwrites the bf16 weights
   with the update computed in float32 from the same weights, gradients and state and rounded
   once (the op-by-op roundings skipped): with torch's scalar kernels the replay diverges.
