@@ -138,6 +138,21 @@ def test_the_scale_range_key_at_every_binade_edge() -> None:
                 assert got.scale_range == health.scale_range(g, dtype, 0.999), f"{dtype}, needed-th largest {t!r}"
 
 
+@pytest.mark.parametrize("n", [32999, 1000])
+def test_the_needed_count_is_the_float64_ceiling_of_keep_n(n: int) -> None:
+    """Rule 5's needed = ceil(keep n) as ``health.scale_range`` computes it, in float64: for 32999
+    non-zero entries at keep 0.999 a float32 product gives 32966, float64 32967. The needed-th
+    smallest entries are tiny, the next one 1.0: a count off by one moves ``low`` by 10."""
+    needed = math.ceil(0.999 * n)
+    g = torch.ones(n)
+    g[:n - needed + 1] = 2.0**-10
+    g = g[torch.randperm(n, generator=torch.Generator().manual_seed(n))].reshape(1, n)
+    for dtype in LOW:
+        (got,) = batch.backward_batch([(g.to(dtype), g)], 1.0, 0.999)
+        assert got.scale_range == health.scale_range(g, dtype, 0.999) == \
+            health.ScaleRange(health.scale_range(torch.tensor([2.0**-10]), dtype).low, got.scale_range.high)
+
+
 def test_param_batch_equals_applied_lost_count() -> None:
     g = torch.Generator().manual_seed(0)
     stored = [torch.randn(5, 7, generator=g).to(d) for d in (torch.bfloat16, torch.float32, torch.float16)]

@@ -180,7 +180,10 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 def _sign_into(buf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Rule 2: ``_sign(x)``'s values, flat, into ``buf`` (16-bit x upcast exactly first)."""
+    """Rule 2: ``_sign(x)``'s values, flat, into ``buf`` (16-bit x upcast exactly first; x of
+    ``buf``'s dtype in one pass, ``sign`` writing into it)."""
+    if x.dtype == buf.dtype:
+        return torch.sign(_flat(x), out=buf)
     buf.copy_(_flat(x))
     return buf.sign_()
 
@@ -192,15 +195,16 @@ def _sign_dtype(*xs: torch.Tensor) -> torch.dtype:
 
 def _forward_row(m: torch.Tensor, s: torch.Tensor, scratch: Scratch) -> list[torch.Tensor]:
     """Rule 6's passes over one finite-able output pair, into the run's buffers: the SQNR's two
-    float64 sums over s in logical order (``(r - m)^2`` squared in place, then ``|r| |r|``, which is
-    ``r r`` bit for bit), the mass over |s| in s's layout (its logical order where s is
-    contiguous), and the sign counts."""
+    float64 sums over s in logical order (``(m - r)^2``, which is ``(r - m)^2`` bit for bit, squared
+    in place, then ``|r| |r|``, which is ``r r``), the mass over |s| in s's layout (its logical order
+    where s is contiguous), and the sign counts. m is widened into its float64 buffer before the
+    subtraction: a float64 op on a 16-bit operand converts it per element on a slower path."""
     n, dev = s.numel(), s.device
     x = scratch.get("r", n, _F64, dev).copy_(_flat(s))  # exact: float32 widened
-    d = torch.sub(x, _flat(m), out=scratch.get("d", n, _F64, dev))
+    d = scratch.get("d", n, _F64, dev).copy_(_flat(m)).sub_(x)  # exact widening, then m - r
     noise = d.mul_(d).sum()
-    signal = torch.mul(x, x, out=d).sum()
     total = x.abs_().sum() if s.is_contiguous() else s.detach().double().abs().sum()
+    signal = x.mul_(x).sum()
     ss = _sign_into(scratch.get("sx", n, s.dtype if s.dtype == _F64 else torch.float32, dev), s)
     both = _sign_into(scratch.get("sy", n, _sign_dtype(s, m), dev), m).mul_(ss)
     return [*_amax_pair(m), *_amax_pair(s), signal, noise, _nonzero(ss), _count(both), total]
@@ -231,19 +235,21 @@ def forward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
 
 
 def _exponent_keys_(bits: torch.Tensor) -> torch.Tensor:
-    """Rule 5, in place on the float32 bits of g (int32): E + (mantissa non-zero) of each |g| (in
-    [0, 256) for finite g). Two values with equal keys have equal ``low``: (E, mantissa non-zero)
-    and (E + 1, mantissa zero) share ``p - E + 127``."""
-    bits.bitwise_and_(0x7FFFFFFF)
+    """Rule 5, in place on the float32 bits of |g| (int32, sign bits clear: ``abs`` clears them,
+    NaN's too): E + (mantissa non-zero) of each |g| (in [0, 256) for finite g). Two values with
+    equal keys have equal ``low``: (E, mantissa non-zero) and (E + 1, mantissa zero) share
+    ``p - E + 127``."""
     bits.clamp_max_(0x7F800000)  # ±inf and NaN (taken tensor by tensor) must not overflow the sum below
     return bits.add_(0x7FFFFF).bitwise_right_shift_(23)
 
 
 def _needed_key(bits: torch.Tensor, nonzero: torch.Tensor, keep: float) -> torch.Tensor:
     """Rule 5: the key of the needed-th largest |g| (needed = ceil(keep n), n the non-zero count),
-    from g's float32 bits (as int32, in any order; overwritten)."""
+    from |g|'s float32 bits (as int32, in any order; overwritten). ``keep n`` is a float64
+    product, as ``health.scale_range``'s: in float32 (a float32 count times keep rounded to
+    float32) it differs for some n (32999 at keep 0.999: 32966 against 32967)."""
     from_top = torch.bincount(_exponent_keys_(bits), minlength=256).flip(0).cumsum(0)
-    needed = torch.ceil(nonzero * keep).to(torch.int64).clamp_min(1)
+    needed = torch.ceil(nonzero.double() * keep).to(torch.int64).clamp_min(1)
     return 255 - torch.searchsorted(from_top, needed)
 
 
