@@ -124,6 +124,21 @@ def test_one_scratch_serves_every_pair_and_step_of_a_run() -> None:
     assert sizes and max(sizes.values()) == math.prod(SHAPES[1]), sizes  # grown once, to the largest tensor
 
 
+def test_a_buffer_view_is_made_once_per_size_and_follows_the_buffer_when_it_grows() -> None:
+    """``Scratch.get``'s views: the same view for the same (use, size, dtype, device); after the
+    buffer grows, the views of every size are views of the new buffer (the statistics write into
+    them, and the old buffer is freed)."""
+    scratch, cpu = batch.Scratch(), torch.device("cpu")
+    small = scratch.get("r", 3, torch.float64, cpu)
+    assert scratch.get("r", 3, torch.float64, cpu) is small
+    assert scratch.get("r", 3, torch.float32, cpu) is not small and scratch.get("d", 3, torch.float64, cpu) is not small
+    big = scratch.get("r", 10, torch.float64, cpu)
+    again = scratch.get("r", 3, torch.float64, cpu)
+    assert again.numel() == 3 and again.data_ptr() == big.data_ptr() == scratch._buffers["r", torch.float64, cpu].data_ptr()
+    again.fill_(7.0)
+    assert big[:3].tolist() == [7.0] * 3
+
+
 def test_the_scale_range_key_at_every_binade_edge() -> None:
     """Rule 5's key against ``health.scale_range`` where ``low`` steps: for each needed-th
     largest value at 2^k, just below and just above it."""

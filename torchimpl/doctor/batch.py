@@ -59,14 +59,24 @@ class Scratch:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self._views: dict[tuple[str, torch.dtype, torch.device], dict[int, torch.Tensor]] = {}
 
     def get(self, use: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The first ``n`` entries of the buffer for ``use`` (contents undefined)."""
+        """The first ``n`` entries of the buffer for ``use`` (contents undefined). The view is made
+        once per size: a run's sizes repeat every step, and a slice is an op (a dispatch, some
+        microseconds, a dozen times a pair). A buffer that grows drops the views of the old one."""
         key = (use, dtype, device)
+        views = self._views.get(key)
+        if views is not None:
+            view = views.get(n)
+            if view is not None:
+                return view
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < n:
             buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=device)
-        return buf[:n]
+            views = self._views[key] = {}
+        view = views[n] = buf[:n]  # type: ignore[index]
+        return view
 
 
 def _values(flat: Sequence[torch.Tensor]) -> list[float]:
