@@ -192,3 +192,20 @@ def test_grad_batch_equals_flushed_count_and_says_whether_finite() -> None:
     mixed[2][0, 0] = math.nan
     finite, counts = batch.grad_batch(mixed, [shadow[0], None, shadow[2]])
     assert not finite and counts[2] == health.flushed_count(shadow[2], mixed[2])
+
+
+@pytest.mark.parametrize("empty_at", [0, 2, 4])
+def test_parameter_counts_with_empty_parameters_anywhere(empty_at: int) -> None:
+    """``grad_batch`` and ``param_batch`` count each parameter's segment of the joined tensors
+    (on a CPU in one sum per joined tensor): an empty parameter first, between others or last
+    counts nothing and shifts no other parameter's counts."""
+    g = torch.Generator().manual_seed(empty_at)
+    shadow = [torch.randn(n, generator=g) * 1e-6 for n in (7, 300, 5, 64)]
+    shadow.insert(empty_at, torch.ones(0))
+    mixed = [s.to(torch.bfloat16).float() for s in shadow]
+    finite, counts = batch.grad_batch(mixed, shadow)
+    assert finite and counts == [health.flushed_count(s, m) for s, m in zip(shadow, mixed)]
+    stored = [s.to(torch.bfloat16) for s in shadow]
+    update = [s * 1e-3 for s in shadow]
+    after = [(b.float() + u).to(torch.bfloat16) for b, u in zip(stored, update)]
+    assert batch.param_batch(stored, after, update) == [health.applied_lost_count(*t) for t in zip(stored, after, update)]
