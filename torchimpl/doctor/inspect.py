@@ -59,7 +59,7 @@ from torchimpl.precision.probe import Fp8Probe, Recorder, is_float8_layer
 from torchimpl.doctor.report import PrecisionReport
 from torchimpl.doctor.stats import Fp8Stats, LayerStats, ParamStats, dtype_name
 from torchimpl.doctor.batch import Scratch, backward_batch, forward_batch, grad_batch, param_batch
-from torchimpl.doctor.shadow import RngState, copy_optimizer, module_pairs
+from torchimpl.doctor.shadow import RngState, copy_all, copy_optimizer, module_pairs
 from torchimpl.doctor.inner import InnerFindings, scan_module
 from torchimpl.doctor.verdicts import judge, judge_notes, sqnr_floor_db, verify_fixes
 from torchimpl.precision.fp32_modules import apply_fp32_modules
@@ -297,14 +297,18 @@ class _Runner:
                 theirs = self.mixed.state_dict()
                 for k, v in self.shadow.state_dict().items():
                     v.copy_(theirs[k])
-            else:
+            else:  # walked each step: a module may replace a buffer's tensor
+                into, values = [], []
                 for mine, theirs in self._state_modules:
                     for name, p in mine._parameters.items():
                         if p is not None:
-                            p.copy_(theirs._parameters[name])
+                            into.append(p)
+                            values.append(theirs._parameters[name])
                     for name, b in mine._buffers.items():
                         if b is not None and name not in mine._non_persistent_buffers_set:
-                            b.copy_(theirs._buffers[name])
+                            into.append(b)
+                            values.append(theirs._buffers[name])
+                copy_all(into, values)
         copy_optimizer(self.opt, self.shadow_opt)
 
     def _run(self, model: nn.Module, batch: Any, mixed: bool, rng: RngState, scanner: _Scanner | None) -> tuple:
