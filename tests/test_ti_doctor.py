@@ -392,3 +392,19 @@ def test_copy_all_copies_each_pair_with_or_without_torchs_foreach_copy(foreach, 
     shadow.copy_all(dst, src)
     assert all(d is k for d, k in zip(dst, kept))
     assert all(torch.equal(d, s.to(d.dtype)) for d, s in zip(dst, src))
+
+
+def test_a_snapshot_holds_the_values_at_each_take_in_buffers_made_once():
+    from torchimpl.doctor.shadow import Snapshot
+
+    snap = Snapshot()
+    ts = [torch.randn(3, 4), torch.randn(5).to(torch.bfloat16), torch.randn(4, 3).t()]
+    first = snap.take(ts)
+    want = [t.clone() for t in ts]
+    for t in ts:
+        t.add_(1)
+    assert all(torch.equal(c, w) and c.stride() == t.stride() for c, w, t in zip(first, want, ts))
+    second = snap.take(ts)
+    assert all(a is b for a, b in zip(first, second)) and all(torch.equal(c, t) for c, t in zip(second, ts))
+    grown = snap.take([*ts, torch.ones(2)])
+    assert len(grown) == 4 and all(torch.equal(c, t) for c, t in zip(grown, [*ts, torch.ones(2)]))

@@ -59,7 +59,7 @@ from torchimpl.precision.probe import Fp8Probe, Recorder, is_float8_layer
 from torchimpl.doctor.report import PrecisionReport
 from torchimpl.doctor.stats import Fp8Stats, LayerStats, ParamStats, dtype_name
 from torchimpl.doctor.batch import Scratch, backward_batch, forward_batch, grad_batch, param_batch
-from torchimpl.doctor.shadow import RngState, copy_all, copy_optimizer, module_pairs
+from torchimpl.doctor.shadow import RngState, Snapshot, copy_all, copy_optimizer, module_pairs
 from torchimpl.doctor.inner import InnerFindings, scan_module
 from torchimpl.doctor.verdicts import judge, judge_notes, sqnr_floor_db, verify_fixes
 from torchimpl.precision.fp32_modules import apply_fp32_modules
@@ -283,6 +283,7 @@ class _Runner:
             self.obs.fp8[name] = Fp8Stats(name, rowwise=rowwise)
         self._scans = 0
         self._scratch = Scratch()  # the statistics' buffers, reused every step
+        self._before, self._stored_before = Snapshot(), Snapshot()  # rule 3's weights before the step
         self._state_modules = module_pairs(self.shadow, mixed)
 
     @staticmethod
@@ -485,9 +486,9 @@ class _Runner:
         """Rules 2-3: the mixed step (unscaled, skipped on non-finite gradients) and the shadow's
         update judged against the mixed model's stored weights; whether the gradients were finite."""
         mixed, shadow = self._mixed_params, self._shadow_params
-        before = {n: p.detach().clone() for n, p in shadow.items()}
+        before = dict(zip(shadow, self._before.take(list(shadow.values()))))
         stored = self._stored()
-        stored = {n: t.detach().clone() for n, t in stored.items()}
+        stored = dict(zip(stored, self._stored_before.take(list(stored.values()))))
         if self.scale != 1.0:  # x / 1 is x, bit for bit (signed zeros, infinities and NaN too)
             with torch.no_grad():
                 for p in mixed.values():

@@ -20,7 +20,7 @@ from torch import nn
 
 from torchimpl._torch_compat import _foreach_copy_
 
-__all__ = ["RngState", "copy_all", "copy_optimizer", "module_pairs"]
+__all__ = ["RngState", "Snapshot", "copy_all", "copy_optimizer", "module_pairs"]
 
 
 def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -34,6 +34,28 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
             return
         for d, s in zip(dst, src):
             d.copy_(s)
+
+
+class Snapshot:
+    """Copies of a list of tensors taken each step into buffers made once a run (a clone per
+    tensor is an allocation and a dispatch each, sixty a step for the doctor's two snapshots).
+    ``take``'s copies are valid until the next ``take``."""
+
+    def __init__(self) -> None:
+        self._copies: list[torch.Tensor] = []
+        self._layout: list[tuple] = []
+
+    def take(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The values of ``tensors`` now, in buffers of their shapes, dtypes and devices."""
+        layout = [(t.shape, t.stride(), t.dtype, t.device) for t in tensors]
+        if layout != self._layout:
+            self._copies = [torch.empty_like(t) for t in tensors]
+            self._layout = [(c.shape, c.stride(), c.dtype, c.device) for c in self._copies]
+            if self._layout != layout:  # a layout empty_like does not keep: clones, every step
+                self._layout = []
+                return [t.detach().clone() for t in tensors]
+        copy_all(self._copies, [t.detach() for t in tensors])
+        return self._copies
 
 
 def copy_optimizer(src: torch.optim.Optimizer, dst: torch.optim.Optimizer) -> None:
