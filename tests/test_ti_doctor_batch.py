@@ -209,3 +209,15 @@ def test_parameter_counts_with_empty_parameters_anywhere(empty_at: int) -> None:
     update = [s * 1e-3 for s in shadow]
     after = [(b.float() + u).to(torch.bfloat16) for b, u in zip(stored, update)]
     assert batch.param_batch(stored, after, update) == [health.applied_lost_count(*t) for t in zip(stored, after, update)]
+
+
+@pytest.mark.parametrize("torchs", [True, False])
+def test_joined_tensors_are_each_flat_in_logical_order(torchs: bool, monkeypatch) -> None:
+    """``_flat_cat`` (torch's flatten_dense_tensors, or its fallback): transposed, 0-dim, empty
+    and parameter (requires_grad) tensors, flat in logical order, joined, no graph."""
+    if not torchs:
+        monkeypatch.setattr(batch, "_flatten_dense_tensors", None)
+    ts = [torch.randn(3, 4).t(), torch.tensor(2.5), torch.ones(0, 3), torch.nn.Parameter(torch.randn(2, 2))]
+    got = batch._flat_cat(ts)
+    assert not got.requires_grad and torch.equal(got, torch.cat([t.detach().reshape(-1) for t in ts]))
+    assert torch.equal(batch._flat_cat(ts[:1]), ts[0].reshape(-1))

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from torchimpl._torch_compat import _flatten_dense_tensors
 from torchimpl.doctor.stats import BackwardNumbers, ForwardNumbers, backward_numbers, forward_numbers
 from torchimpl.precision import health
 
@@ -106,9 +107,15 @@ def _usable(m: torch.Tensor, s: torch.Tensor) -> bool:
     return m.shape == s.shape and m.numel() > 0 and s.dtype in (torch.float32, torch.float64)
 
 
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """x without autograd: detached only where it records a graph (a detach is a dispatched op,
+    a thousand-odd a step on tensors that record none)."""
+    return x.detach() if x.requires_grad else x
+
+
 def _sign(x: torch.Tensor) -> torch.Tensor:
     """Rule 2: sign(x), computed in float32 for 16-bit x (its vectorised kernels)."""
-    x = x.detach()
+    x = _plain(x)
     return x.sign() if x.dtype in (torch.float32, _F64) else x.float().sign()
 
 
@@ -116,7 +123,7 @@ def _count(p: torch.Tensor) -> torch.Tensor:
     """Rule 2: how many entries of a tensor of -1, 0 and 1 are non-zero: its dot product with
     itself (one read), exact in float32 below 2^24 entries (every partial sum an integer), in
     float64 above."""
-    p = p.reshape(-1)
+    p = _flat(p)
     if p.numel() < 2**24:
         return torch.dot(p, p)
     return p.abs().sum(dtype=_F64)
@@ -167,7 +174,7 @@ def _amax_pair(x: torch.Tensor) -> list[torch.Tensor]:
     if x.numel() == 0:
         zero = torch.zeros((), dtype=x.dtype, device=x.device)
         return [zero, zero]
-    lo, hi = torch.aminmax(x.detach())
+    lo, hi = torch.aminmax(_plain(x))
     return [lo, hi]
 
 
@@ -186,8 +193,10 @@ def _sqnr(signal: float, noise: float) -> float:
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
-    """A tensor's values in logical order, one dimension (a view where its layout allows)."""
-    return x.detach().reshape(-1)
+    """A tensor's values in logical order, one dimension (a view where its layout allows; a
+    1-D tensor as it is)."""
+    x = _plain(x)
+    return x if x.dim() == 1 else x.reshape(-1)
 
 
 def _sign_into(buf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -210,15 +219,15 @@ def _forward_row(m: torch.Tensor, s: torch.Tensor, scratch: Scratch) -> list[tor
     in place, then ``|r| |r|``, which is ``r r``), the mass over |s| in s's layout (its logical order
     where s is contiguous), and the sign counts. m is widened into its float64 buffer before the
     subtraction: a float64 op on a 16-bit operand converts it per element on a slower path."""
-    n, dev = s.numel(), s.device
-    x = scratch.get("r", n, _F64, dev).copy_(_flat(s))  # exact: float32 widened
-    d = scratch.get("d", n, _F64, dev).copy_(_flat(m)).sub_(x)  # exact widening, then m - r
+    n, dev, fm, fs = s.numel(), s.device, _flat(m), _flat(s)
+    x = scratch.get("r", n, _F64, dev).copy_(fs)  # exact: float32 widened
+    d = scratch.get("d", n, _F64, dev).copy_(fm).sub_(x)  # exact widening, then m - r
     noise = d.mul_(d).sum()
-    total = x.abs_().sum() if s.is_contiguous() else s.detach().double().abs().sum()
+    total = x.abs_().sum() if s.is_contiguous() else _plain(s).double().abs().sum()
     signal = x.mul_(x).sum()
-    ss = _sign_into(scratch.get("sx", n, s.dtype if s.dtype == _F64 else torch.float32, dev), s)
-    both = _sign_into(scratch.get("sy", n, _sign_dtype(s, m), dev), m).mul_(ss)
-    return [*_amax_pair(m), *_amax_pair(s), signal, noise, _nonzero(ss), _count(both), total]
+    ss = _sign_into(scratch.get("sx", n, s.dtype if s.dtype == _F64 else torch.float32, dev), fs)
+    both = _sign_into(scratch.get("sy", n, _sign_dtype(s, m), dev), fm).mul_(ss)
+    return [*_amax_pair(fm), *_amax_pair(fs), signal, noise, _nonzero(ss), _count(both), total]
 
 
 def forward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -280,24 +289,24 @@ def _high(top: float, dtype: torch.dtype) -> int:
     return high
 
 
-def _backward_row(m: torch.Tensor, g: torch.Tensor, scale: float, keep: float,
+def _backward_row(m: torch.Tensor, g: torch.Tensor, scale: torch.Tensor, keep: float,
                   scratch: Scratch) -> list[torch.Tensor]:
     """Rule 6's passes over one gradient pair, into the run's buffers (rules 5, 13 and 10 where
-    the mixed gradient is 16-bit: the cast at the step's scale, the mass over |g| in g's layout,
-    the scale range's key)."""
-    n, dev = g.numel(), g.device
-    sg = _sign_into(scratch.get("sx", n, g.dtype if g.dtype == _F64 else torch.float32, dev), g)
+    the mixed gradient is 16-bit: the cast at the step's scale, ``scale`` as a float32 0-dim
+    tensor on g's device, the mass over |g| in g's layout, the scale range's key)."""
+    n, dev, fm, fg = g.numel(), g.device, _flat(m), _flat(g)
+    sg = _sign_into(scratch.get("sx", n, g.dtype if g.dtype == _F64 else torch.float32, dev), fg)
     nonzero = _nonzero(sg)
-    both = _sign_into(scratch.get("sy", n, _sign_dtype(g, m), dev), m).mul_(sg)
-    row = [*_amax_pair(m), *_amax_pair(g), nonzero, _count(both)]
+    both = _sign_into(scratch.get("sy", n, _sign_dtype(g, m), dev), fm).mul_(sg)
+    row = [*_amax_pair(fm), *_amax_pair(fg), nonzero, _count(both)]
     if m.dtype in _LOW:
-        cast = torch.mul(_flat(g).float(), torch.tensor(scale, dtype=torch.float32, device=dev),
+        cast = torch.mul(fg if fg.dtype == torch.float32 else fg.float(), scale,
                          out=scratch.get("c", n, torch.float32, dev))  # rule 5's cast: _cast's values
         # the cast's non-zero entries are non-zero in g (0 casts to 0): its count is the count
         # of entries non-zero in both, without a product with sign(g)
         cast.copy_(scratch.get("low", n, m.dtype, dev).copy_(cast)).sign_()
-        a = torch.abs(_flat(g), out=scratch.get("a", n, g.dtype, dev))  # |g| in logical order
-        total = a.sum(dtype=_F64) if g.is_contiguous() else g.detach().abs().sum(dtype=_F64)
+        a = torch.abs(fg, out=scratch.get("a", n, g.dtype, dev))  # |g| in logical order
+        total = a.sum(dtype=_F64) if g.is_contiguous() else _plain(g).abs().sum(dtype=_F64)
         # the key from |g|'s bits, in place: after the sum above has read them (stream order)
         key = _needed_key(a.view(torch.int32), nonzero, keep) if g.dtype == torch.float32 \
             else torch.zeros((), device=dev)
@@ -313,7 +322,9 @@ def backward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: fl
         raise ValueError(f"keep must be in (0, 1], got {keep!r}")
     scratch = scratch if scratch is not None else Scratch()
     fast = [j for j, (m, s) in enumerate(pairs) if _usable(m, s)]
-    rows = [_backward_row(*pairs[j], scale, keep, scratch) for j in fast]
+    # rule 5's f32(scale): one 0-dim tensor per device of the step's gradients
+    factors = {d: torch.tensor(scale, dtype=torch.float32, device=d) for d in {pairs[j][1].device for j in fast}}
+    rows = [_backward_row(*pairs[j], factors[pairs[j][1].device], keep, scratch) for j in fast]
     out: dict[int, BackwardNumbers] = {}
     for j, values in zip(fast, _read(rows)):
         lo_m, hi_m, lo_g, hi_g, nonzero, both = values[:6]
@@ -367,7 +378,14 @@ def _segment_counts(values: Sequence[torch.Tensor], sizes: Sequence[int]) -> lis
 
 
 def _flat_cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
+    """The tensors' values, each flat in logical order, joined (read only: one tensor may come
+    back as a view of itself): torch's ``flatten_dense_tensors`` flattens them in C++, where a
+    ``detach`` and a ``reshape`` per tensor from Python are two dispatched ops each, a hundred-odd
+    a step; no graph under ``no_grad``."""
+    with torch.no_grad():
+        if _flatten_dense_tensors is not None:
+            return _flatten_dense_tensors(list(tensors))
+        return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def param_batch(stored: Sequence[torch.Tensor], after: Sequence[torch.Tensor],

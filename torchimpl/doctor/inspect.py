@@ -510,7 +510,7 @@ class _Runner:
         after = self._stored() if finite else {}
         judged = [n for n in mixed if n in after and n in shadow and shadow[n].grad is not None]
         with health.one_thread(self.device), torch.no_grad():
-            updates = _foreach_sub([shadow[n].detach() for n in judged], [before[n] for n in judged]) \
+            updates = _foreach_sub([shadow[n] for n in judged], [before[n] for n in judged]) \
                 if judged else []
             lost = dict(zip(judged, param_batch([stored[n] for n in judged], [after[n] for n in judged], updates)))
         for n in mixed:

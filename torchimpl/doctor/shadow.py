@@ -54,7 +54,7 @@ class Snapshot:
             if self._layout != layout:  # a layout empty_like does not keep: clones, every step
                 self._layout = []
                 return [t.detach().clone() for t in tensors]
-        copy_all(self._copies, [t.detach() for t in tensors])
+        copy_all(self._copies, tensors)  # under no_grad: no detach needed
         return self._copies
 
 
