@@ -112,16 +112,18 @@ def test_one_scratch_serves_every_pair_and_step_of_a_run() -> None:
     forward and backward statistics of step after step, give the per-tensor numbers: a step of
     module-sized pairs, then one of small pairs (reading the start of each buffer, the rest
     holding the earlier step's values), then module-sized again."""
-    scratch = batch.Scratch()
+    scratch, keyed = batch.Scratch(), 0
     for step, shape in enumerate((SHAPES[1], SHAPES[0], SHAPES[1])):
         pairs = _pairs(10 + step, False, shape)
+        keyed = max(keyed, sum(s.numel() for m, s in pairs if m.dtype in LOW and s.dtype == torch.float32))
         for j, (got, (m, s)) in enumerate(zip(batch.forward_batch(pairs, scratch), pairs)):
             _assert_same(got, forward_numbers(m, s), f"step {step}, output pair {j} ({m.dtype})")
         grads = [((s * 2.0**12).to(m.dtype), s) for m, s in pairs]
         for j, (got, (m, s)) in enumerate(zip(batch.backward_batch(grads, 2.0**12, 0.999, scratch), grads)):
             _assert_same(got, backward_numbers(m, s, 2.0**12, 0.999), f"step {step}, gradient pair {j} ({m.dtype})")
     sizes = {key: buf.numel() for key, buf in scratch._buffers.items()}
-    assert sizes and max(sizes.values()) == math.prod(SHAPES[1]), sizes  # grown once, to the largest tensor
+    keys = sizes.pop(("keys", torch.float32, torch.device("cpu")))  # a step's 16-bit gradients' |g| together
+    assert sizes and max(sizes.values()) == math.prod(SHAPES[1]) and keys == keyed, (sizes, keys)  # grown once
 
 
 def test_a_buffer_view_is_made_once_per_size_and_follows_the_buffer_when_it_grows() -> None:

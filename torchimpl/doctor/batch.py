@@ -263,14 +263,23 @@ def _exponent_keys_(bits: torch.Tensor) -> torch.Tensor:
     return bits.add_(0x7FFFFF).bitwise_right_shift_(23)
 
 
-def _needed_key(bits: torch.Tensor, nonzero: torch.Tensor, keep: float) -> torch.Tensor:
-    """Rule 5: the key of the needed-th largest |g| (needed = ceil(keep n), n the non-zero count),
-    from |g|'s float32 bits (as int32, in any order; overwritten). ``keep n`` is a float64
-    product, as ``health.scale_range``'s: in float32 (a float32 count times keep rounded to
-    float32) it differs for some n (32999 at keep 0.999: 32966 against 32967)."""
-    from_top = torch.bincount(_exponent_keys_(bits), minlength=256).flip(0).cumsum(0)
-    needed = torch.ceil(nonzero.double() * keep).to(torch.int64).clamp_min(1)
-    return 255 - torch.searchsorted(from_top, needed)
+def _needed_keys(bits: torch.Tensor, sizes: Sequence[int], nonzero: Sequence[torch.Tensor],
+                 keep: float) -> list[torch.Tensor]:
+    """Rule 5: for each gradient, the key of its needed-th largest |g| (needed = ceil(keep n), n
+    its non-zero count), from the float32 bits of every gradient's |g| one after the other in
+    ``bits`` (int32, segments of ``sizes``, each in any order; overwritten): the keys computed in
+    one pass each, gradient p's moved to [256 p, 256 p + 256), one histogram of them all. ``keep
+    n`` is a float64 product, as ``health.scale_range``'s: in float32 (a float32 count times keep
+    rounded to float32) it differs for some n (32999 at keep 0.999: 32966 against 32967)."""
+    keys = _exponent_keys_(bits)
+    start = 0
+    for p, size in enumerate(sizes):
+        if p:
+            keys[start:start + size].add_(256 * p)
+        start += size
+    from_top = torch.bincount(keys, minlength=256 * len(sizes)).view(len(sizes), 256).flip(1).cumsum(1)
+    needed = torch.ceil(torch.stack(list(nonzero)).double() * keep).to(torch.int64).clamp_min(1)
+    return list((255 - torch.searchsorted(from_top, needed.unsqueeze(1))).view(-1).unbind())
 
 
 def _low_from_key(key: int, dtype: torch.dtype) -> int:
@@ -289,11 +298,12 @@ def _high(top: float, dtype: torch.dtype) -> int:
     return high
 
 
-def _backward_row(m: torch.Tensor, g: torch.Tensor, scale: torch.Tensor, keep: float,
-                  scratch: Scratch) -> list[torch.Tensor]:
+def _backward_row(m: torch.Tensor, g: torch.Tensor, scale: torch.Tensor, scratch: Scratch,
+                  place: torch.Tensor | None) -> list[torch.Tensor]:
     """Rule 6's passes over one gradient pair, into the run's buffers (rules 5, 13 and 10 where
     the mixed gradient is 16-bit: the cast at the step's scale, ``scale`` as a float32 0-dim
-    tensor on g's device, the mass over |g| in g's layout, the scale range's key)."""
+    tensor on g's device, the mass over |g| in g's layout; |g| left in ``place`` for the scale
+    range's key, ``_needed_keys``, where g is float32)."""
     n, dev, fm, fg = g.numel(), g.device, _flat(m), _flat(g)
     sg = _sign_into(scratch.get("sx", n, g.dtype if g.dtype == _F64 else torch.float32, dev), fg)
     nonzero = _nonzero(sg)
@@ -305,13 +315,22 @@ def _backward_row(m: torch.Tensor, g: torch.Tensor, scale: torch.Tensor, keep: f
         # the cast's non-zero entries are non-zero in g (0 casts to 0): its count is the count
         # of entries non-zero in both, without a product with sign(g)
         cast.copy_(scratch.get("low", n, m.dtype, dev).copy_(cast)).sign_()
-        a = torch.abs(fg, out=scratch.get("a", n, g.dtype, dev))  # |g| in logical order
+        a = torch.abs(fg, out=place if place is not None else scratch.get("a", n, g.dtype, dev))
+        # the mass over |g| (logical order); the key reads its bits later (stream order)
         total = a.sum(dtype=_F64) if g.is_contiguous() else _plain(g).abs().sum(dtype=_F64)
-        # the key from |g|'s bits, in place: after the sum above has read them (stream order)
-        key = _needed_key(a.view(torch.int32), nonzero, keep) if g.dtype == torch.float32 \
-            else torch.zeros((), device=dev)
-        row += [_count(cast), total, key]
+        row += [_count(cast), total]
     return row
+
+
+def _key_places(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], keyed: Sequence[int],
+                scratch: Scratch) -> dict[torch.device, tuple[torch.Tensor, list[int]]]:
+    """Rule 5: per device, one float32 buffer for the |g| of every keyed gradient (``keyed``:
+    the pairs' indices), one after the other, and those indices in that order."""
+    groups: dict[torch.device, list[int]] = {}
+    for j in keyed:
+        groups.setdefault(pairs[j][1].device, []).append(j)
+    return {dev: (scratch.get("keys", sum(pairs[j][1].numel() for j in js), torch.float32, dev), js)
+            for dev, js in groups.items()}
 
 
 def backward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: float,
@@ -324,7 +343,24 @@ def backward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: fl
     fast = [j for j, (m, s) in enumerate(pairs) if _usable(m, s)]
     # rule 5's f32(scale): one 0-dim tensor per device of the step's gradients
     factors = {d: torch.tensor(scale, dtype=torch.float32, device=d) for d in {pairs[j][1].device for j in fast}}
-    rows = [_backward_row(*pairs[j], factors[pairs[j][1].device], keep, scratch) for j in fast]
+    # rule 5's key for each 16-bit gradient whose shadow is float32: every such |g| in one
+    # buffer per device, one histogram for them all (a histogram per gradient is a dozen ops)
+    keyed = [j for j in fast if pairs[j][0].dtype in _LOW and pairs[j][1].dtype == torch.float32]
+    places, slots = _key_places(pairs, keyed, scratch), {}
+    for buf, js in places.values():
+        start = 0
+        for j in js:
+            slots[j] = buf[start:start + pairs[j][1].numel()]
+            start += pairs[j][1].numel()
+    rows = [_backward_row(*pairs[j], factors[pairs[j][1].device], scratch, slots.get(j)) for j in fast]
+    row_of = dict(zip(fast, rows))
+    for buf, js in places.values():
+        keys = _needed_keys(buf.view(torch.int32), [pairs[j][1].numel() for j in js], [row_of[j][4] for j in js], keep)
+        for j, key in zip(js, keys):
+            row_of[j].append(key)
+    for j in fast:
+        if pairs[j][0].dtype in _LOW and j not in slots:  # a float64 shadow: its key is not used
+            row_of[j].append(torch.zeros((), device=pairs[j][1].device))
     out: dict[int, BackwardNumbers] = {}
     for j, values in zip(fast, _read(rows)):
         lo_m, hi_m, lo_g, hi_g, nonzero, both = values[:6]
