@@ -153,6 +153,11 @@ def test_the_shadow_starts_each_step_from_the_mixed_weights(make, walk):
         assert mixed.keys() == shadow.keys()
         assert all(torch.equal(shadow[k], v.float() if v.is_floating_point() else v) for k, v in mixed.items()), \
             f"step {i}: the shadow drifted"
+        states = [(runner.opt.state[p], runner.shadow_opt.state[q])
+                  for p, q in zip(runner.mixed.parameters(), runner.shadow.parameters())]
+        assert states and all(mine.keys() == theirs.keys() and all(
+            torch.equal(theirs[k], v) and theirs[k] is not v for k, v in mine.items()) for mine, theirs in states), \
+            f"step {i}: the shadow's optimizer state is not the mixed one's"
         if isinstance(model, _BatchNormNet):  # a buffer outside state_dict is not aligned
             assert float(runner.mixed.calls) == i + 1 and float(runner.shadow.calls) == 2 * (i + 1)
     first = "fc1" if hasattr(model, "fc1") else "fc"
@@ -373,3 +378,33 @@ def test_verdicts_are_a_fixed_vocabulary_ranked_by_harm():
           Verdict("forward-overflow", "a", "m", "f"), Verdict("not-precision", None, "m", "f")]
     assert [(v.kind, v.module) for v in rank(vs)] == [("not-precision", None), ("forward-overflow", "a"),
                                                       ("forward-overflow", "b"), ("loss-in-low-precision", None)]
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_copy_all_copies_each_pair_with_or_without_torchs_foreach_copy(foreach, monkeypatch):
+    from torchimpl.doctor import shadow
+
+    if not foreach:
+        monkeypatch.setattr(shadow, "_foreach_copy_", None)
+    src = [torch.randn(3, 4).to(torch.bfloat16), torch.tensor(5.0), torch.randn(2)]
+    dst = [torch.zeros(3, 4), torch.zeros(()), torch.zeros(2, dtype=torch.float64)]
+    kept = list(dst)
+    shadow.copy_all(dst, src)
+    assert all(d is k for d, k in zip(dst, kept))
+    assert all(torch.equal(d, s.to(d.dtype)) for d, s in zip(dst, src))
+
+
+def test_a_snapshot_holds_the_values_at_each_take_in_buffers_made_once():
+    from torchimpl.doctor.shadow import Snapshot
+
+    snap = Snapshot()
+    ts = [torch.randn(3, 4), torch.randn(5).to(torch.bfloat16), torch.randn(4, 3).t()]
+    first = snap.take(ts)
+    want = [t.clone() for t in ts]
+    for t in ts:
+        t.add_(1)
+    assert all(torch.equal(c, w) and c.stride() == t.stride() for c, w, t in zip(first, want, ts))
+    second = snap.take(ts)
+    assert all(a is b for a, b in zip(first, second)) and all(torch.equal(c, t) for c, t in zip(second, ts))
+    grown = snap.take([*ts, torch.ones(2)])
+    assert len(grown) == 4 and all(torch.equal(c, t) for c, t in zip(grown, [*ts, torch.ones(2)]))

@@ -112,16 +112,33 @@ def test_one_scratch_serves_every_pair_and_step_of_a_run() -> None:
     forward and backward statistics of step after step, give the per-tensor numbers: a step of
     module-sized pairs, then one of small pairs (reading the start of each buffer, the rest
     holding the earlier step's values), then module-sized again."""
-    scratch = batch.Scratch()
+    scratch, keyed = batch.Scratch(), 0
     for step, shape in enumerate((SHAPES[1], SHAPES[0], SHAPES[1])):
         pairs = _pairs(10 + step, False, shape)
+        keyed = max(keyed, sum(s.numel() for m, s in pairs if m.dtype in LOW and s.dtype == torch.float32))
         for j, (got, (m, s)) in enumerate(zip(batch.forward_batch(pairs, scratch), pairs)):
             _assert_same(got, forward_numbers(m, s), f"step {step}, output pair {j} ({m.dtype})")
         grads = [((s * 2.0**12).to(m.dtype), s) for m, s in pairs]
         for j, (got, (m, s)) in enumerate(zip(batch.backward_batch(grads, 2.0**12, 0.999, scratch), grads)):
             _assert_same(got, backward_numbers(m, s, 2.0**12, 0.999), f"step {step}, gradient pair {j} ({m.dtype})")
     sizes = {key: buf.numel() for key, buf in scratch._buffers.items()}
-    assert sizes and max(sizes.values()) == math.prod(SHAPES[1]), sizes  # grown once, to the largest tensor
+    keys = sizes.pop(("keys", torch.float32, torch.device("cpu")))  # a step's 16-bit gradients' |g| together
+    assert sizes and max(sizes.values()) == math.prod(SHAPES[1]) and keys == keyed, (sizes, keys)  # grown once
+
+
+def test_a_buffer_view_is_made_once_per_size_and_follows_the_buffer_when_it_grows() -> None:
+    """``Scratch.get``'s views: the same view for the same (use, size, dtype, device); after the
+    buffer grows, the views of every size are views of the new buffer (the statistics write into
+    them, and the old buffer is freed)."""
+    scratch, cpu = batch.Scratch(), torch.device("cpu")
+    small = scratch.get("r", 3, torch.float64, cpu)
+    assert scratch.get("r", 3, torch.float64, cpu) is small
+    assert scratch.get("r", 3, torch.float32, cpu) is not small and scratch.get("d", 3, torch.float64, cpu) is not small
+    big = scratch.get("r", 10, torch.float64, cpu)
+    again = scratch.get("r", 3, torch.float64, cpu)
+    assert again.numel() == 3 and again.data_ptr() == big.data_ptr() == scratch._buffers["r", torch.float64, cpu].data_ptr()
+    again.fill_(7.0)
+    assert big[:3].tolist() == [7.0] * 3
 
 
 def test_the_scale_range_key_at_every_binade_edge() -> None:
@@ -136,6 +153,21 @@ def test_the_scale_range_key_at_every_binade_edge() -> None:
                 m = (g * 8).to(dtype)
                 (got,) = batch.backward_batch([(m, g)], 8.0, 0.999)
                 assert got.scale_range == health.scale_range(g, dtype, 0.999), f"{dtype}, needed-th largest {t!r}"
+
+
+@pytest.mark.parametrize("n", [32999, 1000])
+def test_the_needed_count_is_the_float64_ceiling_of_keep_n(n: int) -> None:
+    """Rule 5's needed = ceil(keep n) as ``health.scale_range`` computes it, in float64: for 32999
+    non-zero entries at keep 0.999 a float32 product gives 32966, float64 32967. The needed-th
+    smallest entries are tiny, the next one 1.0: a count off by one moves ``low`` by 10."""
+    needed = math.ceil(0.999 * n)
+    g = torch.ones(n)
+    g[:n - needed + 1] = 2.0**-10
+    g = g[torch.randperm(n, generator=torch.Generator().manual_seed(n))].reshape(1, n)
+    for dtype in LOW:
+        (got,) = batch.backward_batch([(g.to(dtype), g)], 1.0, 0.999)
+        assert got.scale_range == health.scale_range(g, dtype, 0.999) == \
+            health.ScaleRange(health.scale_range(torch.tensor([2.0**-10]), dtype).low, got.scale_range.high)
 
 
 def test_param_batch_equals_applied_lost_count() -> None:
@@ -162,3 +194,32 @@ def test_grad_batch_equals_flushed_count_and_says_whether_finite() -> None:
     mixed[2][0, 0] = math.nan
     finite, counts = batch.grad_batch(mixed, [shadow[0], None, shadow[2]])
     assert not finite and counts[2] == health.flushed_count(shadow[2], mixed[2])
+
+
+@pytest.mark.parametrize("empty_at", [0, 2, 4])
+def test_parameter_counts_with_empty_parameters_anywhere(empty_at: int) -> None:
+    """``grad_batch`` and ``param_batch`` count each parameter's segment of the joined tensors
+    (on a CPU in one sum per joined tensor): an empty parameter first, between others or last
+    counts nothing and shifts no other parameter's counts."""
+    g = torch.Generator().manual_seed(empty_at)
+    shadow = [torch.randn(n, generator=g) * 1e-6 for n in (7, 300, 5, 64)]
+    shadow.insert(empty_at, torch.ones(0))
+    mixed = [s.to(torch.bfloat16).float() for s in shadow]
+    finite, counts = batch.grad_batch(mixed, shadow)
+    assert finite and counts == [health.flushed_count(s, m) for s, m in zip(shadow, mixed)]
+    stored = [s.to(torch.bfloat16) for s in shadow]
+    update = [s * 1e-3 for s in shadow]
+    after = [(b.float() + u).to(torch.bfloat16) for b, u in zip(stored, update)]
+    assert batch.param_batch(stored, after, update) == [health.applied_lost_count(*t) for t in zip(stored, after, update)]
+
+
+@pytest.mark.parametrize("torchs", [True, False])
+def test_joined_tensors_are_each_flat_in_logical_order(torchs: bool, monkeypatch) -> None:
+    """``_flat_cat`` (torch's flatten_dense_tensors, or its fallback): transposed, 0-dim, empty
+    and parameter (requires_grad) tensors, flat in logical order, joined, no graph."""
+    if not torchs:
+        monkeypatch.setattr(batch, "_flatten_dense_tensors", None)
+    ts = [torch.randn(3, 4).t(), torch.tensor(2.5), torch.ones(0, 3), torch.nn.Parameter(torch.randn(2, 2))]
+    got = batch._flat_cat(ts)
+    assert not got.requires_grad and torch.equal(got, torch.cat([t.detach().reshape(-1) for t in ts]))
+    assert torch.equal(batch._flat_cat(ts[:1]), ts[0].reshape(-1))

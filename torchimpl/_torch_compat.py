@@ -25,6 +25,8 @@ __all__ = [
     "_set_grad_enabled",
     "_foreach_mul_",
     "_foreach_norm",
+    "_flatten_dense_tensors",
+    "_foreach_copy_",
     "_foreach_sub",
     "_get_foreach_kernels_supported_devices",
     "_get_fused_kernels_supported_devices",
@@ -88,6 +90,14 @@ _group_tensors_by_device_and_dtype = _private(
     "torch.utils._foreach_utils", "_group_tensors_by_device_and_dtype",
     "the order in which get_total_norm visits (device, dtype) groups (its C++ hash map's, not first-seen); "
     "torchimpl.train.clipping asks it once per run and stacks the groups' norms in that order")
+_flatten_dense_tensors = _private(
+    "torch._utils", "_flatten_dense_tensors",
+    "the doctor's parameter statistics join every parameter's values flat in one call (C++'s "
+    "contiguous().view(-1) and cat); torch.cat of reshaped tensors, its fallback, is the same values", required=False)
+_foreach_copy_ = _private(
+    "torch", "_foreach_copy_",
+    "the doctor's shadow takes the mixed model's weights and optimizer state each step in one call; "
+    "copy_ per tensor is the same copy at one call per tensor (doctor.shadow falls back to it)", required=False)
 _foreach_sub = _private(
     "torch", "_foreach_sub",
     "the doctor's parameter statistics take every judged parameter's update (after minus before) "

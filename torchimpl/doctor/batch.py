@@ -39,8 +39,10 @@ import itertools
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from torchimpl._torch_compat import _flatten_dense_tensors
 from torchimpl.doctor.stats import BackwardNumbers, ForwardNumbers, backward_numbers, forward_numbers
 from torchimpl.precision import health
 
@@ -59,14 +61,24 @@ class Scratch:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self._views: dict[tuple[str, torch.dtype, torch.device], dict[int, torch.Tensor]] = {}
 
     def get(self, use: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The first ``n`` entries of the buffer for ``use`` (contents undefined)."""
+        """The first ``n`` entries of the buffer for ``use`` (contents undefined). The view is made
+        once per size: a run's sizes repeat every step, and a slice is an op (a dispatch, some
+        microseconds, a dozen times a pair). A buffer that grows drops the views of the old one."""
         key = (use, dtype, device)
+        views = self._views.get(key)
+        if views is not None:
+            view = views.get(n)
+            if view is not None:
+                return view
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < n:
             buf = self._buffers[key] = torch.empty(n, dtype=dtype, device=device)
-        return buf[:n]
+            views = self._views[key] = {}
+        view = views[n] = buf[:n]  # type: ignore[index]
+        return view
 
 
 def _values(flat: Sequence[torch.Tensor]) -> list[float]:
@@ -95,9 +107,15 @@ def _usable(m: torch.Tensor, s: torch.Tensor) -> bool:
     return m.shape == s.shape and m.numel() > 0 and s.dtype in (torch.float32, torch.float64)
 
 
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """x without autograd: detached only where it records a graph (a detach is a dispatched op,
+    a thousand-odd a step on tensors that record none)."""
+    return x.detach() if x.requires_grad else x
+
+
 def _sign(x: torch.Tensor) -> torch.Tensor:
     """Rule 2: sign(x), computed in float32 for 16-bit x (its vectorised kernels)."""
-    x = x.detach()
+    x = _plain(x)
     return x.sign() if x.dtype in (torch.float32, _F64) else x.float().sign()
 
 
@@ -105,7 +123,7 @@ def _count(p: torch.Tensor) -> torch.Tensor:
     """Rule 2: how many entries of a tensor of -1, 0 and 1 are non-zero: its dot product with
     itself (one read), exact in float32 below 2^24 entries (every partial sum an integer), in
     float64 above."""
-    p = p.reshape(-1)
+    p = _flat(p)
     if p.numel() < 2**24:
         return torch.dot(p, p)
     return p.abs().sum(dtype=_F64)
@@ -156,7 +174,7 @@ def _amax_pair(x: torch.Tensor) -> list[torch.Tensor]:
     if x.numel() == 0:
         zero = torch.zeros((), dtype=x.dtype, device=x.device)
         return [zero, zero]
-    lo, hi = torch.aminmax(x.detach())
+    lo, hi = torch.aminmax(_plain(x))
     return [lo, hi]
 
 
@@ -175,12 +193,17 @@ def _sqnr(signal: float, noise: float) -> float:
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
-    """A tensor's values in logical order, one dimension (a view where its layout allows)."""
-    return x.detach().reshape(-1)
+    """A tensor's values in logical order, one dimension (a view where its layout allows; a
+    1-D tensor as it is)."""
+    x = _plain(x)
+    return x if x.dim() == 1 else x.reshape(-1)
 
 
 def _sign_into(buf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Rule 2: ``_sign(x)``'s values, flat, into ``buf`` (16-bit x upcast exactly first)."""
+    """Rule 2: ``_sign(x)``'s values, flat, into ``buf`` (16-bit x upcast exactly first; x of
+    ``buf``'s dtype in one pass, ``sign`` writing into it)."""
+    if x.dtype == buf.dtype:
+        return torch.sign(_flat(x), out=buf)
     buf.copy_(_flat(x))
     return buf.sign_()
 
@@ -192,18 +215,19 @@ def _sign_dtype(*xs: torch.Tensor) -> torch.dtype:
 
 def _forward_row(m: torch.Tensor, s: torch.Tensor, scratch: Scratch) -> list[torch.Tensor]:
     """Rule 6's passes over one finite-able output pair, into the run's buffers: the SQNR's two
-    float64 sums over s in logical order (``(r - m)^2`` squared in place, then ``|r| |r|``, which is
-    ``r r`` bit for bit), the mass over |s| in s's layout (its logical order where s is
-    contiguous), and the sign counts."""
-    n, dev = s.numel(), s.device
-    x = scratch.get("r", n, _F64, dev).copy_(_flat(s))  # exact: float32 widened
-    d = torch.sub(x, _flat(m), out=scratch.get("d", n, _F64, dev))
+    float64 sums over s in logical order (``(m - r)^2``, which is ``(r - m)^2`` bit for bit, squared
+    in place, then ``|r| |r|``, which is ``r r``), the mass over |s| in s's layout (its logical order
+    where s is contiguous), and the sign counts. m is widened into its float64 buffer before the
+    subtraction: a float64 op on a 16-bit operand converts it per element on a slower path."""
+    n, dev, fm, fs = s.numel(), s.device, _flat(m), _flat(s)
+    x = scratch.get("r", n, _F64, dev).copy_(fs)  # exact: float32 widened
+    d = scratch.get("d", n, _F64, dev).copy_(fm).sub_(x)  # exact widening, then m - r
     noise = d.mul_(d).sum()
-    signal = torch.mul(x, x, out=d).sum()
-    total = x.abs_().sum() if s.is_contiguous() else s.detach().double().abs().sum()
-    ss = _sign_into(scratch.get("sx", n, s.dtype if s.dtype == _F64 else torch.float32, dev), s)
-    both = _sign_into(scratch.get("sy", n, _sign_dtype(s, m), dev), m).mul_(ss)
-    return [*_amax_pair(m), *_amax_pair(s), signal, noise, _nonzero(ss), _count(both), total]
+    total = x.abs_().sum() if s.is_contiguous() else _plain(s).double().abs().sum()
+    signal = x.mul_(x).sum()
+    ss = _sign_into(scratch.get("sx", n, s.dtype if s.dtype == _F64 else torch.float32, dev), fs)
+    both = _sign_into(scratch.get("sy", n, _sign_dtype(s, m), dev), fm).mul_(ss)
+    return [*_amax_pair(fm), *_amax_pair(fs), signal, noise, _nonzero(ss), _count(both), total]
 
 
 def forward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -231,20 +255,31 @@ def forward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
 
 
 def _exponent_keys_(bits: torch.Tensor) -> torch.Tensor:
-    """Rule 5, in place on the float32 bits of g (int32): E + (mantissa non-zero) of each |g| (in
-    [0, 256) for finite g). Two values with equal keys have equal ``low``: (E, mantissa non-zero)
-    and (E + 1, mantissa zero) share ``p - E + 127``."""
-    bits.bitwise_and_(0x7FFFFFFF)
+    """Rule 5, in place on the float32 bits of |g| (int32, sign bits clear: ``abs`` clears them,
+    NaN's too): E + (mantissa non-zero) of each |g| (in [0, 256) for finite g). Two values with
+    equal keys have equal ``low``: (E, mantissa non-zero) and (E + 1, mantissa zero) share
+    ``p - E + 127``."""
     bits.clamp_max_(0x7F800000)  # ±inf and NaN (taken tensor by tensor) must not overflow the sum below
     return bits.add_(0x7FFFFF).bitwise_right_shift_(23)
 
 
-def _needed_key(bits: torch.Tensor, nonzero: torch.Tensor, keep: float) -> torch.Tensor:
-    """Rule 5: the key of the needed-th largest |g| (needed = ceil(keep n), n the non-zero count),
-    from g's float32 bits (as int32, in any order; overwritten)."""
-    from_top = torch.bincount(_exponent_keys_(bits), minlength=256).flip(0).cumsum(0)
-    needed = torch.ceil(nonzero * keep).to(torch.int64).clamp_min(1)
-    return 255 - torch.searchsorted(from_top, needed)
+def _needed_keys(bits: torch.Tensor, sizes: Sequence[int], nonzero: Sequence[torch.Tensor],
+                 keep: float) -> list[torch.Tensor]:
+    """Rule 5: for each gradient, the key of its needed-th largest |g| (needed = ceil(keep n), n
+    its non-zero count), from the float32 bits of every gradient's |g| one after the other in
+    ``bits`` (int32, segments of ``sizes``, each in any order; overwritten): the keys computed in
+    one pass each, gradient p's moved to [256 p, 256 p + 256), one histogram of them all. ``keep
+    n`` is a float64 product, as ``health.scale_range``'s: in float32 (a float32 count times keep
+    rounded to float32) it differs for some n (32999 at keep 0.999: 32966 against 32967)."""
+    keys = _exponent_keys_(bits)
+    start = 0
+    for p, size in enumerate(sizes):
+        if p:
+            keys[start:start + size].add_(256 * p)
+        start += size
+    from_top = torch.bincount(keys, minlength=256 * len(sizes)).view(len(sizes), 256).flip(1).cumsum(1)
+    needed = torch.ceil(torch.stack(list(nonzero)).double() * keep).to(torch.int64).clamp_min(1)
+    return list((255 - torch.searchsorted(from_top, needed.unsqueeze(1))).view(-1).unbind())
 
 
 def _low_from_key(key: int, dtype: torch.dtype) -> int:
@@ -263,29 +298,39 @@ def _high(top: float, dtype: torch.dtype) -> int:
     return high
 
 
-def _backward_row(m: torch.Tensor, g: torch.Tensor, scale: float, keep: float,
-                  scratch: Scratch) -> list[torch.Tensor]:
+def _backward_row(m: torch.Tensor, g: torch.Tensor, scale: torch.Tensor, scratch: Scratch,
+                  place: torch.Tensor | None) -> list[torch.Tensor]:
     """Rule 6's passes over one gradient pair, into the run's buffers (rules 5, 13 and 10 where
-    the mixed gradient is 16-bit: the cast at the step's scale, the mass over |g| in g's layout,
-    the scale range's key)."""
-    n, dev = g.numel(), g.device
-    sg = _sign_into(scratch.get("sx", n, g.dtype if g.dtype == _F64 else torch.float32, dev), g)
+    the mixed gradient is 16-bit: the cast at the step's scale, ``scale`` as a float32 0-dim
+    tensor on g's device, the mass over |g| in g's layout; |g| left in ``place`` for the scale
+    range's key, ``_needed_keys``, where g is float32)."""
+    n, dev, fm, fg = g.numel(), g.device, _flat(m), _flat(g)
+    sg = _sign_into(scratch.get("sx", n, g.dtype if g.dtype == _F64 else torch.float32, dev), fg)
     nonzero = _nonzero(sg)
-    both = _sign_into(scratch.get("sy", n, _sign_dtype(g, m), dev), m).mul_(sg)
-    row = [*_amax_pair(m), *_amax_pair(g), nonzero, _count(both)]
+    both = _sign_into(scratch.get("sy", n, _sign_dtype(g, m), dev), fm).mul_(sg)
+    row = [*_amax_pair(fm), *_amax_pair(fg), nonzero, _count(both)]
     if m.dtype in _LOW:
-        cast = torch.mul(_flat(g).float(), torch.tensor(scale, dtype=torch.float32, device=dev),
+        cast = torch.mul(fg if fg.dtype == torch.float32 else fg.float(), scale,
                          out=scratch.get("c", n, torch.float32, dev))  # rule 5's cast: _cast's values
         # the cast's non-zero entries are non-zero in g (0 casts to 0): its count is the count
         # of entries non-zero in both, without a product with sign(g)
         cast.copy_(scratch.get("low", n, m.dtype, dev).copy_(cast)).sign_()
-        a = torch.abs(_flat(g), out=scratch.get("a", n, g.dtype, dev))  # |g| in logical order
-        total = a.sum(dtype=_F64) if g.is_contiguous() else g.detach().abs().sum(dtype=_F64)
-        # the key from |g|'s bits, in place: after the sum above has read them (stream order)
-        key = _needed_key(a.view(torch.int32), nonzero, keep) if g.dtype == torch.float32 \
-            else torch.zeros((), device=dev)
-        row += [_count(cast), total, key]
+        a = torch.abs(fg, out=place if place is not None else scratch.get("a", n, g.dtype, dev))
+        # the mass over |g| (logical order); the key reads its bits later (stream order)
+        total = a.sum(dtype=_F64) if g.is_contiguous() else _plain(g).abs().sum(dtype=_F64)
+        row += [_count(cast), total]
     return row
+
+
+def _key_places(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], keyed: Sequence[int],
+                scratch: Scratch) -> dict[torch.device, tuple[torch.Tensor, list[int]]]:
+    """Rule 5: per device, one float32 buffer for the |g| of every keyed gradient (``keyed``:
+    the pairs' indices), one after the other, and those indices in that order."""
+    groups: dict[torch.device, list[int]] = {}
+    for j in keyed:
+        groups.setdefault(pairs[j][1].device, []).append(j)
+    return {dev: (scratch.get("keys", sum(pairs[j][1].numel() for j in js), torch.float32, dev), js)
+            for dev, js in groups.items()}
 
 
 def backward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: float,
@@ -296,7 +341,26 @@ def backward_batch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: fl
         raise ValueError(f"keep must be in (0, 1], got {keep!r}")
     scratch = scratch if scratch is not None else Scratch()
     fast = [j for j, (m, s) in enumerate(pairs) if _usable(m, s)]
-    rows = [_backward_row(*pairs[j], scale, keep, scratch) for j in fast]
+    # rule 5's f32(scale): one 0-dim tensor per device of the step's gradients
+    factors = {d: torch.tensor(scale, dtype=torch.float32, device=d) for d in {pairs[j][1].device for j in fast}}
+    # rule 5's key for each 16-bit gradient whose shadow is float32: every such |g| in one
+    # buffer per device, one histogram for them all (a histogram per gradient is a dozen ops)
+    keyed = [j for j in fast if pairs[j][0].dtype in _LOW and pairs[j][1].dtype == torch.float32]
+    places, slots = _key_places(pairs, keyed, scratch), {}
+    for buf, js in places.values():
+        start = 0
+        for j in js:
+            slots[j] = buf[start:start + pairs[j][1].numel()]
+            start += pairs[j][1].numel()
+    rows = [_backward_row(*pairs[j], factors[pairs[j][1].device], scratch, slots.get(j)) for j in fast]
+    row_of = dict(zip(fast, rows))
+    for buf, js in places.values():
+        keys = _needed_keys(buf.view(torch.int32), [pairs[j][1].numel() for j in js], [row_of[j][4] for j in js], keep)
+        for j, key in zip(js, keys):
+            row_of[j].append(key)
+    for j in fast:
+        if pairs[j][0].dtype in _LOW and j not in slots:  # a float64 shadow: its key is not used
+            row_of[j].append(torch.zeros((), device=pairs[j][1].device))
     out: dict[int, BackwardNumbers] = {}
     for j, values in zip(fast, _read(rows)):
         lo_m, hi_m, lo_g, hi_g, nonzero, both = values[:6]
@@ -326,15 +390,38 @@ def _scale_range(g: torch.Tensor, dtype: torch.dtype, keep: float, n: int, top: 
     return health.ScaleRange(_low_from_key(key, dtype), _high(top, dtype))
 
 
-def _segment_counts(values: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[torch.Tensor]:
+def _segment_counts(values: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[torch.Tensor | float]:
     """Each flat -1/0/1 value's non-zero count over consecutive segments of ``sizes``, value by
-    value: one ``_count`` per slice (a running sum over all of them costs more)."""
+    value. On a CPU, where a read is a load, one NumPy ``add.reduceat`` of |v| per value, read
+    at once (a float32 sum of ones is exact below 2^24 entries, whatever its order; float64 for a
+    larger segment; an empty segment counts 0): an op per segment costs more than most segments'
+    entries. Elsewhere one ``_count`` per slice, left for the step's one read (a running sum
+    over all of them costs more)."""
     edges = list(itertools.accumulate(sizes, initial=0))
-    return [_count(v[a:b]) for v in values for a, b in zip(edges, edges[1:])]
+    if not values or values[0].device.type != "cpu":
+        return [_count(v[a:b]) for v in values for a, b in zip(edges, edges[1:])]
+    full = [j for j, n in enumerate(sizes) if n]
+    starts = np.asarray([edges[j] for j in full], dtype=np.intp)
+    dtype = np.float32 if max(sizes, default=0) < 2**24 else np.float64
+    out: list[torch.Tensor | float] = []
+    for v in values:
+        counts = [0.0] * len(sizes)
+        if full:
+            for j, c in zip(full, np.add.reduceat(v.detach().abs().numpy(), starts, dtype=dtype).tolist()):
+                counts[j] = c
+        out += counts
+    return out
 
 
 def _flat_cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
+    """The tensors' values, each flat in logical order, joined (read only: one tensor may come
+    back as a view of itself): torch's ``flatten_dense_tensors`` flattens them in C++, where a
+    ``detach`` and a ``reshape`` per tensor from Python are two dispatched ops each, a hundred-odd
+    a step; no graph under ``no_grad``."""
+    with torch.no_grad():
+        if _flatten_dense_tensors is not None:
+            return _flatten_dense_tensors(list(tensors))
+        return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def param_batch(stored: Sequence[torch.Tensor], after: Sequence[torch.Tensor],

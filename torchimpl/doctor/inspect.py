@@ -59,7 +59,7 @@ from torchimpl.precision.probe import Fp8Probe, Recorder, is_float8_layer
 from torchimpl.doctor.report import PrecisionReport
 from torchimpl.doctor.stats import Fp8Stats, LayerStats, ParamStats, dtype_name
 from torchimpl.doctor.batch import Scratch, backward_batch, forward_batch, grad_batch, param_batch
-from torchimpl.doctor.shadow import RngState, copy_optimizer, module_pairs
+from torchimpl.doctor.shadow import RngState, Snapshot, copy_all, copy_optimizer, module_pairs
 from torchimpl.doctor.inner import InnerFindings, scan_module
 from torchimpl.doctor.verdicts import judge, judge_notes, sqnr_floor_db, verify_fixes
 from torchimpl.precision.fp32_modules import apply_fp32_modules
@@ -283,6 +283,7 @@ class _Runner:
             self.obs.fp8[name] = Fp8Stats(name, rowwise=rowwise)
         self._scans = 0
         self._scratch = Scratch()  # the statistics' buffers, reused every step
+        self._before, self._stored_before = Snapshot(), Snapshot()  # rule 3's weights before the step
         self._state_modules = module_pairs(self.shadow, mixed)
 
     @staticmethod
@@ -297,14 +298,18 @@ class _Runner:
                 theirs = self.mixed.state_dict()
                 for k, v in self.shadow.state_dict().items():
                     v.copy_(theirs[k])
-            else:
+            else:  # walked each step: a module may replace a buffer's tensor
+                into, values = [], []
                 for mine, theirs in self._state_modules:
                     for name, p in mine._parameters.items():
                         if p is not None:
-                            p.copy_(theirs._parameters[name])
+                            into.append(p)
+                            values.append(theirs._parameters[name])
                     for name, b in mine._buffers.items():
                         if b is not None and name not in mine._non_persistent_buffers_set:
-                            b.copy_(theirs._buffers[name])
+                            into.append(b)
+                            values.append(theirs._buffers[name])
+                copy_all(into, values)
         copy_optimizer(self.opt, self.shadow_opt)
 
     def _run(self, model: nn.Module, batch: Any, mixed: bool, rng: RngState, scanner: _Scanner | None) -> tuple:
@@ -481,9 +486,9 @@ class _Runner:
         """Rules 2-3: the mixed step (unscaled, skipped on non-finite gradients) and the shadow's
         update judged against the mixed model's stored weights; whether the gradients were finite."""
         mixed, shadow = self._mixed_params, self._shadow_params
-        before = {n: p.detach().clone() for n, p in shadow.items()}
+        before = dict(zip(shadow, self._before.take(list(shadow.values()))))
         stored = self._stored()
-        stored = {n: t.detach().clone() for n, t in stored.items()}
+        stored = dict(zip(stored, self._stored_before.take(list(stored.values()))))
         if self.scale != 1.0:  # x / 1 is x, bit for bit (signed zeros, infinities and NaN too)
             with torch.no_grad():
                 for p in mixed.values():
@@ -505,7 +510,7 @@ class _Runner:
         after = self._stored() if finite else {}
         judged = [n for n in mixed if n in after and n in shadow and shadow[n].grad is not None]
         with health.one_thread(self.device), torch.no_grad():
-            updates = _foreach_sub([shadow[n].detach() for n in judged], [before[n] for n in judged]) \
+            updates = _foreach_sub([shadow[n] for n in judged], [before[n] for n in judged]) \
                 if judged else []
             lost = dict(zip(judged, param_batch([stored[n] for n in judged], [after[n] for n in judged], updates)))
         for n in mixed:

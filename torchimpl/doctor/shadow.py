@@ -18,7 +18,44 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["RngState", "copy_optimizer", "module_pairs"]
+from torchimpl._torch_compat import _foreach_copy_
+
+__all__ = ["RngState", "Snapshot", "copy_all", "copy_optimizer", "module_pairs"]
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for each pair, in one foreach call where torch has it (the same copies, one
+    dispatch for the step's hundred-odd tensors instead of one each)."""
+    if not dst:
+        return
+    with torch.no_grad():
+        if _foreach_copy_ is not None:
+            _foreach_copy_(dst, src)
+            return
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
+class Snapshot:
+    """Copies of a list of tensors taken each step into buffers made once a run (a clone per
+    tensor is an allocation and a dispatch each, sixty a step for the doctor's two snapshots).
+    ``take``'s copies are valid until the next ``take``."""
+
+    def __init__(self) -> None:
+        self._copies: list[torch.Tensor] = []
+        self._layout: list[tuple] = []
+
+    def take(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The values of ``tensors`` now, in buffers of their shapes, dtypes and devices."""
+        layout = [(t.shape, t.stride(), t.dtype, t.device) for t in tensors]
+        if layout != self._layout:
+            self._copies = [torch.empty_like(t) for t in tensors]
+            self._layout = [(c.shape, c.stride(), c.dtype, c.device) for c in self._copies]
+            if self._layout != layout:  # a layout empty_like does not keep: clones, every step
+                self._layout = []
+                return [t.detach().clone() for t in tensors]
+        copy_all(self._copies, tensors)  # under no_grad: no detach needed
+        return self._copies
 
 
 def copy_optimizer(src: torch.optim.Optimizer, dst: torch.optim.Optimizer) -> None:
@@ -38,6 +75,8 @@ def copy_optimizer(src: torch.optim.Optimizer, dst: torch.optim.Optimizer) -> No
     for sg, dg in zip(src.param_groups, dst.param_groups):
         dg.update({k: v if isinstance(v, (*plain, tuple)) and all(isinstance(x, plain) for x in _items(v))
                    else copy.deepcopy(v) for k, v in sg.items() if k not in ("params", "param_names")})
+    into: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
     with torch.no_grad():
         for sp, (dp, group) in zip(src_params, dst_params):
             state = src.state.get(sp)
@@ -46,16 +85,19 @@ def copy_optimizer(src: torch.optim.Optimizer, dst: torch.optim.Optimizer) -> No
                 continue
             mine, new = dst.state.get(dp, {}), {}
             for k, v in state.items():
-                new[k] = _state_copy(v, dp, k, group, mine.get(k)) if isinstance(v, torch.Tensor) else v
+                new[k] = _state_copy(v, dp, k, group, mine.get(k), into, values) if isinstance(v, torch.Tensor) else v
             dst.state[dp] = new
+    copy_all(into, values)
 
 
 def _items(v: Any) -> tuple:
     return v if isinstance(v, tuple) else (v,)
 
 
-def _state_copy(v: torch.Tensor, param: torch.Tensor, key: str, group: dict, old: Any) -> torch.Tensor:
-    """One state tensor as ``load_state_dict`` casts it, into ``old`` where it has that form."""
+def _state_copy(v: torch.Tensor, param: torch.Tensor, key: str, group: dict, old: Any,
+                into: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """One state tensor as ``load_state_dict`` casts it: ``old`` where it has that form (the copy
+    into it queued on ``into``/``values`` for ``copy_all``), else a new copy."""
     if key == "step":
         special = group.get("fused") or group.get("capturable")
         dtype, device = (torch.float32, param.device) if special else (v.dtype, v.device)
@@ -63,7 +105,9 @@ def _state_copy(v: torch.Tensor, param: torch.Tensor, key: str, group: dict, old
         dtype, device = (param.dtype if param.is_floating_point() else v.dtype), param.device
     if isinstance(old, torch.Tensor) and old is not v and old.shape == v.shape and old.dtype == dtype \
             and old.device == device:
-        return old.copy_(v)
+        into.append(old)
+        values.append(v)
+        return old
     return v.detach().to(dtype=dtype, device=device, copy=True)
 
 
