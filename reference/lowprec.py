@@ -161,7 +161,7 @@ from reference.optim.adamax import AdamaxState
 from reference.optim.nadam import NAdamState
 from reference.optim.radam import RAdamState, rectification
 from reference.optim.rmsprop import RMSpropState
-from reference.optim._common import vector_head
+from reference.optim._common import addcmul_fused, fma32, lerp_fused, vector_head
 from reference.optim._registry import OptimizerSpec
 
 __all__ = ["COVERED", "FUSED_NATIVE_ULPS", "FUSED_VECTOR_BYTES", "KERNELS", "bound", "covered", "fma32", "refused",
@@ -260,22 +260,6 @@ def mul_scalar_foreach(x: np.ndarray, s: float) -> np.ndarray:
     return _r(_f(x) * _f(np.asarray(_F32(s)).astype(x.dtype)), x.dtype)
 
 
-def fma32(a: Any, b: Any, c: Any) -> np.ndarray:
-    """Rule 13: float32 ``fma(a, b, c)``, rounded once. The product of two float32 values is exact
-    in float64; the float64 sum is made round-to-odd from its exact error (TwoSum), and a
-    round-to-odd value with 53 bits rounds to float32's 24 as the exact sum would."""
-    a64, b64, c64 = (np.asarray(v, _F32).astype(np.float64) for v in (a, b, c))
-    with np.errstate(all="ignore"):
-        prod = a64 * b64
-        total = prod + c64
-        back = total - prod
-        err = (prod - (total - back)) + (c64 - back)
-        even = (np.asarray(total).view(np.int64) & 1) == 0
-        nudge = (err != 0) & even & np.isfinite(total)
-        total = np.where(nudge, np.nextafter(total, np.where(err > 0, np.inf, -np.inf)), total)
-        return np.asarray(total).astype(_F32)
-
-
 def _head(n: int, itemsize: int, block: int) -> int:
     """Rule 13: how many leading elements of ``n`` the vectorized loop takes (whole blocks of
     ``block`` bytes); the scalar tail takes the rest."""
@@ -298,22 +282,14 @@ def add_native(x: np.ndarray, y: np.ndarray, alpha: float = 1.0, *, block: int) 
 
 def addcmul_native(x: np.ndarray, a: np.ndarray, b: np.ndarray, value: float, *, block: int) -> np.ndarray:
     """Rule 13: ``S(fma(f32(v) * a, b, x))``, every element, head and tail alike (``block`` unused)."""
-    return _r(fma32(_F32(value) * _f(a), _f(b), _f(x)), x.dtype)
+    return _r(addcmul_fused(_f(x), _f(a), _f(b), value), x.dtype)
 
 
 def lerp_native(x: np.ndarray, y: np.ndarray, w: float, *, block: int) -> np.ndarray:
     """Rule 13: rule 4 with its multiply-add fused, every element: ``S(fma(w, y - x, x))`` when
     ``|w| < 0.5``, else ``S(fma(-(y - x), 1 - w, y))``; at ``w = 1`` the leading whole blocks
-    ``S(fma(w - 1, y - x, y))``."""
-    w32, x32, y32 = _F32(w), _f(x), _f(y)
-    diff = y32 - x32
-    if abs(w32) < 0.5:
-        return _r(fma32(w32, diff, x32), x.dtype)
-    out = np.asarray(fma32(-diff, _F32(1) - w32, y32))
-    if w32 == 1 and out.ndim:
-        head = _head(out.size, x.dtype.itemsize, block)
-        out.reshape(-1)[:head] = fma32(w32 - _F32(1), diff.reshape(-1)[:head], y32.reshape(-1)[:head])
-    return _r(out, x.dtype)
+    ``S(fma(w - 1, y - x, y))`` (``reference.optim._common`` rule 7 in float32)."""
+    return _r(lerp_fused(_f(x), _f(y), w, head=_head(np.size(x), x.dtype.itemsize, block)), x.dtype)
 
 
 def rsqrt_native(x: np.ndarray, *, block: int) -> np.ndarray:

@@ -56,7 +56,9 @@ class OptimizerSpec:
     parameter) the bound on native kernels in ULPs of ``x_abs`` (the audit and the conformance
     suite read it; neither keeps a table of its own). ``elementwise``: each element's ``x_abs``
     depends only on the same element of the inputs (the audit then evaluates ``magnitudes`` at
-    sampled elements only; False: over whole tensors).
+    sampled elements only; False: over whole tensors). ``native_exact``: the implementations whose
+    float32 step on native kernels (`reference.optim._common` rule 7) the spec computes bit for
+    bit when its step function is called with ``native=True``; ``native_ulp`` bounds the others.
     """
 
     name: str
@@ -69,6 +71,7 @@ class OptimizerSpec:
     magnitudes: Callable[..., dict[str, np.ndarray]] | None = field(default=None, compare=False)
     native_ulp: Mapping[str, int] = field(default_factory=dict, compare=False)
     elementwise: bool = False
+    native_exact: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         unknown = set(self.steps) - set(IMPLEMENTATIONS)
@@ -76,6 +79,8 @@ class OptimizerSpec:
             raise ValueError(f"{self.name}: implementations must be some of {IMPLEMENTATIONS}, got {sorted(self.steps)}")
         if not set(self.kernel_scaled) <= set(self.steps):
             raise ValueError(f"{self.name}: kernel_scaled {sorted(self.kernel_scaled)} are not implementations")
+        if not set(self.native_exact) <= set(self.steps):
+            raise ValueError(f"{self.name}: native_exact {sorted(self.native_exact)} are not implementations")
 
     def hyperparameters(self) -> dict[str, Any]:
         """Hyperparameter name -> torch's default."""
@@ -116,11 +121,18 @@ class OptimizerSpec:
 
     def step(self, implementation: str, params: Any, grads: Any, state: Any, config: Any, *, lr: Any = None,
              sqrt: Callable[[np.ndarray], np.ndarray] | None = None, grad_scale: float | None = None,
-             found_inf: float = 0.0) -> tuple[list[np.ndarray], list[Any], tuple[Any, ...]]:
-        """One step of ``implementation`` (module docstring)."""
+             found_inf: float = 0.0, native: bool = False) -> tuple[list[np.ndarray], list[Any], tuple[Any, ...]]:
+        """One step of ``implementation`` (module docstring); ``native``: as torch's native kernels
+        compute it (an implementation in ``native_exact``, float32 parameters)."""
         if implementation not in self.steps:
             raise ValueError(f"{self.name} has no {implementation!r} implementation in the specification; "
                              f"it has {', '.join(self.steps)}")
+        if native:
+            if implementation not in self.native_exact:
+                raise ValueError(f"{self.name}'s {implementation} path on native kernels is not modelled bit for bit "
+                                 f"(native_exact: {', '.join(sorted(self.native_exact)) or 'none'})")
+            return self.steps[implementation](params, grads, state, config, lr=lr, sqrt=sqrt, grad_scale=grad_scale,
+                                              found_inf=found_inf, native=True)
         if implementation not in self.kernel_scaled and (grad_scale is not None or found_inf != 0.0):
             raise ValueError(f"{self.name}'s {implementation} path takes no grad_scale/found_inf: "
                              "GradScaler unscales its gradients and skips the call")

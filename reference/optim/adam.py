@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference.optim._common import (abs64, add, check_inputs, check_lr, check_lr_or_tensor, check_param, for_each_param,
-                                     freeze, frozen, lerp, require)
+from reference.optim._common import (abs64, add, add_fused, addcmul_fused, check_inputs, check_lr, check_lr_or_tensor,
+                                     check_param, for_each_param, freeze, frozen, lerp, lerp_fused, require)
 
 from reference.optim._registry import OptimizerSpec, register
 
@@ -117,8 +117,11 @@ def _adam_update(
     lr: float,
     fused: bool,
     sqrt: Callable[[np.ndarray], np.ndarray] = np.sqrt,
+    native: bool = False,
 ) -> tuple[np.ndarray, AdamParamState]:
-    """Rules 3-6 for one parameter, given the (maximize-applied) gradient and the new step."""
+    """Rules 3-6 for one parameter, given the (maximize-applied) gradient and the new step.
+    ``native``: float32 on native kernels, the coupled decay, the first moment's ``lerp`` and the
+    second moment's ``addcmul`` fused (`reference.optim._common` rule 7)."""
     f = p.dtype.type
     beta1, beta2 = config.betas
     tensor_lr = lr if isinstance(lr, np.ndarray) else None  # rule 11
@@ -126,13 +129,17 @@ def _adam_update(
         lr = tensor_lr.dtype.type(tensor_lr[()])
     decoupled = config.weight_decay != 0 and config.decoupled_weight_decay
     if config.weight_decay != 0 and not decoupled:
-        d = add(d, p, config.weight_decay, out=np.empty_like(p))
+        d = add_fused(d, p, config.weight_decay) if native else add(d, p, config.weight_decay, out=np.empty_like(p))
     # The new parameter; until the last lines it holds the temporaries of rules 5 and 6 (``_common``:
     # how the steps compute). The decoupled decay reads only p, so it is computed there last.
     new_p = np.empty_like(p)
-    m = lerp(s.exp_avg, d, 1 - beta1, out=np.empty_like(p))
     v = np.multiply(s.exp_avg_sq, f(beta2), out=np.empty_like(p))
-    v = np.add(v, np.multiply(np.multiply(d, f(1 - beta2), out=new_p), d, out=new_p), out=v)  # addcmul
+    if native:
+        m = lerp_fused(s.exp_avg, d, 1 - beta1)
+        v = addcmul_fused(v, d, d, 1 - beta2)
+    else:
+        m = lerp(s.exp_avg, d, 1 - beta1, out=np.empty_like(p))
+        v = np.add(v, np.multiply(np.multiply(d, f(1 - beta2), out=new_p), d, out=new_p), out=v)  # addcmul
     t = float(step)
     bias_correction1 = 1 - beta1**t
     bias_correction2 = 1 - beta2**t
@@ -165,21 +172,28 @@ def adam_step(
     lr: float | None = None,
     *,
     sqrt: Callable[[np.ndarray], np.ndarray] | None = None,
+    native: bool = False,
 ) -> tuple[list[np.ndarray], tuple[AdamParamState, ...]]:
     """One step of torch's for-loop Adam or AdamW (rules 1, 3-7, 9).
 
     ``lr=None`` uses ``config.lr``; passing ``lr`` lets a schedule drive it (must be >= 0); a 0-d
     float32/float64 array is a tensor lr (rule 11). ``sqrt``: the elementwise square root of rule 6, returning the input's dtype; ``None``
-    means the correctly rounded ``np.sqrt`` (rule 9 says when torch differs).
+    means the correctly rounded ``np.sqrt`` (rule 9 says when torch differs). ``native``: torch's
+    native AVX2/AVX512 kernels (`reference.optim._common` rule 7), float32 parameters only.
     Returns the new parameters and the new per-parameter states.
     """
     arrays = check_inputs(params, grads, state, config, AdamConfig, AdamParamState)
+    if native:
+        for i, p in enumerate(arrays):
+            if p.dtype != np.float32:
+                raise ValueError(f"params[{i}] is {p.dtype}: the native kernels' fusions are stated for float32 only")
     step_lr = config.lr if lr is None else check_lr_or_tensor(lr)
     root = np.sqrt if sqrt is None else sqrt
 
     def update(p: np.ndarray, g: np.ndarray, s: AdamParamState) -> tuple[np.ndarray, AdamParamState, np.ndarray]:
         step = np.float32(s.step + np.float32(1.0))
-        new_p, new_s = _adam_update(p, -g if config.maximize else g, s, step, config, step_lr, fused=False, sqrt=root)
+        new_p, new_s = _adam_update(p, -g if config.maximize else g, s, step, config, step_lr, fused=False, sqrt=root,
+                                    native=native)
         return new_p, new_s, g
 
     new_params, _, new_state = for_each_param(arrays, grads, state, update)
@@ -287,8 +301,8 @@ def adam_magnitudes(config: AdamConfig, p: np.ndarray, g: np.ndarray, old: AdamP
 _ADAM_ULP = {"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "max_exp_avg_sq": 2 * 5, "param": 2 * 15}
 
 
-def _adam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
-    new_params, new_state = adam_step(params, grads, state, config, lr=lr, sqrt=sqrt)
+def _adam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0, native=False):
+    new_params, new_state = adam_step(params, grads, state, config, lr=lr, sqrt=sqrt, native=native)
     return new_params, list(grads), new_state
 
 
@@ -296,16 +310,18 @@ def _fused_adam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=
     return fused_adam_step(params, grads, state, config, grad_scale=grad_scale, found_inf=found_inf, lr=lr)
 
 
-def _foreach_adam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0):
+def _foreach_adam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0, native=False):
     # Rule 11: torch's foreach Adam(W) refuses a tensor lr (without capturable, which needs CUDA).
     if isinstance(lr, np.ndarray):
         raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")  # noqa: TRY004 (torch's type)
-    return _adam(params, grads, state, config, lr=lr, sqrt=sqrt)
+    return _adam(params, grads, state, config, lr=lr, sqrt=sqrt, native=native)
 
 
 register(OptimizerSpec("Adam", AdamConfig, AdamConfig, adam_init_state,
                        {"for-loop": _adam, "foreach": _foreach_adam, "fused": _fused_adam}, frozenset({"fused"}),
-                       magnitudes=adam_magnitudes, native_ulp=_ADAM_ULP, elementwise=True))
+                       magnitudes=adam_magnitudes, native_ulp=_ADAM_ULP, elementwise=True,
+                       native_exact=frozenset({"for-loop", "foreach"})))
 register(OptimizerSpec("AdamW", adamw_config, AdamConfig, adam_init_state,
                        {"for-loop": _adam, "foreach": _foreach_adam, "fused": _fused_adam}, frozenset({"fused"}),
-                       magnitudes=adam_magnitudes, native_ulp=_ADAM_ULP, elementwise=True))
+                       magnitudes=adam_magnitudes, native_ulp=_ADAM_ULP, elementwise=True,
+                       native_exact=frozenset({"for-loop", "foreach"})))
