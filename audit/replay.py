@@ -41,7 +41,10 @@ given total (``clip_grads_with_norm_``) and the Adam step counter stay bit for b
 norm is within ``NORM_ULP`` ULPs; norm-clipped gradients within ``CLIP_ULP`` ULPs of their dtype
 (the coefficient follows the norm: at most one more ULP from its reciprocal and multiply, one
 from the product's rounding); optimizer fields within the conformance bounds, in ULPs of ``x_abs``, the field's formula evaluated on magnitudes (a plain
-ULP distance explodes where an update cancels to near zero). NaN compares as a class.
+ULP distance explodes where an update cancels to near zero), but float32 steps of a row's
+``native_exact`` implementations (Adam and AdamW, for-loop and foreach), which the spec computes
+with the kernels' fused multiply-adds (`reference.optim._common` rule 7), bit for bit. NaN
+compares as a class.
 Parameters held in bfloat16 or float16 (`audit.lost`): bit for bit on scalar and native kernels
 alike (`reference.lowprec` rules 13 and 15), but fused Adam and AdamW on native kernels, within
 ``reference.lowprec.FUSED_NATIVE_ULPS`` ULPs of the 16-bit format at ``x_abs``.
@@ -78,6 +81,7 @@ from audit.optimizers import OptimizerRef, optimizer_ref  # noqa: F401  (re-expo
 from audit.stages import CLIP_ULP, NORM_ULP, NotReplayable, StepStages, UpdateCheck
 from reference import compile as compile_rules
 from reference import optim
+from reference.optim._common import NATIVE_KERNELS
 
 __all__ = ["Replayer", "Divergence", "NORM_ULP", "CLIP_ULP"]
 
@@ -163,6 +167,7 @@ class Replayer(StepStages, UpdateCheck, LowPrecisionStage):
         self._error: BaseException | str | None = None
         self.capability = torch.backends.cpu.get_cpu_capability()
         self.exact = self.capability == "DEFAULT"
+        self.native = self.capability in NATIVE_KERNELS  # reference.optim._common rule 7 holds here
         self.divergences: list[Divergence] = []
         self.findings: list[Any] = []  # findings of the replay (a second unscale seen in the numbers)
         self.not_replayed: dict[str, int] = {}
@@ -198,7 +203,8 @@ class Replayer(StepStages, UpdateCheck, LowPrecisionStage):
                 f"and given-total-clipped gradients bit for bit; total norms within {NORM_ULP} ULP, norm-clipped "
                 f"gradients within {CLIP_ULP} ULP; SGD within {sgd['momentum_buffer']}/{sgd['param']} ULP "
                 f"(buffer/parameter) and Adam(W) within {adam['exp_avg']}/{adam['param']} ULP (moments/parameter) "
-                "of x_abs, the other optimizers within theirs (their spec rows' native_ulp)")
+                "of x_abs, the other optimizers within theirs (their spec rows' native_ulp), except float32 steps of "
+                f"{_native_rows()}: bit for bit")
 
     def _bound(self, native: int) -> int:
         return 0 if self.exact else native
@@ -354,18 +360,21 @@ class Replayer(StepStages, UpdateCheck, LowPrecisionStage):
         if low is not None:
             self._count_lost(o, d, rec, where)
         step = o.entry.spec.step if low is None else self._low_precision_step(o, d, low)
-        for idx, cfg, params, grads, states, (new_params, _, new_states) in self._spec_steps(o, d, step):
+        native = self.native and low is None
+        for idx, cfg, params, grads, states, (new_params, _, new_states) in self._spec_steps(o, d, step, native):
+            exact = self.exact or (native and _native_exact(o, d, d.groups[d.group_of[idx[0]]], params))
             for j, i in enumerate(idx):
                 self._compare_param(o, rec, cfg, i, params[j], grads[j], states[j], new_params[j], new_states[j],
-                                    d, where)
+                                    d, where, exact)
 
     # The stage mixins (audit.lost.LowPrecisionStage) reach the module's function through the replayer.
-    _spec_steps = staticmethod(lambda o, d, step: _spec_steps(o, d, step))
+    _spec_steps = staticmethod(lambda o, d, step, native=False: _spec_steps(o, d, step, native))
 
     def _compare_param(self, o: OptimizerRef, rec: Any, cfg: Any, i: int, p: np.ndarray, g: Any, old: Any,
-                       new_p: np.ndarray, new: Any, d: Any, where: str) -> None:
+                       new_p: np.ndarray, new: Any, d: Any, where: str, eager_exact: bool | None = None) -> None:
         """One parameter and its state after the step: scalar fields (the step counter) bit for
-        bit, arrays within the row's bound in ULPs of the spec's magnitudes."""
+        bit, arrays within the row's bound in ULPs of the spec's magnitudes (none where
+        ``eager_exact``, which defaults to the kernels being scalar)."""
         name = f"parameter {i}"
         if g is None:
             self._check(o, rec, f"{name} (no gradient) after the step", d.params_after[i], new_p, 0, where,
@@ -373,7 +382,8 @@ class Replayer(StepStages, UpdateCheck, LowPrecisionStage):
             return
         entry, torch_state = o.entry, d.state_after[i]
         low = str(np.asarray(p).dtype) in LOW_DTYPES and not getattr(d, "compiled", False)
-        exact, bound = self._low_bounds(o, d, i) if low else _field_bounds(self.exact, o, d, cfg, i, old, new)
+        exact, bound = (self._low_bounds(o, d, i) if low else
+                        _field_bounds(self.exact if eager_exact is None else eager_exact, o, d, cfg, i, old, new))
         x_abs = _magnitudes(entry, cfg, (p, g, old, new), exact)
         at = None if d.sample is None or d.sample.whole(i) else (d.sample.indices(i), d.sample.shapes[i])
         for fld in dataclasses.fields(new):
@@ -472,10 +482,19 @@ def _sample_mode(obj: Any) -> str:
     return "elements" if entry.spec.elementwise else "tensors"
 
 
-def _spec_steps(o: OptimizerRef, d: Any, step: Any) -> Any:
+def _native_exact(o: OptimizerRef, d: Any, group: dict[str, Any], params: list[np.ndarray]) -> bool:
+    """Whether the spec computes an eager step of this group bit for bit on native kernels: its
+    implementation is in the row's ``native_exact`` and its parameters are float32
+    (`reference.optim._common` rule 7)."""
+    return (_implementation(group) in o.entry.spec.native_exact and not getattr(d, "compiled", False)
+            and all(p.dtype == np.float32 for p in params))
+
+
+def _spec_steps(o: OptimizerRef, d: Any, step: Any, native: bool = False) -> Any:
     """Per parameter group: its indices, the spec's configuration, its parameters, gradients and
     states before ``step`` (the spec row's, or `reference.master_weights.float32_step` on it), and
-    the triple ``step`` returns."""
+    the triple ``step`` returns. ``native``: the machine's kernels are native, and ``step`` is the
+    row's: a group `_native_exact` says is computed with their fusions."""
     row = o.entry.spec
     for gi, group in enumerate(d.groups):
         idx = [i for i, g in enumerate(d.group_of) if g == gi and d.params_before[i] is not None]
@@ -496,6 +515,8 @@ def _spec_steps(o: OptimizerRef, d: Any, step: Any) -> Any:
             kwargs = {"sqrt": None}  # reference.compile rule 2: a compiled square root is correctly rounded
         else:
             kwargs = {"sqrt": _torch_sqrt(impl)}
+            if native and _native_exact(o, d, group, params):
+                kwargs["native"] = True
         try:
             result = step(impl, params, grads, states, cfg, lr=lr, **kwargs)
         except ValueError as exc:
@@ -512,7 +533,7 @@ def _spec_config(o: OptimizerRef, group: dict[str, Any]) -> tuple[Any, str]:
     if isinstance(group.get("lr"), torch.Tensor):
         _tensor_lr(group["lr"])  # refuses what the spec does not take
         group = dict(group, lr=float(group["lr"]))  # the configuration holds its value
-    impl = "fused" if group.get("fused") else "foreach" if group.get("foreach") else "for-loop"
+    impl = _implementation(group)
     if impl not in o.entry.spec.steps:
         raise _NotReplayable(f"{o.kind}'s {impl} implementation (the specification has "
                              f"{', '.join(o.entry.spec.steps)})")
@@ -520,6 +541,17 @@ def _spec_config(o: OptimizerRef, group: dict[str, Any]) -> tuple[Any, str]:
         return o.entry.config(group), impl
     except (ValueError, KeyError, TypeError) as exc:
         raise _NotReplayable(f"{o.kind} hyperparameters outside the specification ({exc})") from None
+
+
+def _native_rows() -> str:
+    """The rows and paths the spec steps bit for bit on native kernels, for the report."""
+    rows = [f"{row.name} ({', '.join(sorted(row.native_exact))})" for row in optim.SPECS.values() if row.native_exact]
+    return ", ".join(rows) or "no optimizer"
+
+
+def _implementation(group: dict[str, Any]) -> str:
+    """The torch implementation a parameter group steps with."""
+    return "fused" if group.get("fused") else "foreach" if group.get("foreach") else "for-loop"
 
 
 def _tensor_lr(lr: torch.Tensor) -> np.ndarray:

@@ -26,6 +26,7 @@ How:
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import math
 import mmap
@@ -379,12 +380,32 @@ class ReplayProcess:
 # ---------------------------------------------------------------------------------- the worker
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+_HEAP_KEPT = 1 << 30
+
+
+def _keep_freed_memory() -> None:
+    """In the worker (glibc only): keep freed memory in the heap instead of handing it back.
+
+    Why: the replay's NumPy temporaries are as large as a parameter and freed at once; by default
+    glibc maps each of them afresh or trims the heap after it, and every page of the next one is
+    a page fault, which can cost more than the arithmetic. The worker's own memory, bounded by
+    one step's arrays; the program's process is left alone."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # glibc's largest: arrays up to 32 MiB come from the heap
+        libc.mallopt(_M_TRIM_THRESHOLD, _HEAP_KEPT)
+    except (OSError, AttributeError):  # another C library: its defaults
+        pass
+
+
 def _serve(conn: Any, other_end: Any, make_replayer: Callable[[], Replayer]) -> None:
     """The worker's loop: map the slabs, run the jobs in order on ``make_replayer()`` (the
     replay's, handed over at the fork: this module stays below `audit.replay`), report."""
     other_end.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
+    _keep_freed_memory()
     replayer = make_replayer()
     error: str | None = None
     while True:

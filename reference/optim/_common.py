@@ -231,8 +231,8 @@ def step_counter(step: np.float32) -> np.float32:
 
 
 _F32 = np.float32
-_MIDPOINT_MASK = (1 << 29) - 1  # the float64 significand bits below float32's 24
-_MIDPOINT = 1 << 28
+_MIDPOINT_MASK = np.uint64((1 << 29) - 1)  # the float64 significand bits below float32's 24
+_MIDPOINT = np.uint64(1 << 28)
 _F32_TINY = float(np.finfo(np.float32).tiny)
 
 
@@ -244,23 +244,32 @@ def fma32(a: Any, b: Any, c: Any) -> np.ndarray:
     second rounding can only cross a boundary it lands on. Those few elements are made
     round-to-odd from the sum's exact error (TwoSum); a round-to-odd value with 53 bits rounds to
     float32's 24 as the exact sum would."""
-    a64, b64, c64 = (np.asarray(v, _F32).astype(np.float64) for v in (a, b, c))
+    a32, b32, c32 = (np.asarray(v, _F32) for v in (a, b, c))
     with np.errstate(all="ignore"):
-        total = np.asarray(a64 * b64)
-        total = np.add(total, c64, out=total) if total.ndim and total.shape == np.shape(c64) else np.asarray(total + c64)
+        total = np.asarray(np.multiply(a32, b32, dtype=np.float64))  # exact
+        if total.ndim and total.shape == np.broadcast_shapes(total.shape, c32.shape):
+            total = np.add(total, c32, out=total, dtype=np.float64)
+        else:
+            total = np.asarray(np.add(total, c32, dtype=np.float64))
         out = total.astype(_F32)
-        suspect = (total.view(np.int64) & _MIDPOINT_MASK) == _MIDPOINT
-        suspect |= (np.abs(out) < _F32_TINY) & (out != 0)
+        suspect = np.bitwise_and(total.reshape(-1).view(np.uint64), _MIDPOINT_MASK) == _MIDPOINT
+        magnitude = np.abs(out)
+        if magnitude.size and magnitude.min() < _F32_TINY:
+            suspect |= ((magnitude < _F32_TINY) & (out != 0)).reshape(-1)
         if not suspect.any():
             return out
-        k = np.nonzero(suspect)
-        p = np.broadcast_to(a64, out.shape)[k] * np.broadcast_to(b64, out.shape)[k]
-        t, c = total[k], np.broadcast_to(c64, out.shape)[k]
+        k = np.flatnonzero(suspect)
+
+        def at(v: np.ndarray) -> Any:
+            return (v if v.ndim == 0 else np.broadcast_to(v, out.shape).reshape(-1)[k]).astype(np.float64)
+
+        p = at(a32) * at(b32)
+        t, c = total.reshape(-1)[k], at(c32)
         back = t - p
         err = (p - (t - back)) + (c - back)
         odd = np.where((err != 0) & ((t.view(np.int64) & 1) == 0) & np.isfinite(t),
                        np.nextafter(t, np.where(err > 0, np.inf, -np.inf)), t)
-        out[k] = odd.astype(_F32)
+        out.reshape(-1)[k] = odd.astype(_F32)
         return out
 
 
