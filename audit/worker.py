@@ -106,6 +106,7 @@ class _Slab:
         self.id = ident
         self.size = size
         self.used = 0
+        self.placed: dict[tuple[int, tuple], _Placed] = {}  # (offset, layout key) -> its views here
         self.fd = os.memfd_create(f"ampspec-audit-{ident}", os.MFD_CLOEXEC)
         try:
             os.posix_fallocate(self.fd, 0, size)  # no memory: an OSError now, not a SIGBUS at a write
@@ -115,11 +116,79 @@ class _Slab:
             raise
 
     def close(self) -> None:
+        self.placed.clear()  # its views export the mapping's buffer
         try:
             self.map.close()
         except BufferError:  # an array still refers to it: the mapping goes with that array
             pass
         os.close(self.fd)
+
+
+class _Layout:
+    """Where each of a list of tensors goes in a block of a slab: those of one dtype back to back
+    (in ``order``), each dtype's run aligned; ``refused`` when one cannot be copied there (not on
+    the CPU, or a dtype NumPy cannot hold)."""
+
+    __slots__ = ("order", "places", "nbytes", "refused")
+
+    def __init__(self) -> None:
+        self.order: list[int] = []  # the tensors' indices, grouped by dtype
+        self.places: list[tuple[int, np.dtype, torch.dtype, tuple[int, ...]]] = []  # per index: byte offset, ...
+        self.nbytes = 0
+        self.refused = False
+
+    @classmethod
+    def of(cls, key: tuple) -> _Layout:
+        layout = cls()
+        if any(dt not in _NUMPY or not cpu for dt, _, cpu in key):
+            layout.refused = True
+            return layout
+        groups: dict[torch.dtype, list[int]] = {}
+        for k, (dt, _, _) in enumerate(key):
+            groups.setdefault(dt, []).append(k)
+        places: dict[int, tuple] = {}
+        at = 0
+        for dt, ks in groups.items():
+            itemsize = _NUMPY[dt].itemsize
+            start = at
+            for k in ks:
+                shape = tuple(key[k][1])
+                places[k] = (at, _NUMPY[dt], dt, shape)
+                at += math.prod(shape) * itemsize
+            at = start + -(-max(at - start, 1) // _ALIGN) * _ALIGN
+            layout.order += ks
+        layout.places = [places[k] for k in range(len(key))]
+        layout.nbytes = at
+        return layout
+
+
+class _Placed:
+    """A layout's views at one offset of one slab: torch tensors to copy into (in the layout's
+    order) and the `SlabArray` each tensor's copy is read as."""
+
+    __slots__ = ("views", "arrays")
+
+    @classmethod
+    def at(cls, layout: _Layout, slab: _Slab, offset: int) -> _Placed:
+        placed = cls()
+        placed.arrays = []
+        for at, dtype, _, shape in layout.places:
+            # A view of one np.frombuffer array over the whole mapping: it holds the mapping's
+            # buffer, so that the slab cannot be unmapped while the array lives.
+            n = math.prod(shape)
+            out = np.frombuffer(slab.map, dtype=dtype, count=n, offset=offset + at).reshape(shape).view(SlabArray)
+            out.place = (slab.id, offset + at, dtype, shape)
+            placed.arrays.append(out)
+        views = []
+        for k in layout.order:
+            _, dtype, dt, shape = layout.places[k]
+            arr = placed.arrays[k]
+            if dt == torch.bfloat16:  # NumPy has no bfloat16: the bits travel as int16
+                views.append(torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16))
+            else:
+                views.append(torch.from_numpy(arr.view(np.ndarray)))
+        placed.views = views
+        return placed
 
 
 # ---------------------------------------------------------------------------------- the program's side
@@ -170,6 +239,7 @@ class ReplayProcess:
         self._sized = False  # whether a step has shown how much its copies take
         self._no_memory = False
         self._abandoned: list[int] = []
+        self._layouts: dict[tuple, _Layout] = {}
         self.unsent: dict[str, int] = {}  # jobs that could not be sent, by reason (counted as not replayed)
         self.error: str | None = None
         self._result: tuple[Any, str | None] | None = None
@@ -178,46 +248,34 @@ class ReplayProcess:
 
     def copy(self, tensors: list[torch.Tensor], owner: Any) -> list[SlabArray] | None:
         """`SlabArray` copies of ``tensors`` (bit for bit) in a slab of ``owner``: those of one dtype
-        back to back, written by one concatenation (one kernel, not one copy per tensor); None
-        when one of them cannot go there (another device or dtype, or no shared memory)."""
+        back to back, written by one ``_foreach_copy_`` (a loop in C++, not one Python call per
+        tensor); None when one of them cannot go there (another device or dtype, or no shared
+        memory).
+
+        A training loop copies the same tensors' kinds at the same places every step, and a
+        slab comes back from the pool to be filled at the same offsets: the layout of a list of
+        (dtype, shape, device) and the slab's views for a layout at an offset are made once and
+        kept (`_Layout`, `_Placed`), so that a step's copies cost one kernel loop and a lookup."""
         if self._no_memory or self._result is not None:
             return None
         self._reclaim()
-        groups: dict[torch.dtype, list[int]] = {}
-        shapes, counts = [], []
-        for k, t in enumerate(tensors):
-            if t.dtype not in _NUMPY or t.device.type != "cpu":
-                return None
-            groups.setdefault(t.dtype, []).append(k)
-            shapes.append(tuple(t.shape))
-            counts.append(t.numel())
-        total = {dt: sum(counts[k] for k in ks) for dt, ks in groups.items()}
-        sizes = {dt: -(-max(n * _NUMPY[dt].itemsize, 1) // _ALIGN) * _ALIGN for dt, n in total.items()}
+        key = tuple([(t.dtype, t.shape, t.is_cpu) for t in tensors])
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = _Layout.of(key)
+        if layout.refused:
+            return None
         try:
-            slab, offset = self._reserve(owner, sum(sizes.values()))
+            slab, offset = self._reserve(owner, layout.nbytes)
         except OSError:
             self._no_memory = True  # shared memory is exhausted or refused: ordinary copies from now on
             return None
-        outs: list[Any] = [None] * len(tensors)
-        for dt, ks in groups.items():
-            dtype = _NUMPY[dt]
-            # Views of one np.frombuffer array: they hold the mapping's buffer, so that the slab
-            # cannot be unmapped while one lives (an ndarray made with buffer= would not hold it).
-            flat = np.frombuffer(slab.map, dtype=dtype, count=total[dt], offset=offset)
-            if total[dt]:
-                bf16 = dt == torch.bfloat16  # NumPy has no bfloat16: the bits travel as int16
-                with torch.no_grad():  # views of parameters that need no autograd node
-                    src = [tensors[k].reshape(-1) for k in ks]
-                    torch.cat([t.view(torch.int16) for t in src] if bf16 else src,
-                              out=torch.from_numpy(flat.view(np.int16) if bf16 else flat))
-            at = 0
-            for k in ks:
-                out = flat[at:at + counts[k]].reshape(shapes[k]).view(SlabArray)
-                out.place = (slab.id, offset + at * dtype.itemsize, dtype, shapes[k])
-                outs[k] = out
-                at += counts[k]
-            offset += sizes[dt]
-        return outs
+        placed = slab.placed.get((offset, key))
+        if placed is None:
+            placed = slab.placed[offset, key] = _Placed.at(layout, slab, offset)
+        with torch.no_grad():  # the parameters' copies need no autograd node
+            torch._foreach_copy_(placed.views, [tensors[k] for k in layout.order])
+        return list(placed.arrays)
 
     def expect(self, nbytes: int) -> None:
         """A step's copies will take about ``nbytes``: its first slab is made that large (until a
