@@ -141,6 +141,13 @@ def _optimizer_property(name: str, impl: str) -> tuple[str, ...]:
     return (f"conformance/test_optimizers.py::test_optimizer_steps_match_the_spec[cpu-{name}-{impl}]",)
 
 
+FUSED_KERNEL_TESTS = ("conformance/test_fused_kernels.py",
+                      "conformance/test_optimizers.py::test_native_float32_steps_are_bit_for_bit_on_avx2_kernels")
+"""Rule 7 of `reference.optim._common`: its unit tests (any capability), then the native Adam(W)
+property rerun under ``ATEN_CPU_CAPABILITY=avx2`` (the mutants' own run has the scalar kernels)."""
+COMMON = "reference/optim/_common.py"
+
+
 def _tensor_lr_property(name: str, impl: str, promoted: str = "") -> tuple[str, ...]:
     """The tensor-lr property of one path, and the float32 0-d test ``promoted`` names (if any)."""
     tests = (f"conformance/test_optimizers.py::test_tensor_lrs_and_zero_d_parameters_match_the_spec[cpu-{name}-{impl}]",)
@@ -153,6 +160,14 @@ def _tensor_lr_property(name: str, impl: str, promoted: str = "") -> tuple[str, 
 # Spec mutants: one deliberate error in each optimizer's spec function, which that optimizer's
 # conformance property must catch (it compares the spec with torch, so a wrong spec fails too).
 SPEC_MUTANTS = (
+    # The fused multiply-adds of torch's native float32 kernels (reference.optim._common rule 7).
+    Mutant("fma32_rounds_twice", "the spec's float32 fma rounds the float64 sum to float32 without its fix-up",
+           COMMON, "        if not suspect.any():\n", "        if True:\n", FUSED_KERNEL_TESTS),
+    Mutant("addcmul_fused_rounds_the_product", "the spec's native addcmul rounds its product before the add",
+           COMMON, "    return fma32(_F32(value) * np.asarray(a, _F32), b, x)\n",
+           "    return x + (_F32(value) * np.asarray(a, _F32)) * b\n", FUSED_KERNEL_TESTS),
+    Mutant("lerp_fused_rounds_the_product", "the spec's native lerp (|w| < 0.5) rounds w * (y - x) before the add",
+           COMMON, "            return fma32(w, diff, x32)\n", "            return x32 + w * diff\n", FUSED_KERNEL_TESTS),
     Mutant("lowprec_add_rounds_once", "the spec's bf16 add with alpha skips the rounding of the product to S",
            "reference/lowprec.py", "    return _r(_f(x) + _f(_r(a * _f(y), x.dtype)), x.dtype)\n",
            "    return _r(_f(x) + a * _f(y), x.dtype)\n", MASTER_TESTS),

@@ -28,12 +28,20 @@ native kernels the step counters, the skip and the unscaled gradients are still 
 (counting and one correctly rounded operation); parameters and state are within the bounds of
 the spec row's ``native_ulp``, measured in ULPs of ``x_abs``, the field's formula evaluated on
 magnitudes (each spec row's ``magnitudes``): a plain ULP distance explodes where a result
-cancels to near zero although the operands were large.
+cancels to near zero although the operands were large. Where the spec models the native kernels
+(a row's ``native_exact``: Adam and AdamW, for-loop and foreach, float32), a property of its own
+holds ``row.step(..., native=True)`` to torch bit for bit, every field, on this machine's
+AVX2/AVX512 kernels and again in a subprocess under ``ATEN_CPU_CAPABILITY=avx2``; on the scalar
+kernels it is skipped with the capability named (the exact properties cover those).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -46,6 +54,9 @@ from conformance.assertions import Where, assert_equal, assert_same
 from conformance.bridge import to_numpy, to_torch
 from reference import optim, scaling
 from reference import step as ref_step
+from reference.optim._common import NATIVE_KERNELS
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CASES = [(name, impl) for name, row in optim.SPECS.items() for impl in row.steps]
 REPRO = "rerun this test with the @reproduce_failure blob printed above"
@@ -104,15 +115,16 @@ def _flags(impl: str) -> dict:
 
 
 def run_optimizer_case(name: str, impl: str, config: dict, trajectory: dict, scale: float | None, device: str,
-                       lr_dtype: np.dtype | None = None, separate_unscale: bool = False) -> None:
+                       lr_dtype: np.dtype | None = None, separate_unscale: bool = False, native: bool = False) -> None:
     """``scale``: the GradScaler's initial scale, None for no scaler. ``lr_dtype``: give torch
     the learning rate as a 0-d tensor of that dtype (a tensor lr) and the spec the same value as
     a 0-d array (reference.optim rule 11). ``separate_unscale``: a kernel-scaled optimizer's
     gradients are unscaled by ``scaler.unscale_`` before ``scaler.step``, so the kernel must not
-    unscale them again (``grad_scale=None`` in the spec)."""
+    unscale them again (``grad_scale=None`` in the spec). ``native``: the spec steps as the native
+    kernels compute (``row.step(..., native=True)``) and every field must agree bit for bit."""
     row, case = optim.spec(name), strategies.OPTIMIZER_CASES[name]
     spec_cfg = row.make_config(**config)
-    exact = expectations.exact_kernels(device)
+    exact = native or expectations.exact_kernels(device)
     bounds = case.ulp if case.ulp is not None else dict(row.native_ulp)
     kernel = impl in row.kernel_scaled
     params = [torch.nn.Parameter(to_torch(p, device)) for p in trajectory["params"]]
@@ -154,7 +166,7 @@ def run_optimizer_case(name: str, impl: str, config: dict, trajectory: dict, sca
         else:
             spec_params, spec_grads, spec_state = row.step(
                 impl, before, grads, state, spec_cfg, lr=spec_lr, sqrt=sqrt, grad_scale=grad_scale if kernel else None,
-                found_inf=(1.0 if skipped else 0.0) if kernel else 0.0)
+                found_inf=(1.0 if skipped else 0.0) if kernel else 0.0, native=native)
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
@@ -210,6 +222,63 @@ def test_optimizer_steps_match_the_spec(name, impl, device, data):
     scale = data.draw(st.sampled_from(SCALES), label="init_scale") if use_scaler else None
     separate = kernel and data.draw(st.booleans(), label="separate unscale_")
     run_optimizer_case(name, impl, config, trajectory, scale, device, separate_unscale=separate)
+
+
+NATIVE_CASES = [(name, impl) for name, row in optim.SPECS.items() for impl in sorted(row.native_exact)]
+NATIVE_RERUN_ENV = "AMPSPEC_NATIVE_AVX2_RERUN"
+
+
+def _native_capability(device: str) -> str:
+    """The CPU capability the native-kernel properties run on; a skip naming it where the spec
+    states no native kernels there (the scalar kernels are the exact properties' above)."""
+    if device != "cpu":
+        pytest.skip(f"reference.optim._common rule 7 states the CPU's native kernels, not {device}'s")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in NATIVE_KERNELS:
+        pytest.skip(f"CPU capability {capability}: no native kernels here (rule 7 states {', '.join(NATIVE_KERNELS)}); "
+                    "the exact properties above cover these scalar kernels")
+    return capability
+
+
+@pytest.mark.parametrize(("name", "impl"), NATIVE_CASES, ids=[f"{n}-{i}" for n, i in NATIVE_CASES])
+@given(data=st.data())
+def test_native_float32_steps_are_bit_for_bit(name, impl, device, data):
+    """reference.optim._common rule 7: every path of a row's ``native_exact`` (Adam and AdamW,
+    for-loop and foreach) on the machine's native kernels (AVX2, AVX512), float32 parameters (0-d
+    among them), the drawn options of ``strategies.OPTIMIZER_CASES`` (amsgrad, maximize, weight
+    decay, betas), under a GradScaler (skipped steps included) or without: ``row.step(...,
+    native=True)`` equals torch bit for bit, the parameters and every state field. Mutants killed
+    (``conformance.mutations``): ``lerp_fused`` and ``addcmul_fused`` rounding their product;
+    ``fma32`` without its fix-up survives here (a drawn case rarely lands a float64 sum on a
+    float32 rounding boundary) and is killed by ``conformance/test_fused_kernels.py``."""
+    event(f"kernels {_native_capability(device)}")
+    config = data.draw(strategies.OPTIMIZER_CASES[name].config(), label="config")
+    use_scaler = data.draw(st.booleans(), label="GradScaler")
+    trajectory = data.draw(strategies.optimizer_trajectory(plant_nonfinite=use_scaler, zero_d=True,
+                                                           dtypes=(np.dtype(np.float32),)), label="trajectory")
+    scale = data.draw(st.sampled_from(SCALES), label="init_scale") if use_scaler else None
+    run_optimizer_case(name, impl, config, trajectory, scale, device, native=True)
+
+
+@pytest.mark.skipif(bool(os.environ.get(NATIVE_RERUN_ENV) or os.environ.get(expectations.EXACT_MODE_ENV)),
+                    reason="a rerun (AVX2 or exact mode): the first run starts the AVX2 one")
+def test_native_float32_steps_are_bit_for_bit_on_avx2_kernels(device):
+    """Rule 7 on AVX2: the property above again in a subprocess with ``ATEN_CPU_CAPABILITY=avx2``
+    (an AVX512 machine runs its own kernels in this process, the exact-mode rerun the scalar ones)."""
+    if device != "cpu":
+        pytest.skip(f"reference.optim._common rule 7 states the CPU's native kernels, not {device}'s")
+    if "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this machine has no AVX2 kernels to run")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", **{NATIVE_RERUN_ENV: "1"})
+    env["AMPSPEC_THREADS"] = str(torch.get_num_threads())
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    test = f"{Path('conformance') / 'test_optimizers.py'}::test_native_float32_steps_are_bit_for_bit"
+    result = subprocess.run([sys.executable, "-m", "pytest", test, "-q", "--tb=short", "-p", "no:cacheprovider",
+                             "--device", "cpu"], cwd=ROOT, env=env, capture_output=True, text=True)
+    output = (result.stdout + result.stderr)[-6000:]
+    assert result.returncode == 0 and " passed" in output and "skipped" not in output, (
+        f"rule 7's property failed with ATEN_CPU_CAPABILITY=avx2 (exit code {result.returncode}); rerun: "
+        f"ATEN_CPU_CAPABILITY=avx2 {NATIVE_RERUN_ENV}=1 python -m pytest {test}\n--- output (tail) ---\n{output}")
 
 
 def test_fused_sgd_skipped_first_step_is_the_keyed_expectation(device):

@@ -236,3 +236,40 @@ def test_a_tensor_learning_rate_the_spec_does_not_take_is_not_replayed(monkeypat
     assert r.findings == [], r.text()
     assert any("a tensor learning rate (a tensor lr is not modelled for Adafactor" in s.replay for s in r.steps), \
         [s.replay for s in r.steps]
+
+
+NATIVE_LOOPS = [("AdamW", {"weight_decay": 0.01}), ("AdamW", {"foreach": True, "amsgrad": True}),
+                ("Adam", {"weight_decay": 0.01, "maximize": True}), ("Adam", {"foreach": True, "betas": (0.0, 0.99)})]
+
+
+@pytest.mark.parametrize(("name", "kwargs"), NATIVE_LOOPS, ids=[f"{n}-{'-'.join(k)}" for n, k in NATIVE_LOOPS])
+def test_float32_adam_is_replayed_bit_for_bit_on_native_kernels(monkeypatch, name, kwargs):
+    """reference.optim._common rule 7: a float32 Adam(W) loop without clipping, its for-loop and
+    foreach paths, through a scaler with a skipped step, on this machine's kernels: every step
+    replayed bit for bit (bound 0 on native kernels too), and the report says so by name. On
+    native kernels the same loop replayed without the fusions is not bit for bit (the loop
+    shows them)."""
+    from audit import replay
+
+    monkeypatch.setenv("AMPSPEC_AUDIT_REPLAY", "inline")
+
+    def run():
+        with audit.audit() as session:
+            _loop(lambda p: getattr(torch.optim, name)(p, lr=0.05, **kwargs))
+        return session.report
+
+    r = run()
+    assert r.findings == [], r.text()
+    assert r.replay["not_replayed"] == {} and r.replay["steps_replayed"] == 4, r.replay
+    assert r.replay["steps_bit_exact"] == 4, r.replay
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "DEFAULT":
+        assert "every field bit for bit" in r.replay["exactness"], r.replay["exactness"]
+        return
+    assert capability in replay.NATIVE_KERNELS, capability
+    assert r.replay["exactness"].endswith("except float32 steps of Adam (for-loop, foreach), "
+                                          "AdamW (for-loop, foreach): bit for bit"), r.replay["exactness"]
+    assert "bit for bit" in r.text()
+    monkeypatch.setattr(replay, "_native_exact", lambda *args: False)
+    unfused = run()
+    assert unfused.findings == [] and unfused.replay["steps_bit_exact"] < 4, unfused.replay

@@ -389,3 +389,37 @@ def test_nadam_mu_product_is_a_float32_running_product():
     for mu in mus:
         expected = F32(expected * F32(mu))
     assert state[0].mu_product == expected and isinstance(state[0].mu_product, np.float32)
+
+
+NOT_NATIVE_EXACT = [(name, impl) for name, row in optim.SPECS.items() for impl in row.steps
+                    if impl not in row.native_exact]
+
+
+@pytest.mark.parametrize(("name", "impl"), NOT_NATIVE_EXACT, ids=[f"{n}-{i}" for n, i in NOT_NATIVE_EXACT])
+def test_a_native_step_is_refused_where_the_spec_does_not_model_it(name, impl):
+    """``row.step(..., native=True)`` (reference.optim._common rule 7) on an implementation not in
+    the row's ``native_exact`` (fused Adam, every SGD path, ...) is a ValueError naming the row,
+    the implementation and the ones it has."""
+    row = optim.spec(name)
+    cfg = row.make_config()
+    p = np.ones((3, 3), F32)
+    expected = ", ".join(sorted(row.native_exact)) or "none"
+    with pytest.raises(ValueError, match=rf"^{name}'s {impl} path on native kernels is not modelled bit for bit "
+                                         rf"\(native_exact: {expected}\)$"):
+        row.step(impl, [p], [p], (row.init_state(p, cfg),), cfg, native=True)
+
+
+@pytest.mark.parametrize("name", [n for n, row in optim.SPECS.items() if row.native_exact])
+def test_a_native_step_is_refused_on_float64_parameters(name):
+    """Rule 7 states float32: float64 parameters with ``native=True`` are a ValueError naming the
+    parameter and its dtype, on every ``native_exact`` path; float32 ones beside them step."""
+    row = optim.spec(name)
+    cfg = row.make_config()
+    p32, p64 = np.ones(4, F32), np.ones(4, np.float64)
+    for impl in sorted(row.native_exact):
+        with pytest.raises(ValueError, match=r"params\[1\] is float64: the native kernels' fusions are stated for "
+                                             r"float32 only"):
+            row.step(impl, [p32, p64], [p32, p64], (row.init_state(p32, cfg), row.init_state(p64, cfg)), cfg,
+                     native=True)
+        new_p, _, _ = row.step(impl, [p32], [p32], (row.init_state(p32, cfg),), cfg, native=True)
+        assert new_p[0].dtype == F32 and not np.array_equal(new_p[0], p32)

@@ -84,8 +84,12 @@ floats, i.e. float64):
 12. The registry (`reference.optim._registry`): one `OptimizerSpec` row per torch class, by
    torch's class name (`SPECS`, `spec(name)`, `spec_for(config)`), with its hyperparameters and
    torch's defaults, ``init_state``, a step function per implementation, the bounds on native
-   kernels (``native_ulp``) and whether its magnitudes are element-wise. Consumers call the
-   row; adding an optimizer is one module of this package with its rules, its step functions
+   kernels (``native_ulp``), whether its magnitudes are element-wise, and ``native_exact``: the
+   implementations whose float32 step on native AVX2/AVX512 kernels it computes bit for bit,
+   with ``step(..., native=True)`` (`reference.optim._common` rule 7: ``add`` with an alpha,
+   ``addcmul`` and ``lerp`` fuse their multiply-add; Adam and AdamW, for-loop and foreach). A
+   native step of another implementation, or of float64 parameters, is a ValueError. Consumers
+   call the row; adding an optimizer is one module of this package with its rules, its step functions
    and its row, registered at its end: this package imports every public module it holds.
 
 Parameters and gradients are float32 or float64 arrays of any shape (same shape and dtype per
