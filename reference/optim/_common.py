@@ -246,11 +246,8 @@ def fma32(a: Any, b: Any, c: Any) -> np.ndarray:
     float32's 24 as the exact sum would."""
     a32, b32, c32 = (np.asarray(v, _F32) for v in (a, b, c))
     with np.errstate(all="ignore"):
-        total = np.asarray(np.multiply(a32, b32, dtype=np.float64))  # exact
-        if total.ndim and total.shape == np.broadcast_shapes(total.shape, c32.shape):
-            total = np.add(total, c32, out=total, dtype=np.float64)
-        else:
-            total = np.asarray(np.add(total, c32, dtype=np.float64))
+        prod = np.asarray(np.multiply(a32, b32, dtype=np.float64))  # exact
+        total = np.asarray(np.add(prod, c32, dtype=np.float64))
         out = total.astype(_F32)
         suspect = np.bitwise_and(total.reshape(-1).view(np.uint64), _MIDPOINT_MASK) == _MIDPOINT
         magnitude = np.abs(out)
@@ -259,14 +256,13 @@ def fma32(a: Any, b: Any, c: Any) -> np.ndarray:
         if not suspect.any():
             return out
         k = np.flatnonzero(suspect)
-
-        def at(v: np.ndarray) -> Any:
-            return (v if v.ndim == 0 else np.broadcast_to(v, out.shape).reshape(-1)[k]).astype(np.float64)
-
-        p = at(a32) * at(b32)
-        t, c = total.reshape(-1)[k], at(c32)
+        t = total.reshape(-1)[k]
+        p = np.broadcast_to(prod, out.shape).reshape(-1)[k]
+        c = c32.astype(np.float64) if c32.ndim == 0 else np.broadcast_to(c32, out.shape).reshape(-1)[k].astype(np.float64)
         back = t - p
         err = (p - (t - back)) + (c - back)
+        if not err.any():  # exact sums (ties among them): one rounding from float64 is the result
+            return out
         odd = np.where((err != 0) & ((t.view(np.int64) & 1) == 0) & np.isfinite(t),
                        np.nextafter(t, np.where(err > 0, np.inf, -np.inf)), t)
         out.reshape(-1)[k] = odd.astype(_F32)
