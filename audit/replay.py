@@ -381,7 +381,7 @@ class Replayer(StepStages, UpdateCheck, LowPrecisionStage):
                         at=None if d.sample is None or d.sample.whole(i) else (d.sample.indices(i), d.sample.shapes[i]))
             return
         entry, torch_state = o.entry, d.state_after[i]
-        low = str(np.asarray(p).dtype) in LOW_DTYPES and not getattr(d, "compiled", False)
+        low = np.asarray(p).dtype.itemsize == 2 and str(np.asarray(p).dtype) in LOW_DTYPES and not getattr(d, "compiled", False)
         exact, bound = (self._low_bounds(o, d, i) if low else
                         _field_bounds(self.exact if eager_exact is None else eager_exact, o, d, cfg, i, old, new))
         x_abs = _magnitudes(entry, cfg, (p, g, old, new), exact)
