@@ -253,12 +253,13 @@ def fma32(a: Any, b: Any, c: Any) -> np.ndarray:
         magnitude = np.abs(out)
         if magnitude.size and magnitude.min() < _F32_TINY:
             suspect |= ((magnitude < _F32_TINY) & (out != 0)).reshape(-1)
-        if not suspect.any():
-            return out
         k = np.flatnonzero(suspect)
+        if not k.size:
+            return out
         t = total.reshape(-1)[k]
-        p = np.broadcast_to(prod, out.shape).reshape(-1)[k]
-        c = c32.astype(np.float64) if c32.ndim == 0 else np.broadcast_to(c32, out.shape).reshape(-1)[k].astype(np.float64)
+        p = (prod if prod.shape == out.shape else np.broadcast_to(prod, out.shape)).reshape(-1)[k]
+        c = c32.astype(np.float64) if c32.ndim == 0 else (
+            c32 if c32.shape == out.shape else np.broadcast_to(c32, out.shape)).reshape(-1)[k].astype(np.float64)
         back = t - p
         err = (p - (t - back)) + (c - back)
         if not err.any():  # exact sums (ties among them): one rounding from float64 is the result
