@@ -168,6 +168,10 @@ SPEC_MUTANTS = (
            "    return x + (_F32(value) * np.asarray(a, _F32)) * b\n", FUSED_KERNEL_TESTS),
     Mutant("lerp_fused_rounds_the_product", "the spec's native lerp (|w| < 0.5) rounds w * (y - x) before the add",
            COMMON, "            return fma32(w, diff, x32)\n", "            return x32 + w * diff\n", FUSED_KERNEL_TESTS),
+    # A row's position_free (reference.optim._registry): what lets the audit step a group joined.
+    Mutant("adam_position_free_ignores_rule_4", "Adam's position_free says True at beta1 = 0 (rule 4's vectorized head)",
+           "reference/optim/adam.py", "    return np.float32(1 - config.betas[0]) != 1\n", "    return True\n",
+           ("conformance/test_joined_steps.py::test_a_joined_step_is_the_steps_one_by_one",)),
     Mutant("lowprec_add_rounds_once", "the spec's bf16 add with alpha skips the rounding of the product to S",
            "reference/lowprec.py", "    return _r(_f(x) + _f(_r(a * _f(y), x.dtype)), x.dtype)\n",
            "    return _r(_f(x) + a * _f(y), x.dtype)\n", MASTER_TESTS),

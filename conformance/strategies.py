@@ -273,6 +273,30 @@ def optimizer_trajectory(draw, plant_nonfinite: bool = False, zero_d: bool = Fal
     return dict(params=params, grads=grads)
 
 
+@st.composite
+def joined_trajectory(draw, dtypes: tuple[np.dtype, ...] = (np.dtype(np.float32),)) -> dict:
+    """A trajectory (as `optimizer_trajectory`'s) for stepping parameters joined end to end: two to
+    four of them (0-d, 1-D and 2-D, sizes that leave a vectorized loop's tail, so that joining moves
+    tail elements into a head), every gradient given (the states stay at one step count) except,
+    sometimes, one step's; about half the gradients' elements zeros of either sign, where rule 4's
+    vectorized head and scalar tail of a lerp at weight 1 give different signs."""
+    dtype = np.dtype(draw(st.sampled_from(dtypes)))
+    shapes = draw(st.lists(st.one_of(st.just(()), st.tuples(st.integers(1, 40)),
+                                     st.tuples(st.integers(1, 9), st.integers(1, 9))), min_size=2, max_size=4))
+    params = [draw(gradient(dtype, s, draw(st.sampled_from([1e-3, 1.0])), plant_prob=0.0)) for s in shapes]
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    missing = draw(st.one_of(st.none(), st.tuples(st.integers(0, 5), st.integers(0, len(shapes) - 1))))
+    grads = []
+    for k in range(draw(st.integers(2, 6))):
+        step = []
+        for i, s in enumerate(shapes):
+            g = draw(gradient(dtype, s, 1.0, plant_prob=0.0))
+            zeros = np.copysign(np.zeros(s), rng.standard_normal(s)).astype(dtype)
+            step.append(None if missing == (k, i) else np.where(rng.random(s) < 0.5, zeros, g))
+        grads.append(step)
+    return dict(params=params, grads=grads)
+
+
 @dataclass(frozen=True)
 class OptimizerCase:
     """The conformance row of one registered optimizer (by its spec row's name): torch's class,

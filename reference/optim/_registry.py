@@ -59,6 +59,10 @@ class OptimizerSpec:
     sampled elements only; False: over whole tensors). ``native_exact``: the implementations whose
     float32 step on native kernels (`reference.optim._common` rule 7) the spec computes bit for
     bit when its step function is called with ``native=True``; ``native_ulp`` bounds the others.
+    ``position_free(config)``: every element's new values depend only on the same element of the
+    inputs and on nothing of its place in its tensor (no rule of a vectorized head, such as rule
+    4's lerp at weight 1), for every implementation; `step_joined` then steps the parameters laid
+    end to end as one (None: never).
     """
 
     name: str
@@ -72,6 +76,7 @@ class OptimizerSpec:
     native_ulp: Mapping[str, int] = field(default_factory=dict, compare=False)
     elementwise: bool = False
     native_exact: frozenset[str] = frozenset()
+    position_free: Callable[[Any], bool] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         unknown = set(self.steps) - set(IMPLEMENTATIONS)
@@ -138,6 +143,66 @@ class OptimizerSpec:
                              "GradScaler unscales its gradients and skips the call")
         return self.steps[implementation](params, grads, state, config, lr=lr, sqrt=sqrt, grad_scale=grad_scale,
                                           found_inf=found_inf)
+
+
+    def step_joined(self, implementation: str, params: Any, grads: Any, state: Any, config: Any,
+                    **kwargs: Any) -> tuple[list[np.ndarray], list[Any], tuple[Any, ...]] | None:
+        """`step` computed over the parameters laid end to end as one flat parameter, then split
+        back: the same bits as `step`, in one call instead of one per parameter. None (nothing
+        computed) unless ``position_free(config)`` holds, every parameter has a gradient of its
+        own dtype, all share one dtype, and their states agree on every scalar field (the step
+        counter) and on which fields they hold."""
+        joined = _join(self, params, grads, state, config)
+        if joined is None:
+            return None
+        p, g, s = joined
+        new_p, _, new_s = self.step(implementation, [p], [g], (s,), config, **kwargs)
+        return _split(new_p[0], params), list(grads), _split_states(new_s[0], params)
+
+
+def _join(row: OptimizerSpec, params: Any, grads: Any, state: Any, config: Any) -> tuple[Any, Any, Any] | None:
+    """`OptimizerSpec.step_joined`'s inputs laid end to end (None: they cannot be)."""
+    if row.position_free is None or not row.position_free(config) or len(params) < 2:
+        return None
+    dtype = np.asarray(params[0]).dtype
+    if any(g is None or np.asarray(p).dtype != dtype or np.asarray(g).dtype != dtype or np.shape(g) != np.shape(p)
+           for p, g in zip(params, grads)):
+        return None
+    values = {}
+    for f in dataclasses.fields(state[0]):
+        got = [getattr(s, f.name) for s in state]
+        if all(v is None for v in got):
+            values[f.name] = None
+        elif isinstance(got[0], np.floating):
+            if any(not isinstance(v, np.floating) or np.asarray(v).tobytes() != np.asarray(got[0]).tobytes()
+                   for v in got):
+                return None
+            values[f.name] = got[0]
+        elif all(isinstance(v, np.ndarray) and v.dtype == dtype and v.shape == np.shape(p)
+                 for v, p in zip(got, params)):
+            values[f.name] = np.concatenate([v.reshape(-1) for v in got])
+        else:
+            return None
+    flat = [np.asarray(p).reshape(-1) for p in params]
+    return (np.concatenate(flat), np.concatenate([np.asarray(g).reshape(-1) for g in grads]),
+            dataclasses.replace(state[0], **values))
+
+
+def _split(joined: np.ndarray, params: Any) -> list[np.ndarray]:
+    """``joined`` cut back into arrays of the parameters' shapes (views)."""
+    out, at = [], 0
+    for p in params:
+        n = np.size(p)
+        out.append(joined[at:at + n].reshape(np.shape(p)))
+        at += n
+    return out
+
+
+def _split_states(joined: Any, params: Any) -> tuple[Any, ...]:
+    """A joined state cut back into one per parameter: its arrays split, its scalars shared."""
+    arrays = {f.name: _split(v, params) for f in dataclasses.fields(joined)
+              if isinstance(v := getattr(joined, f.name), np.ndarray) and v.ndim == 1}
+    return tuple(dataclasses.replace(joined, **{k: v[i] for k, v in arrays.items()}) for i in range(len(params)))
 
 
 SPECS: dict[str, OptimizerSpec] = {}

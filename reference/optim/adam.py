@@ -301,6 +301,12 @@ def adam_magnitudes(config: AdamConfig, p: np.ndarray, g: np.ndarray, old: AdamP
 _ADAM_ULP = {"exp_avg": 2 * 5, "exp_avg_sq": 2 * 5, "max_exp_avg_sq": 2 * 5, "param": 2 * 15}
 
 
+def _position_free(config: AdamConfig) -> bool:
+    """Rule 4's vectorized head (the lerp at weight 1, ``beta1`` 0) is the only rule of Adam's that
+    reads an element's place in its tensor."""
+    return np.float32(1 - config.betas[0]) != 1
+
+
 def _adam(params, grads, state, config, *, lr=None, sqrt=None, grad_scale=None, found_inf=0.0, native=False):
     new_params, new_state = adam_step(params, grads, state, config, lr=lr, sqrt=sqrt, native=native)
     return new_params, list(grads), new_state
@@ -320,8 +326,8 @@ def _foreach_adam(params, grads, state, config, *, lr=None, sqrt=None, grad_scal
 register(OptimizerSpec("Adam", AdamConfig, AdamConfig, adam_init_state,
                        {"for-loop": _adam, "foreach": _foreach_adam, "fused": _fused_adam}, frozenset({"fused"}),
                        magnitudes=adam_magnitudes, native_ulp=_ADAM_ULP, elementwise=True,
-                       native_exact=frozenset({"for-loop", "foreach"})))
+                       native_exact=frozenset({"for-loop", "foreach"}), position_free=_position_free))
 register(OptimizerSpec("AdamW", adamw_config, AdamConfig, adam_init_state,
                        {"for-loop": _adam, "foreach": _foreach_adam, "fused": _fused_adam}, frozenset({"fused"}),
                        magnitudes=adam_magnitudes, native_ulp=_ADAM_ULP, elementwise=True,
-                       native_exact=frozenset({"for-loop", "foreach"})))
+                       native_exact=frozenset({"for-loop", "foreach"}), position_free=_position_free))
