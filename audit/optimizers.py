@@ -92,13 +92,25 @@ class AuditOptimizer:
                 v = group[name]
                 # A pair may hold None (Adafactor's eps1: the dtype's epsilon).
                 values[name] = tuple(b if b is None else float(b) for b in v) if isinstance(v, (list, tuple)) else v
-        return self.spec.make_config(**values)
+        key = (self.spec.name, tuple((k, type(v), v) for k, v in values.items()))
+        try:
+            return _CONFIGS[key]
+        except TypeError:  # a value that cannot be hashed: built each time
+            return self.spec.make_config(**values)
+        except KeyError:
+            if len(_CONFIGS) > 256:  # a schedule that changes a hyperparameter every step: keep it bounded
+                _CONFIGS.clear()
+            config = _CONFIGS[key] = self.spec.make_config(**values)
+            return config
 
     def bound(self, field_name: str) -> int:
         return int(self.ulp.get(field_name, 0))
 
 
 _ROWS: dict[type, AuditOptimizer] = {}
+# The spec's configurations made so far, by row and hyperparameter values: a configuration is
+# immutable, and the replay builds one for every parameter group at every step.
+_CONFIGS: dict[tuple[str, tuple], Any] = {}
 
 
 def _builtin_rows() -> None:

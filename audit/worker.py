@@ -304,7 +304,10 @@ class ReplayProcess:
     def _take(self, size: int) -> _Slab:
         fits = [s for s in self._free if s.size >= size]
         if fits:
-            slab = min(fits, key=lambda s: s.size)
+            # The smallest that fits, and of those the last given back: its memory is the likeliest
+            # to be still in a cache.
+            size = min(s.size for s in fits)
+            slab = next(s for s in reversed(fits) if s.size == size)
             self._free.remove(slab)
             return slab
         slab = _Slab(self._next_slab, size)

@@ -115,7 +115,7 @@ class OptimizerSpec:
             # An element-wise row's fields do not depend on the parameter's shape: a state of an
             # empty parameter shows them, and where the mapping gives every field that state
             # holds, none of the parameter-sized initial arrays would be kept (no need to make them).
-            probe = self.init_state(np.zeros(0, np.asarray(param).dtype), config)
+            probe = _probe(self, np.asarray(param).dtype, config)
             if all(mapping.get(f.name) is not None for f in dataclasses.fields(probe)
                    if getattr(probe, f.name) is not None):
                 return _with_values(probe, mapping)
@@ -232,6 +232,24 @@ def spec_for(config: Any) -> OptimizerSpec:
             return row
     raise ValueError(f"{type(config).__name__} is not the configuration of a registered optimizer "
                      f"({', '.join(SPECS)})")
+
+
+_PROBES: dict[tuple[str, np.dtype, Any], Any] = {}
+
+
+def _probe(row: OptimizerSpec, dtype: np.dtype, config: Any) -> Any:
+    """``row``'s state of an empty parameter of ``dtype`` under ``config``, made once: the audit's
+    replay asks for it for every parameter at every step (its arrays are empty and read-only)."""
+    key = (row.name, dtype, config)
+    try:
+        return _PROBES[key]
+    except TypeError:  # a configuration that cannot be hashed: made each time
+        return row.init_state(np.zeros(0, dtype), config)
+    except KeyError:
+        if len(_PROBES) > 256:  # a schedule that changes a hyperparameter every step: keep it bounded
+            _PROBES.clear()
+        probe = _PROBES[key] = row.init_state(np.zeros(0, dtype), config)
+        return probe
 
 
 def _with_values(init: Any, mapping: Mapping[str, Any]) -> Any:
