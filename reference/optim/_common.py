@@ -245,15 +245,15 @@ def fma32(a: Any, b: Any, c: Any) -> np.ndarray:
     round-to-odd from the sum's exact error (TwoSum); a round-to-odd value with 53 bits rounds to
     float32's 24 as the exact sum would."""
     a32, b32, c32 = (np.asarray(v, _F32) for v in (a, b, c))
-    shape = np.broadcast_shapes(a32.shape, b32.shape, c32.shape)
     with np.errstate(all="ignore"):
         # Each operand cast to float64 once: numpy's mixed-dtype loops cast in small buffers, twice as slow.
         total = np.multiply(a32.astype(np.float64), b32.astype(np.float64))  # exact
-        if np.shape(total) == shape and shape:
+        if np.ndim(total) and (c32.ndim == 0 or c32.shape == total.shape):  # c fits the product's array
             total = np.add(total, c32.astype(np.float64), out=total)
         else:
             total = np.asarray(np.add(total, c32.astype(np.float64)))
         out = total.astype(_F32)
+        shape = out.shape
         flat = total.reshape(-1)
         low = np.bitwise_and(flat.view(np.uint64), _MIDPOINT_MASK)
         suspect = low == _MIDPOINT
