@@ -273,3 +273,43 @@ def test_float32_adam_is_replayed_bit_for_bit_on_native_kernels(monkeypatch, nam
     monkeypatch.setattr(replay, "_native_exact", lambda *args: False)
     unfused = run()
     assert unfused.findings == [] and unfused.replay["steps_bit_exact"] < 4, unfused.replay
+
+
+def test_a_group_compared_at_once_still_names_what_differs(monkeypatch):
+    """The replay compares a float32 AdamW group's parameters and states after a step at once
+    where torch's copies lie end to end (the replay process's shared memory), and parameter by
+    parameter only when that comparison fails: a step post-hook that nudges one element of the
+    second parameter's first moment is a divergence naming that field of parameter 1, at the
+    first step; the same loop without the hook is bit for bit at every step."""
+    from audit import worker
+
+    if not worker.available():
+        pytest.skip("the replay process needs Linux shared memory")
+    monkeypatch.delenv("AMPSPEC_AUDIT_REPLAY", raising=False)
+
+    def run(nudge: bool):
+        def make(params):
+            opt = torch.optim.AdamW(params, lr=0.05)
+            if nudge:
+                second = opt.param_groups[0]["params"][1]
+                opt.register_step_post_hook(lambda o, *_: o.state[second]["exp_avg"].view(-1)[3].add_(1.0))
+            return opt
+
+        with audit.audit() as session:
+            _loop(make, inf_at=-1)
+        return session.report
+
+    clean = run(False)
+    assert clean.findings == [] and clean.replay["runs_in"] == "process", clean.text()
+    if torch.backends.cpu.get_cpu_capability() in optimizers_native():
+        assert clean.replay["steps_bit_exact"] == 4, clean.replay
+    nudged = run(True)
+    divergences = [f for f in nudged.findings if f.rule == "replay-divergence"]
+    assert [f.step for f in divergences] == [0], nudged.text()
+    assert "exp_avg of parameter 1" in divergences[0].message, divergences[0].message
+
+
+def optimizers_native() -> tuple[str, ...]:
+    from audit import replay
+
+    return tuple(replay.NATIVE_KERNELS)
