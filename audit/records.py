@@ -389,22 +389,17 @@ class Snapshots:
         only the sampled elements (a step counter or a factored statistic whole), and an empty
         state for a parameter left out."""
         states = [opt.state.get(p, {}) for p in params]
+        placed = [(i, v) for i, s in enumerate(states) for v in s.values() if isinstance(v, torch.Tensor)]
         if sample is not None:
-            placed = [(i, v) for i, s in enumerate(states) for v in s.values() if isinstance(v, torch.Tensor)]
             if not _fits(sample, params):
                 return [{} for _ in params]
             shaped = [(i, v if v.shape == params[i].shape else _Whole(v)) for i, v in placed]
             copies = iter(self._sampled(shaped, owner, sample))
-            # Every state's copies are taken from the iterator in order, a left-out parameter's (None) too.
-            out = [{k: (next(copies) if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for s in states]
-            return [{} if sample.omitted(i) else st for i, st in enumerate(out)]
-        # Copied key by key (every parameter's exp_avg, then every exp_avg_sq, ...): one key's
-        # copies then lie end to end, and the replay steps the group as one (reference.optim's
-        # step_joined) without laying them out again.
-        keys = list(dict.fromkeys(k for st in states for k, v in st.items() if isinstance(v, torch.Tensor)))
-        placed = [(i, k) for k in keys for i, st in enumerate(states) if isinstance(st.get(k), torch.Tensor)]
-        copies = dict(zip(placed, self.many([states[i][k] for i, k in placed], owner)))
-        return [{k: copies.get((i, k), v) for k, v in st.items()} for i, st in enumerate(states)]
+        else:
+            copies = iter(self.many([v for _, v in placed], owner))
+        # Every state's copies are taken from the iterator in order, a left-out parameter's (None) too.
+        out = [{k: (next(copies) if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for s in states]
+        return out if sample is None else [{} if sample.omitted(i) else st for i, st in enumerate(out)]
 
     def _sampled(self, placed: list[tuple[int, Any]], owner: Any, sample: Any) -> list[Any]:
         """Of each tensor of ``placed`` (with the index of its parameter): None when that

@@ -82,7 +82,6 @@ from audit.stages import CLIP_ULP, NORM_ULP, NotReplayable, StepStages, UpdateCh
 from reference import compile as compile_rules
 from reference import optim
 from reference.optim._common import NATIVE_KERNELS
-from reference.optim._registry import end_to_end
 
 __all__ = ["Replayer", "Divergence", "NORM_ULP", "CLIP_ULP"]
 
@@ -364,8 +363,6 @@ class Replayer(StepStages, UpdateCheck, LowPrecisionStage):
         native = self.native and low is None
         for idx, cfg, params, grads, states, (new_params, _, new_states) in self._spec_steps(o, d, step, native):
             exact = self.exact or (native and _native_exact(o, d, d.groups[d.group_of[idx[0]]], params))
-            if exact and _group_agrees(d, idx, grads, new_params, new_states):
-                continue  # every parameter and state field bit for bit: nothing to name
             for j, i in enumerate(idx):
                 self._compare_param(o, rec, cfg, i, params[j], grads[j], states[j], new_params[j], new_states[j],
                                     d, where, exact)
@@ -447,38 +444,6 @@ def compiled_rule(o: OptimizerRef) -> Any:
         return compile_rules.compiled_step_rule(o.entry.spec.name, torch.__version__)
     except (KeyError, ValueError) as exc:
         raise _NotReplayable(f"a compiled step ({exc.args[0]})") from None
-
-
-def _group_agrees(d: Any, idx: list[int], grads: list[Any], new_params: list[np.ndarray],
-                  new_states: tuple[Any, ...]) -> bool:
-    """Whether torch's parameters and states after the step of a group equal the spec's bit for
-    bit, each field compared once over the whole group: where both sides lie end to end in memory
-    (torch's copies of one kind, and what `OptimizerSpec.step_joined` cut) and every parameter
-    had a gradient. False sends the group to the comparison parameter by parameter, which names
-    what differs (an eager float32/float64 step, not sampled, not compiled)."""
-    if (len(idx) < 2 or d.sample is not None or getattr(d, "compiled", False)
-            or any(g is None or g.dtype.itemsize == 2 for g in grads)
-            or any(d.params_after[i] is None for i in idx)):
-        return False
-    pairs = [([d.params_after[i] for i in idx], new_params)]
-    for fld in dataclasses.fields(new_states[0]):
-        spec = [getattr(s, fld.name) for s in new_states]
-        torch_side = [d.state_after[i].get(fld.name) for i in idx]
-        if any(v is None for v in spec) or any(v is None for v in torch_side):
-            if all(v is None for v in spec):
-                continue  # a field this configuration does not keep (AMSGrad's maximum)
-            return False
-        if isinstance(spec[0], np.floating):  # the step counter: each one's bits
-            if any(np.asarray(t).reshape(()).astype(v.dtype).tobytes() != v.tobytes()
-                   for t, v in zip(torch_side, spec)):
-                return False
-        else:
-            pairs.append((torch_side, spec))
-    for torch_side, spec in pairs:
-        got, expected = end_to_end(torch_side, view_only=True), end_to_end(spec, view_only=True)
-        if got is None or expected is None or _compare(got, expected, 0).problem is not None:
-            return False
-    return True
 
 
 def _field_bounds(eager_exact: bool, o: OptimizerRef, d: Any, cfg: Any, i: int, old: Any, new: Any) -> tuple[bool, Any]:

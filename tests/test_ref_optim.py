@@ -423,32 +423,3 @@ def test_a_native_step_is_refused_on_float64_parameters(name):
                      native=True)
         new_p, _, _ = row.step(impl, [p32], [p32], (row.init_state(p32, cfg),), cfg, native=True)
         assert new_p[0].dtype == F32 and not np.array_equal(new_p[0], p32)
-
-
-def test_end_to_end_views_pieces_that_already_lie_end_to_end_and_copies_the_others():
-    """`reference.optim._registry.end_to_end`: pieces of one buffer that follow each other are
-    viewed (read-only), never across two buffers, nor over a gap; anything else is a copy
-    (``view_only``: None), equal either way to the pieces laid end to end."""
-    import mmap
-
-    from reference.optim._registry import end_to_end
-
-    one, other = mmap.mmap(-1, 4096), mmap.mmap(-1, 4096)
-
-    def piece(buf, n, at, shape):
-        return np.frombuffer(buf, np.float32, count=n, offset=at).reshape(shape)
-
-    follow = [piece(one, 6, 0, (2, 3)), piece(one, 4, 24, (4,)), piece(one, 1, 40, ())]
-    view = end_to_end(follow)
-    assert np.shares_memory(view, follow[0]) and not view.flags.writeable and view.shape == (11,)
-    gap = [piece(one, 6, 0, (2, 3)), piece(one, 4, 28, (4,))]
-    across = [piece(one, 2, 4088, (2,)), piece(other, 2, 0, (2,))]
-    swapped = [follow[1], follow[0]]
-    for arrays in (gap, across, swapped):
-        assert end_to_end(arrays, view_only=True) is None
-        copy = end_to_end(arrays)
-        assert not np.shares_memory(copy, arrays[0])
-        assert np.array_equal(copy, np.concatenate([a.reshape(-1) for a in arrays]))
-    joined = np.arange(10, dtype=np.float32)
-    cut = [joined[:3], joined[3:7].reshape(2, 2), joined[7:]]
-    assert np.shares_memory(end_to_end(cut, view_only=True), joined)

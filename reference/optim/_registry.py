@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["IMPLEMENTATIONS", "OptimizerSpec", "SPECS", "end_to_end", "register", "spec", "spec_for"]
+__all__ = ["IMPLEMENTATIONS", "OptimizerSpec", "SPECS", "register", "spec", "spec_for"]
 
 IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
 
@@ -180,38 +180,12 @@ def _join(row: OptimizerSpec, params: Any, grads: Any, state: Any, config: Any) 
             values[f.name] = got[0]
         elif all(isinstance(v, np.ndarray) and v.dtype == dtype and v.shape == np.shape(p)
                  for v, p in zip(got, params)):
-            values[f.name] = end_to_end(got)
+            values[f.name] = np.concatenate([v.reshape(-1) for v in got])
         else:
             return None
-    return end_to_end(params), end_to_end(grads), dataclasses.replace(state[0], **values)
-
-
-def end_to_end(arrays: Any, view_only: bool = False) -> np.ndarray | None:
-    """The arrays' elements laid end to end, flat: a read-only view where they already lie so,
-    one after another in one block of memory (the audit's copies of a group's tensors do, and
-    the pieces `step_joined` cut), else a copy (``view_only``: None)."""
-    flat = [np.asarray(a).reshape(-1) for a in arrays]
-    first = flat[0]
-    if all(a.flags.c_contiguous for a in arrays) and all(a.dtype == first.dtype for a in flat):
-        root = _memory_owner(first)
-        at = first.__array_interface__["data"][0]
-        for a in flat:
-            if _memory_owner(a) is not root or a.__array_interface__["data"][0] != at:
-                break
-            at += a.nbytes
-        else:  # one owner, each array where the previous one ends: the memory in between is its
-            return np.lib.stride_tricks.as_strided(first, shape=(sum(a.size for a in flat),),
-                                                   strides=(first.itemsize,), writeable=False)
-    return None if view_only else np.concatenate(flat)
-
-
-def _memory_owner(a: np.ndarray) -> Any:
-    """What holds ``a``'s memory: the array at the end of its chain of views, or the object whose
-    buffer it was made from (``np.frombuffer`` holds a memoryview of it, one per call)."""
-    while isinstance(a.base, np.ndarray):
-        a = a.base
-    owner = a if a.base is None else a.base
-    return owner.obj if isinstance(owner, memoryview) else owner
+    flat = [np.asarray(p).reshape(-1) for p in params]
+    return (np.concatenate(flat), np.concatenate([np.asarray(g).reshape(-1) for g in grads]),
+            dataclasses.replace(state[0], **values))
 
 
 def _split(joined: np.ndarray, params: Any) -> list[np.ndarray]:
