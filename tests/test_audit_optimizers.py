@@ -273,3 +273,37 @@ def test_float32_adam_is_replayed_bit_for_bit_on_native_kernels(monkeypatch, nam
     monkeypatch.setattr(replay, "_native_exact", lambda *args: False)
     unfused = run()
     assert unfused.findings == [] and unfused.replay["steps_bit_exact"] < 4, unfused.replay
+
+
+def test_a_joined_group_still_names_the_parameter_that_differs(monkeypatch):
+    """The replay steps a float32 AdamW group joined (`OptimizerSpec.step_joined`, one call for
+    the group) and compares each parameter's result: a step post-hook that nudges one element of
+    the second parameter's first moment is a divergence naming that field of parameter 1, at the
+    first step; the same loop without the hook is bit for bit at every step. In the replay
+    process, as an audit runs by default."""
+    from audit import replay, worker
+
+    if not worker.available():
+        pytest.skip("the replay process needs Linux shared memory")
+    monkeypatch.delenv("AMPSPEC_AUDIT_REPLAY", raising=False)
+
+    def run(nudge: bool):
+        def make(params):
+            opt = torch.optim.AdamW(params, lr=0.05)
+            if nudge:
+                second = opt.param_groups[0]["params"][1]
+                opt.register_step_post_hook(lambda o, *_: o.state[second]["exp_avg"].view(-1)[3].add_(1.0))
+            return opt
+
+        with audit.audit() as session:
+            _loop(make, inf_at=-1)
+        return session.report
+
+    clean = run(False)
+    assert clean.findings == [] and clean.replay["runs_in"] == "process", clean.text()
+    if torch.backends.cpu.get_cpu_capability() in replay.NATIVE_KERNELS:
+        assert clean.replay["steps_bit_exact"] == 4, clean.replay
+    nudged = run(True)
+    divergences = [f for f in nudged.findings if f.rule == "replay-divergence"]
+    assert [f.step for f in divergences] == [0], nudged.text()
+    assert "exp_avg of parameter 1" in divergences[0].message, divergences[0].message
