@@ -147,45 +147,77 @@ class OptimizerSpec:
 
     def step_joined(self, implementation: str, params: Any, grads: Any, state: Any, config: Any,
                     **kwargs: Any) -> tuple[list[np.ndarray], list[Any], tuple[Any, ...]] | None:
-        """`step` computed over the parameters laid end to end as one flat parameter, then split
-        back: the same bits as `step`, in one call instead of one per parameter. None (nothing
+        """`step` computed over the parameters laid end to end as one flat parameter (in runs of
+        at most `JOINED_RUN_ELEMENTS` elements), then split back: the same bits as `step`, in one
+        call a run instead of one a parameter. None (nothing
         computed) unless ``position_free(config)`` holds, every parameter has a gradient of its
         own dtype, all share one dtype, and their states agree on every scalar field (the step
         counter) and on which fields they hold."""
-        joined = _join(self, params, grads, state, config)
-        if joined is None:
+        if not _joinable(self, params, grads, state, config):
             return None
-        p, g, s = joined
-        new_p, _, new_s = self.step(implementation, [p], [g], (s,), config, **kwargs)
-        return _split(new_p[0], params), list(grads), _split_states(new_s[0], params)
+        new_params: list[np.ndarray] = []
+        new_states: list[Any] = []
+        for first, last in _runs(params):
+            p, g, s = _join(params[first:last], grads[first:last], state[first:last])
+            new_p, _, new_s = self.step(implementation, [p], [g], (s,), config, **kwargs)
+            new_params += _split(new_p[0], params[first:last])
+            new_states += _split_states(new_s[0], params[first:last])
+        return new_params, list(grads), tuple(new_states)
 
 
-def _join(row: OptimizerSpec, params: Any, grads: Any, state: Any, config: Any) -> tuple[Any, Any, Any] | None:
-    """`OptimizerSpec.step_joined`'s inputs laid end to end (None: they cannot be)."""
+# `step_joined` steps runs of whole parameters of at most this many elements (a larger parameter
+# alone): its temporaries, a few tens of bytes an element, stay those of the largest run, not of
+# the whole group.
+JOINED_RUN_ELEMENTS = 1 << 20
+
+
+def _runs(params: Any) -> list[tuple[int, int]]:
+    """The parameters cut into runs ``[first, last)`` of consecutive ones, each of at most
+    `JOINED_RUN_ELEMENTS` elements unless it is one parameter."""
+    runs, first, size = [], 0, 0
+    for i, x in enumerate(params):
+        n = np.size(x)
+        if i > first and size + n > JOINED_RUN_ELEMENTS:
+            runs.append((first, i))
+            first, size = i, 0
+        size += n
+    runs.append((first, len(params)))
+    return runs
+
+
+def _joinable(row: OptimizerSpec, params: Any, grads: Any, state: Any, config: Any) -> bool:
+    """`OptimizerSpec.step_joined`'s conditions (its docstring)."""
     if row.position_free is None or not row.position_free(config) or len(params) < 2:
-        return None
+        return False
     dtype = np.asarray(params[0]).dtype
     if any(g is None or np.asarray(p).dtype != dtype or np.asarray(g).dtype != dtype or np.shape(g) != np.shape(p)
            for p, g in zip(params, grads)):
-        return None
-    values = {}
+        return False
     for f in dataclasses.fields(state[0]):
         got = [getattr(s, f.name) for s in state]
         if all(v is None for v in got):
-            values[f.name] = None
-        elif isinstance(got[0], np.floating):
+            continue
+        if isinstance(got[0], np.floating):
             if any(not isinstance(v, np.floating) or np.asarray(v).tobytes() != np.asarray(got[0]).tobytes()
                    for v in got):
-                return None
-            values[f.name] = got[0]
-        elif all(isinstance(v, np.ndarray) and v.dtype == dtype and v.shape == np.shape(p)
-                 for v, p in zip(got, params)):
-            values[f.name] = np.concatenate([v.reshape(-1) for v in got])
-        else:
-            return None
-    flat = [np.asarray(p).reshape(-1) for p in params]
-    return (np.concatenate(flat), np.concatenate([np.asarray(g).reshape(-1) for g in grads]),
-            dataclasses.replace(state[0], **values))
+                return False
+        elif not all(isinstance(v, np.ndarray) and v.dtype == dtype and v.shape == np.shape(p)
+                     for v, p in zip(got, params)):
+            return False
+    return True
+
+
+def _join(params: Any, grads: Any, state: Any) -> tuple[Any, Any, Any]:
+    """Parameters, gradients and states (`_joinable`) laid end to end as one of each."""
+    values = {f.name: _laid([getattr(s, f.name) for s in state]) for f in dataclasses.fields(state[0])
+              if isinstance(getattr(state[0], f.name), np.ndarray)}
+    return _laid(params), _laid(grads), dataclasses.replace(state[0], **values)
+
+
+def _laid(arrays: Any) -> np.ndarray:
+    """The arrays' elements end to end, flat (one array: a view of it)."""
+    flat = [np.asarray(a).reshape(-1) for a in arrays]
+    return flat[0] if len(flat) == 1 else np.concatenate(flat)
 
 
 def _split(joined: np.ndarray, params: Any) -> list[np.ndarray]:
