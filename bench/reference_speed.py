@@ -32,7 +32,11 @@ system time, so page faults count and time spent preempted by other processes do
 at 1 thread computes on the calling thread). Printed per row: the medians, and the per-round
 ratio spec / torch as median [min-max] over the rounds (goal <= 3). The for-loop and foreach
 spec steps take NumPy's square root (torch's own only matters for bits, not for speed). torch
-runs its native kernels (``cpu_capability`` in the JSON), not the exact mode.
+runs its native kernels (``cpu_capability`` in the JSON), not the exact mode. On native kernels a
+row's ``native_exact`` paths are timed twice more: ``native``, the spec's fused multiply-adds
+(``step(..., native=True)``, bit for bit with torch there), and ``native joined``, the same with
+the parameters laid end to end (``step_joined``, one call a run of parameters, as the audit's
+replay steps a group).
 
 The spec returns new arrays (parameters, moments) where torch updates in place, so a spec step
 writes memory the operating system has to map and zero first, about as costly as the arithmetic
@@ -72,6 +76,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from reference import optim  # noqa: E402
+from reference.optim._common import NATIVE_KERNELS  # noqa: E402
 from reference.clipping import clip_grad_norm, clip_grad_norm_  # noqa: E402
 from reference.scaling import ScalerState, unscale_gradients, unscale_gradients_  # noqa: E402
 
@@ -187,6 +192,20 @@ def _label(name: str, options: dict, impl: str) -> str:
     return f"{name}({opts}) {impl}" if opts else f"{name} {impl}"
 
 
+def _spec_forms(row: optim.OptimizerSpec, impl: str, cfg: object) -> dict[str, Callable]:
+    """The spec's step of one row and implementation as the rows of part 3 time it: as
+    ``row.step`` computes it (label suffix ""), and where the row has them on this machine's
+    native kernels, its fused form (`` native``, reference.optim._common rule 7) and that form
+    with the parameters laid end to end (`` native joined``, `OptimizerSpec.step_joined`, as the
+    audit's replay steps a group)."""
+    forms: dict[str, Callable] = {"": lambda p, g, s: row.step(impl, p, g, s, cfg)}
+    if impl in row.native_exact and torch.backends.cpu.get_cpu_capability() in NATIVE_KERNELS:
+        forms[" native"] = lambda p, g, s: row.step(impl, p, g, s, cfg, native=True)
+        if row.position_free is not None and row.position_free(cfg):
+            forms[" native joined"] = lambda p, g, s: row.step_joined(impl, p, g, s, cfg, native=True)
+    return forms
+
+
 def _time_block(step: Callable[[], object], block: int) -> float:
     t0 = time.thread_time()
     for _ in range(block):
@@ -216,19 +235,19 @@ def bench_optimizers(target: int, reps: int, block: int) -> dict:
                     for p, g in zip(tp, grads):
                         p.grad = torch.from_numpy(g)
                     opt.step()
-                    steps = {"spec": lambda state=state, cfg=cfg, impl=impl, row=row:
-                             row.step(impl, params, grads, state, cfg),
-                             "torch": opt.step}
-                    for step in steps.values():  # warm-up: the first steps also grow the heap
-                        _time_block(step, block)
-                    times: dict[str, list[float]] = {"spec": [], "torch": []}
-                    for r in range(reps):
-                        for who in _harness.rotate(["spec", "torch"], r):
-                            times[who].append(_time_block(steps[who], block))
-                    out[_label(name, options, impl)] = {
-                        "spec_ms": 1e3 * _harness.median(times["spec"]),
-                        "torch_ms": 1e3 * _harness.median(times["torch"]),
-                        "ratio_spec_vs_torch": _harness.paired_ratio(times, "spec", "torch")}
+                    for how, spec in _spec_forms(row, impl, cfg).items():
+                        steps = {"spec": lambda state=state, spec=spec: spec(params, grads, state),
+                                 "torch": opt.step}
+                        for step in steps.values():  # warm-up: the first steps also grow the heap
+                            _time_block(step, block)
+                        times: dict[str, list[float]] = {"spec": [], "torch": []}
+                        for r in range(reps):
+                            for who in _harness.rotate(["spec", "torch"], r):
+                                times[who].append(_time_block(steps[who], block))
+                        out[_label(name, options, impl) + how] = {
+                            "spec_ms": 1e3 * _harness.median(times["spec"]),
+                            "torch_ms": 1e3 * _harness.median(times["torch"]),
+                            "ratio_spec_vs_torch": _harness.paired_ratio(times, "spec", "torch")}
     finally:
         torch.set_num_threads(before)
     return out
