@@ -51,7 +51,7 @@ def _assert_states(joined: tuple, separate: tuple, where: Where) -> None:
 def test_a_joined_step_is_the_steps_one_by_one(name, impl, data):
     """Each step of a drawn trajectory: ``step_joined`` gives the per-parameter step's parameters
     and states bit for bit, whether it steps the group as one run or cuts it into runs
-    (``JOINED_RUN_ELEMENTS`` drawn small), and gives one exactly where it may (``position_free``,
+    (``JOINED_RUN_ELEMENTS`` and ``JOINED_SMALL`` drawn small), and gives one exactly where it may (``position_free``,
     two or more parameters, every one with a gradient, their states at one step count)."""
     row = optim.spec(name)
     cfg = row.make_config(**data.draw(strategies.OPTIMIZER_CASES[name].config(), label="config"))
@@ -62,16 +62,18 @@ def test_a_joined_step_is_the_steps_one_by_one(name, impl, data):
     # The runs step_joined steps at once: the whole group, or cut at parameters (as a group of
     # millions of elements is).
     run = data.draw(st.sampled_from([registry.JOINED_RUN_ELEMENTS, 1, 7, 40]), label="JOINED_RUN_ELEMENTS")
+    small = data.draw(st.sampled_from([registry.JOINED_SMALL, 2, 30]), label="JOINED_SMALL")
     kwargs = {"native": True} if native else {}
     state = tuple(row.init_state(p, cfg) for p in params)
     for step, grads in enumerate(trajectory["grads"]):
         where = Where(f"{name}[{impl}]{' native' if native else ''} joined", step=step, repro=REPRO)
         new_params, _, new_state = row.step(impl, params, grads, state, cfg, **kwargs)
-        saved, registry.JOINED_RUN_ELEMENTS = registry.JOINED_RUN_ELEMENTS, run
+        saved = registry.JOINED_RUN_ELEMENTS, registry.JOINED_SMALL
+        registry.JOINED_RUN_ELEMENTS, registry.JOINED_SMALL = run, small
         try:
             joined = row.step_joined(impl, params, grads, state, cfg, **kwargs)
         finally:
-            registry.JOINED_RUN_ELEMENTS = saved
+            registry.JOINED_RUN_ELEMENTS, registry.JOINED_SMALL = saved
         scalars = {tuple(np.asarray(v).tobytes() for v in vars(t).values() if isinstance(v, np.floating))
                    for t in state}
         allowed = (row.position_free(cfg) and len(params) > 1 and all(g is not None for g in grads)

@@ -147,39 +147,51 @@ class OptimizerSpec:
 
     def step_joined(self, implementation: str, params: Any, grads: Any, state: Any, config: Any,
                     **kwargs: Any) -> tuple[list[np.ndarray], list[Any], tuple[Any, ...]] | None:
-        """`step` computed over the parameters laid end to end as one flat parameter (in runs of
-        at most `JOINED_RUN_ELEMENTS` elements), then split back: the same bits as `step`, in one
+        """`step` computed over runs of small parameters laid end to end as one flat parameter
+        each (`_runs`), then split back, the others in one call: the same bits as `step`, in one
         call a run instead of one a parameter. None (nothing
         computed) unless ``position_free(config)`` holds, every parameter has a gradient of its
         own dtype, all share one dtype, and their states agree on every scalar field (the step
         counter) and on which fields they hold."""
         if not _joinable(self, params, grads, state, config):
             return None
-        new_params: list[np.ndarray] = []
-        new_states: list[Any] = []
-        for first, last in _runs(params):
-            p, g, s = _join(params[first:last], grads[first:last], state[first:last])
-            new_p, _, new_s = self.step(implementation, [p], [g], (s,), config, **kwargs)
-            new_params += _split(new_p[0], params[first:last])
-            new_states += _split_states(new_s[0], params[first:last])
+        new_params: list[Any] = [None] * len(params)
+        new_states: list[Any] = [None] * len(params)
+        runs = _runs(params)
+        alone = [first for first, last in runs if last - first == 1]
+        if alone:  # the parameters left alone: one call, as `step` takes them
+            new_p, _, new_s = self.step(implementation, [params[i] for i in alone], [grads[i] for i in alone],
+                                        tuple(state[i] for i in alone), config, **kwargs)
+            for i, p, s in zip(alone, new_p, new_s):
+                new_params[i], new_states[i] = p, s
+        for first, last in runs:
+            if last - first > 1:
+                p, g, s = _join(params[first:last], grads[first:last], state[first:last])
+                new_p, _, new_s = self.step(implementation, [p], [g], (s,), config, **kwargs)
+                new_params[first:last] = _split(new_p[0], params[first:last])
+                new_states[first:last] = _split_states(new_s[0], params[first:last])
         return new_params, list(grads), tuple(new_states)
 
 
-# `step_joined` steps runs of whole parameters of at most this many elements (a larger parameter
-# alone): a run's temporaries, a few tens of bytes an element, stay about the size of a core's
-# cache. One run of a whole group is slower: Adam's native step on 1.06M elements in 51 tensors
-# took 3.8x torch's time as one run, 2.6x in runs of 2**16 elements, 2.7x parameter by parameter
+# `step_joined` joins consecutive parameters of fewer than `JOINED_SMALL` elements each into runs
+# of at most `JOINED_RUN_ELEMENTS` elements, and steps any other parameter alone. A step's cost
+# for a small parameter is Python's (about 60 us), which a run pays once; a large one gains
+# nothing from joining, and a run's temporaries, a few tens of bytes an element, must stay about
+# the size of a core's cache: Adam's native step on 1.06M elements in 51 tensors took 3.8x
+# torch's time joined in one run, 2.6x-2.7x in runs of 2**16 elements or parameter by parameter
 # (bench/reference_speed.py --optimizers-only, "native joined" against "native").
+JOINED_SMALL = 1 << 12
 JOINED_RUN_ELEMENTS = 1 << 16
 
 
 def _runs(params: Any) -> list[tuple[int, int]]:
-    """The parameters cut into runs ``[first, last)`` of consecutive ones, each of at most
-    `JOINED_RUN_ELEMENTS` elements unless it is one parameter."""
+    """The parameters cut into runs ``[first, last)``: consecutive ones of fewer than
+    `JOINED_SMALL` elements each, together at most `JOINED_RUN_ELEMENTS`; any other alone."""
     runs, first, size = [], 0, 0
     for i, x in enumerate(params):
         n = np.size(x)
-        if i > first and size + n > JOINED_RUN_ELEMENTS:
+        if i > first and (n >= JOINED_SMALL or size + n > JOINED_RUN_ELEMENTS
+                          or np.size(params[i - 1]) >= JOINED_SMALL):
             runs.append((first, i))
             first, size = i, 0
         size += n
