@@ -6,8 +6,12 @@ again by a fresh `audit.replay.Replayer` in this process, timed with ``time.proc
 time of this process, which a busy machine's other processes inflate far less than wall time).
 Printed: the median and the least CPU milliseconds a step over ``--rounds`` rounds. To set two
 revisions side by side, run it in each tree (``git archive REV | tar -x -C DIR``).
+``--separate``: each round also replays the steps with every group stepped parameter by
+parameter (`reference.optim`'s ``step_joined`` off), alternating with the default, and prints
+the paired ratio joined / separate.
 
     PYTHONPATH=. python bench/_audit_replay_cpu.py --rounds 7
+    PYTHONPATH=. python bench/_audit_replay_cpu.py --size tiny --separate --rounds 15
     PYTHONPATH=. python bench/_audit_replay_cpu.py --size 12.8M --steps 5 --rounds 3 --replay-sample all
 """
 
@@ -23,7 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import _harness  # noqa: F401  (puts the repository root on sys.path)
+import _harness  # (also puts the repository root on sys.path)
 import audit_overhead
 import torch
 
@@ -35,6 +39,7 @@ def main() -> int:
     ap.add_argument("--replay-sample", default="auto", help="the audit's --replay-sample (auto, all, a fraction)")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--separate", action="store_true", help="also time the steps with step_joined off, alternating")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from audit import replay
@@ -62,18 +67,33 @@ def main() -> int:
         raise RuntimeError(f"the audited workload is not clean:\n{report.text()}")
     steps = kept[2:]  # the first steps create the optimizer's state
     replayer = replay.Replayer(mode="inline")
-    per_step = []
-    for _ in range(args.rounds):
-        t0 = time.process_time()
-        for o, d, rec in steps:
-            rec = copy.copy(rec)
-            rec.replay = "off"
-            replayer._step(o, d, rec)
-        per_step.append((time.process_time() - t0) / len(steps))
+    from reference.optim import OptimizerSpec
+
+    joined = OptimizerSpec.step_joined
+    forms = {"joined": joined, "separate": lambda *a, **k: None} if args.separate else {"joined": joined}
+    per_step: dict[str, list[float]] = {form: [] for form in forms}
+    try:
+        for r in range(args.rounds):
+            for form in _harness.rotate(list(forms), r):
+                OptimizerSpec.step_joined = forms[form]
+                t0 = time.process_time()
+                for o, d, rec in steps:
+                    rec = copy.copy(rec)
+                    rec.replay = "off"
+                    replayer._step(o, d, rec)
+                per_step[form].append((time.process_time() - t0) / len(steps))
+    finally:
+        OptimizerSpec.step_joined = joined
     if replayer.divergences:
         raise RuntimeError(f"the replay diverged: {replayer.divergences[0]}")
-    print(f"{args.size} (--replay-sample {args.replay_sample}): replay CPU per step {1e3 * statistics.median(per_step):.2f} ms "
-          f"(least {1e3 * min(per_step):.2f}) over {args.rounds} rounds of {len(steps)} steps")
+    for form, times in per_step.items():
+        label = f" ({form})" if args.separate else ""
+        print(f"{args.size} (--replay-sample {args.replay_sample}){label}: replay CPU per step "
+              f"{1e3 * statistics.median(times):.2f} ms (least {1e3 * min(times):.2f}) over {args.rounds} rounds "
+              f"of {len(steps)} steps")
+    if args.separate:
+        ratio = _harness.paired_ratio(per_step, "joined", "separate")
+        print(f"joined / separate: {ratio['median']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]")
     return 0
 
 
