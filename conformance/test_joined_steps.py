@@ -14,8 +14,11 @@ weight-1 form in the vectorized head (rule 4), ``y + (w - 1)(y - x)`` where the 
 changes their bits. The property's trajectories (``strategies.joined_trajectory``) carry such signed zeros, and
 tensors whose sizes leave tails, for the same reason.
 
+The third: a 0-d parameter is never laid into a run, since with a float64 tensor lr its
+arithmetic is not a 1-element tensor's (rule 11).
+
 Mutants killed (``conformance.mutations``): Adam's ``position_free`` ignoring rule 4 (by the property
-and by the second test).
+and by the second test); a 0-d parameter joined (by the third).
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ def _assert_states(joined: tuple, separate: tuple, where: Where) -> None:
 def test_a_joined_step_is_the_steps_one_by_one(name, impl, data):
     """Each step of a drawn trajectory: ``step_joined`` gives the per-parameter step's parameters
     and states bit for bit, whether it steps the group as one run or cuts it into runs
-    (``JOINED_RUN_ELEMENTS`` and ``JOINED_SMALL`` drawn small), and gives one exactly where it may (``position_free``,
-    two or more parameters, every one with a gradient, their states at one step count)."""
+    (``JOINED_RUN_ELEMENTS`` and ``JOINED_SMALL`` drawn small), with a Python or a tensor lr
+    (where torch takes one), and gives one exactly where it may (``position_free``, two or more
+    parameters, every one with a gradient, their states at one step count)."""
     row = optim.spec(name)
     cfg = row.make_config(**data.draw(strategies.OPTIMIZER_CASES[name].config(), label="config"))
     trajectory = data.draw(strategies.joined_trajectory(FLOATS), label="trajectory")
@@ -64,6 +68,10 @@ def test_a_joined_step_is_the_steps_one_by_one(name, impl, data):
     run = data.draw(st.sampled_from([registry.JOINED_RUN_ELEMENTS, 1, 7, 40]), label="JOINED_RUN_ELEMENTS")
     small = data.draw(st.sampled_from([registry.JOINED_SMALL, 2, 30]), label="JOINED_SMALL")
     kwargs = {"native": True} if native else {}
+    if impl in strategies.OPTIMIZER_CASES[name].tensor_lr:  # rule 11: a 0-d parameter promotes with it
+        lr_dtype = data.draw(st.sampled_from([None, np.float32, np.float64]), label="tensor lr dtype")
+        if lr_dtype is not None:
+            kwargs["lr"] = np.asarray(cfg.lr, lr_dtype)
     state = tuple(row.init_state(p, cfg) for p in params)
     for step, grads in enumerate(trajectory["grads"]):
         where = Where(f"{name}[{impl}]{' native' if native else ''} joined", step=step, repro=REPRO)
@@ -110,3 +118,23 @@ def test_adam_at_beta1_zero_reads_places():
     differ = sum(int((a.view(np.uint32) != s.exp_avg.view(np.uint32)).sum()) for a, s in zip(split, separate))
     assert differ > 0, "laid end to end, beta1 = 0 gave the same first moments: rule 4's head would not matter"
     assert row.step_joined("for-loop", params, grads, state, cfg) is None
+
+
+def test_a_zero_d_parameter_is_never_joined():
+    """Rule 11: with a float64 tensor lr, AdamW decays a float32 0-d parameter in float64 (two 0-d
+    tensors promote) and a 1-element tensor in float32, so a 0-d parameter laid into a run would
+    step to other bits; `step_joined` steps it alone, bit for bit with `step`."""
+    row = optim.spec("AdamW")
+    cfg = row.make_config(lr=0.1, weight_decay=0.01)
+    lr = np.asarray(0.1, np.float64)
+    p0, g0 = np.asarray(np.float32(0.64042264)), np.asarray(np.float32(0.5))
+    as_0d = row.step("for-loop", [p0], [g0], (row.init_state(p0, cfg),), cfg, lr=lr)[0][0]
+    as_1 = row.step("for-loop", [p0.reshape(1)], [g0.reshape(1)], (row.init_state(p0.reshape(1), cfg),), cfg, lr=lr)[0][0]
+    assert as_0d.tobytes() != as_1.tobytes(), "the 0-d and 1-element steps agree: rule 11's promotion would not matter"
+    params = [p0, np.full(3, 0.25, np.float32), np.full(2, -1.5, np.float32)]
+    grads = [g0, np.full(3, 0.5, np.float32), np.full(2, 0.125, np.float32)]
+    state = tuple(row.init_state(p, cfg) for p in params)
+    separate = row.step("for-loop", params, grads, state, cfg, lr=lr)[0]
+    joined = row.step_joined("for-loop", params, grads, state, cfg, lr=lr)[0]
+    for i, (a, b) in enumerate(zip(joined, separate, strict=True)):
+        assert_same(a, b, Where("AdamW[for-loop] joined, tensor lr", field=f"param[{i}]", repro="this test"))

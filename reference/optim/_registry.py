@@ -61,8 +61,8 @@ class OptimizerSpec:
     bit when its step function is called with ``native=True``; ``native_ulp`` bounds the others.
     ``position_free(config)``: every element's new values depend only on the same element of the
     inputs and on nothing of its place in its tensor (no rule of a vectorized head, such as rule
-    4's lerp at weight 1), for every implementation; `step_joined` then steps the parameters laid
-    end to end as one (None: never).
+    4's lerp at weight 1), for every implementation; `step_joined` then steps runs of small
+    parameters laid end to end as one (None: never).
     """
 
     name: str
@@ -144,15 +144,14 @@ class OptimizerSpec:
         return self.steps[implementation](params, grads, state, config, lr=lr, sqrt=sqrt, grad_scale=grad_scale,
                                           found_inf=found_inf)
 
-
     def step_joined(self, implementation: str, params: Any, grads: Any, state: Any, config: Any,
                     **kwargs: Any) -> tuple[list[np.ndarray], list[Any], tuple[Any, ...]] | None:
         """`step` computed over runs of small parameters laid end to end as one flat parameter
         each (`_runs`), then split back, the others in one call: the same bits as `step`, in one
-        call a run instead of one a parameter. None (nothing
-        computed) unless ``position_free(config)`` holds, every parameter has a gradient of its
-        own dtype, all share one dtype, and their states agree on every scalar field (the step
-        counter) and on which fields they hold."""
+        call a run instead of one a parameter. None (nothing computed) unless
+        ``position_free(config)`` holds, every parameter has a gradient of its own dtype, all
+        share one dtype, and their states agree on every scalar field (the step counter) and on
+        which fields they hold."""
         if not _joinable(self, params, grads, state, config):
             return None
         new_params: list[Any] = [None] * len(params)
@@ -186,12 +185,14 @@ JOINED_RUN_ELEMENTS = 1 << 16
 
 def _runs(params: Any) -> list[tuple[int, int]]:
     """The parameters cut into runs ``[first, last)``: consecutive ones of fewer than
-    `JOINED_SMALL` elements each, together at most `JOINED_RUN_ELEMENTS`; any other alone."""
+    `JOINED_SMALL` elements each, together at most `JOINED_RUN_ELEMENTS`; any other alone. A 0-d
+    parameter is alone too: with a tensor lr its arithmetic is not a 1-element tensor's (rule 11:
+    two 0-d tensors promote)."""
     runs, first, size = [], 0, 0
+    joins = [np.ndim(x) > 0 and np.size(x) < JOINED_SMALL for x in params]
     for i, x in enumerate(params):
         n = np.size(x)
-        if i > first and (n >= JOINED_SMALL or size + n > JOINED_RUN_ELEMENTS
-                          or np.size(params[i - 1]) >= JOINED_SMALL):
+        if i > first and (not joins[i] or not joins[i - 1] or size + n > JOINED_RUN_ELEMENTS):
             runs.append((first, i))
             first, size = i, 0
         size += n
