@@ -306,8 +306,8 @@ class ReplayProcess:
         if fits:
             # The smallest that fits, and of those the last given back: its memory is the likeliest
             # to be still in a cache.
-            size = min(s.size for s in fits)
-            slab = next(s for s in reversed(fits) if s.size == size)
+            smallest = min(s.size for s in fits)
+            slab = next(s for s in reversed(fits) if s.size == smallest)
             self._free.remove(slab)
             return slab
         slab = _Slab(self._next_slab, size)
