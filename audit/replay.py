@@ -518,8 +518,8 @@ def _spec_steps(o: OptimizerRef, d: Any, step: Any, native: bool = False) -> Any
             if native and _native_exact(o, d, group, params):
                 kwargs["native"] = True
         try:
-            # One call for the whole group where the row says its elements do not depend on their
-            # places (the same bits; a step costs about 60 us of Python a parameter).
+            # One call a run of small tensors where the row says its elements do not depend on
+            # their places (the same bits; a step costs about 60 us of Python a parameter).
             result = row.step_joined(impl, params, grads, states, cfg, lr=lr, **kwargs) if step == row.step else None
             if result is None:
                 result = step(impl, params, grads, states, cfg, lr=lr, **kwargs)

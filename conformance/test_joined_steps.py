@@ -1,8 +1,8 @@
 """`OptimizerSpec.step_joined`: a row's parameters laid end to end step as they do one by one.
 
 A row's ``position_free(config)`` says that no rule of its step reads an element's place in its
-tensor; the audit's replay then steps a parameter group as one flat parameter (one call instead
-of one per parameter). The property holds that to the per-parameter step, bit for bit, over
+tensor; the audit's replay then steps runs of a group's small tensors as one flat parameter each
+(one call a run instead of one a tensor). The property holds that to the per-parameter step, bit for bit, over
 every implementation of every row that declares it, float32 and float64 (0-d parameters among
 them), native and scalar kernels' rules. torch is not needed here: the optimizer properties hold
 the per-parameter step to torch, so the joined one equals torch wherever this one holds.
@@ -11,8 +11,8 @@ The second test shows why the predicate is needed at all: at ``beta1 = 0`` Adam'
 weight-1 form in the vectorized head (rule 4), ``y + (w - 1)(y - x)`` where the scalar tail takes
 ``y - (y - x)(1 - w)``: a gradient of -0 against a negative first moment gives +0 in the one and
 -0 in the other, so joining, which moves elements of one tensor's tail into the next one's head,
-changes their bits. The property's trajectories (``strategies.joined_trajectory``) carry such signed zeros, and
-tensors whose sizes leave tails, for the same reason.
+changes their bits. The property's trajectories (``strategies.joined_trajectory``) carry such
+signed zeros, and tensors whose sizes leave tails, for the same reason.
 
 The third: a 0-d parameter is never laid into a run, since with a float64 tensor lr its
 arithmetic is not a 1-element tensor's (rule 11).
@@ -129,7 +129,8 @@ def test_a_zero_d_parameter_is_never_joined():
     lr = np.asarray(0.1, np.float64)
     p0, g0 = np.asarray(np.float32(0.64042264)), np.asarray(np.float32(0.5))
     as_0d = row.step("for-loop", [p0], [g0], (row.init_state(p0, cfg),), cfg, lr=lr)[0][0]
-    as_1 = row.step("for-loop", [p0.reshape(1)], [g0.reshape(1)], (row.init_state(p0.reshape(1), cfg),), cfg, lr=lr)[0][0]
+    p1, g1 = p0.reshape(1), g0.reshape(1)
+    as_1 = row.step("for-loop", [p1], [g1], (row.init_state(p1, cfg),), cfg, lr=lr)[0][0]
     assert as_0d.tobytes() != as_1.tobytes(), "the 0-d and 1-element steps agree: rule 11's promotion would not matter"
     params = [p0, np.full(3, 0.25, np.float32), np.full(2, -1.5, np.float32)]
     grads = [g0, np.full(3, 0.5, np.float32), np.full(2, 0.125, np.float32)]
