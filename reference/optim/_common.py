@@ -254,18 +254,19 @@ def fma32(a: Any, b: Any, c: Any) -> np.ndarray:
             total = np.asarray(np.add(total, c32.astype(np.float64)))
         out = total.astype(_F32)
         shape = out.shape
-        flat = total.reshape(-1)
-        low = np.bitwise_and(flat.view(np.uint64), _MIDPOINT_MASK)
-        suspect = low == _MIDPOINT
+        bits = total.reshape(-1).view(np.uint64)
+        # The low bits go into the sum's own memory (no new array): the few suspects' sums are
+        # computed again below, by the same two operations, to the same bits.
+        suspect = np.equal(np.bitwise_and(bits, _MIDPOINT_MASK, out=bits), _MIDPOINT)
         magnitude = np.abs(out)
         if magnitude.size and magnitude.min() < _F32_TINY:
             suspect |= ((magnitude < _F32_TINY) & (out != 0)).reshape(-1)
-        k = np.flatnonzero(suspect)
-        if not k.size:
+        if not suspect.any():  # a boolean reduction, cheaper than the indices of none
             return out
-        t = flat[k]
+        k = np.flatnonzero(suspect)
         p = _at(a32, shape, k).astype(np.float64) * _at(b32, shape, k).astype(np.float64)
         c = _at(c32, shape, k).astype(np.float64)
+        t = p + c
         back = t - p
         err = (p - (t - back)) + (c - back)
         if not err.any():  # exact sums (ties among them): one rounding from float64 is the result
