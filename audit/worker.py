@@ -89,16 +89,34 @@ class SlabArray(np.ndarray):
 
 
 _WORKER_SLABS: dict[int, mmap.mmap] = {}  # in the worker process only: the slabs it has mapped
+# In the worker only: its views, by place. A slab comes back filled at the same places every step,
+# so a step's hundred-odd arrays are found here instead of made (a few microseconds each). A view
+# is a window on the slab, whatever step filled it: sharing one across steps changes nothing.
+_WORKER_VIEWS: dict[tuple[int, int, np.dtype, tuple[int, ...]], np.ndarray] = {}
+_VIEWS_KEPT = 1 << 14
 
 
 def _attach(slab: int, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     """The worker's read-only view of an array in a slab."""
+    key = (slab, offset, dtype, shape)
+    a = _WORKER_VIEWS.get(key)
+    if a is not None:
+        return a
     n = math.prod(shape)
     if n == 0:
         return np.empty(shape, dtype)
     a = np.frombuffer(_WORKER_SLABS[slab], dtype=dtype, count=n, offset=offset).reshape(shape)
     a.flags.writeable = False
+    if len(_WORKER_VIEWS) >= _VIEWS_KEPT:  # a program whose layouts keep changing: keep it bounded
+        _WORKER_VIEWS.clear()
+    _WORKER_VIEWS[key] = a
     return a
+
+
+def _forget_views(slab: int) -> None:
+    """Drop the kept views of ``slab`` (before its mapping closes: a view exports its buffer)."""
+    for key in [k for k in _WORKER_VIEWS if k[0] == slab]:
+        del _WORKER_VIEWS[key]
 
 
 class _Slab:
@@ -480,6 +498,7 @@ def _serve(conn: Any, other_end: Any, make_replayer: Callable[[], Replayer]) -> 
             _WORKER_SLABS[msg[1]] = mmap.mmap(fd, msg[2])
             os.close(fd)
         elif kind == "drop":
+            _forget_views(msg[1])
             m = _WORKER_SLABS.pop(msg[1], None)
             if m is not None:
                 try:

@@ -24,7 +24,11 @@ Method: R rounds; in each round every candidate runs one block of S steps (the o
 from round to round); the first W steps of a block are warm-up. A block's time is its median
 step time (the time between consecutive step-end stamps); the ratio to ``plain`` is taken per
 round and its median over rounds reported (bench/_harness.py). Targets: replay
-under 2x, order rules under 1.1x.
+under 2x, order rules under 1.1x. Beside the ratios: the replay process's CPU time a step
+(user and system; the difference of a block of S steps and one of 2S, run after the rounds,
+so that the worker's start and end cancel out).
+The training and its replay run side by side, each step at the pace of the slower: where that
+figure exceeds plain's step, the worker sets the replay's ratio, not the training's own cost.
 
 Instructions (``--instructions``): where the timings drown in the load of a shared machine, the
 script runs itself under ``valgrind --tool=callgrind --instr-atstart=no`` (imports and set-up
@@ -47,6 +51,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import runpy
 import subprocess
 import sys
@@ -88,9 +93,20 @@ def parse_size(label: str) -> tuple[int, list[str]]:
     return params, ["--width", str(width), "--depth", "4", "--batch", "64"]
 
 
+# CPU seconds (user and system) of the replay process over the latest ``replay`` block: the
+# worker is this process's child, counted once it has ended (it ends with its audit).
+LAST_WORKER_CPU: list[float] = [0.0]
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_block(candidate: str, size: str, steps: int) -> list[float]:
     """Step times of one block (all steps; the caller drops the warm-up)."""
     args = [*SIZES[size], "--steps", str(steps)]
+    children = _children_cpu()
     _audit_timer.STAMPS.clear()
     import time
 
@@ -116,6 +132,7 @@ def run_block(candidate: str, size: str, steps: int) -> list[float]:
                 os.environ["AMPSPEC_AUDIT_REPLAY"] = saved_mode
         if report.error is not None or report.findings:
             raise RuntimeError(f"the audited workload is not clean:\n{report.text()}")
+    LAST_WORKER_CPU[0] = _children_cpu() - children
     stamps = [t0] + list(_audit_timer.STAMPS)
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
@@ -239,13 +256,27 @@ def measure(size: str, candidates: tuple[str, ...], args: argparse.Namespace, st
             times = run_block(c, size, steps)[args.warmup:]
             blocks[c].append(_harness.median(times))
             means[c].append(sum(times) / len(times))
+    worker: list[float] = []  # the replay process's CPU ms a step
+    if "replay" in candidates:
+        # Two blocks, of S and 2S steps: their difference leaves out the worker's start and end.
+        cpu = []
+        for n in (steps, 2 * steps):
+            run_block("replay", size, n)
+            cpu.append(LAST_WORKER_CPU[0])
+        worker.append(1e3 * (cpu[1] - cpu[0]) / steps)
     row = {"median_step_ms": {c: 1e3 * _harness.median(blocks[c]) for c in candidates},
            "ratio_vs_plain": {c: _harness.paired_ratio(blocks, c, "plain") for c in candidates[1:]},
            "mean_ratio_vs_plain": {c: _harness.paired_ratio(means, c, "plain") for c in candidates[1:]}}
+    if worker:
+        # The replay runs at the pace of whichever is slower, the training or its worker: a worker
+        # busier than plain's step is what sets the replay's ratio.
+        row["replay_process_cpu_ms_per_step"] = worker[0]
     ms = row["median_step_ms"]
     ratio = row["ratio_vs_plain"]
     print(f"{size:8}  plain {ms['plain']:7.2f} ms/step" + "".join(
-        f"   {c} {ms[c]:7.2f} (x{ratio[c]['median']:.3f})" for c in candidates[1:]), flush=True)
+        f"   {c} {ms[c]:7.2f} (x{ratio[c]['median']:.3f})" for c in candidates[1:])
+        + (f"   (replay process: {row['replay_process_cpu_ms_per_step']:.2f} ms CPU/step)" if worker else ""),
+        flush=True)
     return row
 
 
