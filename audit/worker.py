@@ -113,8 +113,26 @@ def _attach(slab: int, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> 
     return a
 
 
+def _map(slab: int, mapping: mmap.mmap) -> None:
+    """In the worker: ``mapping`` is slab ``slab`` from now on (no view of another mapping kept under its number)."""
+    _forget_views(slab)
+    _WORKER_SLABS[slab] = mapping
+
+
+def _drop(slab: int) -> None:
+    """In the worker: unmap slab ``slab``, its kept views first (a view exports the mapping's
+    buffer, which a close refuses; an array of a finished job still held keeps it mapped)."""
+    _forget_views(slab)
+    m = _WORKER_SLABS.pop(slab, None)
+    if m is not None:
+        try:
+            m.close()
+        except BufferError:
+            pass
+
+
 def _forget_views(slab: int) -> None:
-    """Drop the kept views of ``slab`` (before its mapping closes: a view exports its buffer)."""
+    """Drop the kept views of ``slab``."""
     for key in [k for k in _WORKER_VIEWS if k[0] == slab]:
         del _WORKER_VIEWS[key]
 
@@ -485,6 +503,9 @@ def _serve(conn: Any, other_end: Any, make_replayer: Callable[[], Replayer]) -> 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     _keep_freed_memory()
+    # Numbered by this worker's pool: whatever the forked program held under these names is not ours.
+    _WORKER_SLABS.clear()
+    _WORKER_VIEWS.clear()
     replayer = make_replayer()
     error: str | None = None
     while True:
@@ -495,16 +516,10 @@ def _serve(conn: Any, other_end: Any, make_replayer: Callable[[], Replayer]) -> 
         kind = msg[0]
         if kind == "slab":
             fd = reduction.recv_handle(conn)
-            _WORKER_SLABS[msg[1]] = mmap.mmap(fd, msg[2])
+            _map(msg[1], mmap.mmap(fd, msg[2]))
             os.close(fd)
         elif kind == "drop":
-            _forget_views(msg[1])
-            m = _WORKER_SLABS.pop(msg[1], None)
-            if m is not None:
-                try:
-                    m.close()
-                except BufferError:
-                    pass
+            _drop(msg[1])
         elif kind == "job":
             result = None
             if error is None:

@@ -115,6 +115,37 @@ def test_the_clipping_wrappers_bind_as_inspect_does(name):
         assert str(ours.value) == str(theirs.value)
 
 
+def test_the_replay_process_keeps_one_view_a_place_and_forgets_a_slabs_views_before_unmapping_it():
+    """A step's arrays are found by place (slab, offset, dtype, shape), not made anew; a slab
+    mapped again under its number, or dropped, leaves no view of the old mapping behind, and
+    its mapping closes (a kept view would hold its buffer open)."""
+    import mmap
+
+    from audit import worker
+
+    f32 = np.dtype(np.float32)
+    first, second = mmap.mmap(-1, 4096), mmap.mmap(-1, 4096)
+    np.frombuffer(first, np.float32)[:4] = [1, 2, 3, 4]
+    np.frombuffer(second, np.float32)[:4] = [5, 6, 7, 8]
+    try:
+        worker._map(0, first)
+        a = worker._attach(0, 0, f32, (2, 2))
+        assert worker._attach(0, 0, f32, (2, 2)) is a, "the same place gives the view made before"
+        assert worker._attach(0, 4, f32, (3,)) is not a and not a.flags.writeable
+        assert a.tolist() == [[1, 2], [3, 4]]
+        worker._map(0, second)  # the number 0 now names another mapping
+        assert worker._attach(0, 0, f32, (2, 2)).tolist() == [[5, 6], [7, 8]]
+        del a
+        worker._drop(0)
+        assert second.closed and not any(k[0] == 0 for k in worker._WORKER_VIEWS), "the dropped slab's views are kept"
+    finally:
+        worker._WORKER_SLABS.clear()
+        worker._WORKER_VIEWS.clear()
+        first.close()
+        if not second.closed:
+            second.close()
+
+
 @pytest.mark.skipif("not __import__('audit.worker').worker.available()")
 def test_the_replay_process_copies_are_the_tensors_bit_for_bit():
     from audit import worker
@@ -141,6 +172,7 @@ def test_the_replay_process_copies_are_the_tensors_bit_for_bit():
             return [a.tobytes() for a in pickle.loads(pickle.dumps(arrays))]
         finally:
             worker._WORKER_SLABS.clear()
+            worker._WORKER_VIEWS.clear()
 
     try:
         copies = proc.copy(tensors, owner)
