@@ -162,7 +162,7 @@ def _tensor_lr_property(name: str, impl: str, promoted: str = "") -> tuple[str, 
 SPEC_MUTANTS = (
     # The fused multiply-adds of torch's native float32 kernels (reference.optim._common rule 7).
     Mutant("fma32_rounds_twice", "the spec's float32 fma rounds the float64 sum to float32 without its fix-up",
-           COMMON, "        if not suspect.any():  # a boolean reduction, cheaper than the indices of none\n",
+           COMMON, "        if suspect is None or not suspect.any():\n",
            "        if True:\n", FUSED_KERNEL_TESTS),
     Mutant("addcmul_fused_rounds_the_product", "the spec's native addcmul rounds its product before the add",
            COMMON, "    return fma32(_F32(value) * np.asarray(a, _F32), b, x)\n",

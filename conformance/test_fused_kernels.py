@@ -130,6 +130,14 @@ def test_float32_subnormal_results_are_rounded_once():
     odd = np.asarray([k * 2**-149 for k in range(-41, 42, 2)], F32)
     _check(a, b, odd, "2**-150 - 2**-196 beside odd multiples of 2**-149")
     _check(a, -b, odd, "-2**-150 + 2**-196 beside odd multiples of 2**-149")
+    # Sums the float64 rounds: ``c`` an odd multiple of 2**-149 near 2**-126 (float64's spacing
+    # there about 2**-179) and a product 2**-150 - 2**-190, whose float64 sum lands on the
+    # midpoint above ``c`` (its low 29 bits not the normal boundary's pattern).
+    a, b = F32((1 - 2.0**-20) * 2**-75), F32((1 + 2.0**-20) * 2**-75)
+    high = np.asarray([k * 2**-149 for k in range(2**23 - 1, 2**23 - 200, -2)], F32)
+    for sign in (1, -1):
+        expected = _check(a, F32(sign) * b, sign * high, f"{sign} * (2**-150 - 2**-190) beside odd multiples near 2**-126")
+        assert (naive_fma(a, F32(sign) * b, sign * high) != expected).all()  # two roundings are wrong on each
     rng = np.random.default_rng(3)
     n = 4000
     x = (rng.uniform(1, 2, n) * 2.0 ** rng.integers(-80, -60, n) * rng.choice([-1, 1], n)).astype(F32)

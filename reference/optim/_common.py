@@ -231,8 +231,8 @@ def step_counter(step: np.float32) -> np.float32:
 
 
 _F32 = np.float32
-_MIDPOINT_MASK = np.uint64((1 << 29) - 1)  # the float64 significand bits below float32's 24
-_MIDPOINT = np.uint64(1 << 28)
+_BELOW_F32 = np.int64(64 - 29)  # float64 has 29 significand bits below float32's 24
+_ON_BOUNDARY = np.int64(-1 << 63)  # those 29 bits 1000...0, shifted to the top
 _F32_TINY = float(np.finfo(np.float32).tiny)
 
 
@@ -240,28 +240,34 @@ def fma32(a: Any, b: Any, c: Any) -> np.ndarray:
     """Rule 7: float32 ``fma(a, b, c)``, rounded once. The product of two float32 values is exact
     in float64 and their sum with ``c`` rounds once to float64; rounding that to float32 gives the
     exactly rounded result unless the float64 sum sits on a float32 rounding boundary (its low
-    29 significand bits ``1000...0``, or a float32 subnormal, whose boundaries lie higher): a
-    second rounding can only cross a boundary it lands on. Those few elements are made
+    29 significand bits ``1000...0``, or a result of magnitude up to 2**-126, where the
+    subnormals' boundaries lie higher): a second rounding can only cross a boundary it lands
+    on. Those few elements are made
     round-to-odd from the sum's exact error (TwoSum); a round-to-odd value with 53 bits rounds to
     float32's 24 as the exact sum would."""
     a32, b32, c32 = (np.asarray(v, _F32) for v in (a, b, c))
     with np.errstate(all="ignore"):
-        # Each operand cast to float64 once: numpy's mixed-dtype loops cast in small buffers, twice as slow.
-        total = np.multiply(a32.astype(np.float64), b32.astype(np.float64))  # exact
-        if np.ndim(total) and (c32.ndim == 0 or c32.shape == total.shape):  # c fits the product's array
-            total = np.add(total, c32.astype(np.float64), out=total)
-        else:
-            total = np.asarray(np.add(total, c32.astype(np.float64)))
+        # Each operand cast to float64 once: numpy's mixed-dtype loops cast in small buffers, twice
+        # as slow. The product and the sum go into the cast's own memory where the shapes allow.
+        total = b32.astype(np.float64)
+        total = _into(np.multiply, total, a32)  # exact
+        total = _into(np.add, total, c32)
         out = total.astype(_F32)
         shape = out.shape
-        bits = total.reshape(-1).view(np.uint64)
-        # The low bits go into the sum's own memory (no new array): the few suspects' sums are
-        # computed again below, by the same two operations, to the same bits.
-        suspect = np.equal(np.bitwise_and(bits, _MIDPOINT_MASK, out=bits), _MIDPOINT)
+        bits = total.reshape(-1).view(np.int64)
+        # The low 29 bits shifted to the top, in the sum's own memory (the few suspects' sums are
+        # computed again below, by the same two operations, to the same bits): a boundary's
+        # pattern, 1 then zeros, becomes int64's least value, which a reduction finds.
+        np.left_shift(bits, _BELOW_F32, out=bits)
+        suspect = None
+        if bits.size and bits.min() == _ON_BOUNDARY:
+            suspect = bits == _ON_BOUNDARY
         magnitude = np.abs(out)
-        if magnitude.size and magnitude.min() < _F32_TINY:
-            suspect |= ((magnitude < _F32_TINY) & (out != 0)).reshape(-1)
-        if not suspect.any():  # a boolean reduction, cheaper than the indices of none
+        # Up to 2**-126 itself: a sum just below it, where the boundaries are the subnormals', can round up to it.
+        if magnitude.size and magnitude.min() <= _F32_TINY:
+            tiny = ((magnitude <= _F32_TINY) & (out != 0)).reshape(-1)
+            suspect = tiny if suspect is None else suspect | tiny
+        if suspect is None or not suspect.any():
             return out
         k = np.flatnonzero(suspect)
         p = _at(a32, shape, k).astype(np.float64) * _at(b32, shape, k).astype(np.float64)
@@ -275,6 +281,14 @@ def fma32(a: Any, b: Any, c: Any) -> np.ndarray:
                        np.nextafter(t, np.where(err > 0, np.inf, -np.inf)), t)
         out.reshape(-1)[k] = odd.astype(_F32)
         return out
+
+
+def _into(op: np.ufunc, total: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``op(total, x)`` in float64, into ``total``'s memory when the result has its shape."""
+    x64 = x.astype(np.float64)
+    if total.ndim and (x.ndim == 0 or x.shape == total.shape):
+        return op(total, x64, out=total)
+    return np.asarray(op(total, x64))
 
 
 def _at(x: np.ndarray, shape: tuple[int, ...], k: np.ndarray) -> np.ndarray:
