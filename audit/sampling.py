@@ -30,6 +30,7 @@ The same elements are taken at every replayed step of a run: a fixed sample for 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,7 +130,8 @@ def _whole_tensors(sizes: tuple[int, ...], fraction: float, seed: int) -> tuple[
 class StepSample:
     """One optimizer's sample: per tensor (its index in ``param_groups`` order), of ``shapes``, how
     many of its elements are taken (``take``: all of them, none, or some, chosen by `indices`).
-    ``memo``: the indices made so far in this process (never pickled: each process makes its own)."""
+    ``memo``: the indices made so far in this process (never pickled: each process makes its own,
+    once: a step's job unpickles to the process's one sample of these fields, `_one_sample`)."""
 
     seed: int
     shapes: tuple[tuple[int, ...], ...]
@@ -137,7 +139,7 @@ class StepSample:
     memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __reduce__(self) -> Any:
-        return (StepSample, (self.seed, self.shapes, self.take))
+        return (_one_sample, (self.seed, self.shapes, self.take))
 
     def size(self, i: int) -> int:
         return math.prod(self.shapes[i])
@@ -177,6 +179,14 @@ class StepSample:
     def describe(self) -> str:
         return (f"{self.elements} of {sum(self.sizes)} elements in {self.tensors} of {len(self.shapes)} tensors "
                 f"(seed {self.seed})")
+
+
+@functools.lru_cache(maxsize=16)
+def _one_sample(seed: int, shapes: tuple[tuple[int, ...], ...], take: tuple[int, ...]) -> StepSample:
+    """This process's one `StepSample` of these fields. Every replayed step's job carries its
+    sample; made anew, each would draw its indices again (a seeded choice without replacement
+    per tensor, which costs more than the replay's arithmetic on what it picks)."""
+    return StepSample(seed, shapes, take)
 
 
 class SampleBook:

@@ -3,7 +3,7 @@
 The workload of bench/audit_overhead.py (``--size``, default ``mlp``) runs under the audit with
 the replay in its process, twice: ``--steps`` S and 2S steps. Timers wrap, in the program, the
 copies into shared memory (`audit.worker.ReplayProcess.copy`), the jobs sent (``submit``, with
-its pickling apart) and the results read (``_receive``: wall time, waits included); in the
+its pickling apart), a sampled step's copies with their gathers, and the results read (``_receive``: wall time, waits included); in the
 replay process (forked with the wrappers in place), each job's method, each of the replay's
 stages and the unpickling (CPU time), and the process's whole CPU time. Indented parts lie
 inside the part above them (``_clip_boundary_and_stage`` holds a ``_boundary`` and the
@@ -14,6 +14,8 @@ audit runs them.
 
     PYTHONPATH=. python bench/_audit_where.py
     PYTHONPATH=. python bench/_audit_where.py --size mlp-b512 --steps 60
+    PYTHONPATH=. python bench/_audit_where.py --replay-sample 0.5
+    PYTHONPATH=. python bench/_audit_where.py --size 12.8M --steps 14
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch  # noqa: E402
 STAGES = ("_stage_found_inf", "_stage_unscale", "_clip_boundary_and_stage", "_stage_clip", "_boundary",
           "_stage_optimizer", "_compare_param")
 # The order the parts are printed in (an indented part lies inside the one above it).
-ORDER = {"program": ("copy", "submit (waits included)", "  pickle.dumps", "_receive (waits; in submit too)", "wall"),
+ORDER = {"program": ("sampled copies (their gathers and copy)", "copy", "submit (waits included)", "  pickle.dumps", "_receive (waits; in submit too)", "wall"),
          "replay process": ("pickle.loads", "_step", "  _stage_found_inf", "  _stage_unscale",
                             "  _clip_boundary_and_stage", "  _boundary", "  _stage_clip", "  _stage_optimizer",
                             "  _compare_param", "_update", "whole process")}
@@ -61,8 +63,9 @@ def _timed(cls: Any, name: str, into: dict[str, float], clock: Callable[[], floa
     setattr(cls, name, wrapper)
 
 
-def measure(size: str, steps: int) -> dict[str, dict[str, float]]:
+def measure(size: str, steps: int, sample: str = "auto") -> dict[str, dict[str, float]]:
     """One audited run of ``steps`` steps: seconds by part, in the program and in the replay process."""
+    import audit.records as records
     import audit.replay as replay
     import audit.worker as worker
     from audit.runner import run_script
@@ -70,7 +73,8 @@ def measure(size: str, steps: int) -> dict[str, dict[str, float]]:
     program: dict[str, float] = collections.defaultdict(float)
     inside: dict[str, float] = collections.defaultdict(float)
     saved = {(cls, n): getattr(cls, n) for cls, n in [(worker.ReplayProcess, "copy"), (worker.ReplayProcess, "submit"),
-                                                      (worker.ReplayProcess, "_receive"), (worker, "_serve")]}
+                                                      (worker.ReplayProcess, "_receive"), (worker, "_serve"),
+                                                      (records.Snapshots, "_sampled")]}
     saved.update({(replay.Replayer, n): getattr(replay.Replayer, n) for n in ("_step", "_update", *STAGES)})
     dumps, loads = pickle.dumps, pickle.loads
     out = Path(tempfile.mkdtemp(prefix="ampspec-where-")) / "replay-process.json"
@@ -101,6 +105,7 @@ def measure(size: str, steps: int) -> dict[str, dict[str, float]]:
             inside["whole process"] = (end.ru_utime + end.ru_stime) - (usage.ru_utime + usage.ru_stime)
             out.write_text(json.dumps(inside))
 
+    _timed(records.Snapshots, "_sampled", program, time.perf_counter, label="sampled copies (their gathers and copy)")
     for n in ("copy", "submit", "_receive"):
         _timed(worker.ReplayProcess, n, program, time.perf_counter,
                label={"submit": "submit (waits included)", "_receive": "_receive (waits; in submit too)"}.get(n))
@@ -110,7 +115,8 @@ def measure(size: str, steps: int) -> dict[str, dict[str, float]]:
     worker.pickle.dumps = timed_dumps
     try:
         t0 = time.perf_counter()
-        report = run_script(audit_overhead.SCRIPT, [*audit_overhead.SIZES[size], "--steps", str(steps)], replay=True)
+        report = run_script(audit_overhead.SCRIPT, [*audit_overhead.SIZES[size], "--steps", str(steps)], replay=True,
+                            replay_sample=sample)
         program["wall"] = time.perf_counter() - t0
     finally:
         for (cls, n), f in saved.items():
@@ -123,16 +129,20 @@ def measure(size: str, steps: int) -> dict[str, dict[str, float]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size", default="mlp", choices=sorted(audit_overhead.SIZES))
+    ap.add_argument("--size", default="mlp", help=f"one of {', '.join(sorted(audit_overhead.SIZES))}, or a parameter "
+                    "count (12.8M: audit_overhead.py --sizes' MLP)")
     ap.add_argument("--steps", type=int, default=100, help="S: the runs take S and 2S steps")
+    ap.add_argument("--replay-sample", default="auto", help="the audit's --replay-sample (auto, all, a fraction)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    measure(args.size, 10)  # imports and first calls, outside both runs
-    short, long = measure(args.size, args.steps), measure(args.size, 2 * args.steps)
-    print(f"{args.size}: ms a step (the run of {2 * args.steps} steps less the run of {args.steps}, over {args.steps})")
+    if args.size not in audit_overhead.SIZES:
+        audit_overhead.SIZES[args.size] = audit_overhead.parse_size(args.size)[1]
+    measure(args.size, 10, args.replay_sample)  # imports and first calls, outside both runs
+    short, long = measure(args.size, args.steps, args.replay_sample), measure(args.size, 2 * args.steps, args.replay_sample)
+    print(f"{args.size} (--replay-sample {args.replay_sample}): ms a step (the run of {2 * args.steps} steps less the run of {args.steps}, over {args.steps})")
     for side in ("program", "replay process"):
         print(f"{side}:")
-        for part in ORDER[side]:
+        for part in [p for p in ORDER[side] if p in long[side]]:
             per_step = 1e3 * (long[side][part] - short[side].get(part, 0.0)) / args.steps
             print(f"  {part:34} {per_step:7.3f}")
         for part in sorted(set(long[side]) - set(ORDER[side])):

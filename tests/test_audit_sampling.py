@@ -104,6 +104,19 @@ def test_the_sample_is_a_function_of_the_seed():
     assert a.whole(1) and a.whole(3) and a.take[2] == MIN_ELEMENTS
 
 
+def test_a_sample_unpickles_to_one_object_a_process_which_draws_its_indices_once():
+    """Every replayed step's job carries its sample to the replay process: each unpickles to the
+    same object there, so that its indices are drawn once, not at every step."""
+    import pickle
+
+    sent = _sample(11)
+    first, second = (pickle.loads(pickle.dumps(sent)) for _ in range(2))
+    assert first == sent and first is second
+    ix = first.indices(0)
+    assert second.indices(0) is ix and np.array_equal(ix, sent.indices(0))
+    assert pickle.loads(pickle.dumps(_sample(12))) is not first
+
+
 def test_auto_replays_everything_up_to_the_budget_and_then_samples():
     from audit.sampling import AUTO_BUDGET, AUTO_WHOLE_BUDGET
 
