@@ -136,8 +136,10 @@ def test_float32_subnormal_results_are_rounded_once():
     a, b = F32((1 - 2.0**-20) * 2**-75), F32((1 + 2.0**-20) * 2**-75)
     high = np.asarray([k * 2**-149 for k in range(2**23 - 1, 2**23 - 200, -2)], F32)
     for sign in (1, -1):
-        expected = _check(a, F32(sign) * b, sign * high, f"{sign} * (2**-150 - 2**-190) beside odd multiples near 2**-126")
-        assert (naive_fma(a, F32(sign) * b, sign * high) != expected).all()  # two roundings are wrong on each
+        expected = _check(a, F32(sign) * b, sign * high,
+                          f"{sign} * (2**-150 - 2**-190) beside odd multiples near 2**-126")
+        # The hazard is real: two roundings are wrong on every element.
+        assert (naive_fma(a, F32(sign) * b, sign * high) != expected).all()
     rng = np.random.default_rng(3)
     n = 4000
     x = (rng.uniform(1, 2, n) * 2.0 ** rng.integers(-80, -60, n) * rng.choice([-1, 1], n)).astype(F32)

@@ -242,9 +242,8 @@ def fma32(a: Any, b: Any, c: Any) -> np.ndarray:
     exactly rounded result unless the float64 sum sits on a float32 rounding boundary (its low
     29 significand bits ``1000...0``, or a result of magnitude up to 2**-126, where the
     subnormals' boundaries lie higher): a second rounding can only cross a boundary it lands
-    on. Those few elements are made
-    round-to-odd from the sum's exact error (TwoSum); a round-to-odd value with 53 bits rounds to
-    float32's 24 as the exact sum would."""
+    on. Those few elements are made round-to-odd from the sum's exact error (TwoSum); a
+    round-to-odd value with 53 bits rounds to float32's 24 as the exact sum would."""
     a32, b32, c32 = (np.asarray(v, _F32) for v in (a, b, c))
     with np.errstate(all="ignore"):
         # Each operand cast to float64 once: numpy's mixed-dtype loops cast in small buffers, twice
@@ -263,7 +262,8 @@ def fma32(a: Any, b: Any, c: Any) -> np.ndarray:
         if bits.size and bits.min() == _ON_BOUNDARY:
             suspect = bits == _ON_BOUNDARY
         magnitude = np.abs(out)
-        # Up to 2**-126 itself: a sum just below it, where the boundaries are the subnormals', can round up to it.
+        # Up to 2**-126 itself: a sum just below it, where the boundaries are the subnormals',
+        # can round up to it.
         if magnitude.size and magnitude.min() <= _F32_TINY:
             tiny = ((magnitude <= _F32_TINY) & (out != 0)).reshape(-1)
             suspect = tiny if suspect is None else suspect | tiny
