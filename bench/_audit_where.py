@@ -26,6 +26,7 @@ import json
 import os
 import pickle
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -49,18 +50,22 @@ ORDER = {"program": ("sampled copies (their gathers and copy)", "copy", "submit 
                             "  _compare_param", "_update", "whole process")}
 
 
-def _timed(cls: Any, name: str, into: dict[str, float], clock: Callable[[], float], label: str | None = None) -> None:
-    """Wrap ``cls.name`` to add its time on ``clock`` to ``into[label or name]``."""
-    f = getattr(cls, name)
+def _timing(f: Callable[..., Any], into: dict[str, float], label: str, clock: Callable[[], float]) -> Callable[..., Any]:
+    """``f``, adding the time of each call on ``clock`` to ``into[label]``."""
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         t = clock()
         try:
             return f(*args, **kwargs)
         finally:
-            into[label or name] += clock() - t
+            into[label] += clock() - t
 
-    setattr(cls, name, wrapper)
+    return wrapper
+
+
+def _timed(cls: Any, name: str, into: dict[str, float], clock: Callable[[], float], label: str | None = None) -> None:
+    """Wrap ``cls.name`` to add its time on ``clock`` to ``into[label or name]``."""
+    setattr(cls, name, _timing(getattr(cls, name), into, label or name, clock))
 
 
 def measure(size: str, steps: int, sample: str = "auto") -> dict[str, dict[str, float]]:
@@ -78,20 +83,8 @@ def measure(size: str, steps: int, sample: str = "auto") -> dict[str, dict[str, 
     saved.update({(replay.Replayer, n): getattr(replay.Replayer, n) for n in ("_step", "_update", *STAGES)})
     dumps, loads = pickle.dumps, pickle.loads
     out = Path(tempfile.mkdtemp(prefix="ampspec-where-")) / "replay-process.json"
-
-    def timed_dumps(*args: Any, **kwargs: Any) -> bytes:
-        t = time.perf_counter()
-        try:
-            return dumps(*args, **kwargs)
-        finally:
-            program["  pickle.dumps"] += time.perf_counter() - t
-
-    def timed_loads(*args: Any, **kwargs: Any) -> Any:
-        t = time.process_time()
-        try:
-            return loads(*args, **kwargs)
-        finally:
-            inside["pickle.loads"] += time.process_time() - t
+    timed_dumps = _timing(dumps, program, "  pickle.dumps", time.perf_counter)
+    timed_loads = _timing(loads, inside, "pickle.loads", time.process_time)
 
     serve = saved[(worker, "_serve")]
 
@@ -124,7 +117,10 @@ def measure(size: str, steps: int, sample: str = "auto") -> dict[str, dict[str, 
         worker.pickle.dumps, worker.pickle.loads = dumps, loads
     if report.error is not None or report.findings:
         raise RuntimeError(f"the audited workload is not clean:\n{report.text()}")
-    return {"program": dict(program), "replay process": json.loads(out.read_text())}
+    try:
+        return {"program": dict(program), "replay process": json.loads(out.read_text())}
+    finally:
+        shutil.rmtree(out.parent, ignore_errors=True)
 
 
 def main() -> int:
